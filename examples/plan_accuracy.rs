@@ -1,0 +1,27 @@
+//! Prints the planner-vs-measured table for the accuracy grid (same harness as
+//! tests/plan_accuracy.rs). `PLAN_ACCURACY_FILTER=<substring of a case>` selects configs.
+//!
+//! cargo run --example plan_accuracy
+
+#[path = "../tests/plan_support/harness.rs"]
+mod harness;
+
+use tunestudio::mem::CountingAllocator;
+
+#[global_allocator]
+static ALLOC: CountingAllocator = CountingAllocator::new();
+
+fn main() {
+    let t0 = std::time::Instant::now();
+    let rows = harness::run_grid(&harness::grid());
+    let worst = rows
+        .iter()
+        .map(|(_, m, p)| (*p as f64 - m.peak as f64).abs() / m.peak as f64)
+        .fold(0.0, f64::max);
+    println!(
+        "{} configs in {:.0} s; worst |error| {:.2} %",
+        rows.len(),
+        t0.elapsed().as_secs_f64(),
+        100.0 * worst
+    );
+}

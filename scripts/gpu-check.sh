@@ -1,0 +1,234 @@
+#!/usr/bin/env bash
+# The GPU checks of a CUDA build, in one go (≤ 10 minutes on one H200), on a
+# machine with no Rust and no network: everything runs from one `tunestudio`
+# binary built elsewhere with scripts/build-cuda.sh (+ its `bundle` step).
+#
+#   1. discovery            `tunestudio devices` (table + JSON)
+#   2. device checks        `tunestudio devices --check`: parity with transformers'
+#                           reference loss/gradients in fp32 and bf16, a layer split over
+#                           2 logical devices on the one GPU, data parallel over 2 logical
+#                           devices, NCCL all-reduce, the memory sampler, predicted vs
+#                           measured memory over the planner's grid, tokens/s of the
+#                           SmolLM2-135M shape in bf16
+#   3. PyTorch reference    the same training step in PyTorch (if installed) → speed ratio
+#
+# `--cpu` runs the same steps on the CPU (tiny shapes), so this script is tested
+# on machines without a GPU. Results go to $OUT (or ./gpu-check-out).
+set -uo pipefail
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO_DIR="$(cd "$SCRIPT_DIR/.." && pwd)"
+MODE=gpu
+BIN="${TUNESTUDIO_BIN:-}"
+SHARED="${TUNESTUDIO_SHARED:-}"
+OUT_DIR="${OUT:-$REPO_DIR/target/gpu-check-out}"
+RUN_TORCH=1
+
+usage() {
+  cat <<EOF
+Usage: scripts/gpu-check.sh [--cpu] [--bin PATH] [--shared DIR] [--out DIR] [--no-torch]
+
+Runs tunestudio's device checks on GPU 0 (or on the CPU with --cpu) and a PyTorch
+run of the same training step for a tokens/s ratio. Exit status 1 if a check fails.
+
+  --cpu          run every step on the CPU with tiny shapes (no GPU needed)
+  --bin PATH     the tunestudio binary (default: \$TUNESTUDIO_BIN, target/gpu-bundle/tunestudio[.xz],
+                 target/cuda/release/tunestudio; with --cpu also target/release|debug/tunestudio)
+  --shared DIR   fixtures folder (default: \$TUNESTUDIO_SHARED, target/gpu-bundle/shared, ../shared)
+  --out DIR      where results go (default: \$OUT or ./target/gpu-check-out)
+  --no-torch     skip the PyTorch comparison
+  -h, --help     this help
+EOF
+}
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    -h|--help) usage; exit 0 ;;
+    --cpu) MODE=cpu ;;
+    --bin) shift; BIN="${1:?--bin needs a path}" ;;
+    --shared) shift; SHARED="${1:?--shared needs a folder}" ;;
+    --out) shift; OUT_DIR="${1:?--out needs a folder}" ;;
+    --no-torch) RUN_TORCH=0 ;;
+    *) usage >&2; echo "gpu-check: unknown argument '$1'" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+log() { printf '[gpu-check] %s\n' "$*"; }
+mkdir -p "$OUT_DIR"
+SECONDS=0
+
+# --- the binary -------------------------------------------------------------
+if [[ -z "$BIN" ]]; then
+  for candidate in "$REPO_DIR/target/gpu-bundle/tunestudio" "$REPO_DIR/target/gpu-bundle/tunestudio.xz" \
+                   "$REPO_DIR/target/cuda/release/tunestudio"; do
+    if [[ -f "$candidate" ]]; then BIN="$candidate"; break; fi
+  done
+  if [[ -z "$BIN" && $MODE == cpu ]]; then
+    for candidate in "$REPO_DIR/target/release/tunestudio" "$REPO_DIR/target/debug/tunestudio"; do
+      if [[ -f "$candidate" ]]; then BIN="$candidate"; break; fi
+    done
+  fi
+fi
+[[ -n "$BIN" && -f "$BIN" ]] || { log "no tunestudio binary found (build one: scripts/build-cuda.sh build bundle, or pass --bin)"; exit 2; }
+if [[ "$BIN" == *.xz ]]; then
+  unpacked="${TMPDIR:-/tmp}/tunestudio-gpu-check"
+  xz -dc "$BIN" >"$unpacked" && chmod +x "$unpacked" || { log "cannot decompress $BIN"; exit 2; }
+  BIN="$unpacked"
+fi
+log "binary: $BIN"
+
+# --- fixtures ---------------------------------------------------------------
+if [[ -z "$SHARED" ]]; then
+  for candidate in "$REPO_DIR/target/gpu-bundle/shared" "$REPO_DIR/../shared" "$REPO_DIR/shared"; do
+    if [[ -d "$candidate/fixtures" ]]; then SHARED="$candidate"; break; fi
+  done
+fi
+[[ -d "$SHARED/fixtures/tiny-llama" ]] || { log "fixtures not found (pass --shared DIR holding fixtures/tiny-llama)"; exit 2; }
+export TUNESTUDIO_SHARED="$SHARED"
+log "fixtures: $SHARED"
+
+# --- CUDA runtime libraries (GPU mode) ---------------------------------------
+# The RUNPATH baked in at build time is a local path of the build machine; on a
+# GPU machine the CUDA 13 runtime comes from PyTorch's NVIDIA wheels. The driver
+# (libcuda.so.1) is the system's — never the build's link stub.
+if [[ $MODE == gpu ]]; then
+  libdirs=""
+  if command -v python3 >/dev/null; then
+    sitedirs="$(python3 -c 'import site,sys; print(" ".join(site.getsitepackages()+[site.getusersitepackages()]))' 2>/dev/null || true)"
+    for lib in libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libcudart.so.13 libnccl.so.2 libnvrtc.so.13; do
+      for sd in $sitedirs; do
+        [[ -d "$sd/nvidia" ]] || continue
+        found="$(find "$sd/nvidia" -name "$lib" -not -path '*/stubs/*' 2>/dev/null | head -n 1)"
+        if [[ -n "$found" ]]; then
+          d="$(dirname "$found")"
+          case ":$libdirs:" in *":$d:"*) ;; *) libdirs="${libdirs:+$libdirs:}$d" ;; esac
+          break
+        fi
+      done
+    done
+  fi
+  export LD_LIBRARY_PATH="${libdirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  log "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  if ldd "$BIN" | grep -q "not found"; then
+    log "missing shared libraries:"; ldd "$BIN" | grep "not found"
+    exit 2
+  fi
+  nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv 2>/dev/null | tee "$OUT_DIR/nvidia-smi.csv"
+fi
+
+# --- 1. discovery -------------------------------------------------------------
+log "step 1: discovery"
+"$BIN" devices | tee "$OUT_DIR/devices.txt"
+"$BIN" devices --json >"$OUT_DIR/devices.json" || { log "devices --json failed"; exit 1; }
+
+# --- 2. device checks ---------------------------------------------------------
+log "step 2: device checks ($MODE)"
+check_args=(devices --check --fixtures "$SHARED/fixtures/tiny-llama")
+[[ $MODE == cpu ]] && check_args+=(--cpu)
+"$BIN" "${check_args[@]}" --json >"$OUT_DIR/check.json"
+check_rc=$?
+python3 - "$OUT_DIR/check.json" <<'EOF' 2>/dev/null || cat "$OUT_DIR/check.json"
+import json, sys
+r = json.load(open(sys.argv[1]))
+for s in r["steps"]:
+    print(f"[{s['status'].upper():7}] {s['name']:<15} {s['secs']:7.2f}s  {s['detail']}")
+EOF
+log "device checks: $([[ $check_rc -eq 0 ]] && echo passed || echo FAILED) (exit $check_rc)"
+
+# --- 3. PyTorch reference step ------------------------------------------------
+torch_rc=0
+if [[ $RUN_TORCH -eq 1 ]] && command -v python3 >/dev/null && python3 -c 'import torch' 2>/dev/null; then
+  log "step 3: PyTorch run of the same step"
+  if [[ $MODE == gpu ]]; then
+    torch_args=(--config "$SHARED/model-configs/smollm2-135m.json" --device cuda --dtype bf16 --batch 8 --seq 512 --steps 10)
+  else
+    torch_args=(--config "$SHARED/fixtures/tiny-llama/config.json" --device cpu --dtype f32 --batch 2 --seq 64 --steps 3)
+  fi
+  python3 - "${torch_args[@]}" >"$OUT_DIR/torch.json" <<'EOF'
+# One training step (loss sum / tokens, backward, AdamW) of a Llama-shaped model
+# from a config.json with random weights, timed like tunestudio's throughput check.
+import argparse, json, time, torch
+p = argparse.ArgumentParser()
+p.add_argument("--config"); p.add_argument("--device"); p.add_argument("--dtype")
+p.add_argument("--batch", type=int); p.add_argument("--seq", type=int); p.add_argument("--steps", type=int)
+a = p.parse_args()
+dtype = {"bf16": torch.bfloat16, "f32": torch.float32}[a.dtype]
+cfg = json.load(open(a.config))
+torch.manual_seed(0)
+try:
+    from transformers import AutoConfig, AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(a.config)).to(a.device, dtype)
+    impl = "transformers"
+    def loss_sum(ids):
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
+except Exception as e:  # no transformers: a compact Llama in plain PyTorch
+    impl = f"plain torch ({type(e).__name__})"
+    H, I, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]; hd = cfg.get("head_dim", H // nh)
+    V = cfg["vocab_size"]; theta = cfg.get("rope_theta", cfg.get("rope_parameters", {}).get("rope_theta", 10000.0))
+    lin = lambda i, o: torch.nn.Linear(i, o, bias=False)
+    class Layer(torch.nn.Module):
+        def __init__(s):
+            super().__init__()
+            s.q, s.k, s.v, s.o = lin(H, nh*hd), lin(H, nkv*hd), lin(H, nkv*hd), lin(nh*hd, H)
+            s.g, s.u, s.d = lin(H, I), lin(H, I), lin(I, H)
+            s.n1, s.n2 = torch.nn.RMSNorm(H, eps=cfg["rms_norm_eps"]), torch.nn.RMSNorm(H, eps=cfg["rms_norm_eps"])
+        def forward(s, x, cos, sin):
+            b, t, _ = x.shape; h = s.n1(x)
+            q = s.q(h).view(b, t, nh, hd).transpose(1, 2); k = s.k(h).view(b, t, nkv, hd).transpose(1, 2)
+            v = s.v(h).view(b, t, nkv, hd).transpose(1, 2)
+            rot = lambda z: torch.cat((-z[..., hd//2:], z[..., :hd//2]), -1)
+            q, k = q*cos + rot(q)*sin, k*cos + rot(k)*sin
+            att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + s.o(att.transpose(1, 2).reshape(b, t, nh*hd)); h = s.n2(x)
+            return x + s.d(torch.nn.functional.silu(s.g(h)) * s.u(h))
+    class M(torch.nn.Module):
+        def __init__(s):
+            super().__init__(); s.e = torch.nn.Embedding(V, H); s.layers = torch.nn.ModuleList(Layer() for _ in range(L))
+            s.n = torch.nn.RMSNorm(H, eps=cfg["rms_norm_eps"])
+        def forward(s, ids):
+            t = ids.shape[1]; inv = 1.0 / theta ** (torch.arange(0, hd, 2, device=ids.device).float() / hd)
+            f = torch.outer(torch.arange(t, device=ids.device).float(), inv); emb = torch.cat((f, f), -1)
+            cos, sin = emb.cos().to(dtype), emb.sin().to(dtype); x = s.e(ids)
+            for layer in s.layers: x = layer(x, cos, sin)
+            return s.n(x) @ s.e.weight.T
+    model = M().to(a.device, dtype)
+    def loss_sum(ids):
+        logits = model(ids)[:, :-1].float()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+ids = torch.randint(0, cfg["vocab_size"], (a.batch, a.seq), device=a.device)
+sync = (lambda: torch.cuda.synchronize()) if a.device == "cuda" else (lambda: None)
+def step():
+    loss = loss_sum(ids); n = ids[:, 1:].numel()
+    (loss / n).backward(); opt.step(); opt.zero_grad(set_to_none=True)
+step(); sync()
+times = []
+for _ in range(a.steps):
+    t0 = time.perf_counter(); step(); sync(); times.append(time.perf_counter() - t0)
+times.sort(); med = times[len(times)//2]
+print(json.dumps({"impl": impl, "torch": torch.__version__, "tokens_per_sec": a.batch * a.seq / med, "median_step_secs": med}))
+EOF
+  torch_rc=$?
+  if [[ $torch_rc -eq 0 ]]; then
+    python3 - "$OUT_DIR/check.json" "$OUT_DIR/torch.json" <<'EOF'
+import json, sys
+check = json.load(open(sys.argv[1])); torch_r = json.load(open(sys.argv[2]))
+ours = next((s["metrics"].get("tokens_per_sec") for s in check["steps"] if s["name"] == "throughput"), None)
+print(f"PyTorch ({torch_r['impl']}, torch {torch_r['torch']}): {torch_r['tokens_per_sec']:.0f} tokens/s, "
+      f"median step {torch_r['median_step_secs']:.4f} s")
+if ours:
+    print(f"tunestudio: {ours:.0f} tokens/s  →  ratio tunestudio/PyTorch = {ours / torch_r['tokens_per_sec']:.2f}")
+EOF
+  else
+    log "PyTorch step failed (exit $torch_rc); see above"
+  fi
+else
+  log "step 3: skipped (PyTorch is not installed here, or --no-torch)"
+fi
+
+log "done in ${SECONDS}s; results in $OUT_DIR"
+# The device checks decide the exit status; the PyTorch run is a comparison only.
+exit $check_rc

@@ -1,0 +1,87 @@
+//! `tunestudio bench`: times training steps of a model shape on random tokens.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use tunestudio::model::{run_training_bench, BenchConfig};
+
+/// Arguments of `tunestudio bench`.
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// A model `config.json` (weights are random). Default: the SmolLM2-135M shape from
+    /// the shared model configs.
+    #[arg(long)]
+    pub model_config: Option<PathBuf>,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 256)]
+    pub seq_len: usize,
+    /// Sequences per step.
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Timed steps (after one warm-up step).
+    #[arg(long, default_value_t = 5)]
+    pub steps: usize,
+    /// Parameter dtype: f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Worker threads (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Recompute decoder layers in backward (activation checkpointing).
+    #[arg(long)]
+    pub checkpointing: bool,
+}
+
+/// Runs `tunestudio bench`.
+pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
+    let dtype = match args.dtype.to_ascii_lowercase().as_str() {
+        "f32" | "float32" => candle_core::DType::F32,
+        "bf16" | "bfloat16" => candle_core::DType::BF16,
+        "f16" | "float16" => candle_core::DType::F16,
+        other => anyhow::bail!("--dtype {other} is not supported; use f32, bf16 or f16"),
+    };
+    let mut cfg = BenchConfig {
+        seq_len: args.seq_len,
+        batch: args.batch,
+        steps: args.steps,
+        dtype,
+        threads: args.threads,
+        activation_checkpointing: args.checkpointing,
+        ..BenchConfig::default()
+    };
+    if let Some(p) = args.model_config {
+        cfg.model_config = p;
+    }
+    eprintln!(
+        "bench: {} — seq {} × batch {}, {} steps after 1 warm-up, {:?}",
+        cfg.model_config.display(),
+        cfg.seq_len,
+        cfg.batch,
+        cfg.steps,
+        cfg.dtype
+    );
+    let r = run_training_bench(&cfg)?;
+    println!("parameters        {}", r.num_parameters);
+    println!("threads           {}", r.threads);
+    println!("tokens/step       {}", r.tokens_per_step);
+    println!(
+        "step (median)     {:.3} s   [{}]",
+        r.median_step_secs,
+        r.step_secs
+            .iter()
+            .map(|s| format!("{s:.3}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    println!(
+        "forward/backward/optimizer  {:.3} / {:.3} / {:.3} s",
+        r.median_forward_secs, r.median_backward_secs, r.median_optimizer_secs
+    );
+    println!("tokens/s          {:.1}", r.tokens_per_sec);
+    println!("GFLOP/s (6·N·T)   {:.1}", r.gflops_per_sec);
+    match r.peak_rss_bytes {
+        Some(b) => println!("peak RSS          {:.2} GB", b as f64 / 1e9),
+        None => println!("peak RSS          (not available on this OS)"),
+    }
+    println!("last loss         {:.4}", r.last_loss);
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,360 @@
+//! `tunestudio plan`: predict every device's memory for a run, say where it runs
+//! out and by how much, rank the fixes, and (`--auto-fit`) fit it to the devices.
+//!
+//! Exit status: 0 when the (fitted) plan fits, 2 when it does not, 1 on errors.
+
+use anyhow::Context;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+use tunestudio::model::ModelConfig;
+use tunestudio::plan::{
+    self, format_bytes, parse_devices, AutoFit, DevicePlan, LoraSpec, Plan, PlanRequest,
+    Precision, RunConfigSettings, Strategy,
+};
+
+/// Arguments of `tunestudio plan`.
+#[derive(Debug, clap::Args)]
+pub struct PlanArgs {
+    /// A run config (`run.toml`): model, [training], [lora] and [devices] are read from it;
+    /// the flags below override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// The model's `config.json` (or a model folder, or a hub id in the local cache).
+    #[arg(long, alias = "model")]
+    pub model_config: Option<String>,
+    /// Devices: `2x80GiB`, `80GB,40GB`, `cpu:24GiB`, `cuda:0=80GiB`, `cpu` (host memory).
+    #[arg(long)]
+    pub devices: Option<String>,
+    /// fp32, bf16-mixed, bf16 or fp16-mixed.
+    #[arg(long)]
+    pub precision: Option<String>,
+    /// Rows per micro-batch (per device under data parallel).
+    #[arg(long)]
+    pub micro_batch: Option<usize>,
+    /// Micro-batches accumulated per optimizer step.
+    #[arg(long, alias = "gradient-accumulation")]
+    pub accumulation: Option<usize>,
+    /// Tokens per row (plan for the longest batch).
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// Recompute each layer in backward instead of keeping its activations.
+    #[arg(long)]
+    pub checkpointing: bool,
+    /// Train LoRA adapters of this rank on a frozen base.
+    #[arg(long)]
+    pub lora_r: Option<usize>,
+    /// Comma-separated LoRA target modules (default: every linear layer).
+    #[arg(long)]
+    pub lora_targets: Option<String>,
+    /// single, layer-split or data-parallel.
+    #[arg(long)]
+    pub strategy: Option<String>,
+    /// Search for settings that fit every device with ≥ 5 % headroom (same effective batch).
+    #[arg(long)]
+    pub auto_fit: bool,
+    /// Also print the memory of every block (embeddings, each layer, head).
+    #[arg(long)]
+    pub per_layer: bool,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs `tunestudio plan`.
+pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
+    let req = build_request(&args)?;
+    let started = Instant::now();
+    let the_plan = plan::plan(&req)?;
+    let plan_secs = started.elapsed().as_secs_f64();
+    let fitted = if args.auto_fit {
+        Some(plan::auto_fit(&req)?)
+    } else {
+        None
+    };
+    let final_fits = match &fitted {
+        Some(f) => f.found,
+        None => the_plan.fits(),
+    };
+    if args.json {
+        let value = serde_json::json!({
+            "model": model_summary(&req),
+            "request": request_json(&req),
+            "plan": the_plan,
+            "plan_ms": plan_secs * 1e3,
+            "auto_fit": fitted.as_ref().map(|f| serde_json::json!({
+                "found": f.found,
+                "changes": f.changes,
+                "relative_throughput": f.relative_throughput,
+                "request": request_json(&f.request),
+                "plan": f.plan,
+            })),
+        });
+        println!("{}", serde_json::to_string_pretty(&value)?);
+    } else {
+        println!("Model:    {}", model_summary(&req));
+        println!("Settings: {}", req.settings_summary());
+        println!(
+            "Effective batch: {} rows/step; {} trainable parameters",
+            req.effective_batch(),
+            human_count(the_plan.trainable_parameters)
+        );
+        println!();
+        print_plan(&req, &the_plan, args.per_layer);
+        if !the_plan.fixes.is_empty() {
+            println!();
+            println!("Fixes (best first):");
+            for (i, f) in the_plan.fixes.iter().enumerate() {
+                println!("  {}. {}", i + 1, f.description);
+            }
+        }
+        if let Some(f) = &fitted {
+            println!();
+            print_auto_fit(f);
+        }
+        println!();
+        println!("(planned in {:.2} ms)", plan_secs * 1e3);
+    }
+    Ok(if final_fits {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(2)
+    })
+}
+
+fn build_request(args: &PlanArgs) -> anyhow::Result<PlanRequest> {
+    let devices = match &args.devices {
+        Some(d) => Some(parse_devices(d)?),
+        None => None,
+    };
+    let mut req = if let Some(path) = &args.config {
+        let settings = RunConfigSettings::from_file(path)?;
+        let base = path
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let mut settings = settings;
+        if let Some(m) = &args.model_config {
+            settings.model.source = Some(m.clone());
+        }
+        plan::request_from_run_config(&settings, base, devices)?
+    } else {
+        let source = args.model_config.as_deref().context(
+            "give the model: --model-config path/to/config.json (or a model folder), or --config run.toml",
+        )?;
+        let path = plan::model_config_path(source, Path::new("."))?;
+        let model = ModelConfig::from_file(&path)?;
+        PlanRequest {
+            model,
+            precision: Precision::Fp32,
+            micro_batch: 1,
+            gradient_accumulation: 1,
+            seq_len: 2048,
+            activation_checkpointing: false,
+            lora: None,
+            strategy: Strategy::Single,
+            devices: match devices {
+                Some(d) => d,
+                None => parse_devices("cpu")?,
+            },
+        }
+    };
+    if let Some(p) = &args.precision {
+        req.precision = p.parse()?;
+    }
+    if let Some(v) = args.micro_batch {
+        req.micro_batch = v;
+    }
+    if let Some(v) = args.accumulation {
+        req.gradient_accumulation = v;
+    }
+    if let Some(v) = args.seq_len {
+        req.seq_len = v;
+    }
+    if args.checkpointing {
+        req.activation_checkpointing = true;
+    }
+    if let Some(s) = &args.strategy {
+        req.strategy = s.parse()?;
+    }
+    if let Some(r) = args.lora_r {
+        let mut spec = LoraSpec::all_linear(r);
+        if let Some(t) = &args.lora_targets {
+            spec.target_modules = t
+                .split(',')
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect();
+        }
+        req.lora = Some(spec);
+    } else if args.lora_targets.is_some() {
+        anyhow::bail!("--lora-targets needs --lora-r (the adapter rank)");
+    }
+    Ok(req)
+}
+
+fn model_summary(req: &PlanRequest) -> String {
+    let m = &req.model;
+    format!(
+        "{} — {} layers, hidden {}, vocab {}, {} parameters",
+        m.architecture.model_type(),
+        m.num_hidden_layers,
+        m.hidden_size,
+        m.vocab_size,
+        human_count(m.num_parameters())
+    )
+}
+
+fn request_json(req: &PlanRequest) -> serde_json::Value {
+    serde_json::json!({
+        "precision": req.precision,
+        "micro_batch": req.micro_batch,
+        "gradient_accumulation": req.gradient_accumulation,
+        "seq_len": req.seq_len,
+        "activation_checkpointing": req.activation_checkpointing,
+        "lora": req.lora,
+        "strategy": req.strategy,
+        "devices": req.devices,
+        "effective_batch": req.effective_batch(),
+    })
+}
+
+fn human_count(n: u64) -> String {
+    let f = n as f64;
+    if f >= 1e9 {
+        format!("{:.2} B", f / 1e9)
+    } else if f >= 1e6 {
+        format!("{:.1} M", f / 1e6)
+    } else if f >= 1e3 {
+        format!("{:.1} K", f / 1e3)
+    } else {
+        n.to_string()
+    }
+}
+
+fn gib(b: u64) -> String {
+    if b == 0 {
+        "-".into()
+    } else {
+        format_bytes(b)
+    }
+}
+
+fn print_plan(req: &PlanRequest, p: &Plan, per_layer: bool) {
+    let header = [
+        "device", "layers", "weights", "master", "grads", "optim", "activ", "logits", "temp",
+        "overhead", "peak", "at", "capacity", "status",
+    ];
+    let mut rows: Vec<Vec<String>> = vec![header.iter().map(|s| s.to_string()).collect()];
+    for d in &p.per_device {
+        rows.push(device_row(d));
+    }
+    for idle in req.devices.iter().skip(p.per_device.len()) {
+        let mut r = vec![idle.name.clone(), "idle".into()];
+        r.extend(std::iter::repeat_n(String::new(), 10));
+        r.push(format_bytes(idle.capacity_bytes));
+        r.push("unused".into());
+        rows.push(r);
+    }
+    print_table(&rows);
+    println!();
+    println!("Verdict: {} — {}", p.verdict, p.summary);
+    if per_layer {
+        println!();
+        let mut rows: Vec<Vec<String>> = vec![[
+            "block", "params", "weights", "master", "grads", "optim", "activ", "total",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()];
+        for l in &p.per_layer {
+            rows.push(vec![
+                l.name.clone(),
+                human_count(l.parameters),
+                gib(l.weights_bytes),
+                gib(l.master_weights_bytes),
+                gib(l.gradients_bytes),
+                gib(l.optimizer_states_bytes),
+                gib(l.activations_bytes),
+                gib(l.total_bytes()),
+            ]);
+        }
+        print_table(&rows);
+    }
+}
+
+fn device_row(d: &DevicePlan) -> Vec<String> {
+    let layers = if d.layers.is_empty() {
+        "-".to_string()
+    } else {
+        format!("{}-{}", d.layers.start, d.layers.end - 1)
+    };
+    let status = if d.fits {
+        format!(
+            "ok, {} free ({:.0} %)",
+            format_bytes(d.headroom_bytes),
+            100.0 * d.headroom_fraction()
+        )
+    } else {
+        let first = match d.first_oom_phase {
+            Some(ph) if ph != d.peak_phase => format!(", from the {ph}"),
+            _ => String::new(),
+        };
+        format!("OUT OF MEMORY by {}{first}", format_bytes(d.shortfall_bytes))
+    };
+    vec![
+        d.device.name.clone(),
+        layers,
+        gib(d.weights_bytes),
+        gib(d.master_weights_bytes),
+        gib(d.gradients_bytes),
+        gib(d.optimizer_states_bytes),
+        gib(d.activations_bytes),
+        gib(d.logits_and_loss_bytes),
+        gib(d.temporaries_bytes),
+        gib(d.overhead_bytes),
+        format_bytes(d.peak_bytes),
+        d.peak_phase.to_string(),
+        format_bytes(d.device.capacity_bytes),
+        status,
+    ]
+}
+
+fn print_table(rows: &[Vec<String>]) {
+    let cols = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..cols)
+        .map(|c| {
+            rows.iter()
+                .filter_map(|r| r.get(c))
+                .map(|s| s.chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    for r in rows {
+        let line: Vec<String> = r
+            .iter()
+            .enumerate()
+            .map(|(c, s)| format!("{:<w$}", s, w = widths[c]))
+            .collect();
+        println!("{}", line.join("  ").trim_end());
+    }
+}
+
+fn print_auto_fit(f: &AutoFit) {
+    if f.found {
+        println!("Auto-fit: {}", f.request.settings_summary());
+    } else {
+        println!("Auto-fit found nothing that fits; closest: {}", f.request.settings_summary());
+    }
+    for c in &f.changes {
+        println!("  - {c}");
+    }
+    println!(
+        "  effective batch {} rows/step kept; estimated speed ×{:.2} vs as requested",
+        f.request.effective_batch(),
+        f.relative_throughput
+    );
+    println!();
+    print_plan(&f.request, &f.plan, false);
+}

@@ -1,0 +1,326 @@
+//! `tunestudio preview`: the tokens of a few rows coloured by what is
+//! trained (like Axolotl's `--debug`: each token as `text(label, id)`),
+//! then stats and lints.
+//!
+//! Exit status: 0 when no error-level lint fires, 2 when one does, 1 on
+//! errors (unreadable data, bad config).
+
+use anyhow::Context;
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use tunestudio::data::{
+    preview_dataset, DataConfig, DataPreview, Format, PreviewOptions, RowSelection, RunConfigView,
+    Severity, TokenClass, TokenizerBundle,
+};
+
+/// Arguments of `tunestudio preview`.
+#[derive(Debug, clap::Args)]
+pub struct PreviewArgs {
+    /// A run config (`run.toml`): `[model] source` and `[data]` are read from it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Model folder or hub id whose tokenizer and chat template are used
+    /// (overrides `[model] source`).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Data file, folder or hub dataset id (overrides `data.path`).
+    #[arg(long)]
+    pub data: Option<String>,
+    /// Dataset format (auto, text, alpaca, prompt_completion, chat, sharegpt,
+    /// llamafactory_v1, pretokenized); overrides `data.format`.
+    #[arg(long)]
+    pub format: Option<Format>,
+    /// Maximum sequence length (overrides `data.max_length`).
+    #[arg(long)]
+    pub max_length: Option<usize>,
+    /// Show the first N rows.
+    #[arg(long, default_value_t = 3)]
+    pub rows: usize,
+    /// Show these rows instead (repeatable: `--row 3 --row 17`).
+    #[arg(long)]
+    pub row: Vec<usize>,
+    /// Batch size for padding display and padding-waste stats (default:
+    /// `[training] micro_batch`, else 8).
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    /// Compute stats and lints from the shown rows only (for huge datasets).
+    #[arg(long)]
+    pub quick: bool,
+    /// Print the preview as JSON instead of coloured text.
+    #[arg(long)]
+    pub json: bool,
+    /// No ANSI colours (also when NO_COLOR is set or stdout is not a terminal).
+    #[arg(long)]
+    pub no_color: bool,
+}
+
+/// Runs `tunestudio preview`.
+pub fn run(args: PreviewArgs) -> anyhow::Result<ExitCode> {
+    let (model_source, mut cfg, micro_batch) = match &args.config {
+        Some(path) => {
+            let view = RunConfigView::from_file(path)?;
+            (view.model_source, view.data, view.micro_batch)
+        }
+        None => (None, DataConfig::default(), None),
+    };
+    if let Some(d) = &args.data {
+        cfg.path = d.clone();
+    }
+    if let Some(f) = args.format {
+        cfg.format = f;
+    }
+    if let Some(m) = args.max_length {
+        cfg.max_length = m;
+    }
+    let model = args
+        .model
+        .clone()
+        .or(model_source)
+        .context("no model: pass --model DIR (or a hub id) or --config run.toml with [model] source")?;
+    if cfg.path.trim().is_empty() {
+        anyhow::bail!("no data: pass --data PATH or --config run.toml with [data] path");
+    }
+    let tok = TokenizerBundle::from_source(&model)
+        .with_context(|| format!("cannot load the tokenizer of {model}"))?;
+    let opts = PreviewOptions {
+        rows: if args.row.is_empty() {
+            RowSelection::First(args.rows)
+        } else {
+            RowSelection::Indices(args.row.clone())
+        },
+        batch_size: args.batch_size.or(micro_batch).unwrap_or(8).max(1),
+        full_scan: !args.quick,
+    };
+    let preview = preview_dataset(&cfg, &tok, &opts)
+        .with_context(|| format!("cannot preview {}", cfg.path))?;
+    let code = if preview.has_errors() {
+        ExitCode::from(2)
+    } else {
+        ExitCode::SUCCESS
+    };
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let written: anyhow::Result<()> = if args.json {
+        serde_json::to_writer_pretty(&mut out, &preview)
+            .map_err(anyhow::Error::from)
+            .and_then(|()| writeln!(out).map_err(anyhow::Error::from))
+    } else {
+        let color = !args.no_color
+            && std::env::var_os("NO_COLOR").is_none()
+            && std::io::stdout().is_terminal();
+        render(&mut out, &cfg, &tok, &preview, color)
+    };
+    match written {
+        // `preview ... | head` closes the pipe early: not an error.
+        Err(e) if is_broken_pipe(&e) => Ok(code),
+        Err(e) => Err(e),
+        Ok(()) => Ok(code),
+    }
+}
+
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+            || c.downcast_ref::<serde_json::Error>()
+                .and_then(|j| j.io_error_kind())
+                .is_some_and(|k| k == std::io::ErrorKind::BrokenPipe)
+    })
+}
+
+struct Style {
+    on: bool,
+}
+
+impl Style {
+    fn paint(&self, code: &str, s: &str) -> String {
+        if self.on {
+            format!("\x1b[{code}m{s}\x1b[0m")
+        } else {
+            s.to_string()
+        }
+    }
+}
+
+/// Makes whitespace and control characters visible.
+fn visible(s: &str) -> String {
+    let mut o = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '\n' => o.push_str("\\n"),
+            '\t' => o.push_str("\\t"),
+            '\r' => o.push_str("\\r"),
+            c if c.is_control() => o.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            c => o.push(c),
+        }
+    }
+    o
+}
+
+fn render(
+    out: &mut impl Write,
+    cfg: &DataConfig,
+    tok: &TokenizerBundle,
+    p: &DataPreview,
+    color: bool,
+) -> anyhow::Result<()> {
+    let st = Style { on: color };
+    writeln!(
+        out,
+        "{} {}  format: {}  rows: {} ({} train, {} validation)",
+        st.paint("1", "dataset"),
+        cfg.path,
+        p.format,
+        p.num_rows,
+        p.num_train_rows,
+        p.num_validation_rows
+    )?;
+    writeln!(
+        out,
+        "tokenizer {}  vocab {}  pad {} ({}){}  max_length {}  batch {}  train on completions only: {}",
+        tok.origin.display(),
+        tok.vocab_size(),
+        visible(&tok.token_texts(&[p.pad_id]).concat()),
+        p.pad_id,
+        if p.pad_is_fallback { " = EOS fallback" } else { "" },
+        p.max_length,
+        p.batch_size,
+        if p.completions_only { "yes" } else { "no" },
+    )?;
+    if let Some(t) = &p.chat_template_origin {
+        writeln!(out, "chat template: {t}")?;
+    }
+    writeln!(
+        out,
+        "legend: {} {} {} {}  — each token is text(label, id)",
+        st.paint("32", "trained"),
+        st.paint("31", "masked(-100)"),
+        st.paint("1;35", "label≠token"),
+        st.paint("2", "padding"),
+    )?;
+    for r in &p.rows {
+        writeln!(out)?;
+        let mut head = format!(
+            "── row {} · {} · {} tokens · {} trained",
+            r.index, r.location, r.num_tokens, r.num_trained
+        );
+        if r.truncated {
+            head.push_str(&format!(" · truncated from {}", r.full_len));
+        }
+        if let Some(d) = r.dropped {
+            head.push_str(&format!(" · DROPPED: {}", d.describe()));
+        }
+        if r.split == tunestudio::data::SplitName::Validation {
+            head.push_str(" · validation");
+        }
+        writeln!(out, "{}", st.paint("1", &head))?;
+        let mut line = String::new();
+        for t in &r.tokens {
+            let body = format!("{}({}, {})", visible(&t.text), t.label, t.id);
+            let body = if t.weight != 0.0 && t.weight != 1.0 {
+                format!("{body}[w={}]", t.weight)
+            } else {
+                body
+            };
+            let code = match t.class {
+                TokenClass::Trained => "32",
+                TokenClass::Masked => "31",
+                TokenClass::Mismatch => "1;35",
+                TokenClass::Padding => "2",
+            };
+            line.push_str(&st.paint(code, &body));
+            line.push(' ');
+        }
+        writeln!(out, "{}", line.trim_end())?;
+    }
+    let s = &p.stats;
+    writeln!(out)?;
+    writeln!(
+        out,
+        "{} ({})",
+        st.paint("1", "── stats"),
+        if p.full_scan {
+            "all training rows"
+        } else {
+            "shown rows only (--quick)"
+        }
+    )?;
+    writeln!(
+        out,
+        "rows {}  kept {}  dropped {}  tokens {}  trained {} ({:.1}%)",
+        s.num_rows,
+        s.num_samples,
+        s.num_dropped,
+        s.total_tokens,
+        s.trained_tokens,
+        100.0 * s.trained_fraction
+    )?;
+    writeln!(
+        out,
+        "length mean {:.1}  median {}  max {}  truncated at {}: {} rows ({:.1}%), {} lose trained tokens",
+        s.mean_length,
+        s.median_length,
+        s.max_length_seen,
+        p.max_length,
+        s.num_truncated,
+        100.0 * s.truncated_fraction,
+        s.num_completion_truncated
+    )?;
+    writeln!(
+        out,
+        "padding waste at batch {}: {:.1}% in order, {:.1}% grouped by length;  packing: {} sequences of {} ({:.1}% full)",
+        s.batch_size,
+        100.0 * s.padding_waste,
+        100.0 * s.padding_waste_grouped,
+        s.packed_sequences,
+        p.max_length,
+        100.0 * s.packing_efficiency
+    )?;
+    let h = &s.histogram;
+    let peak = h.counts.iter().copied().max().unwrap_or(0).max(1);
+    let first = h.counts.iter().position(|&c| c > 0).unwrap_or(0);
+    let last = h.counts.iter().rposition(|&c| c > 0).unwrap_or(0);
+    writeln!(out, "token lengths (bin {}):", h.bin_width)?;
+    for (i, &c) in h.counts.iter().enumerate().take(last + 1).skip(first) {
+        let lo = i * h.bin_width;
+        let bar = "█".repeat((c * 40).div_ceil(peak));
+        let over = lo >= h.cutoff;
+        let label = format!("{:>7}–{:<7} {:>6} ", lo, lo + h.bin_width - 1, c);
+        let text = format!("{label}{bar}{}", if over { "  (truncated)" } else { "" });
+        writeln!(out, "  {}", if over { st.paint("33", &text) } else { text })?;
+    }
+    writeln!(out)?;
+    writeln!(out, "{}", st.paint("1", "── lints"))?;
+    if p.lints.is_empty() {
+        writeln!(out, "none")?;
+    }
+    for l in &p.lints {
+        let (code, name) = match l.severity {
+            Severity::Error => ("1;31", "ERROR"),
+            Severity::Warning => ("33", "WARN "),
+            Severity::Info => ("36", "INFO "),
+        };
+        let ex = if l.examples.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " (rows {})",
+                l.examples
+                    .iter()
+                    .map(usize::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        };
+        writeln!(
+            out,
+            "{} {:?}: {}{}",
+            st.paint(code, name),
+            l.kind,
+            l.message,
+            ex
+        )?;
+    }
+    Ok(())
+}

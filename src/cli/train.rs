@@ -1,0 +1,181 @@
+//! `tunestudio train --config run.toml [--resume DIR]`: trains headless with a progress bar.
+//! Ctrl-C writes a checkpoint and exits cleanly (a second Ctrl-C exits at once).
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+use tunestudio::train::{Command, Event, FinishReason, RunConfig, Trainer, TrainerOptions};
+
+/// Arguments of `tunestudio train`.
+#[derive(Debug, clap::Args)]
+pub struct TrainArgs {
+    /// The run config (TOML, as the studio saves it).
+    #[arg(long, short)]
+    pub config: PathBuf,
+    /// Continue from a checkpoint folder (`<output>/checkpoint-<step>`), or `latest` for the
+    /// newest one in the run's output_dir.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Override `training.max_steps`.
+    #[arg(long)]
+    pub max_steps: Option<u64>,
+    /// Print a log line every N steps (besides the progress bar).
+    #[arg(long, default_value_t = 10)]
+    pub log_every: u64,
+    /// Print every event as a JSON line on stdout instead of the progress bar.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs `tunestudio train`.
+pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
+    let mut config = RunConfig::load(&args.config)?;
+    if let Some(n) = args.max_steps {
+        config.training.max_steps = Some(n);
+    }
+    let mut options = TrainerOptions {
+        start_immediately: true,
+        ..TrainerOptions::default()
+    };
+    match &args.resume {
+        Some(p) if p.as_os_str() == "latest" => options.resume_latest = true,
+        Some(p) => options.resume_from = Some(p.clone()),
+        None => {}
+    }
+    let handle = Trainer::spawn_with(config, options, None);
+
+    // Ctrl-C: ask for a checkpoint and a clean stop after the current step; a second
+    // Ctrl-C gives up waiting.
+    let presses = Arc::new(AtomicUsize::new(0));
+    {
+        let commands = handle.commands.clone();
+        let presses = presses.clone();
+        ctrlc::set_handler(move || {
+            if presses.fetch_add(1, Ordering::SeqCst) == 0 {
+                eprintln!("\nstopping after this step and saving a checkpoint (Ctrl-C again to quit now)");
+                let _ = commands.send(Command::SaveNow);
+                let _ = commands.send(Command::Stop);
+            } else {
+                std::process::exit(130);
+            }
+        })
+        .context("cannot install the Ctrl-C handler")?;
+    }
+
+    let interactive = std::io::stderr().is_terminal() && !args.json;
+    let mut bar: Option<ProgressBar> = None;
+    let log_every = args.log_every.max(1);
+    let say = |bar: &Option<ProgressBar>, line: String| match bar {
+        Some(b) if !b.is_hidden() => b.println(line),
+        _ => println!("{line}"),
+    };
+    let mut reason = FinishReason::Failed;
+    for event in handle.events.iter() {
+        if args.json {
+            if let Ok(line) = serde_json::to_string(&event) {
+                println!("{line}");
+            }
+        }
+        match &event {
+            Event::Status { message } if !args.json => eprintln!("{message}…"),
+            Event::Started {
+                total_steps,
+                start_step,
+                resumed_from,
+                num_parameters,
+                trainable_parameters,
+                train_rows,
+                eval_rows,
+                output_dir,
+            } if !args.json => {
+                if let Some(p) = resumed_from {
+                    say(&bar, format!("resuming from {} (step {start_step})", p.display()));
+                }
+                say(
+                    &bar,
+                    format!(
+                        "training {trainable_parameters} of {num_parameters} parameters on {train_rows} rows ({eval_rows} for validation), {total_steps} steps → {}",
+                        output_dir.display()
+                    ),
+                );
+                let b = if interactive {
+                    ProgressBar::new(*total_steps)
+                } else {
+                    ProgressBar::hidden()
+                };
+                b.set_style(
+                    ProgressStyle::with_template(
+                        "{bar:30.cyan/blue} {pos}/{len} steps | {msg} | ETA {eta}",
+                    )
+                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
+                );
+                b.set_position(*start_step);
+                bar = Some(b);
+            }
+            Event::Step {
+                step,
+                loss,
+                lr,
+                grad_norm,
+                tokens_per_sec,
+                skipped,
+                ..
+            } if !args.json => {
+                if let Some(b) = &bar {
+                    b.set_position(*step);
+                    b.set_message(format!("loss {loss:.4} | {tokens_per_sec:.0} tok/s"));
+                }
+                if step % log_every == 0 || *step == 1 || *skipped {
+                    let note = if *skipped { " (skipped: fp16 overflow)" } else { "" };
+                    say(
+                        &bar,
+                        format!(
+                            "step {step:>6}  loss {loss:.4}  lr {lr:.2e}  grad_norm {grad_norm:.3}  {tokens_per_sec:.0} tok/s{note}"
+                        ),
+                    );
+                }
+            }
+            Event::Eval {
+                step,
+                loss,
+                perplexity,
+                ..
+            } if !args.json => say(
+                &bar,
+                format!("eval   {step:>6}  loss {loss:.4}  perplexity {perplexity:.2}"),
+            ),
+            Event::CheckpointSaved { path, .. } if !args.json => {
+                say(&bar, format!("saved {}", path.display()))
+            }
+            Event::Warning { message } if !args.json => say(&bar, format!("warning: {message}")),
+            Event::Error { message, hint, .. } => {
+                if let Some(b) = &bar {
+                    b.abandon();
+                }
+                eprintln!("error: {message}\nhint: {hint}");
+            }
+            Event::Finished { reason: r, step, final_loss, elapsed_secs, .. } => {
+                reason = *r;
+                if let Some(b) = &bar {
+                    b.finish_and_clear();
+                }
+                if !args.json {
+                    let loss = final_loss.map_or("-".to_string(), |l| format!("{l:.4}"));
+                    eprintln!("{r:?} at step {step} (loss {loss}) after {elapsed_secs:.1} s");
+                }
+                break;
+            }
+            _ => {}
+        }
+    }
+    handle.join();
+    Ok(match reason {
+        FinishReason::Completed | FinishReason::Stopped => ExitCode::SUCCESS,
+        FinishReason::Failed => ExitCode::FAILURE,
+    })
+}

@@ -1,0 +1,539 @@
+//! Dataset formats: auto-detection from a row's columns, and conversion of
+//! rows into [`Example`]s (text, prompt/completion, chat messages, or
+//! pre-tokenised ids).
+
+use crate::data::config::{ColumnMapping, Format};
+use crate::data::template::ChatMessage;
+use crate::data::DataError;
+use serde_json::{Map, Value};
+
+/// One row, in a format-independent shape.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Example {
+    /// Plain text; every token trained.
+    Text {
+        /// The document.
+        text: String,
+    },
+    /// A prompt and its completion, concatenated without a template.
+    PromptCompletion {
+        /// Prompt text (masked when training on completions only).
+        prompt: String,
+        /// Completion text.
+        completion: String,
+    },
+    /// A conversation rendered with the chat template.
+    Chat {
+        /// The turns.
+        messages: Vec<ChatMessage>,
+    },
+    /// Already tokenised.
+    Pretokenized {
+        /// Token ids.
+        input_ids: Vec<u32>,
+        /// Labels (-100 = ignored); `None` = copy of `input_ids`.
+        labels: Option<Vec<i64>>,
+        /// 1 = real token, 0 = padding.
+        attention_mask: Option<Vec<u32>>,
+    },
+}
+
+impl Example {
+    /// Whether the text that would be trained is empty or whitespace.
+    pub fn is_blank(&self) -> bool {
+        match self {
+            Example::Text { text } => text.trim().is_empty(),
+            Example::PromptCompletion { completion, .. } => completion.trim().is_empty(),
+            Example::Chat { messages } => {
+                messages.is_empty()
+                    || messages
+                        .iter()
+                        .filter(|m| m.role == "assistant")
+                        .all(|m| m.content.trim().is_empty())
+            }
+            Example::Pretokenized { input_ids, .. } => input_ids.is_empty(),
+        }
+    }
+}
+
+fn col<'a>(mapped: &'a Option<String>, default: &'a str) -> &'a str {
+    mapped.as_deref().unwrap_or(default)
+}
+
+/// Prompt/completion column pairs recognised without a mapping.
+const PAIRS: [(&str, &str); 5] = [
+    ("prompt", "completion"),
+    ("prompt", "response"),
+    ("question", "answer"),
+    ("query", "response"),
+    ("input", "output"),
+];
+
+/// Detects the format of `row` (a JSON object) given the column mapping.
+/// Returns `None` when nothing matches.
+pub fn detect_format(row: &Value, cols: &ColumnMapping) -> Option<Format> {
+    let obj = row.as_object()?;
+    if obj.contains_key("input_ids") {
+        return Some(Format::Pretokenized);
+    }
+    let msg_col = cols.messages.as_deref();
+    for name in msg_col.into_iter().chain(["messages", "conversations"]) {
+        if let Some(v) = obj.get(name) {
+            return Some(detect_message_style(v, name == "conversations"));
+        }
+        if msg_col.is_some() {
+            break;
+        }
+    }
+    let instr = col(&cols.prompt, "instruction");
+    let out = col(&cols.completion, "output");
+    if obj.contains_key(instr) && obj.contains_key(out) {
+        // Alpaca when the instruction column is alpaca's own (or alpaca-only
+        // columns are mapped); any other mapped pair is prompt/completion.
+        return Some(if instr == "instruction" || cols.input.is_some() || cols.history.is_some() {
+            Format::Alpaca
+        } else {
+            Format::PromptCompletion
+        });
+    }
+    if cols.text.is_none() {
+        for (p, c) in PAIRS {
+            if obj.contains_key(p) && obj.contains_key(c) {
+                return Some(Format::PromptCompletion);
+            }
+        }
+    }
+    if obj.contains_key(col(&cols.text, "text")) {
+        return Some(Format::Text);
+    }
+    // A single string column (e.g. `Prompt`) is plain text.
+    let strings: Vec<&String> = obj
+        .iter()
+        .filter(|(_, v)| v.is_string())
+        .map(|(k, _)| k)
+        .collect();
+    if strings.len() == 1 {
+        return Some(Format::Text);
+    }
+    None
+}
+
+fn detect_message_style(v: &Value, is_conversations: bool) -> Format {
+    let v = parse_if_string(v);
+    let first = v.as_array().and_then(|a| a.first()).and_then(Value::as_object);
+    match first {
+        Some(m) if m.contains_key("from") || m.contains_key("value") => Format::ShareGpt,
+        Some(m) if m.get("content").is_some_and(Value::is_array) || m.contains_key("loss_weight") => {
+            // Typed parts: v1 uses {type, value}; OpenAI-style {type, text} is chat.
+            let parts_have_value = m
+                .get("content")
+                .and_then(Value::as_array)
+                .and_then(|a| a.first())
+                .is_some_and(|p| p.get("value").is_some());
+            if parts_have_value || m.contains_key("loss_weight") {
+                Format::LlamaFactoryV1
+            } else {
+                Format::Chat
+            }
+        }
+        _ if is_conversations => Format::ShareGpt,
+        _ => Format::Chat,
+    }
+}
+
+/// CSV cells holding JSON lists (messages) arrive as strings.
+fn parse_if_string(v: &Value) -> std::borrow::Cow<'_, Value> {
+    if let Value::String(s) = v {
+        let t = s.trim_start();
+        if t.starts_with('[') || t.starts_with('{') {
+            if let Ok(parsed) = serde_json::from_str::<Value>(s) {
+                return std::borrow::Cow::Owned(parsed);
+            }
+        }
+    }
+    std::borrow::Cow::Borrowed(v)
+}
+
+/// Converts one row into an [`Example`]. `location` names the row in errors.
+pub fn to_example(
+    row: &Value,
+    format: Format,
+    cols: &ColumnMapping,
+    location: &dyn Fn() -> String,
+) -> Result<Example, DataError> {
+    let obj = row.as_object().ok_or_else(|| DataError::BadRow {
+        location: location(),
+        message: "a row must be a JSON object".into(),
+    })?;
+    let bad = |message: String| DataError::BadRow {
+        location: location(),
+        message,
+    };
+    let missing = |column: &str, setting: &str| DataError::MissingColumn {
+        location: location(),
+        column: column.to_string(),
+        setting: setting.to_string(),
+        available: obj.keys().cloned().collect(),
+    };
+    let get_str = |name: &str, setting: &str| -> Result<String, DataError> {
+        match obj.get(name) {
+            None => Err(missing(name, setting)),
+            Some(v) => value_to_text(v).ok_or_else(|| {
+                bad(format!("column {name:?} must be text, found {}", kind(v)))
+            }),
+        }
+    };
+    let opt_str = |name: &str| -> Result<Option<String>, DataError> {
+        match obj.get(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => value_to_text(v)
+                .map(Some)
+                .ok_or_else(|| bad(format!("column {name:?} must be text, found {}", kind(v)))),
+        }
+    };
+    let system = |msgs: &mut Vec<ChatMessage>| -> Result<(), DataError> {
+        let name = col(&cols.system, "system");
+        if let Some(s) = opt_str(name)? {
+            if !s.is_empty() && msgs.first().is_none_or(|m| m.role != "system") {
+                msgs.insert(0, ChatMessage::new("system", s));
+            }
+        }
+        Ok(())
+    };
+
+    match format {
+        Format::Auto => {
+            let f = detect_format(row, cols).ok_or_else(|| DataError::UnknownFormat {
+                location: location(),
+                columns: obj.keys().cloned().collect(),
+            })?;
+            to_example(row, f, cols, location)
+        }
+        Format::Text => {
+            let name = match &cols.text {
+                Some(t) => t.clone(),
+                None if obj.contains_key("text") => "text".into(),
+                None => {
+                    let strings: Vec<&String> =
+                        obj.iter().filter(|(_, v)| v.is_string()).map(|(k, _)| k).collect();
+                    match strings.as_slice() {
+                        [only] => (*only).clone(),
+                        _ => "text".into(),
+                    }
+                }
+            };
+            Ok(Example::Text {
+                text: get_str(&name, "data.columns.text")?,
+            })
+        }
+        Format::PromptCompletion => {
+            let (p, c) = match (&cols.prompt, &cols.completion) {
+                (Some(p), Some(c)) => (p.clone(), c.clone()),
+                _ => PAIRS
+                    .iter()
+                    .find(|(p, c)| obj.contains_key(*p) && obj.contains_key(*c))
+                    .map(|(p, c)| (p.to_string(), c.to_string()))
+                    .unwrap_or_else(|| {
+                        (
+                            col(&cols.prompt, "prompt").to_string(),
+                            col(&cols.completion, "completion").to_string(),
+                        )
+                    }),
+            };
+            let pv = obj.get(&p).ok_or_else(|| missing(&p, "data.columns.prompt"))?;
+            let cv = obj.get(&c).ok_or_else(|| missing(&c, "data.columns.completion"))?;
+            // Conversational prompt/completion (lists of messages) is chat.
+            if pv.is_array() && cv.is_array() {
+                let mut msgs = parse_messages(pv, false, &bad)?;
+                msgs.extend(parse_messages(cv, false, &bad)?);
+                return Ok(Example::Chat { messages: msgs });
+            }
+            Ok(Example::PromptCompletion {
+                prompt: get_str(&p, "data.columns.prompt")?,
+                completion: get_str(&c, "data.columns.completion")?,
+            })
+        }
+        Format::Alpaca => {
+            let instruction = get_str(col(&cols.prompt, "instruction"), "data.columns.prompt")?;
+            let input = opt_str(col(&cols.input, "input"))?.unwrap_or_default();
+            let output = get_str(col(&cols.completion, "output"), "data.columns.completion")?;
+            let mut msgs = Vec::new();
+            if let Some(h) = obj.get(col(&cols.history, "history")) {
+                let h = parse_if_string(h);
+                match h.as_ref() {
+                    Value::Null => {}
+                    Value::Array(turns) => {
+                        for t in turns {
+                            let pair = t.as_array().filter(|p| p.len() == 2).ok_or_else(|| {
+                                bad("`history` must be a list of [user, assistant] pairs".into())
+                            })?;
+                            let (Some(u), Some(a)) = (value_to_text(&pair[0]), value_to_text(&pair[1])) else {
+                                return Err(bad("`history` pairs must hold text".into()));
+                            };
+                            msgs.push(ChatMessage::new("user", u));
+                            msgs.push(ChatMessage::new("assistant", a));
+                        }
+                    }
+                    other => {
+                        return Err(bad(format!(
+                            "`history` must be a list of [user, assistant] pairs, found {}",
+                            kind(other)
+                        )))
+                    }
+                }
+            }
+            let user = if input.is_empty() {
+                instruction
+            } else {
+                format!("{instruction}\n{input}")
+            };
+            msgs.push(ChatMessage::new("user", user));
+            msgs.push(ChatMessage::new("assistant", output));
+            system(&mut msgs)?;
+            Ok(Example::Chat { messages: msgs })
+        }
+        Format::Chat | Format::ShareGpt | Format::LlamaFactoryV1 => {
+            let default = if format == Format::ShareGpt && !obj.contains_key("messages") {
+                "conversations"
+            } else {
+                "messages"
+            };
+            let name = col(&cols.messages, default);
+            let v = obj.get(name).ok_or_else(|| missing(name, "data.columns.messages"))?;
+            let mut msgs = parse_messages(v, format == Format::ShareGpt, &bad)?;
+            system(&mut msgs)?;
+            Ok(Example::Chat { messages: msgs })
+        }
+        Format::Pretokenized => {
+            let ids_v = obj
+                .get("input_ids")
+                .ok_or_else(|| missing("input_ids", "data.format = \"pretokenized\""))?;
+            let input_ids = int_list(ids_v, "input_ids", &bad)?
+                .into_iter()
+                .map(|x| {
+                    u32::try_from(x).map_err(|_| {
+                        bad(format!("input_ids holds {x}, which is not a token id (0..2^32)"))
+                    })
+                })
+                .collect::<Result<Vec<u32>, _>>()?;
+            let labels = match obj.get("labels") {
+                None | Some(Value::Null) => None,
+                Some(v) => Some(int_list(v, "labels", &bad)?),
+            };
+            let attention_mask = match obj.get("attention_mask") {
+                None | Some(Value::Null) => None,
+                Some(v) => Some(
+                    int_list(v, "attention_mask", &bad)?
+                        .into_iter()
+                        .map(|x| u32::from(x != 0))
+                        .collect::<Vec<u32>>(),
+                ),
+            };
+            for (name, n) in [
+                ("labels", labels.as_ref().map(Vec::len)),
+                ("attention_mask", attention_mask.as_ref().map(Vec::len)),
+            ] {
+                if let Some(n) = n {
+                    if n != input_ids.len() {
+                        return Err(bad(format!(
+                            "{name} has {n} entries but input_ids has {}; they must be the same length",
+                            input_ids.len()
+                        )));
+                    }
+                }
+            }
+            Ok(Example::Pretokenized {
+                input_ids,
+                labels,
+                attention_mask,
+            })
+        }
+    }
+}
+
+fn int_list(v: &Value, name: &str, bad: &dyn Fn(String) -> DataError) -> Result<Vec<i64>, DataError> {
+    let v = parse_if_string(v);
+    let arr = v
+        .as_array()
+        .ok_or_else(|| bad(format!("{name} must be a list of integers, found {}", kind(&v))))?;
+    arr.iter()
+        .map(|x| {
+            x.as_i64()
+                .or_else(|| x.as_f64().filter(|f| f.fract() == 0.0).map(|f| f as i64))
+                .ok_or_else(|| bad(format!("{name} must hold integers, found {x}")))
+        })
+        .collect()
+}
+
+/// Text from a string, number or bool cell (CSV numbers arrive as strings;
+/// Parquet/JSON numbers are accepted as their text).
+fn value_to_text(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        Value::Bool(b) => Some(b.to_string()),
+        Value::Null => Some(String::new()),
+        _ => None,
+    }
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "text",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+fn sharegpt_role(from: &str) -> String {
+    match from {
+        "human" | "user" => "user",
+        "gpt" | "assistant" | "model" | "bot" | "chatgpt" | "bing" | "bard" | "function_call" => "assistant",
+        "system" => "system",
+        "observation" | "function" | "tool" => "tool",
+        other => other,
+    }
+    .to_string()
+}
+
+/// Parses a list of messages: `{role, content}` (content a string, null,
+/// or typed parts `{type: "text", text|value}`), or ShareGPT `{from, value}`.
+fn parse_messages(
+    v: &Value,
+    sharegpt: bool,
+    bad: &dyn Fn(String) -> DataError,
+) -> Result<Vec<ChatMessage>, DataError> {
+    let v = parse_if_string(v);
+    let list = v
+        .as_array()
+        .ok_or_else(|| bad(format!("messages must be a list of turns, found {}", kind(&v))))?;
+    let mut out = Vec::with_capacity(list.len());
+    for (i, m) in list.iter().enumerate() {
+        let m = m
+            .as_object()
+            .ok_or_else(|| bad(format!("turn {i} must be an object, found {}", kind(m))))?;
+        let role_raw = m
+            .get("role")
+            .or_else(|| m.get("from"))
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad(format!("turn {i} has no `role` (or ShareGPT `from`)")))?;
+        let role = if sharegpt || m.contains_key("from") {
+            sharegpt_role(role_raw)
+        } else {
+            role_raw.to_string()
+        };
+        let content_v = m.get("content").or_else(|| m.get("value")).unwrap_or(&Value::Null);
+        let content = content_text(content_v)
+            .map_err(|why| bad(format!("turn {i} ({role}): {why}")))?;
+        let loss_weight = match m.get("loss_weight") {
+            None | Some(Value::Null) => None,
+            Some(w) => Some(w.as_f64().filter(|w| *w >= 0.0 && w.is_finite()).ok_or_else(|| {
+                bad(format!("turn {i}: loss_weight must be a non-negative number, found {w}"))
+            })? as f32),
+        };
+        let mut extra = Map::new();
+        for (k, val) in m {
+            if !matches!(k.as_str(), "role" | "from" | "content" | "value" | "loss_weight") {
+                extra.insert(k.clone(), val.clone());
+            }
+        }
+        out.push(ChatMessage {
+            role,
+            content,
+            loss_weight,
+            extra,
+        });
+    }
+    Ok(out)
+}
+
+fn content_text(v: &Value) -> Result<String, String> {
+    match v {
+        Value::String(s) => Ok(s.clone()),
+        Value::Null => Ok(String::new()),
+        Value::Array(parts) => {
+            let mut s = String::new();
+            for p in parts {
+                match p {
+                    Value::String(t) => s.push_str(t),
+                    Value::Object(o) => {
+                        let ty = o.get("type").and_then(Value::as_str).unwrap_or("text");
+                        if ty != "text" {
+                            return Err(format!(
+                                "content part of type {ty:?} is not supported (text only)"
+                            ));
+                        }
+                        let t = o
+                            .get("value")
+                            .or_else(|| o.get("text"))
+                            .and_then(Value::as_str)
+                            .ok_or("a text part needs `value` or `text`")?;
+                        s.push_str(t);
+                    }
+                    _ => return Err("content parts must be objects".into()),
+                }
+            }
+            Ok(s)
+        }
+        other => Err(format!("content must be text or a list of parts, found {}", kind(other))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn det(v: Value) -> Option<Format> {
+        detect_format(&v, &ColumnMapping::default())
+    }
+
+    #[test]
+    fn detection() {
+        assert_eq!(det(json!({"text": "a"})), Some(Format::Text));
+        assert_eq!(det(json!({"Prompt": "a", "n": 3})), Some(Format::Text));
+        assert_eq!(det(json!({"instruction": "a", "input": "", "output": "b"})), Some(Format::Alpaca));
+        assert_eq!(det(json!({"prompt": "a", "completion": "b"})), Some(Format::PromptCompletion));
+        assert_eq!(det(json!({"messages": [{"role": "user", "content": "x"}]})), Some(Format::Chat));
+        assert_eq!(det(json!({"conversations": [{"from": "human", "value": "x"}]})), Some(Format::ShareGpt));
+        assert_eq!(
+            det(json!({"messages": [{"role": "user", "content": [{"type": "text", "value": "x"}], "loss_weight": 0.0}]})),
+            Some(Format::LlamaFactoryV1)
+        );
+        assert_eq!(det(json!({"input_ids": [1, 2]})), Some(Format::Pretokenized));
+        assert_eq!(det(json!({"a": 1, "b": 2})), None);
+        let cols = ColumnMapping {
+            prompt: Some("q".into()),
+            completion: Some("a".into()),
+            ..Default::default()
+        };
+        assert_eq!(detect_format(&json!({"q": "x", "a": "y"}), &cols), Some(Format::PromptCompletion));
+    }
+
+    #[test]
+    fn alpaca_to_chat() {
+        let row = json!({"instruction": "Do", "input": "this", "output": "ok", "system": "S", "history": [["h1", "a1"]]});
+        let ex = to_example(&row, Format::Alpaca, &ColumnMapping::default(), &|| "r".into()).unwrap();
+        let Example::Chat { messages } = ex else { panic!() };
+        let roles: Vec<&str> = messages.iter().map(|m| m.role.as_str()).collect();
+        assert_eq!(roles, ["system", "user", "assistant", "user", "assistant"]);
+        assert_eq!(messages[3].content, "Do\nthis");
+    }
+
+    #[test]
+    fn missing_column_lists_columns() {
+        let cols = ColumnMapping {
+            prompt: Some("question".into()),
+            completion: Some("answer".into()),
+            ..Default::default()
+        };
+        let row = json!({"q": "x", "a": "y"});
+        let err = to_example(&row, Format::PromptCompletion, &cols, &|| "f.csv row 0".into())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("\"question\"") && err.contains("q, a") || err.contains("a, q"), "{err}");
+    }
+}

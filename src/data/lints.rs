@@ -1,0 +1,318 @@
+//! Dataset lints: problems that silently ruin a fine-tune, each with a
+//! severity, a count and example rows.
+
+use crate::data::labels::{DropReason, LabelledRow, IGNORE_INDEX};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+
+/// How bad a lint is. `Error` makes `tunestudio preview` exit non-zero.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Severity {
+    /// Worth knowing.
+    Info,
+    /// Probably not what you want.
+    Warning,
+    /// Training on this would be wrong.
+    Error,
+}
+
+/// What a lint is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LintKind {
+    /// Trained labels differ from the input ids (e.g. `labels = [1]*len`, or
+    /// pre-shifted labels).
+    LabelsMismatch,
+    /// Padding positions (attention mask 0) have labels.
+    PaddingTrained,
+    /// The tokenizer has no pad token; EOS is used.
+    NoPadToken,
+    /// Rows with no trained token (dropped).
+    ZeroTrainedTokens,
+    /// Truncation cut trained tokens.
+    CompletionTruncated,
+    /// Pre-tokenised rows without EOS.
+    MissingEos,
+    /// EOS was appended to rows (informational).
+    EosAppended,
+    /// Empty or whitespace rows / completions.
+    EmptyRows,
+    /// Identical token sequences.
+    DuplicateRows,
+    /// The prompt alone reaches `max_length`.
+    PromptTooLong,
+    /// Chat data but the tokenizer has no chat template.
+    ChatWithoutTemplate,
+    /// The template rewrites earlier turns when more follow.
+    TemplateNotPrefixStable,
+    /// Per-turn loss weights other than 0/1.
+    NonBinaryLossWeights,
+}
+
+/// One finding.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Lint {
+    /// What.
+    pub kind: LintKind,
+    /// How bad.
+    pub severity: Severity,
+    /// How many rows (or 1 for dataset-wide findings).
+    pub count: usize,
+    /// Up to 5 example row indices (dataset row numbers).
+    pub examples: Vec<usize>,
+    /// The explanation and the fix.
+    pub message: String,
+}
+
+/// Whether any lint is an error (the CLI's exit decision).
+pub fn has_errors(lints: &[Lint]) -> bool {
+    lints.iter().any(|l| l.severity == Severity::Error)
+}
+
+const MAX_EXAMPLES: usize = 5;
+
+struct Acc {
+    count: usize,
+    examples: Vec<usize>,
+}
+
+impl Acc {
+    fn new() -> Self {
+        Acc {
+            count: 0,
+            examples: Vec::new(),
+        }
+    }
+    fn add(&mut self, row: usize) {
+        self.count += 1;
+        if self.examples.len() < MAX_EXAMPLES {
+            self.examples.push(row);
+        }
+    }
+}
+
+/// Dataset-level facts the row lints cannot see.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LintContext {
+    /// The tokenizer declares no pad token.
+    pub no_pad_token: bool,
+    /// Chat-formatted data.
+    pub is_chat: bool,
+    /// The tokenizer has no chat template (a fallback ChatML is used).
+    pub no_chat_template: bool,
+    /// Truncation length.
+    pub max_length: usize,
+}
+
+/// Lints over labelled rows (most severe first).
+pub fn lint_rows(rows: &[LabelledRow], ctx: &LintContext) -> Vec<Lint> {
+    let n = rows.len();
+    let mut mismatch = Acc::new();
+    let mut mismatch_tokens = 0usize;
+    let mut shifted = 0usize;
+    let mut pad_trained = Acc::new();
+    let mut zero = Acc::new();
+    let mut trunc = Acc::new();
+    let mut trunc_away = 0usize;
+    let mut missing_eos = Acc::new();
+    let mut eos_appended = Acc::new();
+    let mut empty = Acc::new();
+    let mut dup = Acc::new();
+    let mut too_long = Acc::new();
+    let mut unstable = Acc::new();
+    let mut weights = Acc::new();
+    let mut seen: HashMap<u64, usize> = HashMap::with_capacity(n);
+    for r in rows {
+        let row = r.sample.row;
+        if r.labels_mismatch > 0 {
+            mismatch.add(row);
+            mismatch_tokens += r.labels_mismatch;
+            shifted += usize::from(r.labels_pre_shifted);
+        }
+        if r.padding_trained > 0 {
+            pad_trained.add(row);
+        }
+        match r.dropped {
+            Some(DropReason::NoTrainedTokens) => zero.add(row),
+            Some(DropReason::PromptTooLong) => too_long.add(row),
+            Some(DropReason::Empty) => empty.add(row),
+            _ => {}
+        }
+        if r.blank && r.dropped != Some(DropReason::Empty) {
+            empty.add(row);
+        }
+        if r.completion_truncated {
+            trunc.add(row);
+            trunc_away += usize::from(r.dropped == Some(DropReason::CompletionTruncatedAway));
+        }
+        if r.missing_eos {
+            missing_eos.add(row);
+        }
+        if r.eos_appended {
+            eos_appended.add(row);
+        }
+        if r.prefix_unstable {
+            unstable.add(row);
+        }
+        if r.non_binary_weights {
+            weights.add(row);
+        }
+        if !r.sample.input_ids.is_empty() {
+            let h = hash_ids(&r.sample.input_ids, &r.sample.labels);
+            if seen.insert(h, row).is_some() {
+                dup.add(row);
+            }
+        }
+    }
+    let pct = |c: usize| 100.0 * c as f64 / n.max(1) as f64;
+    let mut out = Vec::new();
+    let push = |out: &mut Vec<Lint>, kind, severity, acc: Acc, message: String| {
+        if acc.count > 0 {
+            out.push(Lint {
+                kind,
+                severity,
+                count: acc.count,
+                examples: acc.examples,
+                message,
+            });
+        }
+    };
+    let shift_note = if shifted * 2 >= mismatch.count.max(1) {
+        " They look pre-shifted (labels[i] == input_ids[i+1]): causal LMs shift labels themselves, so give labels aligned with input_ids."
+    } else {
+        ""
+    };
+    let c = mismatch.count;
+    push(
+        &mut out,
+        LintKind::LabelsMismatch,
+        Severity::Error,
+        mismatch,
+        format!(
+            "{c} rows ({:.1}%) have {mismatch_tokens} trained labels that differ from their input_ids; labels must equal input_ids where trained and -100 elsewhere.{shift_note}",
+            pct(c)
+        ),
+    );
+    let c = pad_trained.count;
+    push(
+        &mut out,
+        LintKind::PaddingTrained,
+        Severity::Error,
+        pad_trained,
+        format!("{c} rows train on padding (attention_mask 0 with a label other than -100); set those labels to -100. The padded positions are dropped here."),
+    );
+    let c = too_long.count;
+    push(
+        &mut out,
+        LintKind::PromptTooLong,
+        Severity::Warning,
+        too_long,
+        format!(
+            "{c} rows ({:.1}%) have a prompt of at least max_length = {} tokens, leaving nothing to train; they are dropped. Raise max_length or shorten the prompts.",
+            pct(c),
+            ctx.max_length
+        ),
+    );
+    let c = trunc.count;
+    push(
+        &mut out,
+        LintKind::CompletionTruncated,
+        Severity::Warning,
+        trunc,
+        format!(
+            "{c} rows ({:.1}%) lose trained tokens to truncation at max_length = {} ({trunc_away} lose all of them and are dropped); the model will not learn how those answers end. Raise max_length.",
+            pct(c),
+            ctx.max_length
+        ),
+    );
+    let c = zero.count;
+    push(
+        &mut out,
+        LintKind::ZeroTrainedTokens,
+        Severity::Warning,
+        zero,
+        format!("{c} rows have no trained token (e.g. no assistant turn, or every label -100) and are dropped."),
+    );
+    let c = empty.count;
+    push(
+        &mut out,
+        LintKind::EmptyRows,
+        Severity::Warning,
+        empty,
+        format!("{c} rows have an empty or whitespace-only text/completion (empty plain-text rows are dropped; an empty completion teaches the model to stop at once)."),
+    );
+    if ctx.is_chat && ctx.no_chat_template {
+        out.push(Lint {
+            kind: LintKind::ChatWithoutTemplate,
+            severity: Severity::Warning,
+            count: 1,
+            examples: Vec::new(),
+            message: "chat data, but the tokenizer has no chat template; a ChatML fallback is used, so the model learns a new format. Add chat_template.jinja to the model folder if the model has its own.".into(),
+        });
+    }
+    let c = unstable.count;
+    push(
+        &mut out,
+        LintKind::TemplateNotPrefixStable,
+        Severity::Warning,
+        unstable,
+        format!("in {c} rows the chat template renders a conversation prefix differently from the same turns inside the full conversation (e.g. it drops earlier reasoning); masks follow token counts of the prefixes and may be off by a few tokens. Check these rows in the preview."),
+    );
+    let c = missing_eos.count;
+    push(
+        &mut out,
+        LintKind::MissingEos,
+        Severity::Warning,
+        missing_eos,
+        format!("{c} pre-tokenised rows contain no EOS token; the model will not learn to stop. Append the EOS id when tokenising."),
+    );
+    let c = dup.count;
+    push(
+        &mut out,
+        LintKind::DuplicateRows,
+        if pct(c) > 5.0 { Severity::Warning } else { Severity::Info },
+        dup,
+        format!("{c} rows ({:.1}%) repeat an earlier row's tokens exactly; duplicates weigh those examples more.", pct(c)),
+    );
+    let c = weights.count;
+    push(
+        &mut out,
+        LintKind::NonBinaryLossWeights,
+        Severity::Info,
+        weights,
+        format!("{c} rows use per-turn loss weights other than 0/1; the batches carry per-token weights."),
+    );
+    let c = eos_appended.count;
+    push(
+        &mut out,
+        LintKind::EosAppended,
+        Severity::Info,
+        eos_appended,
+        format!("{c} rows did not end with EOS; it was appended and is trained so the model learns to stop."),
+    );
+    if ctx.no_pad_token {
+        out.push(Lint {
+            kind: LintKind::NoPadToken,
+            severity: Severity::Info,
+            count: 1,
+            examples: Vec::new(),
+            message: "the tokenizer has no pad token; EOS pads batches. Padding is masked by position (labels -100, attention 0), so trained EOS tokens are unaffected.".into(),
+        });
+    }
+    out.sort_by(|a, b| b.severity.cmp(&a.severity));
+    out
+}
+
+fn hash_ids(ids: &[u32], labels: &[i64]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    ids.hash(&mut h);
+    // Two rows with the same tokens but different masks are not duplicates.
+    labels
+        .iter()
+        .map(|&l| l == IGNORE_INDEX)
+        .collect::<Vec<_>>()
+        .hash(&mut h);
+    h.finish()
+}

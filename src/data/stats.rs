@@ -1,0 +1,165 @@
+//! Dataset statistics: token lengths, truncation, trained-token fraction,
+//! padding waste at a batch size, packing efficiency.
+
+use crate::data::collate::{batch_indices, padded_len, CollateOptions};
+use crate::data::labels::{pack, LabelledRow, TokenizedSample};
+use serde::{Deserialize, Serialize};
+
+/// Token-length histogram (lengths before truncation).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct LengthHistogram {
+    /// Width of each bin in tokens; bin `i` holds lengths in
+    /// `[i*bin_width, (i+1)*bin_width)`.
+    pub bin_width: usize,
+    /// Rows per bin.
+    pub counts: Vec<usize>,
+    /// `max_length`: lengths at or above it are truncated.
+    pub cutoff: usize,
+}
+
+/// Statistics of one split.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct DataStats {
+    /// Rows read.
+    pub num_rows: usize,
+    /// Samples kept for training.
+    pub num_samples: usize,
+    /// Rows dropped (see the lints for why).
+    pub num_dropped: usize,
+    /// Tokens of the kept samples (after truncation).
+    pub total_tokens: usize,
+    /// Tokens the loss sees.
+    pub trained_tokens: usize,
+    /// `trained_tokens / total_tokens`.
+    pub trained_fraction: f64,
+    /// Rows longer than `max_length`.
+    pub num_truncated: usize,
+    /// `num_truncated / num_rows`.
+    pub truncated_fraction: f64,
+    /// Rows whose trained tokens were cut.
+    pub num_completion_truncated: usize,
+    /// Mean length before truncation.
+    pub mean_length: f64,
+    /// Median length before truncation.
+    pub median_length: usize,
+    /// Longest row before truncation.
+    pub max_length_seen: usize,
+    /// Lengths before truncation.
+    pub histogram: LengthHistogram,
+    /// Batch size the padding figures assume.
+    pub batch_size: usize,
+    /// Fraction of batch positions that are padding (batches in dataset
+    /// order, padded to a multiple of 8).
+    pub padding_waste: f64,
+    /// The same with the length-grouped sampler's batches (`group_by_length`).
+    pub padding_waste_grouped: f64,
+    /// Sequences after packing at `max_length`.
+    pub packed_sequences: usize,
+    /// Real tokens / (packed sequences × max_length).
+    pub packing_efficiency: f64,
+}
+
+/// Computes stats for labelled rows (`kept` = samples not dropped).
+pub fn compute_stats(rows: &[LabelledRow], batch_size: usize, max_length: usize) -> DataStats {
+    let kept: Vec<&TokenizedSample> = rows
+        .iter()
+        .filter(|r| r.dropped.is_none())
+        .map(|r| &r.sample)
+        .collect();
+    let mut lens: Vec<usize> = rows.iter().map(|r| r.full_len).collect();
+    lens.sort_unstable();
+    let total_tokens: usize = kept.iter().map(|s| s.len()).sum();
+    let trained: usize = kept.iter().map(|s| s.num_trained()).sum();
+    let num_truncated = rows.iter().filter(|r| r.truncated).count();
+    let max_seen = lens.last().copied().unwrap_or(0);
+    let bs = batch_size.max(1);
+    let opts = CollateOptions::new(0, max_length);
+    let kept_lens: Vec<usize> = kept.iter().map(|s| s.len()).collect();
+    let waste = |batches: &[Vec<usize>]| -> f64 {
+        let mut slots = 0usize;
+        let mut real = 0usize;
+        for batch in batches {
+            let longest = batch.iter().map(|&i| kept_lens[i]).max().unwrap_or(0);
+            slots += padded_len(longest, &opts) * batch.len();
+            real += batch.iter().map(|&i| kept_lens[i]).sum::<usize>();
+        }
+        if slots == 0 {
+            0.0
+        } else {
+            1.0 - real as f64 / slots as f64
+        }
+    };
+    let in_order: Vec<Vec<usize>> = (0..kept_lens.len())
+        .collect::<Vec<_>>()
+        .chunks(bs)
+        .map(<[usize]>::to_vec)
+        .collect();
+    let padding_waste = waste(&in_order);
+    // What the length-grouped sampler (seed 0, first epoch) would produce.
+    let padding_waste_grouped = waste(&batch_indices(&kept_lens, bs, true, true, 0, 0));
+    let owned: Vec<TokenizedSample> = kept.iter().map(|s| (*s).clone()).collect();
+    let packed = if owned.is_empty() { 0 } else { pack(&owned, max_length).len() };
+    let packing_efficiency = if packed == 0 {
+        0.0
+    } else {
+        total_tokens as f64 / (packed * max_length) as f64
+    };
+    DataStats {
+        num_rows: rows.len(),
+        num_samples: kept.len(),
+        num_dropped: rows.len() - kept.len(),
+        total_tokens,
+        trained_tokens: trained,
+        trained_fraction: ratio(trained, total_tokens),
+        num_truncated,
+        truncated_fraction: ratio(num_truncated, rows.len()),
+        num_completion_truncated: rows.iter().filter(|r| r.completion_truncated).count(),
+        mean_length: if lens.is_empty() {
+            0.0
+        } else {
+            lens.iter().sum::<usize>() as f64 / lens.len() as f64
+        },
+        median_length: lens.get(lens.len() / 2).copied().unwrap_or(0),
+        max_length_seen: max_seen,
+        histogram: histogram(&lens, max_length),
+        batch_size: bs,
+        padding_waste,
+        padding_waste_grouped,
+        packed_sequences: packed,
+        packing_efficiency,
+    }
+}
+
+fn ratio(a: usize, b: usize) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+/// About 24 bins covering every length and the cutoff, with a round width.
+fn histogram(lens: &[usize], cutoff: usize) -> LengthHistogram {
+    let top = lens.iter().copied().max().unwrap_or(0).max(cutoff).max(1);
+    let raw = top.div_ceil(24).max(1);
+    // Round the width to 1, 2 or 5 × a power of ten.
+    let mut width = 1;
+    'outer: for mag in [1usize, 10, 100, 1000, 10_000, 100_000, 1_000_000] {
+        for m in [1, 2, 5] {
+            if m * mag >= raw {
+                width = m * mag;
+                break 'outer;
+            }
+        }
+    }
+    let bins = top / width + 1;
+    let mut counts = vec![0; bins];
+    for &l in lens {
+        counts[(l / width).min(bins - 1)] += 1;
+    }
+    LengthHistogram {
+        bin_width: width,
+        counts,
+        cutoff,
+    }
+}

@@ -1,0 +1,1023 @@
+//! The studio application: navigation, status bar, and the loop that feeds
+//! job outputs and trainer events into the state and starts background work
+//! when the settings change. Panels (in `panels/`) draw the state and queue
+//! [`Action`]s; the app carries them out after the frame is drawn.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use eframe::egui::{self, Color32, RichText};
+
+use tunestudio::plan::{Change, DeviceSpec, PlanRequest};
+use tunestudio::train::{self, Command, RunConfig, Trainer};
+
+use super::jobs::{JobOutput, Jobs, PickTarget};
+use super::panels;
+use super::state::{push_recent, AppState, MemorySeries, Panel, RunPhase, RunState, Settings};
+use super::theme;
+
+/// Storage key of [`Settings`].
+const SETTINGS_KEY: &str = "tunestudio.settings";
+
+/// Something a panel asks the app to do.
+#[derive(Debug, Clone)]
+pub enum Action {
+    /// Resolve the model in the Model panel's text field.
+    LoadModel,
+    /// Re-open the dataset.
+    ScanDataset,
+    /// Start training.
+    Start,
+    /// Pause the trainer.
+    Pause,
+    /// Resume it.
+    Resume,
+    /// Stop it.
+    Stop,
+    /// Save a checkpoint now.
+    SaveNow,
+    /// Apply a planner change to the settings.
+    ApplyChange(Change),
+    /// Search settings that fit.
+    AutoFit,
+    /// Apply the last auto-fit.
+    ApplyAutoFit,
+    /// Run one measured step.
+    DryRun,
+    /// Re-discover devices.
+    RefreshDevices,
+    /// Open the panel.
+    Goto(Panel),
+    /// Show preview rows starting here (and highlight it).
+    JumpToRow(usize),
+    /// Save the run config to this path.
+    SaveConfig(PathBuf),
+    /// Load a run config.
+    LoadConfig(PathBuf),
+    /// Load the bundled demo project.
+    LoadDemo,
+    /// Export a checkpoint.
+    Export,
+    /// Re-read the run history.
+    RefreshHistory,
+    /// Add a folder to the run history.
+    AddRunDir(PathBuf),
+    /// Open a file dialog.
+    Pick(PickTarget),
+}
+
+/// Options for the app that the command line or tests set.
+#[derive(Debug, Clone, Default)]
+pub struct StartOptions {
+    /// Take a screenshot to this PNG and exit.
+    pub screenshot: Option<PathBuf>,
+    /// Panel to open at start.
+    pub panel: Option<Panel>,
+    /// In screenshot mode: start training and wait for this many steps first.
+    pub train_steps: Option<u64>,
+    /// Ignore persisted settings (tests, screenshots).
+    pub fresh: bool,
+    /// Override the run's output folder.
+    pub output_dir: Option<PathBuf>,
+    /// Open this run config instead of the last one / the demo.
+    pub config: Option<PathBuf>,
+}
+
+impl StartOptions {
+    /// Reads `TUNESTUDIO_SCREENSHOT`, `TUNESTUDIO_SCREENSHOT_PANEL`,
+    /// `TUNESTUDIO_SCREENSHOT_TRAIN_STEPS`, `TUNESTUDIO_OUTPUT_DIR` and `TUNESTUDIO_CONFIG`.
+    pub fn from_env() -> Self {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
+        let screenshot = var("TUNESTUDIO_SCREENSHOT").map(PathBuf::from);
+        StartOptions {
+            fresh: screenshot.is_some(),
+            panel: var("TUNESTUDIO_SCREENSHOT_PANEL").and_then(|p| Panel::from_name(&p)),
+            train_steps: var("TUNESTUDIO_SCREENSHOT_TRAIN_STEPS").and_then(|s| s.parse().ok()),
+            output_dir: var("TUNESTUDIO_OUTPUT_DIR").map(PathBuf::from),
+            config: var("TUNESTUDIO_CONFIG").map(PathBuf::from),
+            screenshot,
+        }
+    }
+}
+
+/// The screenshot mode's progress.
+struct Screenshot {
+    path: PathBuf,
+    train_steps: Option<u64>,
+    started: Instant,
+    requested: bool,
+    image: Arc<Mutex<Option<Arc<egui::ColorImage>>>>,
+    saved: bool,
+}
+
+/// The studio.
+pub struct StudioApp {
+    /// Everything the panels show.
+    pub state: AppState,
+    /// Background work.
+    pub jobs: Jobs,
+    ctx: egui::Context,
+    actions: Vec<Action>,
+    screenshot: Option<Screenshot>,
+    /// Frames drawn.
+    pub frame_count: u64,
+}
+
+/// The bundled demo config.
+pub fn demo_config_path() -> PathBuf {
+    tunestudio::paths::assets_dir().join("demo.toml")
+}
+
+/// Loads a run config, keeping its problems as text instead of failing when it
+/// still parses (the studio shows them and lets the user fix them).
+pub fn load_config(path: &Path) -> Result<(RunConfig, Vec<String>), String> {
+    match RunConfig::load(path) {
+        Ok(c) => Ok((c, Vec::new())),
+        Err(err) => {
+            let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+            let base = path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
+            match RunConfig::from_toml_str(&text, &base) {
+                Ok(c) => {
+                    let problems = match &err {
+                        train::ConfigError::Invalid { problems, .. } => {
+                            problems.iter().map(|p| p.to_string()).collect()
+                        }
+                        other => vec![other.to_string()],
+                    };
+                    Ok((c, problems))
+                }
+                Err(_) => Err(err.to_string()),
+            }
+        }
+    }
+}
+
+impl StudioApp {
+    /// Builds the app (eframe's creation hook).
+    pub fn new(cc: &eframe::CreationContext<'_>, opts: StartOptions) -> Self {
+        let ctx = cc.egui_ctx.clone();
+        super::fonts::install(&ctx);
+        ctx.set_theme(egui::ThemePreference::Dark);
+        ctx.all_styles_mut(|style| {
+            style.spacing.item_spacing = egui::vec2(8.0, 6.0);
+            style.spacing.button_padding = egui::vec2(10.0, 4.0);
+        });
+
+        let settings: Settings = if opts.fresh {
+            Settings::default()
+        } else {
+            cc.storage
+                .and_then(|s| eframe::get_value(s, SETTINGS_KEY))
+                .unwrap_or_default()
+        };
+
+        // The last config, else the bundled demo (tiny model, tokenizer and data: trains offline).
+        let mut problems = Vec::new();
+        let mut loaded = None;
+        if let Some(p) = opts.config.clone().or_else(|| settings.last_config.clone()).filter(|p| p.is_file()) {
+            if let Ok((c, pr)) = load_config(&p) {
+                problems = pr;
+                loaded = Some((c, Some(p)));
+            }
+        }
+        let (mut config, path) = match loaded {
+            Some(x) => x,
+            None => match load_config(&demo_config_path()) {
+                Ok((c, pr)) => {
+                    problems = pr;
+                    (c, Some(demo_config_path()))
+                }
+                Err(e) => {
+                    problems = vec![e];
+                    (RunConfig::default(), None)
+                }
+            },
+        };
+        if let Some(out) = &opts.output_dir {
+            config.output_dir = std::path::absolute(out).unwrap_or_else(|_| out.clone());
+        }
+        let mut state = AppState::new(config, path, settings);
+        state.config_problems = problems;
+        if let Some(p) = opts.panel {
+            state.panel = p;
+        }
+        let jobs = Jobs::new(ctx.clone());
+        let mut app = StudioApp {
+            state,
+            jobs,
+            ctx: ctx.clone(),
+            actions: Vec::new(),
+            screenshot: opts.screenshot.map(|path| Screenshot {
+                path,
+                train_steps: opts.train_steps,
+                started: Instant::now(),
+                requested: false,
+                image: Arc::new(Mutex::new(None)),
+                saved: false,
+            }),
+            frame_count: 0,
+        };
+        app.jobs.discover_devices();
+        app.state.devices.loading = true;
+        app.jobs.scan_hub_cache();
+        app.actions.push(Action::LoadModel);
+        app.actions.push(Action::RefreshHistory);
+        app
+    }
+
+    /// The devices the plan runs on: the selected ones, sized from discovery.
+    pub fn device_specs(&self) -> Result<Vec<DeviceSpec>, String> {
+        let labels = &self.state.config.devices.devices;
+        if labels.is_empty() {
+            return Err("no device selected: tick at least one device in GPUs & memory".into());
+        }
+        let mut out = Vec::new();
+        for label in labels {
+            let label = label.trim();
+            if let Some(inv) = &self.state.devices.inventory {
+                if label == "cpu" {
+                    if let Some(cpu) = inv.cpu() {
+                        out.push(DeviceSpec::cpu(cpu.total_bytes));
+                        continue;
+                    }
+                }
+                if let Some(n) = label.strip_prefix("cuda:").and_then(|n| n.parse::<usize>().ok()) {
+                    let gpu = inv
+                        .gpu_by_cuda_ordinal(n)
+                        .or_else(|| inv.gpus().find(|g| g.index == n));
+                    if let Some(g) = gpu {
+                        let cap = g.total_bytes.saturating_sub(g.other_processes_bytes());
+                        let mut spec = DeviceSpec::cuda(n, cap);
+                        spec.name = format!("GPU {n}");
+                        out.push(spec);
+                        continue;
+                    }
+                }
+            }
+            match tunestudio::plan::parse_devices(label) {
+                Ok(mut d) => out.append(&mut d),
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        Ok(out)
+    }
+
+    fn handle_job(&mut self, out: JobOutput) {
+        let s = &mut self.state;
+        match out {
+            JobOutput::Model { seq, result } => {
+                if seq != s.model.seq {
+                    return;
+                }
+                s.model.loading = None;
+                s.model.download_bytes = None;
+                match result {
+                    Ok(info) => {
+                        s.model.error = None;
+                        push_recent(&mut s.settings.recent_models, info.source.clone());
+                        s.model.info = Some(info);
+                    }
+                    Err(e) => {
+                        s.model.error = Some(e);
+                        s.model.info = None;
+                    }
+                }
+            }
+            JobOutput::ModelProgress { seq, bytes } => {
+                if seq == s.model.seq && s.model.loading.is_some() {
+                    s.model.download_bytes = Some(bytes);
+                }
+            }
+            JobOutput::HubCache(list) => s.model.cached = list,
+            JobOutput::Dataset { seq, result } => {
+                if seq != s.dataset.seq {
+                    return;
+                }
+                s.dataset.loading = false;
+                match result {
+                    Ok(sum) => {
+                        s.dataset.error = None;
+                        s.dataset.summary = Some(sum);
+                    }
+                    Err(e) => {
+                        s.dataset.error = Some(e);
+                        s.dataset.summary = None;
+                    }
+                }
+            }
+            JobOutput::Preview { seq, result } => {
+                if seq != s.preview.seq {
+                    return;
+                }
+                s.preview.loading = false;
+                match result {
+                    Ok(p) => {
+                        s.preview.error = None;
+                        s.preview.preview = Some(p);
+                    }
+                    Err(e) => {
+                        s.preview.error = Some(e);
+                        s.preview.preview = None;
+                    }
+                }
+            }
+            JobOutput::Plan { seq, result } => {
+                if seq != s.plan.seq {
+                    return;
+                }
+                s.plan.loading = false;
+                match result {
+                    Ok((req, plan)) => {
+                        s.plan.error = None;
+                        s.plan.request = Some(req);
+                        s.plan.plan = Some(plan);
+                    }
+                    Err(e) => {
+                        s.plan.error = Some(e);
+                        s.plan.plan = None;
+                    }
+                }
+            }
+            JobOutput::AutoFit(r) => {
+                s.plan.autofit_running = false;
+                match r {
+                    // Auto-fit applies its answer at once and says what it changed.
+                    Ok(fit) => {
+                        s.plan.autofit = Some(fit);
+                        self.actions.push(Action::ApplyAutoFit);
+                    }
+                    Err(e) => s.plan.error = Some(e),
+                }
+            }
+            JobOutput::DryRun(report) => {
+                s.plan.dry_run_running = false;
+                s.plan.dry_run = Some(report);
+            }
+            JobOutput::Devices(inv) => {
+                s.devices.loading = false;
+                s.devices.inventory = Some(inv);
+            }
+            JobOutput::Export(r) => {
+                s.export.running = false;
+                s.export.result = Some(r);
+            }
+            JobOutput::Picked(target, path) => {
+                let text = path.display().to_string();
+                match target {
+                    PickTarget::ModelFolder => {
+                        s.model.source_input = text;
+                        self.actions.push(Action::LoadModel);
+                    }
+                    PickTarget::DatasetFile | PickTarget::DatasetFolder => {
+                        s.dataset.path_input = text;
+                        self.actions.push(Action::ScanDataset);
+                    }
+                    PickTarget::ValidationFile => s.config.data.validation_path = Some(text),
+                    PickTarget::OutputDir => s.config.output_dir = path,
+                    PickTarget::ConfigOpen => self.actions.push(Action::LoadConfig(path)),
+                    PickTarget::ConfigSave => {
+                        s.export.config_path = text;
+                        self.actions.push(Action::SaveConfig(path));
+                    }
+                    PickTarget::Checkpoint => s.export.checkpoint = text,
+                    PickTarget::ExportDest => s.export.destination = text,
+                    PickTarget::RunDir => self.actions.push(Action::AddRunDir(path)),
+                }
+            }
+            JobOutput::History(runs, errors) => {
+                s.history.loading = false;
+                s.history.runs = runs;
+                s.history.overlay.retain(|&i| i < s.history.runs.len());
+                s.history.error = (!errors.is_empty()).then(|| errors.join("\n"));
+            }
+        }
+    }
+
+    /// Starts background work the current settings need (dataset scan, preview, plan).
+    fn schedule_jobs(&mut self) {
+        let model_dir = self.state.model.info.as_ref().map(|i| i.dir.display().to_string());
+
+        let dkey = self.state.dataset_key();
+        if dkey != self.state.dataset.key {
+            self.state.dataset.key = dkey;
+            self.state.dataset.seq += 1;
+            self.state.dataset.loading = true;
+            self.jobs
+                .scan_dataset(self.state.dataset.seq, self.state.config.resolved_data());
+        }
+
+        if let Some(dir) = &model_dir {
+            let pkey = format!("{dir}|{}", self.state.preview_key());
+            if pkey != self.state.preview.key {
+                self.state.preview.key = pkey;
+                self.state.preview.seq += 1;
+                self.state.preview.loading = true;
+                self.jobs.preview(
+                    self.state.preview.seq,
+                    dir.clone(),
+                    self.state.config.resolved_data(),
+                    self.state.preview.start_row,
+                    self.state.config.training.micro_batch.clamp(1, 16),
+                );
+            }
+        }
+
+        if let Some(info) = &self.state.model.info {
+            let key = self.state.plan_key();
+            if key != self.state.plan.key {
+                self.state.plan.key = key;
+                self.state.plan.seq += 1;
+                match self.device_specs() {
+                    Ok(devices) => {
+                        self.state.plan.loading = true;
+                        self.jobs.plan(
+                            self.state.plan.seq,
+                            info.config.clone(),
+                            self.state.config.clone(),
+                            devices,
+                        );
+                    }
+                    Err(e) => {
+                        self.state.plan.error = Some(e);
+                        self.state.plan.plan = None;
+                    }
+                }
+            }
+        }
+    }
+
+    fn poll_trainer(&mut self) {
+        let events = match &self.state.run.handle {
+            Some(h) => h.drain(),
+            None => return,
+        };
+        for e in events {
+            self.state.run.apply(e);
+        }
+        if matches!(self.state.run.phase, RunPhase::Finished(_)) {
+            if let Some(h) = self.state.run.handle.take() {
+                // The thread has sent Finished; joining returns at once.
+                h.join();
+                self.actions.push(Action::RefreshHistory);
+            }
+        }
+    }
+
+    /// Applies a planner request's settings to the run config.
+    fn apply_request(&mut self, req: &PlanRequest) {
+        let c = &mut self.state.config;
+        if let Some(p) = [
+            train::Precision::Fp32,
+            train::Precision::Bf16Mixed,
+            train::Precision::Bf16,
+            train::Precision::Fp16Mixed,
+        ]
+        .into_iter()
+        .find(|p| p.name() == req.precision.as_str())
+        {
+            c.training.precision = p;
+        }
+        c.training.micro_batch = req.micro_batch;
+        c.training.gradient_accumulation = req.gradient_accumulation;
+        c.data.max_length = req.seq_len;
+        c.training.activation_checkpointing = req.activation_checkpointing;
+        match &req.lora {
+            Some(l) => {
+                c.lora.enabled = true;
+                c.lora.r = l.r;
+                c.lora.target_modules = l.target_modules.clone();
+            }
+            None => c.lora.enabled = false,
+        }
+        c.devices.strategy = req.strategy.as_str().to_string();
+    }
+
+    fn start_training(&mut self) {
+        if self.state.run.is_active() {
+            return;
+        }
+        let mut config = self.state.config.clone();
+        if let Some(s) = &self.screenshot {
+            if s.train_steps.is_some() {
+                config.output_dir = std::env::temp_dir().join(format!("tunestudio-screenshot-{}", std::process::id()));
+            }
+        }
+        let out = config.output_path();
+        let abs_out = std::path::absolute(&out).unwrap_or(out);
+        push_recent(&mut self.state.settings.run_dirs, abs_out.clone());
+        let mut run = RunState {
+            phase: RunPhase::Loading,
+            status: "starting".into(),
+            started_at: Some(Instant::now()),
+            output_dir: Some(abs_out),
+            ..RunState::default()
+        };
+        // Predicted peaks and capacities per device, for the memory chart.
+        if let Some(plan) = &self.state.plan.plan {
+            for (label, dp) in config.devices.devices.iter().zip(plan.per_device.iter()) {
+                run.memory.insert(
+                    label.clone(),
+                    MemorySeries {
+                        predicted_peak_bytes: Some(dp.peak_bytes),
+                        total_bytes: Some(dp.device.capacity_bytes),
+                        ..MemorySeries::default()
+                    },
+                );
+            }
+        }
+        let ctx = self.ctx.clone();
+        let waker: train::Waker = Arc::new(move || ctx.request_repaint());
+        let handle = Trainer::spawn(config, Some(waker));
+        if !handle.send(Command::Start) {
+            run.status = "the trainer thread ended before it started".into();
+        }
+        run.handle = Some(handle);
+        self.state.run = run;
+        self.state.panel = Panel::Run;
+    }
+
+    fn send(&mut self, cmd: Command) {
+        if let Some(h) = &self.state.run.handle {
+            if !h.send(cmd) {
+                self.state.toast("the trainer has already ended");
+            }
+        }
+    }
+
+    fn run_actions(&mut self) {
+        let actions = std::mem::take(&mut self.actions);
+        for a in actions {
+            match a {
+                Action::LoadModel => {
+                    let typed = self.state.model.source_input.trim().to_string();
+                    if typed != self.state.config.model.source {
+                        self.state.config.model.source = typed;
+                    }
+                    let source = self.state.model_source();
+                    self.state.model.seq += 1;
+                    self.state.model.loading = Some(Instant::now());
+                    self.state.model.download_bytes = None;
+                    self.state.model.error = None;
+                    self.jobs.load_model(self.state.model.seq, source);
+                }
+                Action::ScanDataset => {
+                    self.state.config.data.path = self.state.dataset.path_input.trim().to_string();
+                    self.state.dataset.key.clear();
+                    self.state.preview.key.clear();
+                    self.state.preview.start_row = 0;
+                    let p = self.state.config.data.path.clone();
+                    if !p.is_empty() {
+                        push_recent(&mut self.state.settings.recent_datasets, p);
+                    }
+                }
+                Action::Start => self.start_training(),
+                Action::Pause => self.send(Command::Pause),
+                Action::Resume => self.send(Command::Resume),
+                Action::Stop => self.send(Command::Stop),
+                Action::SaveNow => self.send(Command::SaveNow),
+                Action::ApplyChange(change) => {
+                    if let Some(req) = self.state.plan.request.clone() {
+                        let new = change.apply(&req);
+                        let text = change.describe(&req);
+                        self.apply_request(&new);
+                        self.state.toast(format!("applied: {text}"));
+                    }
+                }
+                Action::AutoFit => {
+                    if let Some(req) = self.state.plan.request.clone() {
+                        self.state.plan.autofit_running = true;
+                        self.jobs.auto_fit(req);
+                    }
+                }
+                Action::ApplyAutoFit => {
+                    if let Some(fit) = self.state.plan.autofit.take() {
+                        self.apply_request(&fit.request);
+                        self.state.plan.autofit_applied = if fit.changes.is_empty() {
+                            vec!["the settings already fit; nothing changed".into()]
+                        } else {
+                            fit.changes.clone()
+                        };
+                    }
+                }
+                Action::DryRun => {
+                    if let Some(plan) = self.state.plan.plan.clone() {
+                        self.state.plan.dry_run_running = true;
+                        self.jobs.dry_run(plan, self.state.config.clone());
+                    }
+                }
+                Action::RefreshDevices => {
+                    self.state.devices.loading = true;
+                    self.jobs.discover_devices();
+                }
+                Action::Goto(p) => self.state.panel = p,
+                Action::JumpToRow(row) => {
+                    self.state.preview.start_row = row;
+                    self.state.preview.highlight = Some(row);
+                    self.state.panel = Panel::Preview;
+                }
+                Action::SaveConfig(path) => {
+                    let r = self.state.config.with_absolute_paths().save(&path);
+                    match r {
+                        Ok(()) => {
+                            self.state.export.config_message = Some(Ok(format!("saved {}", path.display())));
+                            push_recent(&mut self.state.settings.recent_configs, path.clone());
+                            self.state.settings.last_config = Some(path.clone());
+                            // Later relative edits resolve against the new location.
+                            if let Ok((c, _)) = load_config(&path) {
+                                self.state.config = c;
+                            }
+                            self.state.config_path = Some(path);
+                        }
+                        Err(e) => self.state.export.config_message = Some(Err(e.to_string())),
+                    }
+                }
+                Action::LoadConfig(path) => match load_config(&path) {
+                    Ok((c, problems)) => {
+                        self.state.set_config(c, Some(path.clone()));
+                        self.state.config_problems = problems;
+                        push_recent(&mut self.state.settings.recent_configs, path.clone());
+                        self.state.settings.last_config = Some(path.clone());
+                        self.state.export.config_message = Some(Ok(format!("loaded {}", path.display())));
+                        self.actions.push(Action::LoadModel);
+                    }
+                    Err(e) => self.state.export.config_message = Some(Err(e)),
+                },
+                Action::LoadDemo => {
+                    match load_config(&demo_config_path()) {
+                        Ok((c, problems)) => {
+                            self.state.set_config(c, Some(demo_config_path()));
+                            self.state.config_problems = problems;
+                            self.state.settings.last_config = None;
+                        }
+                        Err(e) => self.state.config_problems = vec![e],
+                    }
+                    self.actions.push(Action::LoadModel);
+                }
+                Action::Export => {
+                    let e = &self.state.export;
+                    let ck = PathBuf::from(e.checkpoint.trim());
+                    let dest = PathBuf::from(e.destination.trim());
+                    if e.checkpoint.trim().is_empty() || e.destination.trim().is_empty() {
+                        self.state.export.result =
+                            Some(Err("choose a checkpoint folder and a destination folder first".into()));
+                    } else {
+                        let (kind, dtype) = (e.kind, e.dtype.to_dtype());
+                        self.state.export.running = true;
+                        self.state.export.result = None;
+                        self.jobs.export(kind, ck, dest, dtype);
+                    }
+                }
+                Action::RefreshHistory => {
+                    let mut dirs = self.state.settings.run_dirs.clone();
+                    let out = self.state.output_dir();
+                    dirs.push(out.clone());
+                    if let Some(parent) = out.parent() {
+                        dirs.push(parent.to_path_buf());
+                    }
+                    self.state.history.loading = true;
+                    self.jobs.load_history(dirs);
+                }
+                Action::Pick(target) => {
+                    let base = self.state.config.base_dir.clone();
+                    let start = match target {
+                        PickTarget::ModelFolder => super::state::dialog_dir(&self.state.model.source_input, &base),
+                        PickTarget::DatasetFile | PickTarget::DatasetFolder => {
+                            super::state::dialog_dir(&self.state.dataset.path_input, &base)
+                        }
+                        PickTarget::Checkpoint | PickTarget::RunDir | PickTarget::OutputDir => {
+                            Some(self.state.output_dir()).filter(|p| p.is_dir())
+                        }
+                        _ => None,
+                    };
+                    self.jobs.pick(target, start);
+                }
+                Action::AddRunDir(dir) => {
+                    push_recent(&mut self.state.settings.run_dirs, dir);
+                    self.actions.push(Action::RefreshHistory);
+                }
+            }
+        }
+    }
+
+    fn status_bar(&mut self, ui: &mut egui::Ui) {
+        ui.horizontal(|ui| {
+            // Devices.
+            match &self.state.devices.inventory {
+                Some(inv) => {
+                    let gpus: Vec<String> = inv
+                        .gpus()
+                        .map(|g| format!("{} {} free", g.label(), theme::bytes(g.free_bytes)))
+                        .collect();
+                    let cpu = inv
+                        .cpu()
+                        .map(|c| format!("CPU {} free", theme::bytes(c.free_bytes)))
+                        .unwrap_or_default();
+                    let text = if gpus.is_empty() {
+                        format!("{cpu} · no GPU")
+                    } else {
+                        format!("{cpu} · {}", gpus.join(" · "))
+                    };
+                    ui.label(RichText::new(text).small());
+                }
+                None => {
+                    ui.label(RichText::new("looking for devices…").small().weak());
+                }
+            }
+            ui.separator();
+            // The run.
+            let r = &self.state.run;
+            let text = match r.phase {
+                RunPhase::Idle => "no run".to_string(),
+                RunPhase::Loading => format!("run: {}", r.status),
+                RunPhase::Running | RunPhase::Paused => {
+                    let loss = r.loss.last().map(|p| format!(" · loss {:.4}", p[1])).unwrap_or_default();
+                    format!(
+                        "run: step {}/{}{loss} · {:.0} tok/s{}",
+                        r.step,
+                        r.total_steps,
+                        r.tokens_per_sec,
+                        if r.phase == RunPhase::Paused { " · paused" } else { "" }
+                    )
+                }
+                RunPhase::Finished(_) => format!("run: {}", r.status),
+            };
+            let color = match r.phase {
+                RunPhase::Running => theme::OK,
+                RunPhase::Paused => theme::WARNING,
+                RunPhase::Finished(train::FinishReason::Failed) => theme::ERROR,
+                _ => ui.visuals().text_color(),
+            };
+            ui.label(RichText::new(text).small().color(color));
+            let busy = self.jobs.in_flight();
+            if busy > 0 {
+                ui.separator();
+                ui.add(egui::Spinner::new().size(12.0));
+                ui.label(RichText::new(format!("{busy} background job(s)")).small().weak());
+            }
+            if let Some((msg, at)) = &self.state.toast {
+                if at.elapsed() < Duration::from_secs(6) {
+                    ui.separator();
+                    ui.label(RichText::new(msg).small().color(theme::ACCENT));
+                }
+            }
+            ui.with_layout(egui::Layout::right_to_left(egui::Align::Center), |ui| {
+                let r = ui
+                    .selectable_label(self.state.show_debug, RichText::new("frame time").small())
+                    .on_hover_text("Show the frame-time debug line");
+                if r.clicked() {
+                    self.state.show_debug = !self.state.show_debug;
+                }
+                if self.state.show_debug {
+                    ui.label(RichText::new(self.state.frames.summary()).small().weak().monospace());
+                }
+            });
+        });
+    }
+
+    fn navigation(&mut self, ui: &mut egui::Ui) {
+        ui.add_space(8.0);
+        ui.label(RichText::new("tunestudio").size(20.0).strong().color(theme::ACCENT));
+        ui.label(RichText::new("fine-tuning studio").small().weak());
+        ui.add_space(12.0);
+        for (i, p) in Panel::ALL.iter().enumerate() {
+            let badge = self.nav_badge(*p);
+            let selected = self.state.panel == *p;
+            let text = RichText::new(format!("{}  {}", i + 1, p.title())).size(15.0);
+            ui.horizontal(|ui| {
+                let r = ui.add(
+                    // The grow atom pushes the title to the left edge.
+                    egui::Button::selectable(selected, (text, egui::Atom::grow())).min_size(egui::vec2(150.0, 28.0)),
+                );
+                if r.clicked() {
+                    self.state.panel = *p;
+                }
+                if let Some((color, tip)) = badge {
+                    let (rect, resp) = ui.allocate_exact_size(egui::vec2(10.0, 10.0), egui::Sense::hover());
+                    ui.painter().circle_filled(rect.center(), 4.0, color);
+                    resp.on_hover_text(tip);
+                }
+            });
+        }
+        ui.add_space(16.0);
+        ui.separator();
+        if let Some(p) = &self.state.config_path {
+            ui.label(RichText::new("Run config").small().weak());
+            ui.add(egui::Label::new(RichText::new(p.display().to_string()).small()).wrap());
+        }
+        if !self.state.config_problems.is_empty() {
+            ui.label(
+                RichText::new(format!("{} config problem(s)", self.state.config_problems.len()))
+                    .small()
+                    .color(theme::WARNING),
+            )
+            .on_hover_text(self.state.config_problems.join("\n"));
+        }
+        ui.add_space(6.0);
+        if ui
+            .button("Load demo project")
+            .on_hover_text("The bundled tiny model, tokenizer and dataset: trains offline in about a minute")
+            .clicked()
+        {
+            self.actions.push(Action::LoadDemo);
+        }
+    }
+
+    /// A status dot for a navigation entry.
+    fn nav_badge(&self, p: Panel) -> Option<(Color32, String)> {
+        let s = &self.state;
+        match p {
+            Panel::Model => {
+                if s.model.error.is_some() {
+                    Some((theme::ERROR, "the model could not be loaded".into()))
+                } else if s.model.info.is_some() {
+                    Some((theme::OK, "model ready".into()))
+                } else {
+                    None
+                }
+            }
+            Panel::Dataset => {
+                if s.dataset.error.is_some() {
+                    Some((theme::ERROR, "the dataset could not be read".into()))
+                } else {
+                    s.dataset.summary.as_ref().map(|d| (theme::OK, format!("{} rows", d.num_rows)))
+                }
+            }
+            Panel::Preview => s.preview.preview.as_ref().map(|p| {
+                if p.has_errors() {
+                    (theme::ERROR, "the dataset has error-level lints".into())
+                } else if !p.lints.is_empty() {
+                    (theme::WARNING, format!("{} lint(s)", p.lints.len()))
+                } else {
+                    (theme::OK, "no lints".into())
+                }
+            }),
+            Panel::Devices => s.plan.plan.as_ref().map(|p| match p.verdict {
+                tunestudio::plan::Verdict::Fits => (theme::OK, "fits".into()),
+                tunestudio::plan::Verdict::Tight => (theme::WARNING, "fits, tight".into()),
+                tunestudio::plan::Verdict::OutOfMemory => (theme::ERROR, p.summary.clone()),
+            }),
+            Panel::Run => match s.run.phase {
+                RunPhase::Running | RunPhase::Loading => Some((theme::OK, "training".into())),
+                RunPhase::Paused => Some((theme::WARNING, "paused".into())),
+                RunPhase::Finished(train::FinishReason::Failed) => Some((theme::ERROR, "the run failed".into())),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    fn drive_screenshot(&mut self) {
+        let Some(shot) = &mut self.screenshot else { return };
+        if shot.saved {
+            return;
+        }
+        let image = shot.image.lock().ok().and_then(|mut g| g.take());
+        if let Some(img) = image {
+            let r = save_png(&shot.path, &img);
+            match r {
+                Ok(()) => eprintln!("screenshot saved to {}", shot.path.display()),
+                Err(e) => eprintln!("error: cannot save the screenshot: {e}"),
+            }
+            shot.saved = true;
+            if let Some(h) = &self.state.run.handle {
+                let _ = h.send(Command::Stop);
+            }
+            self.ctx.send_viewport_cmd(egui::ViewportCommand::Close);
+            return;
+        }
+        if shot.requested {
+            self.ctx.request_repaint_after(Duration::from_millis(50));
+            return;
+        }
+        let elapsed = shot.started.elapsed();
+        // Start the demo once the plan is there, so the memory chart has its predicted peak.
+        if shot.train_steps.is_some() && self.state.run.phase == RunPhase::Idle && self.state.plan.plan.is_some() {
+            self.actions.push(Action::Start);
+            self.ctx.request_repaint();
+            return;
+        }
+        let jobs_done = self.jobs.in_flight() == 0;
+        let steps_done = match shot.train_steps {
+            None => true,
+            Some(n) => self.state.run.step >= n || matches!(self.state.run.phase, RunPhase::Finished(_)),
+        };
+        // Let a few frames settle layout (egui sizes some widgets on the first pass).
+        let ready = jobs_done && steps_done && self.frame_count > 8 && elapsed > Duration::from_millis(800);
+        if ready || elapsed > Duration::from_secs(180) {
+            if shot.train_steps.is_some() {
+                if let Some(h) = &self.state.run.handle {
+                    let _ = h.send(Command::Pause);
+                }
+            }
+            shot.requested = true;
+            let slot = Arc::clone(&shot.image);
+            let ctx = self.ctx.clone();
+            self.ctx.request_screenshot(move |img| {
+                if let Ok(mut g) = slot.lock() {
+                    *g = Some(img);
+                }
+                ctx.request_repaint();
+            });
+        } else {
+            self.ctx.request_repaint_after(Duration::from_millis(100));
+        }
+    }
+}
+
+/// Writes an egui image as PNG.
+pub fn save_png(path: &Path, img: &egui::ColorImage) -> Result<(), String> {
+    let [w, h] = img.size;
+    let mut raw = Vec::with_capacity(w * h * 4);
+    for p in &img.pixels {
+        raw.extend_from_slice(&p.to_srgba_unmultiplied());
+    }
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+    }
+    image::save_buffer(path, &raw, w as u32, h as u32, image::ColorType::Rgba8)
+        .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+impl eframe::App for StudioApp {
+    fn ui(&mut self, ui: &mut egui::Ui, _frame: &mut eframe::Frame) {
+        let t0 = Instant::now();
+        self.frame_count += 1;
+
+        for out in self.jobs.drain() {
+            self.handle_job(out);
+        }
+        self.poll_trainer();
+        self.run_actions();
+        self.schedule_jobs();
+
+        egui::Panel::bottom("status")
+            .frame(egui::Frame::side_top_panel(ui.style()).inner_margin(egui::Margin::symmetric(10, 4)))
+            .show(ui, |ui| self.status_bar(ui));
+        egui::Panel::left("nav")
+            .resizable(false)
+            .exact_size(190.0)
+            .frame(egui::Frame::side_top_panel(ui.style()).inner_margin(egui::Margin::symmetric(10, 6)))
+            .show(ui, |ui| self.navigation(ui));
+        egui::CentralPanel::default()
+            .frame(egui::Frame::central_panel(ui.style()).inner_margin(egui::Margin::symmetric(18, 10)))
+            .show(ui, |ui| {
+                let mut actions = Vec::new();
+                let panel = self.state.panel;
+                egui::ScrollArea::vertical()
+                    .id_salt(("panel", panel as u8))
+                    .auto_shrink([false, false])
+                    .show(ui, |ui| match panel {
+                        Panel::Model => panels::model::show(ui, &mut self.state, &mut actions),
+                        Panel::Dataset => panels::dataset::show(ui, &mut self.state, &mut actions),
+                        Panel::Preview => panels::preview::show(ui, &mut self.state, &mut actions),
+                        Panel::Training => panels::training::show(ui, &mut self.state, &mut actions),
+                        Panel::Devices => panels::devices::show(ui, &mut self.state, &mut actions),
+                        Panel::Run => panels::run::show(ui, &mut self.state, &mut actions),
+                        Panel::Export => panels::export::show(ui, &mut self.state, &mut actions),
+                    });
+                self.actions.extend(actions);
+            });
+
+        // Actions queued by this frame's clicks take effect now, not on the next input.
+        if !self.actions.is_empty() {
+            self.ctx.request_repaint();
+        }
+        // A spinner or a model download wants a steady repaint; everything else is event-driven.
+        if self.state.model.loading.is_some() {
+            self.ctx.request_repaint_after(Duration::from_millis(250));
+        }
+        self.drive_screenshot();
+        self.state.frames.record(t0.elapsed().as_secs_f32() * 1000.0);
+    }
+
+    fn raw_input_hook(&mut self, _ctx: &egui::Context, raw_input: &mut egui::RawInput) {
+        // Screenshots show the panels, not whatever the X server's pointer happens to hover.
+        if self.screenshot.is_some() {
+            raw_input
+                .events
+                .retain(|e| !matches!(e, egui::Event::PointerMoved(_) | egui::Event::PointerButton { .. }));
+            raw_input.events.push(egui::Event::PointerGone);
+        }
+    }
+
+    fn save(&mut self, storage: &mut dyn eframe::Storage) {
+        if self.screenshot.is_some() {
+            return;
+        }
+        self.state.settings.panel = self.state.panel;
+        if let Some(p) = &self.state.config_path {
+            if *p != demo_config_path() {
+                self.state.settings.last_config = Some(p.clone());
+            }
+        }
+        eframe::set_value(storage, SETTINGS_KEY, &self.state.settings);
+    }
+
+    fn on_exit(&mut self, _gl: Option<&eframe::glow::Context>) {
+        // Ask a live run to stop after its current step; metrics are already on disk.
+        if let Some(h) = &self.state.run.handle {
+            let _ = h.send(Command::Stop);
+        }
+    }
+}

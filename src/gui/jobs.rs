@@ -1,0 +1,517 @@
+//! Background work: every slow call into the library (resolving and
+//! downloading models, reading datasets, tokenising the preview, planning,
+//! dry runs, exports, reading run history) runs on its own thread and reports
+//! one [`JobOutput`] over a channel; the thread wakes the UI with
+//! `request_repaint`. The UI thread never waits on any of it.
+//!
+//! Requests carry a sequence number; the app keeps only the answer to the
+//! latest request of each kind, so a slow answer to stale settings is dropped.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crossbeam_channel::{Receiver, Sender};
+use eframe::egui;
+
+use tunestudio::data::{self, DataConfig, DataPreview, PreviewOptions, RowSelection, TokenizerBundle};
+use tunestudio::devices::DeviceInventory;
+use tunestudio::model::{self, ModelConfig};
+use tunestudio::plan::{self, AutoFit, DeviceSpec, DryRunReport, LoraSpec, Plan, PlanRequest};
+use tunestudio::train::{self, RunConfig};
+
+use super::state::{DatasetSummary, ExportKind, HistoryRun, ModelInfo};
+
+/// What a finished job reports.
+pub enum JobOutput {
+    /// A model was resolved (or not).
+    Model {
+        /// Request number.
+        seq: u64,
+        /// The model or the error in words.
+        result: Result<ModelInfo, String>,
+    },
+    /// Download progress of a hub model: bytes in its cache folder so far.
+    ModelProgress {
+        /// Request number.
+        seq: u64,
+        /// Bytes so far.
+        bytes: u64,
+    },
+    /// Hub models in the local cache.
+    HubCache(Vec<String>),
+    /// A dataset was opened.
+    Dataset {
+        /// Request number.
+        seq: u64,
+        /// The summary or the error.
+        result: Result<DatasetSummary, String>,
+    },
+    /// A preview was built.
+    Preview {
+        /// Request number.
+        seq: u64,
+        /// The preview or the error.
+        result: Result<DataPreview, String>,
+    },
+    /// A plan was made.
+    Plan {
+        /// Request number.
+        seq: u64,
+        /// The request and its plan, or the error.
+        result: Result<(PlanRequest, Plan), String>,
+    },
+    /// Auto-fit finished.
+    AutoFit(Result<AutoFit, String>),
+    /// The dry run finished.
+    DryRun(DryRunReport),
+    /// Device discovery finished.
+    Devices(DeviceInventory),
+    /// An export finished.
+    Export(Result<PathBuf, String>),
+    /// Run history was read.
+    History(Vec<HistoryRun>, Vec<String>),
+    /// A file dialog returned a path.
+    Picked(PickTarget, PathBuf),
+}
+
+/// What a file dialog is choosing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PickTarget {
+    /// A local model folder.
+    ModelFolder,
+    /// A data file.
+    DatasetFile,
+    /// A folder of data files.
+    DatasetFolder,
+    /// A separate validation file.
+    ValidationFile,
+    /// The run's output folder.
+    OutputDir,
+    /// A run config to open.
+    ConfigOpen,
+    /// Where to save the run config.
+    ConfigSave,
+    /// A checkpoint folder to export.
+    Checkpoint,
+    /// The export destination.
+    ExportDest,
+    /// A run folder for the history.
+    RunDir,
+}
+
+/// Spawns jobs and collects their outputs.
+pub struct Jobs {
+    tx: Sender<JobOutput>,
+    rx: Receiver<JobOutput>,
+    ctx: egui::Context,
+    running: Arc<AtomicUsize>,
+    /// The tokenizer of the last model folder, reused across previews.
+    tokenizer: Arc<Mutex<Option<(PathBuf, Arc<TokenizerBundle>)>>>,
+}
+
+impl Jobs {
+    /// A job runner that wakes `ctx` when a job finishes.
+    pub fn new(ctx: egui::Context) -> Self {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        Jobs {
+            tx,
+            rx,
+            ctx,
+            running: Arc::new(AtomicUsize::new(0)),
+            tokenizer: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    /// Jobs still running.
+    pub fn in_flight(&self) -> usize {
+        self.running.load(Ordering::SeqCst)
+    }
+
+    /// Every output available now.
+    pub fn drain(&self) -> Vec<JobOutput> {
+        self.rx.try_iter().collect()
+    }
+
+    /// Runs `work` on a new thread; its output is delivered by [`Jobs::drain`].
+    pub fn spawn(&self, name: &str, work: impl FnOnce(&Sender<JobOutput>) -> Option<JobOutput> + Send + 'static) {
+        let tx = self.tx.clone();
+        let ctx = self.ctx.clone();
+        let running = Arc::clone(&self.running);
+        running.fetch_add(1, Ordering::SeqCst);
+        let guard_running = Arc::clone(&running);
+        let spawned = std::thread::Builder::new()
+            .name(format!("studio-{name}"))
+            .spawn(move || {
+                // A panic inside the library must not leave the UI waiting forever.
+                let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(&tx)));
+                if let Ok(Some(out)) = out {
+                    let _ = tx.send(out);
+                }
+                guard_running.fetch_sub(1, Ordering::SeqCst);
+                ctx.request_repaint();
+            });
+        if spawned.is_err() {
+            running.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Resolves a model source (folder or hub id, downloading if needed).
+    pub fn load_model(&self, seq: u64, source: String) {
+        self.spawn("model", move |tx| {
+            // While a hub download runs, report the cache folder's growth.
+            let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            if looks_like_hub_id(&source) && !Path::new(&source).exists() {
+                let opts = model::HubOptions::from_env();
+                let dir = opts.cache_dir.join(format!("models--{}", source.replace('/', "--")));
+                let done2 = Arc::clone(&done);
+                let tx2 = tx.clone();
+                let _ = std::thread::Builder::new().name("studio-download".into()).spawn(move || {
+                    while !done2.load(Ordering::SeqCst) {
+                        let _ = tx2.send(JobOutput::ModelProgress {
+                            seq,
+                            bytes: folder_bytes(&dir),
+                        });
+                        std::thread::sleep(std::time::Duration::from_millis(400));
+                    }
+                });
+            }
+            let result = model_info(&source);
+            done.store(true, Ordering::SeqCst);
+            Some(JobOutput::Model { seq, result })
+        });
+    }
+
+    /// Lists hub models in the local HF cache.
+    pub fn scan_hub_cache(&self) {
+        self.spawn("hub-cache", |_| {
+            let dir = model::HubOptions::from_env().cache_dir;
+            let mut found = Vec::new();
+            if let Ok(entries) = std::fs::read_dir(&dir) {
+                for e in entries.flatten() {
+                    let name = e.file_name().to_string_lossy().to_string();
+                    if let Some(rest) = name.strip_prefix("models--") {
+                        let id = rest.replacen("--", "/", 1);
+                        if model::hub::cached_snapshot(&dir, &id).is_some() {
+                            found.push(id);
+                        }
+                    }
+                }
+            }
+            found.sort();
+            Some(JobOutput::HubCache(found))
+        });
+    }
+
+    /// Opens the dataset of `cfg` and summarises it.
+    pub fn scan_dataset(&self, seq: u64, cfg: DataConfig) {
+        self.spawn("dataset", move |_| Some(JobOutput::Dataset {
+            seq,
+            result: dataset_summary(&cfg),
+        }));
+    }
+
+    /// Builds the token preview of `batch` rows starting at `start`.
+    pub fn preview(&self, seq: u64, model_dir: String, cfg: DataConfig, start: usize, batch: usize) {
+        let cache = Arc::clone(&self.tokenizer);
+        self.spawn("preview", move |_| {
+            let result = (|| {
+                let tok = tokenizer_for(&cache, &model_dir)?;
+                let opened = data::open_data(&cfg).map_err(|e| e.to_string())?;
+                let n = opened.main.len();
+                if n == 0 {
+                    return Err(format!("{} has no rows", cfg.path));
+                }
+                let start = start.min(n - 1);
+                let rows: Vec<usize> = (start..(start + batch.max(1)).min(n)).collect();
+                let opts = PreviewOptions {
+                    rows: RowSelection::Indices(rows),
+                    batch_size: batch.max(1),
+                    full_scan: true,
+                };
+                data::preview_opened(&cfg, &tok, &opened, &opts).map_err(|e| e.to_string())
+            })();
+            Some(JobOutput::Preview { seq, result })
+        });
+    }
+
+    /// Plans memory for `config` on `devices`.
+    pub fn plan(&self, seq: u64, model: ModelConfig, config: RunConfig, devices: Vec<DeviceSpec>) {
+        self.spawn("plan", move |_| {
+            let result = plan_request(&model, &config, devices)
+                .and_then(|req| plan::plan(&req).map(|p| (req, p)).map_err(|e| e.to_string()));
+            Some(JobOutput::Plan { seq, result })
+        });
+    }
+
+    /// Searches settings that fit.
+    pub fn auto_fit(&self, request: PlanRequest) {
+        self.spawn("auto-fit", move |_| {
+            Some(JobOutput::AutoFit(plan::auto_fit(&request).map_err(|e| e.to_string())))
+        });
+    }
+
+    /// One real training step measured against the plan.
+    pub fn dry_run(&self, plan: Plan, config: RunConfig) {
+        self.spawn("dry-run", move |_| {
+            let report = plan::dry_run(&plan, 0, move || -> Result<(), train::TrainError> {
+                let mut run = train::TrainingRun::new(config)?;
+                run.step()?;
+                Ok(())
+            });
+            Some(JobOutput::DryRun(report))
+        });
+    }
+
+    /// Discovers devices.
+    pub fn discover_devices(&self) {
+        self.spawn("devices", |_| Some(JobOutput::Devices(tunestudio::devices::discover())));
+    }
+
+    /// Exports a checkpoint.
+    pub fn export(&self, kind: ExportKind, checkpoint: PathBuf, dest: PathBuf, dtype: candle_core::DType) {
+        self.spawn("export", move |_| {
+            let r = match kind {
+                ExportKind::Adapter => train::export_adapter(&checkpoint, &dest),
+                ExportKind::Merged => train::export_merged(&checkpoint, &dest, dtype),
+                ExportKind::Full => train::export_full(&checkpoint, &dest, dtype),
+            };
+            Some(JobOutput::Export(r.map_err(|e| {
+                let hint = e.hint();
+                if hint.is_empty() {
+                    e.to_string()
+                } else {
+                    format!("{e}\n{hint}")
+                }
+            })))
+        });
+    }
+
+    /// Opens a native file dialog on its own thread (the xdg portal does not need the
+    /// main thread), so the studio keeps drawing while it is open.
+    pub fn pick(&self, target: PickTarget, start_dir: Option<PathBuf>) {
+        self.spawn("dialog", move |_| {
+            let mut d = rfd::FileDialog::new();
+            if let Some(dir) = start_dir {
+                d = d.set_directory(dir);
+            }
+            let picked = match target {
+                PickTarget::ModelFolder
+                | PickTarget::DatasetFolder
+                | PickTarget::OutputDir
+                | PickTarget::Checkpoint
+                | PickTarget::ExportDest
+                | PickTarget::RunDir => d.pick_folder(),
+                PickTarget::DatasetFile | PickTarget::ValidationFile => d
+                    .add_filter("data", &["json", "jsonl", "ndjson", "csv", "tsv", "parquet", "txt"])
+                    .pick_file(),
+                PickTarget::ConfigOpen => d.add_filter("run config", &["toml"]).pick_file(),
+                PickTarget::ConfigSave => d
+                    .add_filter("run config", &["toml"])
+                    .set_file_name("run.toml")
+                    .save_file(),
+            };
+            picked.map(|p| JobOutput::Picked(target, p))
+        });
+    }
+
+    /// Reads the metrics of every run folder (and the run folders inside them).
+    pub fn load_history(&self, dirs: Vec<PathBuf>) {
+        self.spawn("history", move |_| {
+            let (runs, errors) = read_history(&dirs);
+            Some(JobOutput::History(runs, errors))
+        });
+    }
+}
+
+/// Whether `s` looks like a hub id (`org/name`) rather than a path.
+pub fn looks_like_hub_id(s: &str) -> bool {
+    data::hub::looks_like_hub_id(s)
+}
+
+/// Total size of the files under `dir` (a download in progress).
+fn folder_bytes(dir: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else { continue };
+        for e in entries.flatten() {
+            let Ok(meta) = e.metadata() else { continue };
+            if meta.is_dir() {
+                stack.push(e.path());
+            } else if meta.is_file() {
+                total += meta.len();
+            }
+        }
+    }
+    total
+}
+
+/// Resolves a model and reads what the Model panel shows.
+pub fn model_info(source: &str) -> Result<ModelInfo, String> {
+    let source = source.trim();
+    if source.is_empty() {
+        return Err("no model chosen: type a folder or a hub id like HuggingFaceTB/SmolLM2-135M".into());
+    }
+    let local = Path::new(source);
+    // A local folder without weights is still a usable model (random initialisation),
+    // so read it directly instead of requiring safetensors.
+    // A bare config.json (e.g. a real architecture without its weights) is enough to plan memory.
+    let (dir, weight_files, config_path) = if local.is_file() {
+        let dir = local.parent().map(Path::to_path_buf).unwrap_or_default();
+        (dir, Vec::new(), local.to_path_buf())
+    } else if local.is_dir() {
+        let weights = model::ModelFiles::from_dir(local).map(|f| f.weights).unwrap_or_default();
+        (local.to_path_buf(), weights, local.join("config.json"))
+    } else {
+        let files = model::resolve_model(source).map_err(|e| e.to_string())?;
+        (files.dir.clone(), files.weights, files.config.clone())
+    };
+    let config = ModelConfig::from_file(&config_path).map_err(|e| e.to_string())?;
+    let dtype = ["torch_dtype", "dtype"]
+        .iter()
+        .find_map(|k| config.raw.get(*k).and_then(|v| v.as_str()).map(str::to_string));
+    let weight_bytes = weight_files
+        .iter()
+        .filter_map(|p| std::fs::metadata(p).ok())
+        .map(|m| m.len())
+        .sum();
+    let has_tokenizer = dir.join("tokenizer.json").is_file();
+    let chat_template = if !has_tokenizer {
+        None
+    } else if dir.join("chat_template.jinja").is_file() {
+        Some("chat_template.jinja".to_string())
+    } else {
+        std::fs::read_to_string(dir.join("tokenizer_config.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+            .filter(|v| v.get("chat_template").is_some_and(|c| !c.is_null()))
+            .map(|_| "tokenizer_config.json".to_string())
+    };
+    Ok(ModelInfo {
+        source: source.to_string(),
+        dir,
+        parameters: config.num_parameters(),
+        config,
+        dtype,
+        weight_files,
+        weight_bytes,
+        has_tokenizer,
+        chat_template,
+    })
+}
+
+/// The tokenizer of `model_dir`, from the cache when it is the same folder.
+fn tokenizer_for(
+    cache: &Mutex<Option<(PathBuf, Arc<TokenizerBundle>)>>,
+    model_dir: &str,
+) -> Result<Arc<TokenizerBundle>, String> {
+    let key = PathBuf::from(model_dir);
+    if let Ok(guard) = cache.lock() {
+        if let Some((dir, tok)) = guard.as_ref() {
+            if *dir == key {
+                return Ok(Arc::clone(tok));
+            }
+        }
+    }
+    let tok = Arc::new(TokenizerBundle::from_source(model_dir).map_err(|e| e.to_string())?);
+    if let Ok(mut guard) = cache.lock() {
+        *guard = Some((key, Arc::clone(&tok)));
+    }
+    Ok(tok)
+}
+
+/// Opens a dataset and summarises it.
+pub fn dataset_summary(cfg: &DataConfig) -> Result<DatasetSummary, String> {
+    cfg.validate().map_err(|e| e.to_string())?;
+    let opened = data::open_data(cfg).map_err(|e| e.to_string())?;
+    let n = opened.main.len();
+    let (detected, columns, first_row) = if n > 0 {
+        let row = opened.main.row(0).map_err(|e| e.to_string())?;
+        let columns = row
+            .as_object()
+            .map(|o| o.keys().cloned().collect())
+            .unwrap_or_default();
+        let mut text = serde_json::to_string_pretty(&row).unwrap_or_default();
+        if text.chars().count() > 600 {
+            text = text.chars().take(600).collect::<String>() + " …";
+        }
+        (data::detect_format(&row, &cfg.columns), columns, text)
+    } else {
+        (None, Vec::new(), String::new())
+    };
+    Ok(DatasetSummary {
+        files: opened.main.files().iter().map(|p| p.display().to_string()).collect(),
+        num_rows: n,
+        train_rows: opened.train_indices.len(),
+        validation_rows: opened.heldout_indices.len()
+            + opened.separate_validation.as_ref().map_or(0, |v| v.len()),
+        detected,
+        columns,
+        first_row,
+    })
+}
+
+/// The planner's request for the studio's settings.
+pub fn plan_request(model: &ModelConfig, config: &RunConfig, devices: Vec<DeviceSpec>) -> Result<PlanRequest, String> {
+    let t = &config.training;
+    let precision: plan::Precision = t.precision.name().parse().map_err(|e: plan::PlanError| e.to_string())?;
+    let strategy: plan::Strategy = config
+        .devices
+        .strategy
+        .parse()
+        .map_err(|e: plan::PlanError| e.to_string())?;
+    let lora = config.lora.enabled.then(|| {
+        let mut spec = LoraSpec::all_linear(config.lora.r);
+        spec.target_modules = config.lora.target_modules.clone();
+        spec
+    });
+    Ok(PlanRequest {
+        model: model.clone(),
+        precision,
+        micro_batch: t.micro_batch.max(1),
+        gradient_accumulation: t.gradient_accumulation.max(1),
+        seq_len: config.data.max_length.max(1),
+        activation_checkpointing: t.activation_checkpointing,
+        lora,
+        strategy,
+        devices,
+    })
+}
+
+/// Reads runs: each folder with a `metrics.jsonl`, or its sub-folders that have one.
+pub fn read_history(dirs: &[PathBuf]) -> (Vec<HistoryRun>, Vec<String>) {
+    let mut candidates = Vec::new();
+    for d in dirs {
+        if d.join(train::METRICS_FILE).is_file() {
+            candidates.push(d.clone());
+        } else if let Ok(entries) = std::fs::read_dir(d) {
+            for e in entries.flatten() {
+                if e.path().join(train::METRICS_FILE).is_file() {
+                    candidates.push(e.path());
+                }
+            }
+        }
+    }
+    candidates.sort();
+    candidates.dedup();
+    let mut runs = Vec::new();
+    let mut errors = Vec::new();
+    for dir in candidates {
+        match train::read_metrics(&dir) {
+            Ok(events) => {
+                let finished = events.iter().rev().find_map(|e| match e {
+                    train::Event::Finished { reason, .. } => Some(*reason),
+                    _ => None,
+                });
+                runs.push(HistoryRun {
+                    curves: train::RunCurves::from_events(&events),
+                    dir,
+                    finished,
+                });
+            }
+            Err(e) => errors.push(e.to_string()),
+        }
+    }
+    (runs, errors)
+}

@@ -1,0 +1,186 @@
+//! Export: the adapter, the merged model or the full model from a checkpoint;
+//! the run config as TOML; and the CLI command that reruns it headless.
+
+use std::path::PathBuf;
+
+use eframe::egui::{self, RichText, Ui};
+
+use crate::gui::app::Action;
+use crate::gui::jobs::PickTarget;
+use crate::gui::state::{AppState, ExportDtype, ExportKind};
+use crate::gui::theme;
+
+/// The command that reproduces the run headless.
+pub fn cli_command(config_path: &str) -> String {
+    let p = config_path.trim();
+    if p.contains(' ') || p.contains('\'') {
+        format!("tunestudio train --config '{}'", p.replace('\'', "'\\''"))
+    } else {
+        format!("tunestudio train --config {p}")
+    }
+}
+
+/// Draws the Export panel.
+pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
+    theme::heading(
+        ui,
+        "Export",
+        "Save the trained weights in Hugging Face layout, and the run config that reproduces the run.",
+    );
+
+    theme::section(ui, "Weights");
+    theme::card(ui, |ui| {
+        if s.export.checkpoint.is_empty() {
+            if let Some(ck) = s
+                .run
+                .last_checkpoint
+                .clone()
+                .or_else(|| tunestudio::train::latest_checkpoint(&s.output_dir()))
+            {
+                s.export.checkpoint = ck.display().to_string();
+            }
+        }
+        if s.export.destination.is_empty() {
+            s.export.destination = s.output_dir().join("export").display().to_string();
+        }
+        egui::Grid::new("export-weights").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
+            theme::text_row(
+                ui,
+                "Checkpoint",
+                "A checkpoint-<step> folder of a run (its run.toml names the base model)",
+                &mut s.export.checkpoint,
+                "runs/demo/checkpoint-80",
+            );
+            ui.label("");
+            ui.horizontal(|ui| {
+                if ui.button("Browse checkpoint…").clicked() {
+                    actions.push(Action::Pick(PickTarget::Checkpoint));
+                }
+                if ui.button("Use the latest").on_hover_text("The newest checkpoint in the output folder").clicked() {
+                    match tunestudio::train::latest_checkpoint(&s.output_dir()) {
+                        Some(p) => s.export.checkpoint = p.display().to_string(),
+                        None => s.toast("no checkpoint in the output folder yet"),
+                    }
+                }
+            });
+            ui.end_row();
+            ui.label("What");
+            ui.horizontal(|ui| {
+                ui.radio_value(&mut s.export.kind, ExportKind::Adapter, "LoRA adapter")
+                    .on_hover_text("adapter_config.json + adapter_model.safetensors (PEFT): small, needs the base model");
+                ui.radio_value(&mut s.export.kind, ExportKind::Merged, "merged model")
+                    .on_hover_text("The base weights with the adapter merged in: a standalone Hugging Face model");
+                ui.radio_value(&mut s.export.kind, ExportKind::Full, "full model")
+                    .on_hover_text("Every fine-tuned weight as a Hugging Face model folder (for full fine-tunes)");
+            });
+            ui.end_row();
+            theme::combo_row(
+                ui,
+                "export-dtype",
+                "Weights dtype",
+                "Dtype of the saved weights (merged and full models). bf16 halves the size of f32.",
+                &mut s.export.dtype,
+                &[(ExportDtype::Bf16, "bf16"), (ExportDtype::F16, "f16"), (ExportDtype::F32, "f32")],
+            );
+            theme::text_row(
+                ui,
+                "Destination",
+                "The folder to write (created if missing)",
+                &mut s.export.destination,
+                "runs/demo/export",
+            );
+            ui.label("");
+            ui.horizontal(|ui| {
+                if ui.button("Browse destination…").clicked() {
+                    actions.push(Action::Pick(PickTarget::ExportDest));
+                }
+                let r = ui.add_enabled(!s.export.running, egui::Button::new(RichText::new("Export").strong()));
+                if r.clicked() {
+                    actions.push(Action::Export);
+                }
+                if s.export.running {
+                    ui.add(egui::Spinner::new());
+                }
+            });
+            ui.end_row();
+        });
+        match &s.export.result {
+            Some(Ok(p)) => {
+                ui.label(RichText::new(format!("Exported to {}", p.display())).color(theme::OK));
+            }
+            Some(Err(e)) => theme::error_box(ui, "Export failed", e),
+            None => {}
+        }
+    });
+
+    theme::section(ui, "Run config");
+    theme::card(ui, |ui| {
+        if s.export.config_path.is_empty() {
+            s.export.config_path = s.default_config_path().display().to_string();
+        }
+        egui::Grid::new("export-config").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
+            theme::text_row(
+                ui,
+                "Config file",
+                "Where the run config TOML is saved (paths inside are written absolute)",
+                &mut s.export.config_path,
+                "runs/my-run/run.toml",
+            );
+            ui.label("");
+            ui.horizontal(|ui| {
+                if ui.button("Save config").clicked() {
+                    actions.push(Action::SaveConfig(PathBuf::from(s.export.config_path.trim())));
+                }
+                if ui.button("Save as…").clicked() {
+                    actions.push(Action::Pick(PickTarget::ConfigSave));
+                }
+                if ui.button("Load config…").clicked() {
+                    actions.push(Action::Pick(PickTarget::ConfigOpen));
+                }
+            });
+            ui.end_row();
+        });
+        if let Some(m) = &s.export.config_message {
+            match m {
+                Ok(t) => ui.label(RichText::new(t).color(theme::OK)),
+                Err(e) => ui.label(RichText::new(e).color(theme::ERROR)),
+            };
+        }
+        ui.add_space(6.0);
+        let cmd = cli_command(&s.export.config_path);
+        ui.label(RichText::new("Reproduce this run headless:").weak());
+        ui.horizontal(|ui| {
+            ui.label(RichText::new(&cmd).monospace().background_color(ui.visuals().extreme_bg_color));
+            let r = ui
+                .button("Copy CLI command")
+                .on_hover_text("Saves the config to the path above and copies the command that trains it headless");
+            if r.clicked() {
+                actions.push(Action::SaveConfig(PathBuf::from(s.export.config_path.trim())));
+                ui.ctx().copy_text(cmd.clone());
+                s.toast("saved the config and copied the command");
+            }
+        });
+        egui::CollapsingHeader::new("TOML").show(ui, |ui| {
+            let text = s
+                .config
+                .with_absolute_paths()
+                .to_toml_string()
+                .unwrap_or_else(|e| format!("cannot write the config: {e}"));
+            ui.add(egui::Label::new(RichText::new(text).monospace().small()).wrap());
+        });
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cli_command;
+
+    #[test]
+    fn quotes_paths_with_spaces() {
+        assert_eq!(cli_command("/tmp/run.toml"), "tunestudio train --config /tmp/run.toml");
+        assert_eq!(
+            cli_command("/tmp/my run/run.toml"),
+            "tunestudio train --config '/tmp/my run/run.toml'"
+        );
+    }
+}

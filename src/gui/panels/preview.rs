@@ -1,0 +1,451 @@
+//! Preview: the rows exactly as the trainer will see them — every token as a
+//! chip coloured by what the loss does with it — plus the length histogram
+//! against the cutoff and the lints, each jumping to an example row.
+
+use eframe::egui::{self, Color32, RichText, Sense, Ui};
+use egui_plot::{Bar, BarChart, Plot, VLine};
+
+use tunestudio::data::{DataPreview, RowPreview, Severity, SplitName, TokenClass, TokenSpan};
+
+use crate::gui::app::Action;
+use crate::gui::state::AppState;
+use crate::gui::theme;
+
+/// At most this many chips per row are drawn (the rest are counted), so a
+/// 32k-token row cannot stall a frame.
+const MAX_CHIPS_PER_ROW: usize = 600;
+
+/// Draws the Preview panel.
+pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
+    theme::heading(
+        ui,
+        "Preview",
+        "Each token as the trainer sees it. Green tokens are trained on; grey ones are context (label −100); dim ones are padding.",
+    );
+
+    navigator(ui, s);
+
+    if let Some(e) = &s.preview.error {
+        theme::error_box(ui, "The preview could not be built", e);
+        if s.model.info.is_none() {
+            theme::note(ui, "Load a model with a tokenizer first (Model panel).");
+        }
+        return;
+    }
+    let Some(p) = s.preview.preview.clone() else {
+        if s.model.info.is_none() {
+            theme::note(ui, "Load a model first: the preview needs its tokenizer.");
+        } else {
+            ui.horizontal(|ui| {
+                ui.add(egui::Spinner::new());
+                ui.label("tokenising…");
+            });
+        }
+        return;
+    };
+
+    legend(ui, &p);
+    for row in &p.rows {
+        row_card(ui, row, s.preview.highlight == Some(row.index));
+    }
+
+    ui.columns(2, |cols| {
+        theme::section(&mut cols[0], "Token lengths");
+        histogram(&mut cols[0], &p);
+        theme::section(&mut cols[1], "Statistics");
+        stats(&mut cols[1], &p);
+    });
+
+    theme::section(ui, &format!("Lints ({})", p.lints.len()));
+    if p.lints.is_empty() {
+        ui.label(RichText::new("No problems found.").color(theme::OK));
+    }
+    for lint in &p.lints {
+        let (color, word) = match lint.severity {
+            Severity::Error => (theme::ERROR, "error"),
+            Severity::Warning => (theme::WARNING, "warning"),
+            Severity::Info => (theme::ACCENT, "info"),
+        };
+        egui::Frame::new()
+            .stroke(egui::Stroke::new(1.0, color.gamma_multiply(0.6)))
+            .inner_margin(8.0)
+            .corner_radius(4.0)
+            .show(ui, |ui| {
+                ui.set_min_width(ui.available_width());
+                ui.horizontal(|ui| {
+                    ui.label(RichText::new(word).strong().color(color));
+                    ui.label(RichText::new(format!("{:?}", lint.kind)).monospace().weak());
+                    ui.label(RichText::new(format!("{} row(s)", lint.count)).weak());
+                });
+                ui.add(egui::Label::new(&lint.message).wrap());
+                if !lint.examples.is_empty() {
+                    ui.horizontal_wrapped(|ui| {
+                        ui.label(RichText::new("examples:").weak());
+                        for &r in &lint.examples {
+                            if ui
+                                .small_button(format!("row {r}"))
+                                .on_hover_text("Show this row")
+                                .clicked()
+                            {
+                                actions.push(Action::JumpToRow(r));
+                            }
+                        }
+                    });
+                }
+            });
+        ui.add_space(4.0);
+    }
+}
+
+fn navigator(ui: &mut Ui, s: &mut AppState) {
+    let total = s
+        .preview
+        .preview
+        .as_ref()
+        .map(|p| p.num_rows)
+        .or_else(|| s.dataset.summary.as_ref().map(|d| d.num_rows))
+        .unwrap_or(0);
+    let batch = s.config.training.micro_batch.clamp(1, 16);
+    ui.horizontal(|ui| {
+        let prev = ui
+            .add_enabled(s.preview.start_row > 0, egui::Button::new("◀ Previous"))
+            .on_hover_text("The previous batch of rows");
+        if prev.clicked() {
+            s.preview.start_row = s.preview.start_row.saturating_sub(batch);
+            s.preview.highlight = None;
+        }
+        let l = ui.label("First row");
+        let max = total.saturating_sub(1);
+        ui.add(egui::DragValue::new(&mut s.preview.start_row).range(0..=max).speed(1.0))
+            .labelled_by(l.id)
+            .on_hover_text("Rows are shown in batches of the micro-batch size, padded as the collator pads them");
+        let next = ui
+            .add_enabled(s.preview.start_row + batch < total, egui::Button::new("Next ▶"))
+            .on_hover_text("The next batch of rows");
+        if next.clicked() {
+            s.preview.start_row = (s.preview.start_row + batch).min(max);
+            s.preview.highlight = None;
+        }
+        if total > 0 {
+            ui.label(
+                RichText::new(format!(
+                    "rows {}–{} of {} (one micro-batch of {batch})",
+                    s.preview.start_row,
+                    (s.preview.start_row + batch).min(total) - 1,
+                    theme::count(total as u64)
+                ))
+                .weak(),
+            );
+        }
+        if s.preview.loading {
+            ui.add(egui::Spinner::new().size(14.0));
+        }
+    });
+    ui.add_space(4.0);
+}
+
+fn legend(ui: &mut Ui, p: &DataPreview) {
+    let mut counts = [0usize; 4];
+    for r in &p.rows {
+        for t in &r.tokens {
+            counts[class_index(t.class)] += 1;
+        }
+    }
+    ui.horizontal(|ui| {
+        theme::legend_item(ui, theme::TRAINED, &format!("trained: {}", counts[0]));
+        theme::legend_item(ui, theme::MASKED, &format!("masked: {}", counts[2]));
+        theme::legend_item(ui, theme::PADDING, &format!("padding: {}", counts[3]));
+        if counts[1] > 0 {
+            theme::legend_item(ui, theme::MISMATCH, &format!("label ≠ token: {}", counts[1]));
+        }
+        ui.separator();
+        ui.label(
+            RichText::new(format!(
+                "format {} · {} · template: {}",
+                p.format.name(),
+                if p.completions_only { "completions only" } else { "every token trained" },
+                p.chat_template_origin.as_deref().unwrap_or("none")
+            ))
+            .small()
+            .weak(),
+        );
+    });
+    ui.add_space(4.0);
+}
+
+fn class_index(c: TokenClass) -> usize {
+    match c {
+        TokenClass::Trained => 0,
+        TokenClass::Mismatch => 1,
+        TokenClass::Masked => 2,
+        TokenClass::Padding => 3,
+    }
+}
+
+fn class_color(c: TokenClass) -> Color32 {
+    match c {
+        TokenClass::Trained => theme::TRAINED,
+        TokenClass::Mismatch => theme::MISMATCH,
+        TokenClass::Masked => theme::MASKED,
+        TokenClass::Padding => theme::PADDING,
+    }
+}
+
+fn class_name(c: TokenClass) -> &'static str {
+    match c {
+        TokenClass::Trained => "trained",
+        TokenClass::Mismatch => "trained, label differs from token",
+        TokenClass::Masked => "masked",
+        TokenClass::Padding => "padding",
+    }
+}
+
+fn row_card(ui: &mut Ui, row: &RowPreview, highlighted: bool) {
+    let stroke = if highlighted {
+        egui::Stroke::new(2.0, theme::ACCENT)
+    } else {
+        egui::Stroke::new(1.0, ui.visuals().widgets.noninteractive.bg_stroke.color)
+    };
+    egui::Frame::new()
+        .stroke(stroke)
+        .inner_margin(10.0)
+        .corner_radius(6.0)
+        .show(ui, |ui| {
+            ui.set_min_width(ui.available_width());
+            ui.horizontal_wrapped(|ui| {
+                ui.label(RichText::new(format!("Row {}", row.index)).strong());
+                let split = match row.split {
+                    SplitName::Train => "train",
+                    SplitName::Validation => "validation",
+                };
+                ui.label(RichText::new(split).color(theme::ACCENT));
+                ui.label(RichText::new(&row.location).weak());
+                ui.label(
+                    RichText::new(format!(
+                        "{} tokens · {} trained{}",
+                        row.num_tokens,
+                        row.num_trained,
+                        if row.full_len > row.num_tokens {
+                            format!(" · {} before truncation", row.full_len)
+                        } else {
+                            String::new()
+                        }
+                    ))
+                    .weak(),
+                );
+                if row.completion_truncated {
+                    ui.label(RichText::new("completion truncated").color(theme::WARNING));
+                } else if row.truncated {
+                    ui.label(RichText::new("truncated").color(theme::WARNING));
+                }
+                if let Some(d) = row.dropped {
+                    ui.label(RichText::new(format!("dropped: {}", d.describe())).color(theme::ERROR));
+                }
+            });
+            ui.add_space(4.0);
+            ui.horizontal_wrapped(|ui| {
+                ui.spacing_mut().item_spacing = egui::vec2(2.0, 3.0);
+                for t in row.tokens.iter().take(MAX_CHIPS_PER_ROW) {
+                    chip(ui, t);
+                }
+                if row.tokens.len() > MAX_CHIPS_PER_ROW {
+                    ui.label(
+                        RichText::new(format!("… {} more tokens", row.tokens.len() - MAX_CHIPS_PER_ROW)).weak(),
+                    );
+                }
+            });
+        });
+    ui.add_space(6.0);
+}
+
+/// The visible form of a token's text: whitespace made visible, nothing empty.
+fn display_text(t: &TokenSpan) -> String {
+    if t.text.is_empty() {
+        return format!("<{}>", t.id);
+    }
+    let mut out = String::with_capacity(t.text.len());
+    for c in t.text.chars() {
+        match c {
+            ' ' => out.push('·'),
+            '\n' => out.push_str("\\n"),
+            '\t' => out.push_str("\\t"),
+            '\r' => out.push_str("\\r"),
+            c if c.is_control() => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// One token chip: painted directly (one allocation, no nested layout) so
+/// hundreds of them stay cheap; named for screen readers and tests.
+fn chip(ui: &mut Ui, t: &TokenSpan) {
+    let text = display_text(t);
+    let color = class_color(t.class);
+    let text_color = match t.class {
+        TokenClass::Padding => Color32::from_gray(150),
+        _ => Color32::WHITE,
+    };
+    let font = egui::FontId::monospace(12.5);
+    let galley = ui.painter().layout_no_wrap(text.clone(), font, text_color);
+    let size = galley.size() + egui::vec2(8.0, 4.0);
+    let (rect, response) = ui.allocate_exact_size(size, Sense::hover());
+    if ui.is_rect_visible(rect) {
+        let fill = match t.class {
+            TokenClass::Padding => color,
+            _ => color.gamma_multiply(if response.hovered() { 1.0 } else { 0.75 }),
+        };
+        ui.painter().rect_filled(rect, 3.0, fill);
+        ui.painter().galley(rect.min + egui::vec2(4.0, 2.0), galley, text_color);
+    }
+    let class = class_name(t.class);
+    response.widget_info(|| {
+        egui::WidgetInfo::labeled(egui::Role::Label, true, format!("token {text} ({class}, id {})", t.id))
+    });
+    response.on_hover_ui(|ui| {
+        egui::Grid::new("chip-tip").num_columns(2).show(ui, |ui| {
+            ui.label(RichText::new("text").weak());
+            ui.label(RichText::new(format!("{:?}", t.text)).monospace());
+            ui.end_row();
+            ui.label(RichText::new("token id").weak());
+            ui.label(RichText::new(t.id.to_string()).monospace());
+            ui.end_row();
+            ui.label(RichText::new("label").weak());
+            ui.label(RichText::new(t.label.to_string()).monospace());
+            ui.end_row();
+            ui.label(RichText::new("class").weak());
+            ui.label(RichText::new(class).color(color));
+            ui.end_row();
+            if t.weight != 0.0 && t.weight != 1.0 {
+                ui.label(RichText::new("loss weight").weak());
+                ui.label(format!("{}", t.weight));
+                ui.end_row();
+            }
+        });
+    });
+}
+
+fn histogram(ui: &mut Ui, p: &DataPreview) {
+    let h = &p.stats.histogram;
+    if h.counts.is_empty() || h.bin_width == 0 {
+        theme::note(ui, "No lengths to show.");
+        return;
+    }
+    let w = h.bin_width as f64;
+    let bars: Vec<Bar> = h
+        .counts
+        .iter()
+        .enumerate()
+        .map(|(i, &c)| {
+            let start = i as f64 * w;
+            let over = start + w > h.cutoff as f64;
+            Bar::new(start + w / 2.0, c as f64)
+                .width(w * 0.92)
+                .fill(if over { theme::WARNING } else { theme::ACCENT })
+                .name(format!("{}–{} tokens", start as usize, (start + w) as usize - 1))
+        })
+        .collect();
+    let truncated = p.stats.num_truncated;
+    Plot::new("length-histogram")
+        .height(200.0)
+        .allow_scroll(false)
+        .allow_zoom(false)
+        .allow_drag(false)
+        .x_axis_label("tokens per row (before truncation)")
+        .y_axis_label("rows")
+        .show(ui, |plot| {
+            plot.bar_chart(BarChart::new("rows", bars));
+            plot.vline(
+                VLine::new(format!("max_length {} ({truncated} truncated)", h.cutoff), h.cutoff as f64)
+                    .color(theme::ERROR)
+                    .width(2.0),
+            );
+        });
+    ui.label(
+        RichText::new(format!(
+            "cutoff at max_length = {}: {} row(s) truncated ({:.1} %)",
+            h.cutoff,
+            truncated,
+            100.0 * p.stats.truncated_fraction
+        ))
+        .small()
+        .weak(),
+    );
+}
+
+fn stats(ui: &mut Ui, p: &DataPreview) {
+    let st = &p.stats;
+    egui::Grid::new("preview-stats").num_columns(2).spacing([16.0, 4.0]).striped(true).show(ui, |ui| {
+        let mut row = |k: &str, v: String| {
+            ui.label(RichText::new(k).weak());
+            ui.label(v);
+            ui.end_row();
+        };
+        row(
+            "rows",
+            format!(
+                "{} ({} train / {} validation){}",
+                theme::count(p.num_rows as u64),
+                theme::count(p.num_train_rows as u64),
+                theme::count(p.num_validation_rows as u64),
+                if p.full_scan { "" } else { " — shown rows only" }
+            ),
+        );
+        row("samples kept", format!("{} ({} dropped)", theme::count(st.num_samples as u64), st.num_dropped));
+        row(
+            "tokens",
+            format!(
+                "{} total · {} trained ({:.1} %)",
+                theme::count(st.total_tokens as u64),
+                theme::count(st.trained_tokens as u64),
+                100.0 * st.trained_fraction
+            ),
+        );
+        row(
+            "length",
+            format!("mean {:.0} · median {} · max {}", st.mean_length, st.median_length, st.max_length_seen),
+        );
+        row(
+            "padding waste",
+            format!(
+                "{:.1} % at batch {} ({:.1} % grouped by length)",
+                100.0 * st.padding_waste,
+                st.batch_size,
+                100.0 * st.padding_waste_grouped
+            ),
+        );
+        row(
+            "packing",
+            format!(
+                "{} sequences of {} ({:.1} % full)",
+                theme::count(st.packed_sequences as u64),
+                p.max_length,
+                100.0 * st.packing_efficiency
+            ),
+        );
+        row(
+            "pad token",
+            format!("id {}{}", p.pad_id, if p.pad_is_fallback { " (EOS fallback)" } else { "" }),
+        );
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_text_makes_whitespace_visible() {
+        let t = |s: &str| TokenSpan {
+            text: s.into(),
+            id: 7,
+            label: -100,
+            class: TokenClass::Masked,
+            weight: 0.0,
+        };
+        assert_eq!(display_text(&t(" the")), "·the");
+        assert_eq!(display_text(&t("\n\n")), "\\n\\n");
+        assert_eq!(display_text(&t("")), "<7>");
+        assert_eq!(display_text(&t("שלום")), "שלום");
+    }
+}

@@ -1,0 +1,413 @@
+//! Run: start/pause/resume/stop, progress, live charts of the loss, learning
+//! rate and per-device memory (against the plan's predicted peak and the
+//! capacity), the log, the error report with fixes, and past runs to overlay.
+
+use eframe::egui::{self, RichText, Ui};
+use egui_plot::{HLine, Legend, Line, LineStyle, Plot, PlotPoints, Points};
+
+use tunestudio::train::FinishReason;
+
+use crate::gui::app::Action;
+use crate::gui::jobs::PickTarget;
+use crate::gui::state::{AppState, LogLevel, RunPhase};
+use crate::gui::theme;
+
+/// Draws the Run panel.
+pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
+    theme::heading(ui, "Run", "Train with the current settings and watch it live.");
+    controls(ui, s, actions);
+    ui.add_space(6.0);
+    progress(ui, s);
+
+    if let Some(err) = s.run.error.clone() {
+        ui.add_space(6.0);
+        theme::error_box(
+            ui,
+            if err.out_of_memory { "Out of memory" } else { "The run stopped with an error" },
+            &format!(
+                "{}{}\n\nWhat to do: {}",
+                err.step.map(|st| format!("At step {st}: ")).unwrap_or_default(),
+                err.message,
+                err.hint
+            ),
+        );
+        if err.out_of_memory {
+            match s.plan.plan.clone() {
+                Some(plan) if !plan.fixes.is_empty() => {
+                    ui.label(RichText::new("Fixes from the memory plan, best first:").strong());
+                    super::devices::fixes(ui, &plan, actions);
+                }
+                _ => {
+                    ui.horizontal(|ui| {
+                        ui.label("The plan predicted this would fit; let auto-fit find settings with more headroom:");
+                        if ui.button("Auto-fit").clicked() {
+                            actions.push(Action::AutoFit);
+                            actions.push(Action::Goto(crate::gui::state::Panel::Devices));
+                        }
+                    });
+                }
+            }
+        }
+    }
+
+    ui.add_space(8.0);
+    loss_chart(ui, s);
+    ui.columns(2, |cols| {
+        theme::section(&mut cols[0], "Learning rate");
+        lr_chart(&mut cols[0], s);
+        theme::section(&mut cols[1], "Memory per device");
+        memory_chart(&mut cols[1], s);
+    });
+
+    theme::section(ui, "Log");
+    log(ui, s);
+
+    theme::section(ui, "Run history");
+    history(ui, s, actions);
+}
+
+fn controls(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
+    let phase = s.run.phase;
+    ui.horizontal(|ui| {
+        let can_start = !s.run.is_active();
+        let start = ui
+            .add_enabled(can_start, egui::Button::new(RichText::new("Start").strong()).min_size(egui::vec2(90.0, 30.0)))
+            .on_hover_text("Train with the current settings (writes to the output folder)");
+        if start.clicked() {
+            actions.push(Action::Start);
+        }
+        match phase {
+            RunPhase::Paused => {
+                if ui.add(egui::Button::new("Resume").min_size(egui::vec2(90.0, 30.0))).clicked() {
+                    actions.push(Action::Resume);
+                }
+            }
+            _ => {
+                let r = ui
+                    .add_enabled(phase == RunPhase::Running, egui::Button::new("Pause").min_size(egui::vec2(90.0, 30.0)))
+                    .on_hover_text("Pause after the current step");
+                if r.clicked() {
+                    actions.push(Action::Pause);
+                }
+            }
+        }
+        let r = ui
+            .add_enabled(s.run.is_active(), egui::Button::new("Stop").min_size(egui::vec2(90.0, 30.0)))
+            .on_hover_text("End the run after the current step (save a checkpoint first to keep it)");
+        if r.clicked() {
+            actions.push(Action::Stop);
+        }
+        let r = ui
+            .add_enabled(
+                matches!(phase, RunPhase::Running | RunPhase::Paused),
+                egui::Button::new("Save checkpoint").min_size(egui::vec2(90.0, 30.0)),
+            )
+            .on_hover_text("Write a resumable checkpoint after the current step");
+        if r.clicked() {
+            actions.push(Action::SaveNow);
+        }
+        let (color, text) = match phase {
+            RunPhase::Idle => (ui.visuals().weak_text_color(), "ready".to_string()),
+            RunPhase::Loading => (theme::ACCENT, s.run.status.clone()),
+            RunPhase::Running => (theme::OK, "training".to_string()),
+            RunPhase::Paused => (theme::WARNING, "paused".to_string()),
+            RunPhase::Finished(FinishReason::Completed) => (theme::OK, "completed".to_string()),
+            RunPhase::Finished(FinishReason::Stopped) => (theme::WARNING, "stopped".to_string()),
+            RunPhase::Finished(FinishReason::Failed) => (theme::ERROR, "failed".to_string()),
+        };
+        if phase == RunPhase::Loading {
+            ui.add(egui::Spinner::new());
+        }
+        ui.label(RichText::new(text).color(color).strong());
+    });
+    if let Some(plan) = &s.plan.plan {
+        if !plan.fits() && !s.run.is_active() {
+            ui.label(
+                RichText::new(format!("The memory plan says this will not fit: {}", plan.summary))
+                    .color(theme::WARNING)
+                    .small(),
+            );
+        }
+    }
+}
+
+fn progress(ui: &mut Ui, s: &AppState) {
+    let r = &s.run;
+    if r.phase == RunPhase::Idle {
+        theme::note(ui, "Press Start to train. The demo trains a tiny model in about a minute on a laptop CPU.");
+        return;
+    }
+    let text = if r.total_steps > 0 {
+        format!("step {} / {}", r.step, r.total_steps)
+    } else {
+        r.status.clone()
+    };
+    ui.add(egui::ProgressBar::new(r.progress()).text(text).desired_height(20.0));
+    ui.horizontal_wrapped(|ui| {
+        let mut stat = |k: &str, v: String| {
+            ui.label(RichText::new(k).weak());
+            ui.label(RichText::new(v).strong());
+            ui.add_space(12.0);
+        };
+        stat("loss", r.loss.last().map_or("–".into(), |p| format!("{:.4}", p[1])));
+        stat("eval loss", r.eval_loss.last().map_or("–".into(), |p| format!("{:.4}", p[1])));
+        stat("tokens/s", format!("{:.0}", r.tokens_per_sec));
+        stat("elapsed", theme::duration(r.elapsed_secs));
+        stat("ETA", r.eta_secs().map_or("–".into(), theme::duration));
+        stat("epoch", format!("{:.2}", r.epoch));
+        stat("trained tokens", theme::count(r.trained_tokens));
+    });
+    if let Some(dir) = &r.output_dir {
+        ui.label(RichText::new(format!("output: {}", dir.display())).small().weak());
+    }
+}
+
+/// Exponential moving average (as TensorBoard's smoothing slider).
+pub fn smooth(points: &[[f64; 2]], weight: f64) -> Vec<[f64; 2]> {
+    let mut out = Vec::with_capacity(points.len());
+    let mut last: Option<f64> = None;
+    for p in points {
+        let v = match last {
+            None => p[1],
+            Some(prev) => prev * weight + p[1] * (1.0 - weight),
+        };
+        last = Some(v);
+        out.push([p[0], v]);
+    }
+    out
+}
+
+fn loss_chart(ui: &mut Ui, s: &mut AppState) {
+    ui.horizontal(|ui| {
+        ui.label(RichText::new("Loss").size(15.0).strong());
+        ui.add_space(20.0);
+        let l = ui.label("Smoothing");
+        ui.add(egui::DragValue::new(&mut s.settings.smoothing).range(0.0..=0.99).speed(0.01))
+            .labelled_by(l.id)
+            .on_hover_text("Exponential moving average of the training loss (0 = raw)");
+    });
+    let w = s.settings.smoothing as f64;
+    let run = &s.run;
+    let overlays: Vec<(String, Vec<[f64; 2]>, Vec<[f64; 2]>)> = s
+        .history
+        .overlay
+        .iter()
+        .filter_map(|&i| s.history.runs.get(i))
+        .map(|h| {
+            let pts = |v: &[(u64, f64)]| v.iter().filter(|p| p.1.is_finite()).map(|&(x, y)| [x as f64, y]).collect();
+            (h.name(), pts(&h.curves.loss), pts(&h.curves.eval_loss))
+        })
+        .collect();
+    Plot::new("loss-chart")
+        .height(240.0)
+        .legend(Legend::default())
+        .x_axis_label("step")
+        .y_axis_label("loss")
+        .allow_scroll(false)
+        .show(ui, |plot| {
+            if !run.loss.is_empty() {
+                plot.line(
+                    Line::new("train (raw)", PlotPoints::from(run.loss.clone()))
+                        .color(theme::ACCENT.gamma_multiply(0.35))
+                        .width(1.0),
+                );
+                plot.line(
+                    Line::new("train", PlotPoints::from(smooth(&run.loss, w)))
+                        .color(theme::ACCENT)
+                        .width(2.0),
+                );
+            }
+            if !run.eval_loss.is_empty() {
+                plot.line(
+                    Line::new("eval", PlotPoints::from(run.eval_loss.clone()))
+                        .color(theme::MEM_ACTIVATIONS)
+                        .width(2.0),
+                );
+                plot.points(
+                    Points::new("eval", PlotPoints::from(run.eval_loss.clone()))
+                        .color(theme::MEM_ACTIVATIONS)
+                        .radius(3.5),
+                );
+            }
+            for (i, (name, loss, eval)) in overlays.into_iter().enumerate() {
+                let c = theme::SERIES[(i + 2) % theme::SERIES.len()];
+                if !loss.is_empty() {
+                    plot.line(
+                        Line::new(format!("{name} train"), PlotPoints::from(smooth(&loss, w)))
+                            .color(c)
+                            .style(LineStyle::dashed_loose()),
+                    );
+                }
+                if !eval.is_empty() {
+                    plot.line(
+                        Line::new(format!("{name} eval"), PlotPoints::from(eval))
+                            .color(c)
+                            .style(LineStyle::dotted_dense()),
+                    );
+                }
+            }
+        });
+}
+
+fn lr_chart(ui: &mut Ui, s: &AppState) {
+    Plot::new("lr-chart")
+        .height(170.0)
+        .x_axis_label("step")
+        .allow_scroll(false)
+        .y_axis_formatter(|m, _| format!("{:.0e}", m.value))
+        .show(ui, |plot| {
+            if !s.run.lr.is_empty() {
+                plot.line(
+                    Line::new("learning rate", PlotPoints::from(s.run.lr.clone()))
+                        .color(theme::MEM_GRADIENTS)
+                        .width(2.0),
+                );
+            }
+        });
+}
+
+fn memory_chart(ui: &mut Ui, s: &AppState) {
+    let mem = &s.run.memory;
+    Plot::new("memory-chart")
+        .height(170.0)
+        .legend(Legend::default())
+        .x_axis_label("step")
+        .y_axis_label("GiB")
+        .allow_scroll(false)
+        .include_y(0.0)
+        .show(ui, |plot| {
+            for (i, (device, series)) in mem.iter().enumerate() {
+                let c = theme::SERIES[i % theme::SERIES.len()];
+                if !series.used.is_empty() {
+                    plot.line(Line::new(format!("{device} used"), PlotPoints::from(series.used.clone())).color(c).width(2.0));
+                }
+                if let Some(p) = series.predicted_peak_bytes {
+                    plot.hline(
+                        HLine::new(format!("{device} predicted peak"), theme::gib(p))
+                            .color(c)
+                            .style(LineStyle::dashed_loose()),
+                    );
+                }
+                // A capacity far above the use would flatten the curves to the axis.
+                let top = series.peak_bytes.max(series.predicted_peak_bytes.unwrap_or(0));
+                if let Some(t) = series.total_bytes.filter(|&t| t <= top.saturating_mul(4)) {
+                    plot.hline(
+                        HLine::new(format!("{device} capacity"), theme::gib(t))
+                            .color(theme::ERROR)
+                            .width(1.5),
+                    );
+                }
+            }
+        });
+    let peaks: Vec<String> = mem
+        .iter()
+        .filter(|(_, v)| v.peak_bytes > 0)
+        .map(|(d, v)| {
+            format!(
+                "{d}: peak {}{}{}",
+                theme::bytes(v.peak_bytes),
+                v.predicted_peak_bytes
+                    .map(|p| format!(" (predicted {})", theme::bytes(p)))
+                    .unwrap_or_default(),
+                v.total_bytes.map(|t| format!(" of {}", theme::bytes(t))).unwrap_or_default()
+            )
+        })
+        .collect();
+    if !peaks.is_empty() {
+        ui.label(RichText::new(peaks.join(" · ")).small().weak());
+    }
+}
+
+fn log(ui: &mut Ui, s: &AppState) {
+    egui::Frame::new()
+        .fill(ui.visuals().extreme_bg_color)
+        .inner_margin(8.0)
+        .corner_radius(4.0)
+        .show(ui, |ui| {
+            ui.set_min_width(ui.available_width());
+            egui::ScrollArea::vertical()
+                .id_salt("run-log")
+                .max_height(160.0)
+                .stick_to_bottom(true)
+                .auto_shrink([false, true])
+                .show(ui, |ui| {
+                    if s.run.log.is_empty() {
+                        ui.label(RichText::new("(empty)").weak().monospace());
+                    }
+                    for l in &s.run.log {
+                        let color = match l.level {
+                            LogLevel::Info => ui.visuals().text_color(),
+                            LogLevel::Warning => theme::WARNING,
+                            LogLevel::Error => theme::ERROR,
+                        };
+                        ui.add(
+                            egui::Label::new(
+                                RichText::new(format!("[{:>6.1}s] {}", l.secs, l.text))
+                                    .monospace()
+                                    .small()
+                                    .color(color),
+                            )
+                            .wrap(),
+                        );
+                    }
+                });
+        });
+}
+
+fn history(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
+    ui.horizontal(|ui| {
+        if ui.small_button("Refresh").on_hover_text("Re-read metrics.jsonl of known runs").clicked() {
+            actions.push(Action::RefreshHistory);
+        }
+        if ui.small_button("Add run folder…").clicked() {
+            actions.push(Action::Pick(PickTarget::RunDir));
+        }
+        if s.history.loading {
+            ui.add(egui::Spinner::new().size(12.0));
+        }
+    });
+    if s.history.runs.is_empty() {
+        theme::note(ui, "No finished runs found yet (runs are read from their output folders' metrics.jsonl).");
+        return;
+    }
+    ui.label(RichText::new("Tick runs to overlay their curves on the loss chart.").small().weak());
+    for (i, h) in s.history.runs.iter().enumerate() {
+        let mut on = s.history.overlay.contains(&i);
+        let last = h.curves.loss.last().map(|p| format!("loss {:.4}", p.1)).unwrap_or_default();
+        let eval = h.curves.eval_loss.last().map(|p| format!(" · eval {:.4}", p.1)).unwrap_or_default();
+        let status = match h.finished {
+            Some(FinishReason::Completed) => "completed",
+            Some(FinishReason::Stopped) => "stopped",
+            Some(FinishReason::Failed) => "failed",
+            None => "unfinished",
+        };
+        let r = ui
+            .checkbox(&mut on, format!("{} — {} steps, {last}{eval}, {status}", h.name(), h.curves.loss.len()))
+            .on_hover_text(h.dir.display().to_string());
+        if r.changed() {
+            if on {
+                s.history.overlay.push(i);
+            } else {
+                s.history.overlay.retain(|&x| x != i);
+            }
+        }
+    }
+    if let Some(e) = &s.history.error {
+        theme::note(ui, e);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::smooth;
+
+    #[test]
+    fn smoothing_is_an_ema() {
+        let pts = [[1.0, 4.0], [2.0, 2.0], [3.0, 2.0]];
+        assert_eq!(smooth(&pts, 0.0), pts.to_vec());
+        let s = smooth(&pts, 0.5);
+        assert_eq!(s[0], [1.0, 4.0]);
+        assert_eq!(s[1], [2.0, 3.0]);
+        assert_eq!(s[2], [3.0, 2.5]);
+    }
+}

@@ -1,0 +1,976 @@
+//! The studio's state: the run config being edited (the single source of
+//! truth, saved as the TOML the CLI reads) and what the background jobs and
+//! the trainer reported about it. Panels read and edit this; nothing here
+//! draws or blocks.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use tunestudio::data::{DataPreview, Format};
+use tunestudio::devices::DeviceInventory;
+use tunestudio::model::ModelConfig;
+use tunestudio::plan::{AutoFit, DryRunReport, Plan, PlanRequest};
+use tunestudio::train::{Event, FinishReason, RunConfig, RunCurves, TrainerHandle};
+
+/// The panels of the left navigation, in workflow order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Panel {
+    /// Pick the base model.
+    Model,
+    /// Pick the data and its format.
+    Dataset,
+    /// See tokens, labels, stats and lints.
+    Preview,
+    /// Optimisation settings.
+    Training,
+    /// Devices and the memory plan.
+    Devices,
+    /// Train and watch.
+    Run,
+    /// Save adapters, models and the config.
+    Export,
+}
+
+impl Panel {
+    /// Every panel in navigation order.
+    pub const ALL: [Panel; 7] = [
+        Panel::Model,
+        Panel::Dataset,
+        Panel::Preview,
+        Panel::Training,
+        Panel::Devices,
+        Panel::Run,
+        Panel::Export,
+    ];
+
+    /// The navigation label.
+    pub fn title(self) -> &'static str {
+        match self {
+            Panel::Model => "Model",
+            Panel::Dataset => "Dataset",
+            Panel::Preview => "Preview",
+            Panel::Training => "Training",
+            Panel::Devices => "GPUs & memory",
+            Panel::Run => "Run",
+            Panel::Export => "Export",
+        }
+    }
+
+    /// Parses the `TUNESTUDIO_SCREENSHOT_PANEL` / `--panel` spelling.
+    pub fn from_name(name: &str) -> Option<Panel> {
+        let n = name.trim().to_ascii_lowercase();
+        Some(match n.as_str() {
+            "model" => Panel::Model,
+            "dataset" | "data" => Panel::Dataset,
+            "preview" => Panel::Preview,
+            "training" | "settings" => Panel::Training,
+            "devices" | "gpus" | "memory" | "plan" => Panel::Devices,
+            "run" => Panel::Run,
+            "export" => Panel::Export,
+            _ => return None,
+        })
+    }
+}
+
+/// What survives a restart (eframe storage).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Settings {
+    /// Model sources opened, newest first.
+    pub recent_models: Vec<String>,
+    /// Dataset paths opened, newest first.
+    pub recent_datasets: Vec<String>,
+    /// Run configs saved or opened, newest first.
+    pub recent_configs: Vec<PathBuf>,
+    /// The config open at exit, reopened at start.
+    pub last_config: Option<PathBuf>,
+    /// Output folders of runs, for the run history.
+    pub run_dirs: Vec<PathBuf>,
+    /// Exponential smoothing of the loss chart (0 = none).
+    pub smoothing: f32,
+    /// The panel open at exit.
+    pub panel: Panel,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            recent_models: Vec::new(),
+            recent_datasets: Vec::new(),
+            recent_configs: Vec::new(),
+            last_config: None,
+            run_dirs: Vec::new(),
+            smoothing: 0.6,
+            panel: Panel::Preview,
+        }
+    }
+}
+
+/// Keeps a most-recent-first list of at most 10 unique entries.
+pub fn push_recent<T: PartialEq + Clone>(list: &mut Vec<T>, item: T) {
+    list.retain(|x| *x != item);
+    list.insert(0, item);
+    list.truncate(10);
+}
+
+/// What the Model panel shows about the resolved model.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// The source as typed (folder or hub id).
+    pub source: String,
+    /// The folder holding the files.
+    pub dir: PathBuf,
+    /// The parsed `config.json`.
+    pub config: ModelConfig,
+    /// `torch_dtype` / `dtype` of the checkpoint, when given.
+    pub dtype: Option<String>,
+    /// Parameters as transformers builds them.
+    pub parameters: u64,
+    /// Safetensors files (empty: no weights, random initialisation only).
+    pub weight_files: Vec<PathBuf>,
+    /// Their total size.
+    pub weight_bytes: u64,
+    /// Whether `tokenizer.json` is present.
+    pub has_tokenizer: bool,
+    /// Where the chat template comes from, if there is one.
+    pub chat_template: Option<String>,
+}
+
+/// The Model panel.
+#[derive(Debug, Default)]
+pub struct ModelState {
+    /// The text field (folder or hub id).
+    pub source_input: String,
+    /// The model last resolved.
+    pub info: Option<ModelInfo>,
+    /// A resolve in flight: when it started.
+    pub loading: Option<Instant>,
+    /// Bytes in the hub cache folder of the model being downloaded.
+    pub download_bytes: Option<u64>,
+    /// The last error.
+    pub error: Option<String>,
+    /// Hub models found in the local cache (usable offline).
+    pub cached: Vec<String>,
+    /// Request sequence number (latest wins).
+    pub seq: u64,
+}
+
+/// What opening the dataset found.
+#[derive(Debug, Clone)]
+pub struct DatasetSummary {
+    /// The data files read.
+    pub files: Vec<String>,
+    /// Rows in `data.path`.
+    pub num_rows: usize,
+    /// Training rows after the split.
+    pub train_rows: usize,
+    /// Validation rows (held out or separate).
+    pub validation_rows: usize,
+    /// The format detected from the first row.
+    pub detected: Option<Format>,
+    /// The first row's columns.
+    pub columns: Vec<String>,
+    /// The first row, pretty-printed and shortened.
+    pub first_row: String,
+}
+
+/// The Dataset panel.
+#[derive(Debug, Default)]
+pub struct DatasetState {
+    /// The text field (file, folder or hub id).
+    pub path_input: String,
+    /// The last summary.
+    pub summary: Option<DatasetSummary>,
+    /// The last error.
+    pub error: Option<String>,
+    /// Whether a scan is in flight.
+    pub loading: bool,
+    /// Request sequence number.
+    pub seq: u64,
+    /// The settings key of the last scan.
+    pub key: String,
+}
+
+/// The Preview panel.
+#[derive(Debug, Default)]
+pub struct PreviewState {
+    /// First row shown (a batch of `micro_batch` rows starts here).
+    pub start_row: usize,
+    /// The last preview.
+    pub preview: Option<DataPreview>,
+    /// The last error.
+    pub error: Option<String>,
+    /// Whether a preview is being built.
+    pub loading: bool,
+    /// Request sequence number.
+    pub seq: u64,
+    /// The settings key of the last request.
+    pub key: String,
+    /// Row to highlight (jumped to from a lint).
+    pub highlight: Option<usize>,
+}
+
+/// The memory plan for the current settings.
+#[derive(Default)]
+pub struct PlanState {
+    /// The request planned.
+    pub request: Option<PlanRequest>,
+    /// The plan.
+    pub plan: Option<Plan>,
+    /// Why there is no plan.
+    pub error: Option<String>,
+    /// Whether a plan is being computed.
+    pub loading: bool,
+    /// Request sequence number.
+    pub seq: u64,
+    /// The settings key of the last request.
+    pub key: String,
+    /// The last auto-fit, with the settings it started from.
+    pub autofit: Option<AutoFit>,
+    /// Auto-fit in flight.
+    pub autofit_running: bool,
+    /// The last auto-fit's explanation after it was applied.
+    pub autofit_applied: Vec<String>,
+    /// The last dry run.
+    pub dry_run: Option<DryRunReport>,
+    /// Dry run in flight.
+    pub dry_run_running: bool,
+}
+
+/// The Devices panel.
+#[derive(Debug, Default)]
+pub struct DevicesState {
+    /// What discovery found.
+    pub inventory: Option<DeviceInventory>,
+    /// Discovery in flight.
+    pub loading: bool,
+}
+
+/// Where the current run is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunPhase {
+    /// No run yet.
+    Idle,
+    /// Loading the model and data.
+    Loading,
+    /// Training.
+    Running,
+    /// Paused between steps.
+    Paused,
+    /// Over.
+    Finished(FinishReason),
+}
+
+/// One line of the run log.
+#[derive(Debug, Clone)]
+pub struct LogLine {
+    /// Seconds since the run started.
+    pub secs: f64,
+    /// info / warning / error.
+    pub level: LogLevel,
+    /// The text.
+    pub text: String,
+}
+
+/// Severity of a log line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogLevel {
+    /// Progress.
+    Info,
+    /// Worth knowing.
+    Warning,
+    /// Stopped the run.
+    Error,
+}
+
+/// Memory of one device over the run.
+#[derive(Debug, Clone, Default)]
+pub struct MemorySeries {
+    /// (step, GiB in use).
+    pub used: Vec<[f64; 2]>,
+    /// Peak bytes so far.
+    pub peak_bytes: u64,
+    /// Capacity, when known.
+    pub total_bytes: Option<u64>,
+    /// The plan's predicted peak for this device.
+    pub predicted_peak_bytes: Option<u64>,
+}
+
+/// The error that ended a run, with what to do about it.
+#[derive(Debug, Clone)]
+pub struct RunError {
+    /// What happened.
+    pub message: String,
+    /// The trainer's hint.
+    pub hint: String,
+    /// Whether it is an out-of-memory error (fixes from the planner apply).
+    pub out_of_memory: bool,
+    /// The step, when known.
+    pub step: Option<u64>,
+}
+
+/// The live run.
+pub struct RunState {
+    /// The trainer thread.
+    pub handle: Option<TrainerHandle>,
+    /// Where it is.
+    pub phase: RunPhase,
+    /// Latest status text.
+    pub status: String,
+    /// Steps of the whole run.
+    pub total_steps: u64,
+    /// Steps done.
+    pub step: u64,
+    /// Steps done before this session (resumed runs).
+    pub start_step: u64,
+    /// Epoch reached.
+    pub epoch: f64,
+    /// (step, loss).
+    pub loss: Vec<[f64; 2]>,
+    /// (step, eval loss).
+    pub eval_loss: Vec<[f64; 2]>,
+    /// (step, learning rate).
+    pub lr: Vec<[f64; 2]>,
+    /// Trained tokens per second of the last step.
+    pub tokens_per_sec: f64,
+    /// Training seconds so far.
+    pub elapsed_secs: f64,
+    /// Label tokens trained.
+    pub trained_tokens: u64,
+    /// Memory per device name (`cpu`, `cuda:0`).
+    pub memory: BTreeMap<String, MemorySeries>,
+    /// The log.
+    pub log: Vec<LogLine>,
+    /// The error that ended it.
+    pub error: Option<RunError>,
+    /// When Start was pressed.
+    pub started_at: Option<Instant>,
+    /// The output folder.
+    pub output_dir: Option<PathBuf>,
+    /// The last checkpoint written.
+    pub last_checkpoint: Option<PathBuf>,
+    /// Parameters / trainable parameters.
+    pub parameters: Option<(u64, u64)>,
+    /// Every event received (for tests and the history).
+    pub events_received: usize,
+}
+
+impl Default for RunState {
+    fn default() -> Self {
+        RunState {
+            handle: None,
+            phase: RunPhase::Idle,
+            status: String::new(),
+            total_steps: 0,
+            step: 0,
+            start_step: 0,
+            epoch: 0.0,
+            loss: Vec::new(),
+            eval_loss: Vec::new(),
+            lr: Vec::new(),
+            tokens_per_sec: 0.0,
+            elapsed_secs: 0.0,
+            trained_tokens: 0,
+            memory: BTreeMap::new(),
+            log: Vec::new(),
+            error: None,
+            started_at: None,
+            output_dir: None,
+            last_checkpoint: None,
+            parameters: None,
+            events_received: 0,
+        }
+    }
+}
+
+impl RunState {
+    /// Whether a trainer thread is alive (loading, running or paused).
+    pub fn is_active(&self) -> bool {
+        matches!(self.phase, RunPhase::Loading | RunPhase::Running | RunPhase::Paused)
+    }
+
+    /// Seconds left at the current pace, when it can be told.
+    pub fn eta_secs(&self) -> Option<f64> {
+        let done = self.step.saturating_sub(self.start_step);
+        if done == 0 || self.total_steps <= self.step || self.elapsed_secs <= 0.0 {
+            return None;
+        }
+        let per_step = self.elapsed_secs / done as f64;
+        Some(per_step * (self.total_steps - self.step) as f64)
+    }
+
+    /// Fraction of the steps done.
+    pub fn progress(&self) -> f32 {
+        if self.total_steps == 0 {
+            0.0
+        } else {
+            (self.step as f32 / self.total_steps as f32).clamp(0.0, 1.0)
+        }
+    }
+
+    fn log(&mut self, level: LogLevel, text: String) {
+        let secs = self.started_at.map_or(0.0, |t| t.elapsed().as_secs_f64());
+        self.log.push(LogLine { secs, level, text });
+    }
+
+    /// Folds one trainer event into the state.
+    pub fn apply(&mut self, event: Event) {
+        self.events_received += 1;
+        match event {
+            Event::Status { message } => {
+                self.status = message.clone();
+                self.log(LogLevel::Info, message);
+            }
+            Event::Started {
+                total_steps,
+                start_step,
+                resumed_from,
+                num_parameters,
+                trainable_parameters,
+                train_rows,
+                eval_rows,
+                output_dir,
+            } => {
+                self.phase = RunPhase::Running;
+                self.total_steps = total_steps;
+                self.start_step = start_step;
+                self.step = start_step;
+                self.parameters = Some((num_parameters, trainable_parameters));
+                self.status = "training".into();
+                let resumed = resumed_from
+                    .map(|p| format!(", resumed from {}", p.display()))
+                    .unwrap_or_default();
+                self.log(
+                    LogLevel::Info,
+                    format!(
+                        "started: {total_steps} steps, {train_rows} training rows, {eval_rows} validation rows, \
+                         {} of {} parameters trained{resumed}; writing to {}",
+                        crate::gui::theme::count(trainable_parameters),
+                        crate::gui::theme::count(num_parameters),
+                        output_dir.display()
+                    ),
+                );
+                self.output_dir = Some(output_dir);
+            }
+            Event::Step {
+                step,
+                loss,
+                lr,
+                tokens_per_sec,
+                trained_tokens,
+                elapsed_secs,
+                epoch,
+                skipped,
+                ..
+            } => {
+                self.step = step;
+                if loss.is_finite() {
+                    self.loss.push([step as f64, loss]);
+                }
+                self.lr.push([step as f64, lr]);
+                if tokens_per_sec.is_finite() {
+                    self.tokens_per_sec = tokens_per_sec;
+                }
+                self.trained_tokens = trained_tokens;
+                self.elapsed_secs = elapsed_secs;
+                self.epoch = epoch;
+                if skipped {
+                    self.log(
+                        LogLevel::Warning,
+                        format!("step {step}: gradients overflowed in fp16; update skipped, loss scale lowered"),
+                    );
+                }
+            }
+            Event::Eval {
+                step,
+                loss,
+                perplexity,
+                ..
+            } => {
+                if loss.is_finite() {
+                    self.eval_loss.push([step as f64, loss]);
+                }
+                self.log(
+                    LogLevel::Info,
+                    format!("eval at step {step}: loss {loss:.4}, perplexity {perplexity:.2}"),
+                );
+            }
+            Event::Memory {
+                device,
+                used_bytes,
+                peak_bytes,
+                total_bytes,
+                step,
+            } => {
+                let series = self.memory.entry(device).or_default();
+                series.used.push([step as f64, crate::gui::theme::gib(used_bytes)]);
+                series.peak_bytes = series.peak_bytes.max(peak_bytes);
+                if total_bytes.is_some() {
+                    series.total_bytes = total_bytes;
+                }
+            }
+            Event::CheckpointSaved { step, path } => {
+                self.log(LogLevel::Info, format!("checkpoint at step {step}: {}", path.display()));
+                self.last_checkpoint = Some(path);
+            }
+            Event::Paused { step } => {
+                self.phase = RunPhase::Paused;
+                self.status = format!("paused after step {step}");
+                self.log(LogLevel::Info, format!("paused after step {step}"));
+            }
+            Event::Resumed { step } => {
+                self.phase = RunPhase::Running;
+                self.status = "training".into();
+                self.log(LogLevel::Info, format!("resumed at step {step}"));
+            }
+            Event::Warning { message } => self.log(LogLevel::Warning, message),
+            Event::Error {
+                message,
+                hint,
+                step,
+                ..
+            } => {
+                let lower = message.to_ascii_lowercase();
+                let out_of_memory = lower.contains("out of memory")
+                    || lower.contains("cannot allocate memory")
+                    || lower.contains("out_of_memory");
+                self.log(LogLevel::Error, format!("{message} — {hint}"));
+                self.error = Some(RunError {
+                    message,
+                    hint,
+                    out_of_memory,
+                    step,
+                });
+            }
+            Event::Finished {
+                reason,
+                step,
+                final_loss,
+                final_eval_loss,
+                elapsed_secs,
+                last_checkpoint,
+            } => {
+                self.phase = RunPhase::Finished(reason);
+                self.step = self.step.max(step);
+                if elapsed_secs > 0.0 {
+                    self.elapsed_secs = elapsed_secs;
+                }
+                if last_checkpoint.is_some() {
+                    self.last_checkpoint = last_checkpoint;
+                }
+                let what = match reason {
+                    FinishReason::Completed => "completed",
+                    FinishReason::Stopped => "stopped",
+                    FinishReason::Failed => "failed",
+                };
+                let fl = final_loss.map(|l| format!(", loss {l:.4}")).unwrap_or_default();
+                let fe = final_eval_loss
+                    .map(|l| format!(", eval loss {l:.4}"))
+                    .unwrap_or_default();
+                self.status = format!("{what} at step {step}");
+                self.log(
+                    if reason == FinishReason::Failed {
+                        LogLevel::Error
+                    } else {
+                        LogLevel::Info
+                    },
+                    format!("{what} at step {step}{fl}{fe}"),
+                );
+            }
+        }
+    }
+}
+
+/// A past run read back from its output folder.
+#[derive(Debug, Clone)]
+pub struct HistoryRun {
+    /// The output folder.
+    pub dir: PathBuf,
+    /// Its curves from `metrics.jsonl`.
+    pub curves: RunCurves,
+    /// How it ended, if it did.
+    pub finished: Option<FinishReason>,
+}
+
+impl HistoryRun {
+    /// The folder's name.
+    pub fn name(&self) -> String {
+        self.dir
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_else(|| self.dir.display().to_string())
+    }
+}
+
+/// The run history.
+#[derive(Debug, Default)]
+pub struct HistoryState {
+    /// Runs found.
+    pub runs: Vec<HistoryRun>,
+    /// Runs overlaid on the loss chart (indices into `runs`).
+    pub overlay: Vec<usize>,
+    /// Scan in flight.
+    pub loading: bool,
+    /// Problems reading runs.
+    pub error: Option<String>,
+}
+
+/// What to export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExportKind {
+    /// The LoRA adapter (PEFT layout).
+    Adapter,
+    /// Base + adapter merged into a full HF model.
+    Merged,
+    /// The full fine-tuned model.
+    Full,
+}
+
+/// Export dtype choices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExportDtype {
+    /// 32-bit float.
+    F32,
+    /// bfloat16.
+    Bf16,
+    /// IEEE half.
+    F16,
+}
+
+impl ExportDtype {
+    /// The candle dtype.
+    pub fn to_dtype(self) -> candle_core::DType {
+        match self {
+            ExportDtype::F32 => candle_core::DType::F32,
+            ExportDtype::Bf16 => candle_core::DType::BF16,
+            ExportDtype::F16 => candle_core::DType::F16,
+        }
+    }
+}
+
+/// The Export panel.
+#[derive(Debug)]
+pub struct ExportState {
+    /// What to export.
+    pub kind: ExportKind,
+    /// Weights dtype of merged/full exports.
+    pub dtype: ExportDtype,
+    /// The checkpoint to export (defaults to the run's last).
+    pub checkpoint: String,
+    /// Destination folder.
+    pub destination: String,
+    /// Export in flight.
+    pub running: bool,
+    /// The last export's result.
+    pub result: Option<Result<PathBuf, String>>,
+    /// Where the run config is saved.
+    pub config_path: String,
+    /// The last save/load message.
+    pub config_message: Option<Result<String, String>>,
+}
+
+impl Default for ExportState {
+    fn default() -> Self {
+        ExportState {
+            kind: ExportKind::Adapter,
+            dtype: ExportDtype::Bf16,
+            checkpoint: String::new(),
+            destination: String::new(),
+            running: false,
+            result: None,
+            config_path: String::new(),
+            config_message: None,
+        }
+    }
+}
+
+/// A rolling window of frame times (the UI code's own time per frame).
+#[derive(Debug, Clone)]
+pub struct FrameStats {
+    samples_ms: Vec<f32>,
+    next: usize,
+    /// Frames measured since start.
+    pub frames: u64,
+}
+
+impl Default for FrameStats {
+    fn default() -> Self {
+        FrameStats {
+            samples_ms: Vec::with_capacity(240),
+            next: 0,
+            frames: 0,
+        }
+    }
+}
+
+impl FrameStats {
+    const WINDOW: usize = 240;
+
+    /// Records one frame.
+    pub fn record(&mut self, ms: f32) {
+        if self.samples_ms.len() < Self::WINDOW {
+            self.samples_ms.push(ms);
+        } else {
+            self.samples_ms[self.next] = ms;
+        }
+        self.next = (self.next + 1) % Self::WINDOW;
+        self.frames += 1;
+    }
+
+    /// Mean frame time in the window.
+    pub fn mean_ms(&self) -> f32 {
+        if self.samples_ms.is_empty() {
+            0.0
+        } else {
+            self.samples_ms.iter().sum::<f32>() / self.samples_ms.len() as f32
+        }
+    }
+
+    /// The 95th percentile in the window.
+    pub fn p95_ms(&self) -> f32 {
+        self.percentile(0.95)
+    }
+
+    /// The longest frame in the window.
+    pub fn max_ms(&self) -> f32 {
+        self.samples_ms.iter().copied().fold(0.0, f32::max)
+    }
+
+    fn percentile(&self, q: f32) -> f32 {
+        if self.samples_ms.is_empty() {
+            return 0.0;
+        }
+        let mut v = self.samples_ms.clone();
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+        let i = ((v.len() - 1) as f32 * q).round() as usize;
+        v[i.min(v.len() - 1)]
+    }
+
+    /// "frame 1.2 ms avg · 2.5 ms p95 · 4.0 ms max (240 frames)".
+    pub fn summary(&self) -> String {
+        format!(
+            "frame {:.2} ms avg · {:.2} ms p95 · {:.2} ms max ({} frames)",
+            self.mean_ms(),
+            self.p95_ms(),
+            self.max_ms(),
+            self.frames
+        )
+    }
+}
+
+/// Everything the panels share.
+pub struct AppState {
+    /// The run config being edited.
+    pub config: RunConfig,
+    /// Where it was loaded from / saved to.
+    pub config_path: Option<PathBuf>,
+    /// Problems of the config as loaded.
+    pub config_problems: Vec<String>,
+    /// The open panel.
+    pub panel: Panel,
+    /// Persisted settings.
+    pub settings: Settings,
+    /// Panels.
+    pub model: ModelState,
+    /// Dataset panel.
+    pub dataset: DatasetState,
+    /// Preview panel.
+    pub preview: PreviewState,
+    /// Memory plan.
+    pub plan: PlanState,
+    /// Devices.
+    pub devices: DevicesState,
+    /// The live run.
+    pub run: RunState,
+    /// Past runs.
+    pub history: HistoryState,
+    /// Export panel.
+    pub export: ExportState,
+    /// Frame-time statistics.
+    pub frames: FrameStats,
+    /// Show the frame-time debug line in the status bar.
+    pub show_debug: bool,
+    /// A transient message for the status bar.
+    pub toast: Option<(String, Instant)>,
+}
+
+impl AppState {
+    /// A fresh state editing `config`.
+    pub fn new(config: RunConfig, config_path: Option<PathBuf>, settings: Settings) -> Self {
+        let mut s = AppState {
+            panel: settings.panel,
+            config,
+            config_path,
+            config_problems: Vec::new(),
+            settings,
+            model: ModelState::default(),
+            dataset: DatasetState::default(),
+            preview: PreviewState::default(),
+            plan: PlanState::default(),
+            devices: DevicesState::default(),
+            run: RunState::default(),
+            history: HistoryState::default(),
+            export: ExportState::default(),
+            frames: FrameStats::default(),
+            show_debug: true,
+            toast: None,
+        };
+        s.sync_inputs_from_config();
+        s
+    }
+
+    /// Copies the config's paths into the text fields (after loading a config).
+    pub fn sync_inputs_from_config(&mut self) {
+        self.model.source_input = self.config.model.source.clone();
+        self.dataset.path_input = self.config.data.path.clone();
+        if let Some(p) = &self.config_path {
+            self.export.config_path = p.display().to_string();
+        }
+        self.preview.start_row = 0;
+        self.preview.highlight = None;
+    }
+
+    /// Replaces the config (loaded from a file or the demo).
+    pub fn set_config(&mut self, config: RunConfig, path: Option<PathBuf>) {
+        self.config = config;
+        self.config_path = path;
+        self.config_problems.clear();
+        self.plan.autofit = None;
+        self.plan.autofit_applied.clear();
+        self.plan.dry_run = None;
+        self.sync_inputs_from_config();
+    }
+
+    /// Shows a transient message in the status bar.
+    pub fn toast(&mut self, text: impl Into<String>) {
+        self.toast = Some((text.into(), Instant::now()));
+    }
+
+    /// The model source resolved against the config's folder.
+    pub fn model_source(&self) -> String {
+        // A config.json file is a valid (plan-only) source here, which the library's
+        // folder-or-hub-id resolution does not cover.
+        let src = self.config.model.source.trim();
+        let candidate = self.config.resolve_path(Path::new(src));
+        if !src.is_empty() && candidate.is_file() {
+            return candidate.display().to_string();
+        }
+        self.config.model_source()
+    }
+
+    /// Key of everything the preview depends on.
+    pub fn preview_key(&self) -> String {
+        format!(
+            "{}|{:?}|{}|{}",
+            self.model_source(),
+            self.config.resolved_data(),
+            self.config.training.micro_batch,
+            self.preview.start_row
+        )
+    }
+
+    /// Key of everything the dataset summary depends on.
+    pub fn dataset_key(&self) -> String {
+        let d = self.config.resolved_data();
+        format!("{}|{:?}|{:?}|{}|{}", d.path, d.validation_path, d.columns, d.validation_ratio, d.seed)
+    }
+
+    /// Key of everything the plan depends on.
+    pub fn plan_key(&self) -> String {
+        let t = &self.config.training;
+        format!(
+            "{}|{}|{}|{}|{}|{}|{:?}|{}|{:?}|{:?}|{}",
+            self.model.info.as_ref().map_or("", |i| i.source.as_str()),
+            t.precision,
+            t.micro_batch,
+            t.gradient_accumulation,
+            self.config.data.max_length,
+            t.activation_checkpointing,
+            (self.config.lora.enabled, self.config.lora.r, &self.config.lora.target_modules),
+            self.config.devices.strategy,
+            self.config.devices.devices,
+            self.devices.inventory.as_ref().map(|i| i.devices.len()),
+            self.config.model.dtype.to_dtype().is_some(),
+        )
+    }
+
+    /// The output folder, resolved.
+    pub fn output_dir(&self) -> PathBuf {
+        self.config.output_path()
+    }
+
+    /// A path for the config when none was chosen: `<output>/run.toml`.
+    pub fn default_config_path(&self) -> PathBuf {
+        self.output_dir().join("run.toml")
+    }
+}
+
+/// The folder a path-like string points into, for file dialogs.
+pub fn dialog_dir(text: &str, base: &Path) -> Option<PathBuf> {
+    let p = Path::new(text);
+    let p = if p.is_absolute() { p.to_path_buf() } else { base.join(p) };
+    if p.is_dir() {
+        Some(p)
+    } else {
+        p.parent().filter(|d| d.is_dir()).map(Path::to_path_buf)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frame_stats_roll_over_the_window() {
+        let mut f = FrameStats::default();
+        for i in 0..500 {
+            f.record(if i % 100 == 0 { 20.0 } else { 1.0 });
+        }
+        assert_eq!(f.frames, 500);
+        assert!(f.mean_ms() > 1.0 && f.mean_ms() < 2.0, "{}", f.mean_ms());
+        assert_eq!(f.max_ms(), 20.0);
+        assert_eq!(f.p95_ms(), 1.0);
+    }
+
+    #[test]
+    fn run_state_folds_events() {
+        let mut r = RunState::default();
+        r.apply(Event::Step {
+            step: 1,
+            loss: 2.5,
+            lr: 1e-3,
+            grad_norm: 1.0,
+            tokens_per_sec: 100.0,
+            trained_tokens: 10,
+            elapsed_secs: 1.0,
+            epoch: 0.1,
+            skipped: false,
+            loss_scale: None,
+        });
+        r.apply(Event::Error {
+            message: "CUDA out of memory on cuda:0".into(),
+            hint: "lower the micro-batch".into(),
+            phase: None,
+            step: Some(2),
+        });
+        assert_eq!(r.loss, vec![[1.0, 2.5]]);
+        assert!(r.error.as_ref().is_some_and(|e| e.out_of_memory));
+        r.total_steps = 10;
+        assert!(r.eta_secs().is_some());
+    }
+
+    #[test]
+    fn recent_lists_stay_unique_and_short() {
+        let mut v = Vec::new();
+        for i in 0..15 {
+            push_recent(&mut v, i % 12);
+        }
+        push_recent(&mut v, 3);
+        assert_eq!(v[0], 3);
+        assert_eq!(v.len(), 10);
+        assert_eq!(v.iter().filter(|&&x| x == 3).count(), 1);
+    }
+}

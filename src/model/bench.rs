@@ -1,0 +1,175 @@
+//! The training benchmark: random-initialised model, random tokens, full AdamW steps,
+//! timed phase by phase.
+
+use super::adamw::{AdamW, AdamWConfig};
+use super::config::ModelConfig;
+use super::decoder::CausalLm;
+use super::error::ModelError;
+use candle_core::{DType, Device, Tensor};
+use rand::{Rng, SeedableRng};
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// What to benchmark.
+#[derive(Debug, Clone)]
+pub struct BenchConfig {
+    /// A `config.json` giving the model shape (weights are random).
+    pub model_config: PathBuf,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Sequences per step.
+    pub batch: usize,
+    /// Timed steps (one untimed warm-up step runs first).
+    pub steps: usize,
+    /// Parameter dtype.
+    pub dtype: DType,
+    /// Rayon threads (None: rayon's default).
+    pub threads: Option<usize>,
+    /// Recompute layers in backward.
+    pub activation_checkpointing: bool,
+    /// Seed of weights and tokens.
+    pub seed: u64,
+}
+
+impl Default for BenchConfig {
+    /// SmolLM2-135M shape, seq 256, batch 1, 5 steps, f32.
+    fn default() -> Self {
+        Self {
+            model_config: crate::paths::shared_dir()
+                .join("model-configs")
+                .join("smollm2-135m.json"),
+            seq_len: 256,
+            batch: 1,
+            steps: 5,
+            dtype: DType::F32,
+            threads: None,
+            activation_checkpointing: false,
+            seed: 0,
+        }
+    }
+}
+
+/// Timings of one benchmark run.
+#[derive(Debug, Clone)]
+pub struct BenchReport {
+    /// Parameters of the model (transformers' count).
+    pub num_parameters: u64,
+    /// Tokens per step (batch × seq_len).
+    pub tokens_per_step: usize,
+    /// Rayon threads used.
+    pub threads: usize,
+    /// Seconds of every timed step.
+    pub step_secs: Vec<f64>,
+    /// Median step time.
+    pub median_step_secs: f64,
+    /// Median forward (loss) time.
+    pub median_forward_secs: f64,
+    /// Median backward time.
+    pub median_backward_secs: f64,
+    /// Median optimizer time.
+    pub median_optimizer_secs: f64,
+    /// Tokens per second at the median step.
+    pub tokens_per_sec: f64,
+    /// 6 · parameters · tokens / median step time, in GFLOP/s.
+    pub gflops_per_sec: f64,
+    /// Peak resident set size of the process (VmHWM), when the OS reports it.
+    pub peak_rss_bytes: Option<u64>,
+    /// Loss of the last step (a sanity figure: about ln(vocab) for random weights).
+    pub last_loss: f64,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    if s.is_empty() {
+        return 0.0;
+    }
+    let n = s.len();
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        (s[n / 2 - 1] + s[n / 2]) / 2.0
+    }
+}
+
+/// The process's peak resident set size from `/proc/self/status` (Linux only).
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// Runs the benchmark described by `cfg`.
+pub fn run_training_bench(cfg: &BenchConfig) -> Result<BenchReport, ModelError> {
+    if cfg.seq_len < 2 || cfg.batch == 0 || cfg.steps == 0 {
+        return Err(ModelError::Input(
+            "bench needs seq_len >= 2, batch >= 1 and steps >= 1".into(),
+        ));
+    }
+    let pool = {
+        let mut b = rayon::ThreadPoolBuilder::new();
+        if let Some(n) = cfg.threads {
+            b = b.num_threads(n);
+        }
+        b.build().map_err(|e| {
+            ModelError::Input(format!("cannot start {:?} threads: {e}", cfg.threads))
+        })?
+    };
+    pool.install(|| run_inner(cfg, pool.current_num_threads()))
+}
+
+fn run_inner(cfg: &BenchConfig, threads: usize) -> Result<BenchReport, ModelError> {
+    let config = ModelConfig::from_file(&cfg.model_config)?;
+    let device = Device::Cpu;
+    let mut model = CausalLm::random_init(&config, cfg.seed, cfg.dtype, &device)?;
+    model.set_activation_checkpointing(cfg.activation_checkpointing);
+    let mut opt = AdamW::new(model.params(), AdamWConfig::default(), false)?;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed ^ 0xB0BA);
+    let n_tok = cfg.batch * cfg.seq_len;
+    let mut step_secs = Vec::new();
+    let (mut fw, mut bw, mut op) = (Vec::new(), Vec::new(), Vec::new());
+    let mut last_loss = 0.0;
+    for step in 0..=cfg.steps {
+        let ids: Vec<u32> = (0..n_tok)
+            .map(|_| rng.gen_range(0..config.vocab_size as u32))
+            .collect();
+        let ids = Tensor::from_vec(ids, (cfg.batch, cfg.seq_len), &device)?;
+        let labels = ids.to_dtype(DType::I64)?;
+        let t0 = Instant::now();
+        let loss = model.loss(&ids, None, &labels)?;
+        let t1 = Instant::now();
+        let grads = model.backward(&loss.sum)?;
+        let t2 = Instant::now();
+        opt.step(&grads, 1e-4, 1.0 / loss.num_tokens.max(1) as f64)?;
+        drop(grads);
+        let t3 = Instant::now();
+        last_loss = loss.mean()?;
+        if step > 0 {
+            fw.push((t1 - t0).as_secs_f64());
+            bw.push((t2 - t1).as_secs_f64());
+            op.push((t3 - t2).as_secs_f64());
+            step_secs.push((t3 - t0).as_secs_f64());
+        }
+    }
+    let med = median(&step_secs);
+    let num_parameters = config.num_parameters();
+    Ok(BenchReport {
+        num_parameters,
+        tokens_per_step: n_tok,
+        threads,
+        median_step_secs: med,
+        median_forward_secs: median(&fw),
+        median_backward_secs: median(&bw),
+        median_optimizer_secs: median(&op),
+        tokens_per_sec: if med > 0.0 { n_tok as f64 / med } else { 0.0 },
+        gflops_per_sec: if med > 0.0 {
+            6.0 * num_parameters as f64 * n_tok as f64 / med / 1e9
+        } else {
+            0.0
+        },
+        step_secs,
+        peak_rss_bytes: peak_rss_bytes(),
+        last_loss,
+    })
+}

@@ -1,0 +1,936 @@
+//! The Llama / Mistral / Qwen2 decoder: parameters, forward pass, loss and backward.
+//!
+//! Every op on the training path records a backward pass (no candle-nn fused op is used;
+//! see [`super::reference_ops`] and [`super::ops`]). Parameters live in one list of
+//! [`NamedParam`]s under their Hugging Face names; the modules used by the forward pass
+//! are views of those Vars, rebuilt whenever trainability or placement changes.
+
+use super::config::ModelConfig;
+use super::error::ModelError;
+use super::gradients::{Gradients, NamedParam};
+use super::hub::ModelFiles;
+use super::lora::LoraConfig;
+use super::weights::Checkpoint;
+use super::{checkpoint, kernels};
+use candle_core::{DType, Device, Tensor, Var};
+use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// Labels with this value are ignored by the loss (transformers' `ignore_index`).
+pub const IGNORE_INDEX: i64 = -100;
+
+/// Rows of the flattened sequence whose logits are computed together in the loss.
+pub const LOSS_CHUNK_TOKENS: usize = 1024;
+
+/// The summed token loss of a batch and how many tokens it covers.
+#[derive(Debug, Clone)]
+pub struct LossOutput {
+    /// Scalar f32, differentiable: the sum of the cross-entropies of every non-ignored
+    /// (shifted) token. `sum / num_tokens` is exactly transformers' mean loss.
+    pub sum: Tensor,
+    /// Number of labels that were not -100 (after the causal shift).
+    pub num_tokens: usize,
+}
+
+impl LossOutput {
+    /// The mean loss as a number (sum / tokens), 0 when there is no token.
+    pub fn mean(&self) -> Result<f64, ModelError> {
+        if self.num_tokens == 0 {
+            return Ok(0.0);
+        }
+        Ok(self.sum.to_dtype(DType::F64)?.to_scalar::<f64>()? / self.num_tokens as f64)
+    }
+}
+
+/// The LoRA factors attached to one linear layer.
+#[derive(Clone)]
+pub(crate) struct LoraFactors {
+    /// `[r, in]`.
+    pub a: Tensor,
+    /// `[out, r]`.
+    pub b: Tensor,
+    /// `alpha / r`.
+    pub scale: f64,
+    /// Dropout probability on the adapter's input.
+    pub dropout: f64,
+}
+
+/// A linear layer `y = x W^T (+ b) (+ LoRA)` as the forward pass sees it.
+#[derive(Clone)]
+pub(crate) struct Linear {
+    /// `[out, in]`: the Var's tensor when trainable, a detached view when frozen.
+    pub w: Tensor,
+    pub b: Option<Tensor>,
+    /// Frozen weights go through a matmul whose backward computes only the input gradient.
+    pub frozen: bool,
+    pub lora: Option<LoraFactors>,
+    /// Distinguishes dropout masks of different layers.
+    pub key: u64,
+}
+
+/// What every layer of one forward pass shares.
+pub(crate) struct Ctx {
+    /// `[t, head_dim]`, model dtype.
+    pub cos: Tensor,
+    pub sin: Tensor,
+    /// Additive f32 mask `[b or 1, 1, 1, t, t]`: 0 where allowed, f32::MIN where not.
+    pub mask: Tensor,
+    /// The same with the sliding window applied, for layers that use one.
+    pub sliding_mask: Option<Tensor>,
+    /// `Some(seed)` when LoRA dropout is active (training); the same seed recomputes the
+    /// same masks in checkpointed layers.
+    pub dropout_seed: Option<u64>,
+    /// Use the fused kernels of [`super::ops`] rather than the composite reference ops.
+    pub fused: bool,
+}
+
+/// One decoder layer's weights.
+pub(crate) struct Layer {
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+    pub input_norm: Tensor,
+    pub post_norm: Tensor,
+    pub eps: f64,
+    /// Whether this layer uses the sliding-window mask.
+    pub sliding: bool,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// `(name, var tensor)` of the layer's trainable parameters (for checkpointed backward).
+    pub trainable: Vec<(String, Tensor)>,
+    pub device: Device,
+    /// A zero Var that makes checkpointed layers part of the graph even when their input
+    /// carries no gradient (frozen embeddings under LoRA).
+    pub anchor: Var,
+}
+
+/// The views of the parameters the forward pass uses.
+pub(crate) struct Modules {
+    pub embed: Tensor,
+    pub layers: Vec<Arc<Layer>>,
+    pub norm: Tensor,
+    pub lm_head: Tensor,
+    pub lm_head_frozen: bool,
+}
+
+/// A causal language model ready for training: parameters, forward, loss, backward.
+pub struct CausalLm {
+    pub(crate) config: ModelConfig,
+    pub(crate) params: Vec<NamedParam>,
+    pub(crate) index: HashMap<String, usize>,
+    pub(crate) dtype: DType,
+    pub(crate) device: Device,
+    pub(crate) layer_devices: Vec<Device>,
+    pub(crate) checkpointing: bool,
+    pub(crate) fused: bool,
+    pub(crate) lora: Option<LoraConfig>,
+    pub(crate) modules: Modules,
+    /// Parameter gradients produced inside checkpointed layers' backward passes.
+    pub(crate) side_grads: Arc<Mutex<HashMap<String, Tensor>>>,
+    pub(crate) forward_counter: AtomicU64,
+    pub(crate) dropout_seed_base: u64,
+    /// What `base_model_name_or_path` says when an adapter is saved.
+    pub(crate) source: String,
+}
+
+fn is_no_decay(name: &str) -> bool {
+    name.ends_with(".bias") || name.ends_with("norm.weight")
+}
+
+/// Normal(0, std) samples, generated in parallel chunks each seeded from (seed, chunk)
+/// so the result does not depend on the thread count.
+pub(crate) fn normal_vec(n: usize, std: f64, seed: u64) -> Vec<f32> {
+    const CHUNK: usize = 1 << 16;
+    let mut out = vec![0f32; n];
+    out.par_chunks_mut(CHUNK)
+        .enumerate()
+        .for_each(|(ci, chunk)| {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(
+                seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (ci as u64).wrapping_add(1),
+            );
+            let mut i = 0;
+            while i < chunk.len() {
+                // Box-Muller: two independent normals from two uniforms.
+                let u1: f64 = rng.gen_range(f64::MIN_POSITIVE..1.0);
+                let u2: f64 = rng.gen();
+                let r = (-2.0 * u1.ln()).sqrt() * std;
+                let th = std::f64::consts::TAU * u2;
+                chunk[i] = (r * th.cos()) as f32;
+                if i + 1 < chunk.len() {
+                    chunk[i + 1] = (r * th.sin()) as f32;
+                }
+                i += 2;
+            }
+        });
+    out
+}
+
+/// RoPE inverse frequencies as transformers computes them (in f32), with the llama3
+/// adjustment when configured.
+pub fn rope_inv_freq(config: &ModelConfig) -> Vec<f32> {
+    let dim = config.head_dim;
+    let base = config.rope_theta as f32;
+    let mut inv: Vec<f32> = (0..dim)
+        .step_by(2)
+        .map(|i| 1.0 / base.powf(i as f32 / dim as f32))
+        .collect();
+    if let Some(s) = &config.rope_scaling {
+        let old = s.original_max_position_embeddings as f32;
+        let (factor, lo, hi) = (
+            s.factor as f32,
+            s.low_freq_factor as f32,
+            s.high_freq_factor as f32,
+        );
+        let low_wavelen = old / lo;
+        let high_wavelen = old / hi;
+        for f in inv.iter_mut() {
+            let wavelen = 2.0 * std::f32::consts::PI / *f;
+            let scaled = if wavelen > low_wavelen {
+                *f / factor
+            } else {
+                *f
+            };
+            let smooth = (old / wavelen - lo) / (hi - lo);
+            let smoothed = (1.0 - smooth) * scaled / factor + smooth * scaled;
+            let medium = wavelen >= high_wavelen && wavelen <= low_wavelen;
+            *f = if medium { smoothed } else { scaled };
+        }
+    }
+    inv
+}
+
+/// `cos`, `sin` tables `[t, head_dim]` for positions `0..t` (HF `emb = cat(freqs, freqs)`).
+fn rope_tables(
+    config: &ModelConfig,
+    t: usize,
+    dtype: DType,
+    device: &Device,
+) -> Result<(Tensor, Tensor), ModelError> {
+    let inv = rope_inv_freq(config);
+    let half = inv.len();
+    let d = 2 * half;
+    let mut cos = vec![0f32; t * d];
+    let mut sin = vec![0f32; t * d];
+    for p in 0..t {
+        for (i, f) in inv.iter().enumerate() {
+            let a = p as f32 * f;
+            let (s, c) = a.sin_cos();
+            cos[p * d + i] = c;
+            cos[p * d + half + i] = c;
+            sin[p * d + i] = s;
+            sin[p * d + half + i] = s;
+        }
+    }
+    let cos = Tensor::from_vec(cos, (t, d), device)?.to_dtype(dtype)?;
+    let sin = Tensor::from_vec(sin, (t, d), device)?.to_dtype(dtype)?;
+    Ok((cos, sin))
+}
+
+/// The additive attention mask `[b or 1, 1, 1, t, t]` (f32): query i sees key j when
+/// j <= i, i - j < window (if any) and key j is not padding. A padded query still sees
+/// the real tokens before it, as in transformers, so its logits stay finite.
+fn build_attention_mask(
+    padding: Option<&[Vec<u32>]>,
+    b: usize,
+    t: usize,
+    window: Option<usize>,
+    device: &Device,
+) -> Result<Tensor, ModelError> {
+    let rows = if padding.is_some() { b } else { 1 };
+    let mut m = vec![0f32; rows * t * t];
+    for r in 0..rows {
+        for i in 0..t {
+            for j in 0..t {
+                let mut ok = j <= i;
+                if let Some(w) = window {
+                    ok &= i - j.min(i) < w;
+                }
+                if let Some(p) = padding {
+                    ok &= p[r][j] != 0;
+                }
+                if !ok {
+                    m[(r * t + i) * t + j] = f32::MIN;
+                }
+            }
+        }
+    }
+    Ok(Tensor::from_vec(m, (rows, 1, 1, t, t), device)?)
+}
+
+/// Dropout with a mask drawn from `seed` (so recomputation reproduces it).
+fn dropout(x: &Tensor, p: f64, seed: u64) -> Result<Tensor, ModelError> {
+    let n = x.elem_count();
+    let keep = 1.0 - p;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mask: Vec<f32> = (0..n)
+        .map(|_| {
+            if rng.gen::<f64>() < keep {
+                (1.0 / keep) as f32
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
+    Ok((x * mask)?)
+}
+
+impl Linear {
+    /// `x`: `[n, in]` → `[n, out]`.
+    pub(crate) fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor, ModelError> {
+        let mut y = if self.frozen {
+            kernels::frozen_linear(x, &self.w, ctx.fused)?
+        } else {
+            x.matmul(&self.w.t()?)?
+        };
+        if let Some(b) = &self.b {
+            y = y.broadcast_add(b)?;
+        }
+        if let Some(l) = &self.lora {
+            let xin = match ctx.dropout_seed {
+                Some(seed) if l.dropout > 0.0 => dropout(
+                    x,
+                    l.dropout,
+                    seed ^ self.key.wrapping_mul(0xA24B_AED4_963E_E407),
+                )?,
+                _ => x.clone(),
+            };
+            let delta = xin.matmul(&l.a.t()?)?.matmul(&l.b.t()?)?;
+            y = (y + (delta * l.scale)?)?;
+        }
+        Ok(y)
+    }
+}
+
+impl Layer {
+    fn attention(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor, ModelError> {
+        let (b, t, hidden) = x.dims3()?;
+        let (nh, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let x2 = x.reshape((b * t, hidden))?;
+        let q = self
+            .q
+            .forward(&x2, ctx)?
+            .reshape((b, t, nh, hd))?
+            .transpose(1, 2)?;
+        let k = self
+            .k
+            .forward(&x2, ctx)?
+            .reshape((b, t, nkv, hd))?
+            .transpose(1, 2)?;
+        let v = self
+            .v
+            .forward(&x2, ctx)?
+            .reshape((b, t, nkv, hd))?
+            .transpose(1, 2)?
+            .contiguous()?;
+        let q = kernels::rope(&q.contiguous()?, &ctx.cos, &ctx.sin, ctx.fused)?;
+        let k = kernels::rope(&k.contiguous()?, &ctx.cos, &ctx.sin, ctx.fused)?;
+        // Grouped-query attention without repeating k/v: the `rep` query heads sharing a kv
+        // head are stacked along the time axis ([b, nkv, rep*t, hd]), which is q's memory
+        // order already, so one batched matmul per kv head does the work.
+        let rep = nh / nkv;
+        let q = q.contiguous()?.reshape((b, nkv, rep * t, hd))?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let scores = (q.matmul(&k.t()?)? * scale)?;
+        let scores = scores
+            .to_dtype(DType::F32)?
+            .reshape((b, nkv, rep, t, t))?
+            .broadcast_add(match (&ctx.sliding_mask, self.sliding) {
+                (Some(m), true) => m,
+                _ => &ctx.mask,
+            })?;
+        let probs = kernels::softmax_last_dim(&scores, ctx.fused)?
+            .to_dtype(x.dtype())?
+            .reshape((b, nkv, rep * t, t))?;
+        let o = probs.matmul(&v)?; // [b, nkv, rep*t, hd] == [b, nh, t, hd]
+        let o = o
+            .reshape((b, nh, t, hd))?
+            .transpose(1, 2)?
+            .reshape((b * t, nh * hd))?;
+        Ok(self.o.forward(&o, ctx)?.reshape((b, t, hidden))?)
+    }
+
+    fn mlp(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor, ModelError> {
+        let (b, t, hidden) = x.dims3()?;
+        let x2 = x.reshape((b * t, hidden))?;
+        let g = self.gate.forward(&x2, ctx)?;
+        let u = self.up.forward(&x2, ctx)?;
+        let a = kernels::silu_mul(&g, &u, ctx.fused)?;
+        Ok(self.down.forward(&a, ctx)?.reshape((b, t, hidden))?)
+    }
+
+    /// One decoder layer: pre-norm attention and MLP blocks with residuals.
+    pub(crate) fn forward(&self, h: &Tensor, ctx: &Ctx) -> Result<Tensor, ModelError> {
+        let x = kernels::rms_norm(h, &self.input_norm, self.eps, ctx.fused)?;
+        let h = (h + self.attention(&x, ctx)?)?;
+        let x = kernels::rms_norm(&h, &self.post_norm, self.eps, ctx.fused)?;
+        Ok((&h + self.mlp(&x, ctx)?)?)
+    }
+}
+
+/// Ids `[b, t]` as u32 on `device`, whatever integer dtype they came in.
+fn as_u32(t: &Tensor, what: &str) -> Result<Tensor, ModelError> {
+    if t.rank() != 2 {
+        return Err(ModelError::Input(format!(
+            "{what} must be [batch, seq], got shape {:?}",
+            t.dims()
+        )));
+    }
+    match t.dtype() {
+        DType::U32 => Ok(t.clone()),
+        DType::U8 | DType::I64 | DType::I32 | DType::I16 => Ok(t.to_dtype(DType::U32)?),
+        other => Err(ModelError::Input(format!(
+            "{what} must hold integer ids, got dtype {other:?}"
+        ))),
+    }
+}
+
+impl CausalLm {
+    fn from_params(
+        config: ModelConfig,
+        tensors: Vec<(String, Tensor)>,
+        dtype: DType,
+        device: &Device,
+        source: String,
+    ) -> Result<Self, ModelError> {
+        let mut params = Vec::with_capacity(tensors.len());
+        let mut index = HashMap::new();
+        for (name, t) in tensors {
+            index.insert(name.clone(), params.len());
+            params.push(NamedParam {
+                weight_decay: !is_no_decay(&name),
+                var: Var::from_tensor(&t)?,
+                trainable: true,
+                name,
+            });
+        }
+        let layer_devices = vec![device.clone(); config.num_hidden_layers];
+        let mut model = Self {
+            modules: Modules {
+                embed: Tensor::zeros(1, dtype, device)?,
+                layers: vec![],
+                norm: Tensor::zeros(1, dtype, device)?,
+                lm_head: Tensor::zeros(1, dtype, device)?,
+                lm_head_frozen: false,
+            },
+            config,
+            params,
+            index,
+            dtype,
+            device: device.clone(),
+            layer_devices,
+            checkpointing: false,
+            fused: kernels::FUSED_DEFAULT,
+            lora: None,
+            side_grads: Arc::new(Mutex::new(HashMap::new())),
+            forward_counter: AtomicU64::new(0),
+            dropout_seed_base: 0x5EED,
+            source,
+        };
+        model.rebuild()?;
+        Ok(model)
+    }
+
+    /// Loads an HF model folder (`config.json` + safetensors), converting weights to `dtype`.
+    pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self, ModelError> {
+        let files = ModelFiles::from_dir(dir)?;
+        Self::load_files(&files, dtype, device)
+    }
+
+    /// Loads the files [`super::resolve_model`] found.
+    pub fn load_files(
+        files: &ModelFiles,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        check_dtype(dtype)?;
+        let config = ModelConfig::from_file(&files.config)?;
+        let ckpt = Checkpoint::open(&files.weights)?;
+        let mut tensors = Vec::new();
+        for (name, shape) in config.parameter_shapes() {
+            let t = ckpt.load(&name, Some(&shape), dtype, device)?;
+            tensors.push((name, t));
+        }
+        Self::from_params(
+            config,
+            tensors,
+            dtype,
+            device,
+            files.dir.display().to_string(),
+        )
+    }
+
+    /// A freshly initialised model like transformers' `_init_weights`: matrices from
+    /// N(0, initializer_range), biases 0, norms 1. Deterministic for a seed.
+    pub fn random_init(
+        config: &ModelConfig,
+        seed: u64,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        check_dtype(dtype)?;
+        let std = config
+            .raw
+            .get("initializer_range")
+            .and_then(|v| v.as_f64())
+            .unwrap_or(0.02);
+        let mut tensors = Vec::new();
+        for (i, (name, shape)) in config.parameter_shapes().into_iter().enumerate() {
+            let n: usize = shape.iter().product();
+            let data = if name.ends_with("norm.weight") {
+                vec![1f32; n]
+            } else if name.ends_with(".bias") {
+                vec![0f32; n]
+            } else {
+                normal_vec(n, std, seed.wrapping_add((i as u64) << 32))
+            };
+            let t = Tensor::from_vec(data, shape, device)?.to_dtype(dtype)?;
+            tensors.push((name, t));
+        }
+        Self::from_params(config.clone(), tensors, dtype, device, "random-init".into())
+    }
+
+    /// The parsed configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// Every parameter (HF names, model order, LoRA factors last).
+    pub fn params(&self) -> &[NamedParam] {
+        &self.params
+    }
+
+    /// The parameter named `name`.
+    pub fn param(&self, name: &str) -> Option<&NamedParam> {
+        self.index.get(name).map(|&i| &self.params[i])
+    }
+
+    /// The dtype parameters are held in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The device of the embeddings, final norm and head.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The active LoRA configuration, if an adapter is attached.
+    pub fn lora_config(&self) -> Option<&LoraConfig> {
+        self.lora.as_ref()
+    }
+
+    /// Recompute each decoder layer in backward instead of keeping its activations.
+    pub fn set_activation_checkpointing(&mut self, on: bool) {
+        self.checkpointing = on;
+    }
+
+    /// Whether activation checkpointing is on.
+    pub fn activation_checkpointing(&self) -> bool {
+        self.checkpointing
+    }
+
+    /// Use the fused kernels (default) or the composite reference ops (for parity tests).
+    pub fn set_fused_ops(&mut self, on: bool) {
+        self.fused = on && kernels::FUSED_AVAILABLE;
+    }
+
+    /// Sets the name saved as `base_model_name_or_path` in adapters.
+    pub fn set_source_name(&mut self, name: &str) {
+        self.source = name.to_string();
+    }
+
+    /// Places decoder layer i on `devices[i]` (pipeline split); embeddings, final norm
+    /// and head stay on the model's device. Call before creating the optimizer: the
+    /// moved parameters are new Vars.
+    pub fn set_layer_devices(&mut self, devices: &[Device]) -> Result<(), ModelError> {
+        if devices.len() != self.config.num_hidden_layers {
+            return Err(ModelError::Input(format!(
+                "set_layer_devices needs one device per layer: the model has {} layers, {} devices were given",
+                self.config.num_hidden_layers,
+                devices.len()
+            )));
+        }
+        for p in self.params.iter_mut() {
+            let Some(layer) = layer_of(&p.name) else {
+                continue;
+            };
+            let dev = &devices[layer];
+            if !p.var.device().same_device(dev) {
+                p.var = Var::from_tensor(&p.var.as_tensor().to_device(dev)?)?;
+            }
+        }
+        self.layer_devices = devices.to_vec();
+        self.rebuild()
+    }
+
+    /// The tensor the forward pass should use for a parameter: the Var itself when
+    /// trainable, a detached view (same storage) when frozen.
+    fn view(&self, name: &str) -> Result<(Tensor, bool), ModelError> {
+        let p = self.param(name).ok_or_else(|| ModelError::MissingTensor {
+            name: name.to_string(),
+            file: "(model parameters)".into(),
+        })?;
+        Ok(if p.trainable {
+            (p.var.as_tensor().clone(), true)
+        } else {
+            (p.var.as_detached_tensor(), false)
+        })
+    }
+
+    fn linear(
+        &self,
+        prefix: &str,
+        key: u64,
+        trainable: &mut Vec<(String, Tensor)>,
+    ) -> Result<Linear, ModelError> {
+        let wname = format!("{prefix}.weight");
+        let (w, w_tr) = self.view(&wname)?;
+        if w_tr {
+            trainable.push((wname, w.clone()));
+        }
+        let bname = format!("{prefix}.bias");
+        let b = if self.index.contains_key(&bname) {
+            let (b, tr) = self.view(&bname)?;
+            if tr {
+                trainable.push((bname, b.clone()));
+            }
+            Some(b)
+        } else {
+            None
+        };
+        let aname = format!("{prefix}.lora_A.weight");
+        let lora = match (&self.lora, self.index.contains_key(&aname)) {
+            (Some(cfg), true) => {
+                let bname = format!("{prefix}.lora_B.weight");
+                let (a, a_tr) = self.view(&aname)?;
+                let (bm, b_tr) = self.view(&bname)?;
+                if a_tr {
+                    trainable.push((aname, a.clone()));
+                }
+                if b_tr {
+                    trainable.push((bname, bm.clone()));
+                }
+                Some(LoraFactors {
+                    a,
+                    b: bm,
+                    scale: cfg.scale(),
+                    dropout: cfg.dropout,
+                })
+            }
+            _ => None,
+        };
+        Ok(Linear {
+            w,
+            b,
+            frozen: !w_tr,
+            lora,
+            key,
+        })
+    }
+
+    /// Rebuilds the forward-pass views after parameters, trainability or devices changed.
+    pub(crate) fn rebuild(&mut self) -> Result<(), ModelError> {
+        let (embed, _) = self.view("model.embed_tokens.weight")?;
+        let (norm, _) = self.view("model.norm.weight")?;
+        let head_name = if self.config.tie_word_embeddings {
+            "model.embed_tokens.weight"
+        } else {
+            "lm_head.weight"
+        };
+        let (lm_head, head_tr) = self.view(head_name)?;
+        let mut layers = Vec::new();
+        for l in 0..self.config.num_hidden_layers {
+            let p = format!("model.layers.{l}");
+            let mut trainable = Vec::new();
+            let key = |i: u64| (l as u64) * 16 + i;
+            let q = self.linear(&format!("{p}.self_attn.q_proj"), key(0), &mut trainable)?;
+            let k = self.linear(&format!("{p}.self_attn.k_proj"), key(1), &mut trainable)?;
+            let v = self.linear(&format!("{p}.self_attn.v_proj"), key(2), &mut trainable)?;
+            let o = self.linear(&format!("{p}.self_attn.o_proj"), key(3), &mut trainable)?;
+            let gate = self.linear(&format!("{p}.mlp.gate_proj"), key(4), &mut trainable)?;
+            let up = self.linear(&format!("{p}.mlp.up_proj"), key(5), &mut trainable)?;
+            let down = self.linear(&format!("{p}.mlp.down_proj"), key(6), &mut trainable)?;
+            let n1 = format!("{p}.input_layernorm.weight");
+            let n2 = format!("{p}.post_attention_layernorm.weight");
+            let (input_norm, tr1) = self.view(&n1)?;
+            let (post_norm, tr2) = self.view(&n2)?;
+            if tr1 {
+                trainable.push((n1, input_norm.clone()));
+            }
+            if tr2 {
+                trainable.push((n2, post_norm.clone()));
+            }
+            let device = self.layer_devices[l].clone();
+            layers.push(Arc::new(Layer {
+                q,
+                k,
+                v,
+                o,
+                gate,
+                up,
+                down,
+                input_norm,
+                post_norm,
+                eps: self.config.rms_norm_eps,
+                sliding: self.config.layer_sliding_window(l).is_some(),
+                num_heads: self.config.num_attention_heads,
+                num_kv_heads: self.config.num_key_value_heads,
+                head_dim: self.config.head_dim,
+                trainable,
+                anchor: Var::zeros(1, self.dtype, &device)?,
+                device,
+            }));
+        }
+        self.modules = Modules {
+            embed,
+            layers,
+            norm,
+            lm_head,
+            lm_head_frozen: !head_tr,
+        };
+        Ok(())
+    }
+
+    fn check_ids(&self, ids: &Tensor) -> Result<(), ModelError> {
+        let max = ids.max_all()?.to_dtype(DType::U32)?.to_scalar::<u32>()?;
+        if max as usize >= self.config.vocab_size {
+            return Err(ModelError::Input(format!(
+                "token id {max} is out of range for this model's vocab_size {} (tokenizer and model do not match?)",
+                self.config.vocab_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs embeddings, every layer and the final norm: `[b, t, hidden]` in the model dtype.
+    pub(crate) fn hidden_states(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        train: bool,
+    ) -> Result<Tensor, ModelError> {
+        let ids = as_u32(input_ids, "input_ids")?.to_device(&self.device)?;
+        let (b, t) = ids.dims2()?;
+        if t == 0 || b == 0 {
+            return Err(ModelError::Input("input_ids is empty".into()));
+        }
+        self.check_ids(&ids)?;
+        let padding = match attention_mask {
+            Some(m) => {
+                let m = as_u32(m, "attention_mask")?;
+                if m.dims() != ids.dims() {
+                    return Err(ModelError::Input(format!(
+                        "attention_mask has shape {:?} but input_ids has {:?}",
+                        m.dims(),
+                        ids.dims()
+                    )));
+                }
+                Some(m.to_device(&Device::Cpu)?.to_vec2::<u32>()?)
+            }
+            None => None,
+        };
+        let dropout_seed = if train && self.lora.as_ref().is_some_and(|l| l.dropout > 0.0) {
+            let n = self.forward_counter.fetch_add(1, Ordering::Relaxed);
+            Some(self.dropout_seed_base ^ n.wrapping_mul(0x2545_F491_4F6C_DD1D))
+        } else {
+            None
+        };
+        let make_ctx = |device: &Device| -> Result<Arc<Ctx>, ModelError> {
+            let (cos, sin) = rope_tables(&self.config, t, self.dtype, device)?;
+            let mask = build_attention_mask(padding.as_deref(), b, t, None, device)?;
+            let sliding_mask = match self.config.sliding_window {
+                Some(w) if w < t => Some(build_attention_mask(
+                    padding.as_deref(),
+                    b,
+                    t,
+                    Some(w),
+                    device,
+                )?),
+                _ => None,
+            };
+            Ok(Arc::new(Ctx {
+                cos,
+                sin,
+                mask,
+                sliding_mask,
+                dropout_seed,
+                fused: self.fused,
+            }))
+        };
+        let mut ctxs: Vec<(Device, Arc<Ctx>)> =
+            vec![(self.device.clone(), make_ctx(&self.device)?)];
+        let hidden = self.config.hidden_size;
+        let mut h = self
+            .modules
+            .embed
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, t, hidden))?;
+        for layer in &self.modules.layers {
+            let ctx = match ctxs.iter().find(|(d, _)| d.same_device(&layer.device)) {
+                Some((_, c)) => c.clone(),
+                None => {
+                    let c = make_ctx(&layer.device)?;
+                    ctxs.push((layer.device.clone(), c.clone()));
+                    c
+                }
+            };
+            if !h.device().same_device(&layer.device) {
+                h = h.to_device(&layer.device)?;
+            }
+            h = if self.checkpointing && layer.device.is_cpu() {
+                checkpoint::checkpointed_layer(layer, &ctx, &h, &self.side_grads)?
+            } else {
+                layer.forward(&h, &ctx)?
+            };
+        }
+        if !h.device().same_device(&self.device) {
+            h = h.to_device(&self.device)?;
+        }
+        kernels::rms_norm(&h, &self.modules.norm, self.config.rms_norm_eps, self.fused)
+    }
+
+    /// Full logits `[b, t, vocab]` in f32 (for tests and generation; training uses
+    /// [`CausalLm::loss`], which never materialises them all).
+    pub fn logits(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+    ) -> Result<Tensor, ModelError> {
+        let h = self.hidden_states(input_ids, attention_mask, false)?;
+        let (b, t, hidden) = h.dims3()?;
+        let h2 = h.reshape((b * t, hidden))?;
+        let logits = self.head_matmul(&h2)?.to_dtype(DType::F32)?;
+        Ok(logits.reshape((b, t, self.config.vocab_size))?)
+    }
+
+    /// `[n, hidden] @ lm_head^T` → `[n, vocab]` in the model dtype.
+    pub(crate) fn head_matmul(&self, h2: &Tensor) -> Result<Tensor, ModelError> {
+        if self.modules.lm_head_frozen {
+            kernels::frozen_linear(h2, &self.modules.lm_head, self.fused)
+        } else {
+            Ok(h2.matmul(&self.modules.lm_head.t()?)?)
+        }
+    }
+
+    /// The summed causal-LM loss: labels are shifted inside (`labels[:, 1:]` scores
+    /// `logits[:, :-1]`), -100 is ignored, and `sum / num_tokens` equals transformers'
+    /// mean loss. See [`super::loss`] for how the logits are chunked.
+    pub fn loss(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        labels: &Tensor,
+    ) -> Result<LossOutput, ModelError> {
+        let h = self.hidden_states(input_ids, attention_mask, true)?;
+        super::loss::causal_lm_loss(self, &h, labels)
+    }
+
+    /// Per-token cross-entropy `[b, t-1]` of the shifted labels (0 where ignored), f32.
+    pub fn token_losses(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        labels: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        let h = self.hidden_states(input_ids, attention_mask, false)?;
+        super::loss::token_losses(self, &h, labels)
+    }
+
+    /// Gradients of every trainable parameter from `loss` (the `sum` of a [`LossOutput`],
+    /// or anything derived from it). Fails with [`ModelError::MissingGradient`] when a
+    /// trainable parameter received none.
+    pub fn backward(&self, loss: &Tensor) -> Result<Gradients, ModelError> {
+        lock(&self.side_grads).clear();
+        let store = loss.backward()?;
+        let mut side = std::mem::take(&mut *lock(&self.side_grads));
+        let mut out = Gradients::new();
+        for p in self.params.iter().filter(|p| p.trainable) {
+            let g = match (store.get(p.var.as_tensor()), side.remove(&p.name)) {
+                (Some(a), Some(b)) => (a + b)?,
+                (Some(a), None) => a.clone(),
+                (None, Some(b)) => b,
+                (None, None) => {
+                    return Err(ModelError::MissingGradient {
+                        name: p.name.clone(),
+                    })
+                }
+            };
+            out.insert(&p.name, g);
+        }
+        Ok(out)
+    }
+
+    /// Adds a parameter (LoRA factors) to the list.
+    pub(crate) fn push_param(
+        &mut self,
+        name: String,
+        t: Tensor,
+        trainable: bool,
+    ) -> Result<(), ModelError> {
+        if let Some(&i) = self.index.get(&name) {
+            self.params[i].var = Var::from_tensor(&t)?;
+            self.params[i].trainable = trainable;
+            return Ok(());
+        }
+        self.index.insert(name.clone(), self.params.len());
+        self.params.push(NamedParam {
+            weight_decay: !is_no_decay(&name),
+            var: Var::from_tensor(&t)?,
+            trainable,
+            name,
+        });
+        Ok(())
+    }
+
+    /// Removes every parameter whose name matches `pred` (used when merging LoRA).
+    pub(crate) fn remove_params(&mut self, pred: impl Fn(&str) -> bool) {
+        self.params.retain(|p| !pred(&p.name));
+        self.index = self
+            .params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.name.clone(), i))
+            .collect();
+    }
+
+    /// The device of decoder layer `layer`.
+    pub fn layer_device(&self, layer: usize) -> Option<&Device> {
+        self.layer_devices.get(layer)
+    }
+}
+
+/// Locks a mutex, recovering the data if another thread panicked while holding it.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The decoder layer index of an HF parameter name.
+pub(crate) fn layer_of(name: &str) -> Option<usize> {
+    let rest = name.strip_prefix("model.layers.")?;
+    rest.split('.').next()?.parse().ok()
+}
+
+fn check_dtype(dtype: DType) -> Result<(), ModelError> {
+    match dtype {
+        DType::F32 | DType::BF16 | DType::F16 => Ok(()),
+        other => Err(ModelError::Input(format!(
+            "model dtype {other:?} is not supported; use f32, bf16 or f16"
+        ))),
+    }
+}
+
+#[allow(dead_code)]
+fn _assert_send_sync() {
+    fn f<T: Send + Sync>() {}
+    f::<CausalLm>();
+}

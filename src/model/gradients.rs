@@ -1,0 +1,120 @@
+//! Named parameters and the gradients a backward pass produces for them.
+
+use super::error::ModelError;
+use candle_core::{DType, Tensor, Var};
+use std::collections::HashMap;
+
+/// One parameter of the model under its Hugging Face name.
+#[derive(Debug, Clone)]
+pub struct NamedParam {
+    /// HF name, e.g. `model.layers.0.self_attn.q_proj.weight`; LoRA factors are named
+    /// `model.layers.0.self_attn.q_proj.lora_A.weight` (PEFT's key without its
+    /// `base_model.model.` prefix).
+    pub name: String,
+    /// The storage (shared with the model: `Var::set` updates the model in place).
+    pub var: Var,
+    /// Whether backward computes a gradient for it (false for LoRA-frozen base weights).
+    pub trainable: bool,
+    /// Whether AdamW decays it by default (matrices yes, norms and biases no).
+    pub weight_decay: bool,
+}
+
+/// Gradients of the trainable parameters, by HF name, in model order.
+#[derive(Debug, Clone, Default)]
+pub struct Gradients {
+    order: Vec<String>,
+    map: HashMap<String, Tensor>,
+}
+
+impl Gradients {
+    /// An empty set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds (or replaces) the gradient of `name`.
+    pub fn insert(&mut self, name: &str, grad: Tensor) {
+        if self.map.insert(name.to_string(), grad).is_none() {
+            self.order.push(name.to_string());
+        }
+    }
+
+    /// The gradient of `name`, if it has one.
+    pub fn get(&self, name: &str) -> Option<&Tensor> {
+        self.map.get(name)
+    }
+
+    /// Adds `other` into `self` name by name (gradient accumulation over micro-batches);
+    /// names new to `self` are inserted.
+    pub fn accumulate(&mut self, other: Gradients) -> Result<(), ModelError> {
+        for name in other.order {
+            let Some(g) = other.map.get(&name) else {
+                continue;
+            };
+            match self.map.get_mut(&name) {
+                Some(acc) => {
+                    if acc.shape() != g.shape() {
+                        return Err(ModelError::Input(format!(
+                            "cannot accumulate the gradient of `{name}`: shapes {:?} and {:?} differ",
+                            acc.dims(),
+                            g.dims()
+                        )));
+                    }
+                    let g = g.to_device(acc.device())?.to_dtype(acc.dtype())?;
+                    *acc = (&*acc + g)?;
+                }
+                None => {
+                    self.order.push(name.clone());
+                    self.map.insert(name, g.clone());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The L2 norm over every gradient together (summed in f64).
+    pub fn global_norm(&self) -> Result<f64, ModelError> {
+        let mut sum = 0f64;
+        for name in &self.order {
+            if let Some(g) = self.map.get(name) {
+                let s = g
+                    .to_dtype(DType::F32)?
+                    .sqr()?
+                    .sum_all()?
+                    .to_scalar::<f32>()?;
+                sum += s as f64;
+            }
+        }
+        Ok(sum.sqrt())
+    }
+
+    /// Names in model order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.order.iter().map(String::as_str)
+    }
+
+    /// `(name, gradient)` pairs in model order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Tensor)> {
+        self.order
+            .iter()
+            .filter_map(|n| self.map.get(n).map(|g| (n.as_str(), g)))
+    }
+
+    /// Number of gradients.
+    pub fn len(&self) -> usize {
+        self.order.len()
+    }
+
+    /// True when there is none.
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    /// Multiplies every gradient by `factor` (e.g. 1/tokens, clipping).
+    pub fn scale(&mut self, factor: f64) -> Result<(), ModelError> {
+        for g in self.map.values_mut() {
+            *g = g.affine(factor, 0.0)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,237 @@
+//! Finding a model's files: a local folder, or a Hugging Face hub id resolved
+//! through the local HF cache (and downloaded with hf-hub unless offline).
+
+use super::error::ModelError;
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+/// The files of one HF model folder.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelFiles {
+    /// The folder holding them.
+    pub dir: PathBuf,
+    /// `config.json`.
+    pub config: PathBuf,
+    /// `model.safetensors`, or every shard named by `model.safetensors.index.json`.
+    pub weights: Vec<PathBuf>,
+    /// `tokenizer.json`, if present.
+    pub tokenizer: Option<PathBuf>,
+    /// `tokenizer_config.json`, if present.
+    pub tokenizer_config: Option<PathBuf>,
+    /// `chat_template.jinja`, if present.
+    pub chat_template: Option<PathBuf>,
+}
+
+/// Where and how hub ids are resolved.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HubOptions {
+    /// The HF hub cache (`models--org--name/...` lives here).
+    pub cache_dir: PathBuf,
+    /// Never download (HF_HUB_OFFLINE=1).
+    pub offline: bool,
+}
+
+impl HubOptions {
+    /// The cache location transformers uses: `$HF_HUB_CACHE`, else `$HF_HOME/hub`,
+    /// else `~/.cache/huggingface/hub`; offline when `HF_HUB_OFFLINE` is 1/true/yes.
+    pub fn from_env() -> Self {
+        let cache_dir = if let Some(dir) = std::env::var_os("HF_HUB_CACHE") {
+            PathBuf::from(dir)
+        } else if let Some(home) = std::env::var_os("HF_HOME") {
+            PathBuf::from(home).join("hub")
+        } else {
+            let home = std::env::var_os("HOME")
+                .or_else(|| std::env::var_os("USERPROFILE"))
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from("."));
+            home.join(".cache").join("huggingface").join("hub")
+        };
+        let offline = std::env::var("HF_HUB_OFFLINE")
+            .map(|v| {
+                matches!(
+                    v.trim().to_ascii_lowercase().as_str(),
+                    "1" | "true" | "yes" | "on"
+                )
+            })
+            .unwrap_or(false);
+        Self { cache_dir, offline }
+    }
+}
+
+fn optional(dir: &Path, name: &str) -> Option<PathBuf> {
+    let p = dir.join(name);
+    p.is_file().then_some(p)
+}
+
+/// The shard files named by a `model.safetensors.index.json`, in first-seen order.
+pub fn shards_from_index(index: &Path) -> Result<Vec<String>, ModelError> {
+    let text = std::fs::read_to_string(index).map_err(|e| ModelError::io(index, e))?;
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| ModelError::Config {
+        origin: index.display().to_string(),
+        message: format!("not valid JSON: {e}"),
+    })?;
+    let map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| ModelError::Config {
+            origin: index.display().to_string(),
+            message: "`weight_map` object is missing".into(),
+        })?;
+    let mut seen = BTreeSet::new();
+    let mut files = Vec::new();
+    for v in map.values() {
+        let f = v.as_str().ok_or_else(|| ModelError::Config {
+            origin: index.display().to_string(),
+            message: "`weight_map` values must be file names".into(),
+        })?;
+        if seen.insert(f.to_string()) {
+            files.push(f.to_string());
+        }
+    }
+    Ok(files)
+}
+
+impl ModelFiles {
+    /// The files of a local HF model folder; errors name the missing file.
+    pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
+        let config = dir.join("config.json");
+        if !config.is_file() {
+            return Err(ModelError::MissingFile {
+                path: config,
+                hint: "a Hugging Face model folder needs config.json (is this the right folder?)"
+                    .into(),
+            });
+        }
+        let index = dir.join("model.safetensors.index.json");
+        let single = dir.join("model.safetensors");
+        let weights = if index.is_file() {
+            let files = shards_from_index(&index)?;
+            let mut paths = Vec::new();
+            for f in files {
+                let p = dir.join(&f);
+                if !p.is_file() {
+                    return Err(ModelError::MissingFile {
+                        path: p,
+                        hint: format!(
+                            "{} names this shard; re-download the model",
+                            index.display()
+                        ),
+                    });
+                }
+                paths.push(p);
+            }
+            paths
+        } else if single.is_file() {
+            vec![single]
+        } else {
+            return Err(ModelError::MissingFile {
+                path: single,
+                hint: "no model.safetensors or model.safetensors.index.json found (PyTorch .bin checkpoints are not supported: convert them to safetensors)".into(),
+            });
+        };
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            config,
+            weights,
+            tokenizer: optional(dir, "tokenizer.json"),
+            tokenizer_config: optional(dir, "tokenizer_config.json"),
+            chat_template: optional(dir, "chat_template.jinja"),
+        })
+    }
+}
+
+/// Whether `source` looks like `org/name` (and not a path).
+fn is_hub_id(source: &str) -> bool {
+    let parts: Vec<&str> = source.split('/').collect();
+    parts.len() == 2
+        && parts.iter().all(|p| {
+            !p.is_empty()
+                && *p != "."
+                && *p != ".."
+                && p.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        })
+}
+
+/// The snapshot folder of `repo_id` in an HF cache, if `refs/main` points at one.
+pub fn cached_snapshot(cache_dir: &Path, repo_id: &str) -> Option<PathBuf> {
+    let repo_dir = cache_dir.join(format!("models--{}", repo_id.replace('/', "--")));
+    let rev = std::fs::read_to_string(repo_dir.join("refs").join("main")).ok()?;
+    let snap = repo_dir.join("snapshots").join(rev.trim());
+    snap.join("config.json").is_file().then_some(snap)
+}
+
+/// Resolves a local folder or a hub id with the environment's HF settings.
+pub fn resolve_model(source: &str) -> Result<ModelFiles, ModelError> {
+    resolve_model_in(source, &HubOptions::from_env())
+}
+
+/// Resolves a local folder, else `org/name` in `opts.cache_dir`, else downloads it
+/// (unless `opts.offline`).
+pub fn resolve_model_in(source: &str, opts: &HubOptions) -> Result<ModelFiles, ModelError> {
+    let local = Path::new(source);
+    if local.is_dir() {
+        return ModelFiles::from_dir(local);
+    }
+    if !is_hub_id(source) {
+        return Err(ModelError::MissingFile {
+            path: local.to_path_buf(),
+            hint: "give an existing model folder or a Hugging Face id like `HuggingFaceTB/SmolLM2-135M`".into(),
+        });
+    }
+    if let Some(snap) = cached_snapshot(&opts.cache_dir, source) {
+        if let Ok(files) = ModelFiles::from_dir(&snap) {
+            return Ok(files);
+        }
+    }
+    if opts.offline {
+        return Err(ModelError::HubOffline {
+            model: source.to_string(),
+            cache: opts.cache_dir.clone(),
+        });
+    }
+    download(source, opts)
+}
+
+fn download(repo_id: &str, opts: &HubOptions) -> Result<ModelFiles, ModelError> {
+    let hub_err = |file: &str, e: hf_hub::api::sync::ApiError| ModelError::Hub {
+        model: repo_id.to_string(),
+        file: file.to_string(),
+        message: e.to_string(),
+    };
+    let api = hf_hub::api::sync::ApiBuilder::new()
+        .with_cache_dir(opts.cache_dir.clone())
+        .with_progress(false)
+        .build()
+        .map_err(|e| hub_err("(client)", e))?;
+    let repo = api.model(repo_id.to_string());
+    let config = repo
+        .get("config.json")
+        .map_err(|e| hub_err("config.json", e))?;
+    let dir = config
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| opts.cache_dir.clone());
+    // Sharded checkpoints have an index; single-file ones do not.
+    match repo.get("model.safetensors.index.json") {
+        Ok(index) => {
+            for shard in shards_from_index(&index)? {
+                repo.get(&shard).map_err(|e| hub_err(&shard, e))?;
+            }
+        }
+        Err(_) => {
+            repo.get("model.safetensors")
+                .map_err(|e| hub_err("model.safetensors", e))?;
+        }
+    }
+    // Tokenizer files are optional (some repos keep only weights).
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+    ] {
+        let _ = repo.get(f);
+    }
+    ModelFiles::from_dir(&dir)
+}

@@ -1,0 +1,35 @@
+//! The model engine: Hugging Face Llama / Mistral / Qwen2 checkpoints loaded into a
+//! training-ready decoder that matches transformers (logits, loss, gradients), with LoRA,
+//! activation checkpointing, a torch-exact AdamW and HF-compatible saving.
+//!
+//! Layout: [`config`] parses `config.json`; [`hub`] finds model files (local or HF cache);
+//! [`weights`] memory-maps safetensors; [`decoder`] is the model; [`loss`] the chunked
+//! causal-LM loss; [`checkpoint`] activation checkpointing; [`lora`] PEFT adapters;
+//! [`adamw`] the optimizer; [`save`] `save_pretrained`; [`bench`] the training benchmark.
+//! [`reference_ops`] holds the composite differentiable ops and [`ops`] the fused kernels.
+
+pub mod adamw;
+pub mod bench;
+mod checkpoint;
+pub mod config;
+pub mod decoder;
+pub mod error;
+pub mod gradients;
+pub mod hub;
+mod kernels;
+pub mod lora;
+pub mod loss;
+pub mod ops;
+pub mod reference_ops;
+pub mod save;
+pub mod weights;
+
+pub use adamw::{AdamW, AdamWConfig};
+pub use bench::{run_training_bench, BenchConfig, BenchReport};
+pub use config::{Architecture, ModelConfig, RopeScaling};
+pub use decoder::{rope_inv_freq, CausalLm, LossOutput, IGNORE_INDEX, LOSS_CHUNK_TOKENS};
+pub use error::ModelError;
+pub use gradients::{Gradients, NamedParam};
+pub use hub::{resolve_model, resolve_model_in, HubOptions, ModelFiles};
+pub use lora::{parse_adapter_config, LoraConfig};
+pub use save::dtype_name;

@@ -1,0 +1,517 @@
+//! Cross-entropy losses with backward: on logits (`cross_entropy_rows`) and fused with the lm-head
+//! projection so the full `[n, vocab]` logits never exist at once (`linear_cross_entropy`).
+
+use super::matmul::{sgemm, MatRef};
+use super::{
+    composite, contiguous_slice, cpu_storage_to_tensor, dispatch_float, exp_shift_sum,
+    exp_shift_sum_in_place, fast_exp, min_rows_per_task, row_max, use_fused, with_cpu, Elem,
+};
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
+use std::sync::Mutex;
+
+/// Label value whose row is ignored (no loss, no gradient), as in PyTorch / transformers.
+pub const IGNORE_INDEX: i64 = -100;
+
+/// Checks labels against the vocabulary; returns the indices of the rows that count.
+fn active_rows(labels: &[i64], vocab: usize, op: &str) -> Result<Vec<usize>> {
+    let mut active = Vec::with_capacity(labels.len());
+    for (row, &l) in labels.iter().enumerate() {
+        if l == IGNORE_INDEX {
+            continue;
+        }
+        if l < 0 || l as u64 >= vocab as u64 {
+            bail!(
+                "{op}: label {l} at row {row} is outside the vocabulary [0, {vocab}); use {IGNORE_INDEX} to ignore a position"
+            );
+        }
+        active.push(row);
+    }
+    Ok(active)
+}
+
+/// Log-sum-exp of an `f32` row; `-inf` for a fully `-inf` row.
+#[inline]
+fn logsumexp(row: &[f32]) -> f32 {
+    let max = row_max(row);
+    if max == f32::NEG_INFINITY || max.is_nan() {
+        return max;
+    }
+    let sum = exp_shift_sum(row, max);
+    max + sum.ln()
+}
+
+// ---------------------------------------------------------------------------------------------
+// cross_entropy_rows
+// ---------------------------------------------------------------------------------------------
+
+/// Per-row cross-entropy `logsumexp(logits[r]) - logits[r, labels[r]]` as an `f32` tensor `[n]`,
+/// `0` for rows labelled [`IGNORE_INDEX`] (-100). `logits`: `[n, v]`, any float dtype (computed in
+/// `f32`). Differentiable w.r.t. `logits`: `grad[r] = g[r] * (softmax(logits[r]) - onehot(label))`.
+pub fn cross_entropy_rows(logits: &Tensor, labels: &[i64]) -> Result<Tensor> {
+    let (n, v) = logits.dims2().map_err(|_| {
+        candle_core::Error::Msg(format!(
+            "cross_entropy_rows: logits must be [rows, vocab], got shape {:?}; flatten batch and time first",
+            logits.dims()
+        ))
+    })?;
+    if labels.len() != n {
+        bail!(
+            "cross_entropy_rows: {} labels for {n} rows of logits; pass one label per row",
+            labels.len()
+        );
+    }
+    active_rows(labels, v, "cross_entropy_rows")?;
+    if !use_fused(&[logits]) {
+        return composite::cross_entropy_rows(logits, labels);
+    }
+    logits.contiguous()?.apply_op1(CrossEntropyRows {
+        labels: labels.to_vec(),
+    })
+}
+
+struct CrossEntropyRows {
+    labels: Vec<i64>,
+}
+
+impl CustomOp1 for CrossEntropyRows {
+    fn name(&self) -> &'static str {
+        "cross_entropy_rows"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (n, v) = layout.shape().dims2()?;
+        fn run<T: Elem>(s: &CpuStorage, l: &Layout, labels: &[i64], v: usize) -> Result<Vec<f32>> {
+            let x = contiguous_slice::<T>(s, l, "cross_entropy_rows")?;
+            let mut loss = vec![0f32; labels.len()];
+            if v == 0 {
+                return Ok(loss);
+            }
+            let rows_per_task = min_rows_per_task(v);
+            loss.par_chunks_mut(rows_per_task)
+                .zip(x.par_chunks(rows_per_task * v))
+                .zip(labels.par_chunks(rows_per_task))
+                .for_each_init(
+                    || vec![0f32; v],
+                    |buf, ((lo, xr), lab)| {
+                        for ((lo, row), &label) in lo.iter_mut().zip(xr.chunks_exact(v)).zip(lab) {
+                            if label == IGNORE_INDEX {
+                                continue;
+                            }
+                            for (b, x) in buf.iter_mut().zip(row) {
+                                *b = x.f();
+                            }
+                            *lo = logsumexp(buf) - buf[label as usize];
+                        }
+                    },
+                );
+            Ok(loss)
+        }
+        let loss = dispatch_float!(
+            storage,
+            "cross_entropy_rows",
+            run::<T>(storage, layout, &self.labels, v)
+        )?;
+        Ok((CpuStorage::F32(loss), Shape::from(n)))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let g = grad.to_dtype(DType::F32)?.contiguous()?.to_vec1::<f32>()?;
+        let (_, v) = arg.dims2()?;
+        let gx = with_cpu(arg, "cross_entropy_rows", |s, l| {
+            fn run<T: Elem>(
+                s: &CpuStorage,
+                l: &Layout,
+                labels: &[i64],
+                g: &[f32],
+                v: usize,
+            ) -> Result<CpuStorage> {
+                let x = contiguous_slice::<T>(s, l, "cross_entropy_rows")?;
+                let mut out = vec![T::ZERO; x.len()];
+                if v == 0 {
+                    return Ok(T::to_cpu_storage_owned(out));
+                }
+                let rows_per_task = min_rows_per_task(v);
+                out.par_chunks_mut(rows_per_task * v)
+                    .zip(x.par_chunks(rows_per_task * v))
+                    .zip(labels.par_chunks(rows_per_task))
+                    .zip(g.par_chunks(rows_per_task))
+                    .for_each_init(
+                        || vec![0f32; v],
+                        |buf, (((o, xr), lab), gr)| {
+                            for (((o, row), &label), &gv) in o
+                                .chunks_exact_mut(v)
+                                .zip(xr.chunks_exact(v))
+                                .zip(lab)
+                                .zip(gr)
+                            {
+                                if label == IGNORE_INDEX || gv == 0.0 {
+                                    continue;
+                                }
+                                for (b, x) in buf.iter_mut().zip(row) {
+                                    *b = x.f();
+                                }
+                                let lse = logsumexp(buf);
+                                for (o, &b) in o.iter_mut().zip(buf.iter()) {
+                                    *o = T::of(gv * fast_exp(b - lse));
+                                }
+                                let li = label as usize;
+                                o[li] = T::of(gv * (fast_exp(buf[li] - lse) - 1.0));
+                            }
+                        },
+                    );
+                Ok(T::to_cpu_storage_owned(out))
+            }
+            dispatch_float!(s, "cross_entropy_rows", run::<T>(s, l, &self.labels, &g, v))
+        })?;
+        Ok(Some(cpu_storage_to_tensor(gx, arg.shape())?))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// linear_cross_entropy
+// ---------------------------------------------------------------------------------------------
+
+/// Fused lm-head projection + cross-entropy.
+///
+/// `hidden`: `[n, h]` final hidden states (already shifted so row `r` predicts `labels[r]`),
+/// `weight`: `[v, h]` (the lm-head / tied embedding matrix; a transposed view of an `[h, v]`
+/// tensor works without a copy), `labels`: one per row, [`IGNORE_INDEX`] (-100) to skip a row.
+///
+/// Returns `(sum, per_row)`: the `f32` scalar sum of the row losses and the `[n]` `f32` per-row
+/// losses (0 for ignored rows). Both are differentiable w.r.t. `hidden` and `weight`.
+///
+/// Memory: the logits are produced `chunk_rows` rows at a time (`chunk_rows × v` `f32`), and only
+/// for rows that are not ignored (prompt tokens masked with -100 cost nothing). Between forward
+/// and backward the op keeps the per-row log-sum-exp (`n` `f32`), the labels, and the softmax of
+/// the LAST chunk (≤ `chunk_rows × v` `f32`, so backward need not recompute that chunk; with
+/// `n ≤ chunk_rows` nothing is recomputed). The graph also holds `hidden` and `weight`, which the
+/// caller has anyway. Backward recomputes the logits of the other chunks one at a time and
+/// accumulates `grad_weight` in place (no per-chunk gradient tensors). Half-precision inputs are
+/// converted to `f32` copies first (the copy of `weight` lives until backward).
+///
+/// Choosing `chunk_rows`: each chunk's `grad_weight` update re-reads and re-writes the whole
+/// `v × h` `f32` gradient, and small chunks make thin, memory-bound matmuls, so prefer 256–1024
+/// rows (256 rows × 49,152 vocab = 50 MB of logits) over small chunks.
+pub fn linear_cross_entropy(
+    hidden: &Tensor,
+    weight: &Tensor,
+    labels: &[i64],
+    chunk_rows: usize,
+) -> Result<(Tensor, Tensor)> {
+    let (n, h) = hidden.dims2().map_err(|_| {
+        candle_core::Error::Msg(format!(
+            "linear_cross_entropy: hidden must be [rows, hidden_size], got shape {:?}; flatten batch and time first",
+            hidden.dims()
+        ))
+    })?;
+    let (v, wh) = weight.dims2().map_err(|_| {
+        candle_core::Error::Msg(format!(
+            "linear_cross_entropy: weight must be [vocab, hidden_size], got shape {:?}",
+            weight.dims()
+        ))
+    })?;
+    if wh != h {
+        bail!(
+            "linear_cross_entropy: hidden size {h} does not match the weight's [{v}, {wh}]; pass the lm-head weight as [vocab, hidden]"
+        );
+    }
+    if labels.len() != n {
+        bail!(
+            "linear_cross_entropy: {} labels for {n} hidden rows; pass one label per row",
+            labels.len()
+        );
+    }
+    if chunk_rows == 0 {
+        bail!("linear_cross_entropy: chunk_rows is 0; use at least 1 (e.g. 256)");
+    }
+    let active = active_rows(labels, v, "linear_cross_entropy")?;
+    if !hidden.device().same_device(weight.device())
+        || !hidden.device().is_cpu()
+        || !use_fused(&[hidden, weight])
+    {
+        return composite::linear_cross_entropy(hidden, weight, labels, chunk_rows);
+    }
+    let hidden = hidden.to_dtype(DType::F32)?.contiguous()?;
+    let mut weight = weight.to_dtype(DType::F32)?;
+    // A contiguous [v, h] or a transposed view of a contiguous [h, v] are used in place.
+    if !(weight.is_contiguous() || weight.t()?.is_contiguous()) {
+        weight = weight.contiguous()?;
+    }
+    let per_row = hidden.apply_op2(
+        &weight,
+        LinearCrossEntropy {
+            labels: labels.to_vec(),
+            active,
+            chunk_rows,
+            saved: Mutex::new(None),
+        },
+    )?;
+    let sum = per_row.sum_all()?;
+    Ok((sum, per_row))
+}
+
+/// What forward leaves for backward.
+struct Saved {
+    /// Log-sum-exp per row (0 for ignored rows).
+    lse: Vec<f32>,
+    /// Softmax of the last chunk: (index of the chunk's first entry in `active`, probabilities).
+    last_chunk: Option<(usize, Vec<f32>)>,
+}
+
+struct LinearCrossEntropy {
+    labels: Vec<i64>,
+    /// Rows whose label is not ignored, ascending.
+    active: Vec<usize>,
+    chunk_rows: usize,
+    saved: Mutex<Option<Saved>>,
+}
+
+/// The `[v, h]` weight as a strided view (contiguous or transposed-contiguous storage).
+fn weight_view<'a>(data: &'a [f32], layout: &Layout) -> Result<(MatRef<'a>, &'a [f32])> {
+    let (v, h) = layout.shape().dims2()?;
+    let stride = layout.stride();
+    let start = layout.start_offset();
+    let len = v * h;
+    let Some(slice) = data.get(start..start + len) else {
+        bail!("linear_cross_entropy: weight layout out of bounds")
+    };
+    let (row_stride, col_stride) = (stride[0], stride[1]);
+    let dense = (row_stride == h && col_stride == 1) || (row_stride == 1 && col_stride == v);
+    if !dense && v > 1 && h > 1 {
+        bail!("linear_cross_entropy: weight strides {stride:?} are neither row- nor column-major (internal error: make it contiguous)");
+    }
+    Ok((
+        MatRef {
+            data: slice,
+            rows: v,
+            cols: h,
+            row_stride: if v > 1 { row_stride } else { h },
+            col_stride: if h > 1 { col_stride } else { 1 },
+        },
+        slice,
+    ))
+}
+
+impl LinearCrossEntropy {
+    /// The hidden rows of one chunk as a dense `[c, h]` matrix: borrowed when the rows are
+    /// consecutive, gathered into `buf` otherwise.
+    fn chunk_hidden<'a>(
+        hidden: &'a [f32],
+        rows: &[usize],
+        h: usize,
+        buf: &'a mut Vec<f32>,
+    ) -> &'a [f32] {
+        let (first, last) = (rows[0], rows[rows.len() - 1]);
+        if last - first + 1 == rows.len() {
+            return &hidden[first * h..(last + 1) * h];
+        }
+        buf.clear();
+        for &r in rows {
+            buf.extend_from_slice(&hidden[r * h..(r + 1) * h]);
+        }
+        buf
+    }
+
+    /// `logits[c, v] = hidden_chunk @ W^T` into `logits`.
+    fn chunk_logits(
+        hc: &[f32],
+        c: usize,
+        h: usize,
+        w: MatRef<'_>,
+        logits: &mut [f32],
+    ) -> Result<()> {
+        let v = w.rows;
+        sgemm(
+            &mut logits[..c * v],
+            v,
+            1,
+            false,
+            MatRef::row_major(hc, c, h),
+            w.t(),
+        )
+    }
+}
+
+impl CustomOp2 for LinearCrossEntropy {
+    fn name(&self) -> &'static str {
+        "linear_cross_entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (n, h) = l1.shape().dims2()?;
+        let hidden = contiguous_slice::<f32>(s1, l1, "linear_cross_entropy")?;
+        let (w, _) = weight_view(s2.as_slice::<f32>()?, l2)?;
+        let v = w.rows;
+        let mut loss = vec![0f32; n];
+        let mut lse = vec![0f32; n];
+        let mut last_chunk = None;
+        if !self.active.is_empty() && v > 0 {
+            let c_max = self.chunk_rows.min(self.active.len());
+            let mut logits = vec![0f32; c_max * v];
+            let mut hbuf = Vec::new();
+            let n_chunks = self.active.len().div_ceil(c_max);
+            for (ci, rows) in self.active.chunks(c_max).enumerate() {
+                let c = rows.len();
+                let hc = Self::chunk_hidden(hidden, rows, h, &mut hbuf);
+                Self::chunk_logits(hc, c, h, w, &mut logits)?;
+                let keep = ci + 1 == n_chunks;
+                // Per row: lse, loss; for the kept chunk turn the logits into probabilities.
+                let results: Vec<(f32, f32)> = logits[..c * v]
+                    .par_chunks_mut(v)
+                    .with_min_len(min_rows_per_task(v))
+                    .zip(rows.par_iter())
+                    .map(|(row, &r)| {
+                        let label = self.labels[r] as usize;
+                        let target = row[label];
+                        let max = row_max(row);
+                        let sum = if keep {
+                            let sum = exp_shift_sum_in_place(row, max);
+                            let inv = 1.0 / sum;
+                            for x in row.iter_mut() {
+                                *x *= inv;
+                            }
+                            sum
+                        } else {
+                            exp_shift_sum(row, max)
+                        };
+                        let l = max + sum.ln();
+                        (l, l - target)
+                    })
+                    .collect();
+                for (&r, (l, lo)) in rows.iter().zip(results) {
+                    lse[r] = l;
+                    loss[r] = lo;
+                }
+                if keep {
+                    logits.truncate(c * v);
+                    last_chunk = Some((ci * c_max, std::mem::take(&mut logits)));
+                }
+            }
+        }
+        if let Ok(mut saved) = self.saved.lock() {
+            *saved = Some(Saved { lse, last_chunk });
+        }
+        Ok((CpuStorage::F32(loss), Shape::from(n)))
+    }
+
+    fn bwd(
+        &self,
+        hidden_t: &Tensor,
+        weight_t: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (n, h) = hidden_t.dims2()?;
+        let (v, _) = weight_t.dims2()?;
+        let g = grad.to_dtype(DType::F32)?.contiguous()?.to_vec1::<f32>()?;
+        let saved = match self.saved.lock() {
+            Ok(mut s) => match s.as_mut() {
+                // Keep lse for a second backward over the same graph; hand the cached chunk over.
+                Some(s) => Some((s.lse.clone(), s.last_chunk.take())),
+                None => None,
+            },
+            Err(_) => None,
+        };
+        let Some((lse, mut last_chunk)) = saved else {
+            bail!("linear_cross_entropy backward: forward state missing (internal error)")
+        };
+        // grad_weight keeps the weight's storage order (row- or column-major), so a transposed
+        // [h, v] parameter gets a contiguous gradient after the transpose backward.
+        let w_transposed = weight_t.stride()[0] == 1 && v > 1;
+        let mut grad_h = vec![0f32; n * h];
+        let mut grad_w = vec![0f32; v * h];
+        let (gw_rs, gw_cs) = if w_transposed { (1, v) } else { (h, 1) };
+        with_cpu(hidden_t, "linear_cross_entropy", |hs, hl| {
+            with_cpu(weight_t, "linear_cross_entropy", |ws, wl| {
+                let hidden = contiguous_slice::<f32>(hs, hl, "linear_cross_entropy")?;
+                let (w, _) = weight_view(ws.as_slice::<f32>()?, wl)?;
+                if self.active.is_empty() || v == 0 {
+                    return Ok(());
+                }
+                let c_max = self.chunk_rows.min(self.active.len());
+                let mut logits = Vec::new();
+                let mut hbuf = Vec::new();
+                let mut gh_chunk = vec![0f32; c_max * h];
+                let mut first = true;
+                let starts: Vec<usize> = (0..self.active.len()).step_by(c_max).collect();
+                // Last chunk first: it may still be cached from forward.
+                for &start in starts.iter().rev() {
+                    let rows = &self.active[start..(start + c_max).min(self.active.len())];
+                    let c = rows.len();
+                    let cached = match last_chunk.take() {
+                        Some((s, p)) if s == start && p.len() == c * v => Some(p),
+                        _ => None,
+                    };
+                    let hc = Self::chunk_hidden(hidden, rows, h, &mut hbuf);
+                    let have_probs = cached.is_some();
+                    let mut probs = match cached {
+                        Some(p) => p,
+                        None => {
+                            if logits.len() < c * v {
+                                logits = vec![0f32; c_max * v];
+                            }
+                            Self::chunk_logits(hc, c, h, w, &mut logits)?;
+                            std::mem::take(&mut logits)
+                        }
+                    };
+                    // d = g_r * (softmax - onehot(label)), in place.
+                    probs[..c * v]
+                        .par_chunks_mut(v)
+                        .with_min_len(min_rows_per_task(v))
+                        .zip(rows.par_iter())
+                        .for_each(|(row, &r)| {
+                            let gr = g[r];
+                            let label = self.labels[r] as usize;
+                            if have_probs {
+                                for x in row.iter_mut() {
+                                    *x *= gr;
+                                }
+                            } else {
+                                let l = lse[r];
+                                for x in row.iter_mut() {
+                                    *x = gr * fast_exp(*x - l);
+                                }
+                            }
+                            row[label] -= gr;
+                        });
+                    let d = MatRef::row_major(&probs[..c * v], c, v);
+                    // grad_hidden rows = d @ W
+                    sgemm(&mut gh_chunk[..c * h], h, 1, false, d, w)?;
+                    for (i, &r) in rows.iter().enumerate() {
+                        grad_h[r * h..(r + 1) * h].copy_from_slice(&gh_chunk[i * h..(i + 1) * h]);
+                    }
+                    // grad_W (+)= d^T @ hidden_chunk
+                    sgemm(
+                        &mut grad_w,
+                        gw_rs,
+                        gw_cs,
+                        !first,
+                        d.t(),
+                        MatRef::row_major(hc, c, h),
+                    )?;
+                    first = false;
+                    // Reuse the buffer for the next (recomputed) chunk.
+                    if logits.len() < probs.len() {
+                        logits = probs;
+                    }
+                }
+                Ok(())
+            })
+        })?;
+        let dev = hidden_t.device();
+        let gh = Tensor::from_vec(grad_h, (n, h), dev)?;
+        let gw = if w_transposed {
+            Tensor::from_vec(grad_w, (h, v), dev)?.t()?
+        } else {
+            Tensor::from_vec(grad_w, (v, h), dev)?
+        };
+        Ok((Some(gh), Some(gw)))
+    }
+}

@@ -1,0 +1,258 @@
+//! Devices as the planner sees them (a name, a kind, a capacity), parsed from
+//! the short strings of the CLI and the run config, and byte sizes in and out.
+
+use super::PlanError;
+use std::fmt;
+
+/// What kind of memory a device has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum DeviceKind {
+    /// Host memory (no runtime overhead).
+    Cpu,
+    /// A CUDA GPU (≈ 500 MiB of context before any tensor).
+    Cuda,
+}
+
+/// One device: its name, kind and usable memory.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DeviceSpec {
+    /// What to call it in reports ("GPU 0", "CPU").
+    pub name: String,
+    /// CPU or CUDA.
+    pub kind: DeviceKind,
+    /// CUDA ordinal, when known.
+    pub ordinal: Option<usize>,
+    /// Total memory the run may use.
+    pub capacity_bytes: u64,
+}
+
+impl DeviceSpec {
+    /// A CUDA device `GPU <ordinal>` with the given capacity.
+    pub fn cuda(ordinal: usize, capacity_bytes: u64) -> Self {
+        DeviceSpec {
+            name: format!("GPU {ordinal}"),
+            kind: DeviceKind::Cuda,
+            ordinal: Some(ordinal),
+            capacity_bytes,
+        }
+    }
+
+    /// The host CPU with the given capacity.
+    pub fn cpu(capacity_bytes: u64) -> Self {
+        DeviceSpec {
+            name: "CPU".into(),
+            kind: DeviceKind::Cpu,
+            ordinal: None,
+            capacity_bytes,
+        }
+    }
+
+    /// Memory the runtime takes before any tensor: the CUDA context (cuBLAS
+    /// workspace, kernels) is ≈ 500 MiB per device; CPU has none beyond the heap.
+    pub fn overhead_bytes(&self) -> u64 {
+        match self.kind {
+            DeviceKind::Cpu => 0,
+            DeviceKind::Cuda => CUDA_CONTEXT_BYTES,
+        }
+    }
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({})", self.name, format_bytes(self.capacity_bytes))
+    }
+}
+
+/// The CUDA context estimate.
+pub(crate) const CUDA_CONTEXT_BYTES: u64 = 500 * MIB;
+
+const KIB: u64 = 1 << 10;
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+const TIB: u64 = 1 << 40;
+
+/// Parses a size such as `80GiB`, `80 GB`, `24g`, `512MiB`, `1.5TiB` (decimal
+/// units are powers of 1000, binary ones powers of 1024; a bare `G`/`M` is binary).
+pub fn parse_bytes(text: &str) -> Result<u64, PlanError> {
+    let err = |reason: &str| PlanError::InvalidSize {
+        text: text.to_string(),
+        reason: reason.to_string(),
+    };
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    if num.is_empty() {
+        return Err(err("it does not start with a number"));
+    }
+    let value: f64 = num.parse().map_err(|_| err("the number is malformed"))?;
+    let unit = unit.trim().to_ascii_lowercase();
+    let scale = match unit.as_str() {
+        "" => return Err(err("it has no unit (GiB, GB, MiB, ...)")),
+        "b" => 1.0,
+        "kib" | "k" | "ki" => KIB as f64,
+        "kb" => 1e3,
+        "mib" | "m" | "mi" => MIB as f64,
+        "mb" => 1e6,
+        "gib" | "g" | "gi" => GIB as f64,
+        "gb" => 1e9,
+        "tib" | "t" | "ti" => TIB as f64,
+        "tb" => 1e12,
+        _ => return Err(err("unknown unit")),
+    };
+    let bytes = value * scale;
+    if !bytes.is_finite() || bytes <= 0.0 || bytes > u64::MAX as f64 {
+        return Err(err("the size must be positive"));
+    }
+    Ok(bytes.round() as u64)
+}
+
+/// Formats bytes for people: `67.5 GiB`, `812 MiB`, `12 KiB`, `0 B`.
+pub fn format_bytes(bytes: u64) -> String {
+    let b = bytes as f64;
+    if bytes >= GIB {
+        format!("{:.1} GiB", b / GIB as f64)
+    } else if bytes >= MIB {
+        format!("{:.0} MiB", b / MIB as f64)
+    } else if bytes >= KIB {
+        format!("{:.0} KiB", b / KIB as f64)
+    } else {
+        format!("{bytes} B")
+    }
+}
+
+/// Parses a comma-separated device list:
+///
+/// * `2x80GiB` — two CUDA GPUs of 80 GiB; `80GB,80GB` — two of 80 GB;
+/// * `cpu:24GiB` (or `cpu=24GiB`) — the host with 24 GiB; bare `cpu` — the host's total memory;
+/// * `cuda:1=40GiB` (or `cuda:1:40GiB`) — GPU 1 with 40 GiB.
+///
+/// A bare `cuda:0` has no capacity the planner could know without the driver;
+/// device discovery ([`crate::devices`]) supplies real ones.
+pub fn parse_devices(text: &str) -> Result<Vec<DeviceSpec>, PlanError> {
+    let mut out: Vec<DeviceSpec> = Vec::new();
+    let mut next_gpu = 0usize;
+    for raw in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+        let bad = |reason: String| PlanError::InvalidDevice {
+            spec: raw.to_string(),
+            reason,
+        };
+        let lower = raw.to_ascii_lowercase();
+        if let Some(rest) = lower.strip_prefix("cpu") {
+            let rest = rest.trim_start_matches([':', '=']).trim();
+            let capacity = if rest.is_empty() {
+                host_memory_bytes().ok_or_else(|| {
+                    bad("the host's memory size is unknown here; write cpu:24GiB".into())
+                })?
+            } else {
+                parse_bytes(rest).map_err(|e| bad(e.to_string()))?
+            };
+            out.push(DeviceSpec::cpu(capacity));
+        } else if let Some(rest) = lower
+            .strip_prefix("cuda")
+            .or_else(|| lower.strip_prefix("gpu"))
+        {
+            let rest = rest.trim_start_matches(':');
+            let (ord, size) = match rest.find(['=', ':']) {
+                Some(i) => (&rest[..i], Some(&rest[i + 1..])),
+                None => (rest, None),
+            };
+            let ordinal = if ord.is_empty() {
+                next_gpu
+            } else {
+                ord.trim()
+                    .parse::<usize>()
+                    .map_err(|_| bad(format!("`{ord}` is not a GPU number")))?
+            };
+            let size = size.ok_or_else(|| {
+                bad(format!(
+                    "the planner needs its memory size: write cuda:{ordinal}=80GiB, or let `tunestudio devices` discover it"
+                ))
+            })?;
+            let capacity = parse_bytes(size).map_err(|e| bad(e.to_string()))?;
+            out.push(DeviceSpec::cuda(ordinal, capacity));
+            next_gpu = ordinal + 1;
+        } else if let Some((count, size)) = lower.split_once('x').filter(|(c, _)| {
+            !c.is_empty() && c.chars().all(|ch| ch.is_ascii_digit() || ch.is_whitespace())
+        }) {
+            let count: usize = count
+                .trim()
+                .parse()
+                .map_err(|_| bad("the count before `x` is malformed".into()))?;
+            if count == 0 || count > 1024 {
+                return Err(bad("the device count must be between 1 and 1024".into()));
+            }
+            let capacity = parse_bytes(size).map_err(|e| bad(e.to_string()))?;
+            for _ in 0..count {
+                out.push(DeviceSpec::cuda(next_gpu, capacity));
+                next_gpu += 1;
+            }
+        } else {
+            let capacity = parse_bytes(&lower).map_err(|e| bad(e.to_string()))?;
+            out.push(DeviceSpec::cuda(next_gpu, capacity));
+            next_gpu += 1;
+        }
+    }
+    if out.is_empty() {
+        return Err(PlanError::NoDevices);
+    }
+    Ok(out)
+}
+
+/// Total host memory from `/proc/meminfo` (`None` off Linux).
+fn host_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    text.lines().find_map(|l| {
+        let rest = l.strip_prefix("MemTotal:")?;
+        let kib: u64 = rest.split_whitespace().next()?.parse().ok()?;
+        Some(kib * 1024)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_bytes("80GiB").unwrap(), 80 * GIB);
+        assert_eq!(parse_bytes("80 GB").unwrap(), 80_000_000_000);
+        assert_eq!(parse_bytes("1.5g").unwrap(), 3 * GIB / 2);
+        assert_eq!(parse_bytes("512MiB").unwrap(), 512 * MIB);
+        assert!(parse_bytes("80").is_err());
+        assert!(parse_bytes("GiB").is_err());
+        assert!(parse_bytes("80 parsecs").is_err());
+        assert!(parse_bytes("0GiB").is_err());
+        assert_eq!(format_bytes(67 * GIB + GIB / 2), "67.5 GiB");
+        assert_eq!(format_bytes(300 * MIB), "300 MiB");
+    }
+
+    #[test]
+    fn device_lists() {
+        let d = parse_devices("2x80GiB").unwrap();
+        assert_eq!(d.len(), 2);
+        assert_eq!(d[1].name, "GPU 1");
+        assert_eq!(d[0].capacity_bytes, 80 * GIB);
+        assert_eq!(d[0].kind, DeviceKind::Cuda);
+
+        let d = parse_devices("80GB, 80GB").unwrap();
+        assert_eq!(d.len(), 2);
+        assert_eq!(d[1].ordinal, Some(1));
+        assert_eq!(d[0].capacity_bytes, 80_000_000_000);
+
+        let d = parse_devices("cpu:24GiB").unwrap();
+        assert_eq!(d, vec![DeviceSpec::cpu(24 * GIB)]);
+
+        let d = parse_devices("cuda:1=40GiB,cuda:3:24GiB").unwrap();
+        assert_eq!(d[0].name, "GPU 1");
+        assert_eq!(d[1].ordinal, Some(3));
+        assert_eq!(d[1].capacity_bytes, 24 * GIB);
+
+        let e = parse_devices("cuda:0").unwrap_err().to_string();
+        assert!(e.contains("cuda:0=80GiB"), "{e}");
+        assert!(matches!(parse_devices(" , "), Err(PlanError::NoDevices)));
+        assert!(parse_devices("0x80GiB").is_err());
+        assert!(parse_devices("tpu").is_err());
+    }
+}

@@ -1,0 +1,237 @@
+//! The dry run: one real forward/backward/optimizer step on the longest batch
+//! before training, measured against the plan's prediction.
+
+use super::{format_bytes, Plan};
+use crate::mem;
+use std::fmt;
+use std::time::Instant;
+
+/// How the dry run measured memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum MeasureMethod {
+    /// Peak heap bytes from [`crate::mem::CountingAllocator`] (exact for CPU tensors).
+    CountingAllocator,
+    /// Peak resident set size (`VmHWM`, reset before the step); includes mapped files.
+    ProcessRss,
+    /// Nothing to measure with (e.g. CUDA memory, or RSS unavailable off Linux).
+    Unavailable,
+}
+
+impl fmt::Display for MeasureMethod {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            MeasureMethod::CountingAllocator => "counting allocator",
+            MeasureMethod::ProcessRss => "peak RSS",
+            MeasureMethod::Unavailable => "not measured",
+        })
+    }
+}
+
+/// What happened in the dry run.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub enum DryRunOutcome {
+    /// The step ran.
+    Completed,
+    /// The plan already says the device is out of memory: the step was not run.
+    PredictedOutOfMemory,
+    /// The step failed with an out-of-memory error.
+    OutOfMemory {
+        /// The error as reported.
+        message: String,
+    },
+    /// The step failed for another reason.
+    Failed {
+        /// The error as reported.
+        message: String,
+    },
+}
+
+/// The dry run's findings.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DryRunReport {
+    /// What happened.
+    pub outcome: DryRunOutcome,
+    /// The device that was checked.
+    pub device_name: String,
+    /// The plan's peak for that device.
+    pub predicted_peak_bytes: u64,
+    /// The measured peak (heap or RSS), when measured.
+    pub measured_peak_bytes: Option<u64>,
+    /// Bytes in use when the step started (weights, optimizer states, everything else).
+    pub baseline_bytes: Option<u64>,
+    /// How it was measured.
+    pub method: MeasureMethod,
+    /// (measured − predicted) / measured, when measured.
+    pub relative_error: Option<f64>,
+    /// Wall time of the step.
+    pub step_secs: f64,
+    /// The outcome in words.
+    pub summary: String,
+}
+
+impl DryRunReport {
+    /// Whether training may go ahead.
+    pub fn ok(&self) -> bool {
+        self.outcome == DryRunOutcome::Completed
+    }
+}
+
+/// Whether an error message is an out-of-memory error (CUDA, candle, or the OS).
+fn is_oom(message: &str) -> bool {
+    let m = message.to_ascii_lowercase();
+    m.contains("out of memory")
+        || m.contains("out_of_memory")
+        || m.contains("cannot allocate memory")
+        || m.contains("memory allocation")
+}
+
+/// Runs `step` (one forward/backward/optimizer step on the run's longest batch, built
+/// exactly as the trainer builds its steps) and compares its memory peak with the
+/// prediction of `plan` for device `device_index`.
+///
+/// When the plan already predicts that device to be out of memory the step is not
+/// run (a CPU allocation failure aborts the process, it cannot be caught) and the
+/// report says so. On CPU the peak is the counting allocator's when a binary installed
+/// it (see [`crate::mem`]), else the peak RSS; CUDA memory is not measured here.
+pub fn dry_run<E: fmt::Display>(
+    plan: &Plan,
+    device_index: usize,
+    step: impl FnOnce() -> Result<(), E>,
+) -> DryRunReport {
+    let Some(dev) = plan.per_device.get(device_index) else {
+        return DryRunReport {
+            outcome: DryRunOutcome::Failed {
+                message: format!(
+                    "the plan has {} device(s); there is no device {device_index}",
+                    plan.per_device.len()
+                ),
+            },
+            device_name: String::new(),
+            predicted_peak_bytes: 0,
+            measured_peak_bytes: None,
+            baseline_bytes: None,
+            method: MeasureMethod::Unavailable,
+            relative_error: None,
+            step_secs: 0.0,
+            summary: "dry run skipped: no such device in the plan".into(),
+        };
+    };
+    let predicted = dev.peak_bytes;
+    let mut report = DryRunReport {
+        outcome: DryRunOutcome::Completed,
+        device_name: dev.device.name.clone(),
+        predicted_peak_bytes: predicted,
+        measured_peak_bytes: None,
+        baseline_bytes: None,
+        method: MeasureMethod::Unavailable,
+        relative_error: None,
+        step_secs: 0.0,
+        summary: String::new(),
+    };
+    if !dev.fits {
+        report.outcome = DryRunOutcome::PredictedOutOfMemory;
+        report.summary = format!(
+            "not run: {} would need {} at the {} but has {} (short by {}); apply a fix first",
+            dev.device.name,
+            format_bytes(predicted),
+            dev.peak_phase,
+            format_bytes(dev.device.capacity_bytes),
+            format_bytes(dev.shortfall_bytes)
+        );
+        return report;
+    }
+    let on_cpu = dev.device.kind == super::DeviceKind::Cpu;
+    let method = if !on_cpu {
+        MeasureMethod::Unavailable
+    } else if mem::is_installed() {
+        MeasureMethod::CountingAllocator
+    } else if reset_peak_rss() && mem::process_rss_bytes().is_some() {
+        MeasureMethod::ProcessRss
+    } else {
+        MeasureMethod::Unavailable
+    };
+    let baseline = match method {
+        MeasureMethod::CountingAllocator => {
+            mem::reset_peak();
+            Some(mem::current_bytes())
+        }
+        MeasureMethod::ProcessRss => mem::process_rss_bytes(),
+        MeasureMethod::Unavailable => None,
+    };
+    let start = Instant::now();
+    let result = step();
+    report.step_secs = start.elapsed().as_secs_f64();
+    report.method = method;
+    report.baseline_bytes = baseline;
+    report.measured_peak_bytes = match method {
+        MeasureMethod::CountingAllocator => Some(mem::peak_bytes()),
+        MeasureMethod::ProcessRss => mem::peak_rss_bytes(),
+        MeasureMethod::Unavailable => None,
+    };
+    report.relative_error = report
+        .measured_peak_bytes
+        .filter(|&m| m > 0)
+        .map(|m| (m as f64 - predicted as f64) / m as f64);
+    match result {
+        Ok(()) => {
+            report.summary = match (report.measured_peak_bytes, report.relative_error) {
+                (Some(m), Some(e)) => format!(
+                    "dry run on {}: peak {} measured ({}), {} predicted ({:+.1} %), {:.1} s",
+                    dev.device.name,
+                    format_bytes(m),
+                    method,
+                    format_bytes(predicted),
+                    -100.0 * e,
+                    report.step_secs
+                ),
+                _ => format!(
+                    "dry run on {}: the step ran in {:.1} s ({} predicted, not measured)",
+                    dev.device.name,
+                    report.step_secs,
+                    format_bytes(predicted)
+                ),
+            };
+        }
+        Err(e) => {
+            let message = e.to_string();
+            if is_oom(&message) {
+                report.summary = format!(
+                    "out of memory on {} during the dry run ({} predicted of {}): {message}",
+                    dev.device.name,
+                    format_bytes(predicted),
+                    format_bytes(dev.device.capacity_bytes)
+                );
+                report.outcome = DryRunOutcome::OutOfMemory { message };
+            } else {
+                report.summary = format!("the dry run step failed on {}: {message}", dev.device.name);
+                report.outcome = DryRunOutcome::Failed { message };
+            }
+        }
+    }
+    report
+}
+
+/// Resets the kernel's peak-RSS counter (`VmHWM`) by writing 5 to
+/// `/proc/self/clear_refs`; false where that is not possible.
+fn reset_peak_rss() -> bool {
+    #[cfg(target_os = "linux")]
+    {
+        std::fs::write("/proc/self/clear_refs", "5").is_ok()
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        false
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_oom;
+
+    #[test]
+    fn recognises_oom_messages() {
+        assert!(is_oom("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")"));
+        assert!(is_oom("Cannot allocate memory (os error 12)"));
+        assert!(!is_oom("shape mismatch in matmul"));
+    }
+}

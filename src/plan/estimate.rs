@@ -1,0 +1,601 @@
+//! Assembles the per-block terms of [`super::step_model`] into per-device phase
+//! timelines, balances a layer split, and produces the [`Plan`].
+
+use super::step_model::{self, BlockKind, BlockTerms, StepDims};
+use super::{
+    fit, format_bytes, DeviceKind, DevicePlan, LayerMemory, Phase, PhaseBytes, Plan, PlanError,
+    PlanRequest, Strategy, Verdict,
+};
+use std::ops::Range;
+
+/// Headroom below which a fitting plan is called tight (allocator fragmentation,
+/// other processes, and the planner's own error eat into it).
+pub(crate) const TIGHT_HEADROOM: f64 = 0.05;
+
+/// One block of the model with its memory terms.
+#[derive(Debug, Clone)]
+pub(crate) struct Block {
+    pub kind: BlockKind,
+    pub memory: LayerMemory,
+    pub terms: BlockTerms,
+    /// Largest single trainable tensor (optimizer scratch is per tensor).
+    pub largest_trainable_elems: u64,
+}
+
+/// The model's blocks in forward order, each with its memory and step terms,
+/// plus the totals that do not depend on placement.
+#[derive(Debug, Clone)]
+pub struct LayerCosts {
+    pub(crate) blocks: Vec<Block>,
+    /// Total parameters.
+    pub parameters: u64,
+    /// Parameters the optimizer updates.
+    pub trainable_parameters: u64,
+}
+
+impl LayerCosts {
+    /// Per-block memory (embeddings, each decoder layer, norm + head), in forward order.
+    pub fn per_block(&self) -> Vec<LayerMemory> {
+        self.blocks.iter().map(|b| b.memory.clone()).collect()
+    }
+
+    /// Memory one decoder layer needs at the end of backward, for balancing (index = layer).
+    pub fn decoder_layer_bytes(&self) -> Vec<u64> {
+        self.blocks
+            .iter()
+            .filter(|b| matches!(b.kind, BlockKind::Layer(_)))
+            .map(|b| b.memory.total_bytes())
+            .collect()
+    }
+}
+
+fn validate(req: &PlanRequest) -> Result<(), PlanError> {
+    if req.devices.is_empty() {
+        return Err(PlanError::NoDevices);
+    }
+    for d in &req.devices {
+        if d.kind == DeviceKind::Cuda && d.capacity_bytes <= d.overhead_bytes() {
+            return Err(PlanError::DeviceTooSmall {
+                device: d.name.clone(),
+                capacity: format_bytes(d.capacity_bytes),
+                overhead: format_bytes(d.overhead_bytes()),
+            });
+        }
+        if d.capacity_bytes == 0 {
+            return Err(PlanError::InvalidDevice {
+                spec: d.name.clone(),
+                reason: "its capacity is 0 bytes".into(),
+            });
+        }
+    }
+    let positive = |setting: &'static str, v: usize| {
+        if v == 0 {
+            Err(PlanError::InvalidSetting {
+                setting,
+                value: "0".into(),
+                fix: "it must be at least 1".into(),
+            })
+        } else {
+            Ok(())
+        }
+    };
+    positive("training.micro_batch", req.micro_batch)?;
+    positive("training.gradient_accumulation", req.gradient_accumulation)?;
+    positive("data.max_length (sequence length)", req.seq_len)?;
+    if let Some(l) = &req.lora {
+        positive("lora.r", l.r)?;
+        const KNOWN: [&str; 7] = [
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+        ];
+        if let Some(bad) = l.target_modules.iter().find(|m| !KNOWN.contains(&m.as_str())) {
+            return Err(PlanError::InvalidSetting {
+                setting: "lora.target_modules",
+                value: bad.clone(),
+                fix: format!("use some of {}", KNOWN.join(", ")),
+            });
+        }
+        if l.target_modules.is_empty() {
+            return Err(PlanError::InvalidSetting {
+                setting: "lora.target_modules",
+                value: "[]".into(),
+                fix: "name at least one linear layer, e.g. [\"q_proj\", \"v_proj\"]".into(),
+            });
+        }
+    }
+    if req.model.num_hidden_layers == 0 {
+        return Err(PlanError::InvalidSetting {
+            setting: "model.num_hidden_layers",
+            value: "0".into(),
+            fix: "the model config must have at least one decoder layer".into(),
+        });
+    }
+    if req.strategy == Strategy::LayerSplit && req.devices.len() > req.model.num_hidden_layers {
+        return Err(PlanError::InvalidSetting {
+            setting: "devices.strategy",
+            value: "layer-split".into(),
+            fix: format!(
+                "{} devices but only {} layers: use at most {} devices",
+                req.devices.len(),
+                req.model.num_hidden_layers,
+                req.model.num_hidden_layers
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Computes every block's memory and step terms for a request (independent of devices).
+pub fn layer_costs(req: &PlanRequest) -> LayerCosts {
+    let dims = StepDims::new(req);
+    let mut blocks = Vec::with_capacity(req.model.num_hidden_layers + 2);
+    let mut parameters = 0u64;
+    let mut trainable = 0u64;
+    let kinds = std::iter::once(BlockKind::Embeddings)
+        .chain((0..req.model.num_hidden_layers).map(BlockKind::Layer))
+        .chain(std::iter::once(BlockKind::Head));
+    for kind in kinds {
+        let params = step_model::block_parameters(&dims, kind);
+        let grad_bytes = params.trainable * dims.grad_bytes;
+        let terms = step_model::block_terms(&dims, kind);
+        // With accumulation the previous micro-batches' sum stays alive while the
+        // current micro-batch produces its own gradients (Gradients::accumulate adds
+        // them afterwards), so two gradient copies coexist at the end of backward.
+        let accumulated = if req.gradient_accumulation > 1 {
+            grad_bytes
+        } else {
+            0
+        };
+        let memory = LayerMemory {
+            name: kind.to_string(),
+            parameters: params.total,
+            weights_bytes: params.total * dims.weight_bytes + params.extra_weight_bytes,
+            master_weights_bytes: params.trainable * dims.master_bytes,
+            gradients_bytes: grad_bytes + accumulated,
+            optimizer_states_bytes: params.trainable * dims.optimizer_bytes,
+            activations_bytes: terms.kept_bytes,
+        };
+        parameters += params.total;
+        trainable += params.trainable;
+        blocks.push(Block {
+            kind,
+            memory,
+            terms,
+            largest_trainable_elems: params.largest_trainable,
+        });
+    }
+    LayerCosts {
+        blocks,
+        parameters,
+        trainable_parameters: trainable,
+    }
+}
+
+/// Splits the decoder layers into one contiguous range per device so that the
+/// fullest device (relative to its usable capacity) is as empty as possible.
+///
+/// Costs are the planner's per-layer memory at the end of backward (weights,
+/// master copy, gradients incl. the accumulation buffer, moments, kept
+/// activations), not parameter counts: activations and gradients differ per
+/// precision and checkpointing. The embeddings weigh on the first device, the
+/// final norm, `lm_head` and the loss on the last, and every CUDA device first
+/// pays its context.
+pub fn balance_layers(costs: &LayerCosts, req: &PlanRequest) -> Vec<Range<usize>> {
+    let devices = &req.devices;
+    let n_layers = req.model.num_hidden_layers;
+    let n_dev = devices.len().clamp(1, n_layers.max(1));
+    if n_dev == 1 {
+        return vec![0..n_layers];
+    }
+    let layers = costs.decoder_layer_bytes();
+    let first_fixed = costs
+        .blocks
+        .first()
+        .map(|b| b.memory.total_bytes())
+        .unwrap_or(0);
+    let last = costs.blocks.last();
+    let last_fixed = last
+        .map(|b| b.memory.total_bytes() + b.terms.transient_bytes())
+        .unwrap_or(0);
+    // The largest in-layer transient is paid once per device.
+    let layer_transient = costs
+        .blocks
+        .iter()
+        .filter(|b| matches!(b.kind, BlockKind::Layer(_)))
+        .map(|b| b.terms.transient_bytes())
+        .max()
+        .unwrap_or(0);
+    let fixed: Vec<u64> = (0..n_dev)
+        .map(|d| {
+            let mut f = devices[d].overhead_bytes() + layer_transient;
+            if d == 0 {
+                f += first_fixed;
+            }
+            if d == n_dev - 1 {
+                f += last_fixed;
+            }
+            f
+        })
+        .collect();
+    let caps: Vec<f64> = (0..n_dev)
+        .map(|d| devices[d].capacity_bytes.max(1) as f64)
+        .collect();
+    // Greedy packing for a given maximum fill ratio; every device must get ≥ 1 layer.
+    let pack = |ratio: f64| -> Option<Vec<Range<usize>>> {
+        let mut out = Vec::with_capacity(n_dev);
+        let mut start = 0usize;
+        for d in 0..n_dev {
+            let remaining_devices = n_dev - d - 1;
+            let budget = ratio * caps[d];
+            let mut used = fixed[d] as f64;
+            let mut end = start;
+            if d == n_dev - 1 {
+                end = n_layers;
+                used += layers[start..end].iter().sum::<u64>() as f64;
+                if used > budget {
+                    return None;
+                }
+            } else {
+                while end < n_layers - remaining_devices
+                    && (end == start || used + layers[end] as f64 <= budget)
+                {
+                    used += layers[end] as f64;
+                    end += 1;
+                }
+                if used > budget {
+                    return None;
+                }
+            }
+            out.push(start..end);
+            start = end;
+        }
+        Some(out)
+    };
+    let (mut lo, mut hi) = (0.0f64, 1.0f64);
+    while pack(hi).is_none() && hi < 1e6 {
+        hi *= 2.0;
+    }
+    for _ in 0..50 {
+        let mid = 0.5 * (lo + hi);
+        if pack(mid).is_some() {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    pack(hi).unwrap_or_else(|| even_split(n_layers, n_dev))
+}
+
+fn even_split(n_layers: usize, n_dev: usize) -> Vec<Range<usize>> {
+    let mut out = Vec::with_capacity(n_dev);
+    let mut start = 0;
+    for d in 0..n_dev {
+        let len = n_layers / n_dev + usize::from(d < n_layers % n_dev);
+        out.push(start..start + len);
+        start += len;
+    }
+    out
+}
+
+/// Which blocks (by index into `LayerCosts::blocks`) each used device holds.
+fn placement(costs: &LayerCosts, req: &PlanRequest) -> Vec<(Range<usize>, Vec<usize>)> {
+    let n_blocks = costs.blocks.len();
+    match req.strategy {
+        Strategy::Single | Strategy::DataParallel => {
+            let n = if req.strategy == Strategy::Single {
+                1
+            } else {
+                req.devices.len()
+            };
+            (0..n)
+                .map(|_| (0..req.model.num_hidden_layers, (0..n_blocks).collect()))
+                .collect()
+        }
+        Strategy::LayerSplit => {
+            let ranges = balance_layers(costs, req);
+            let last = ranges.len().saturating_sub(1);
+            ranges
+                .into_iter()
+                .enumerate()
+                .map(|(d, r)| {
+                    let mut idx: Vec<usize> = Vec::new();
+                    if d == 0 {
+                        idx.push(0);
+                    }
+                    // Block i + 1 is decoder layer i.
+                    idx.extend(r.clone().map(|l| l + 1));
+                    if d == last {
+                        idx.push(n_blocks - 1);
+                    }
+                    (r, idx)
+                })
+                .collect()
+        }
+    }
+}
+
+/// Plans a request: per-device breakdown, peak and phase, verdict, ranked fixes.
+pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
+    let mut p = plan_without_fixes(req)?;
+    if !p.fits() || p.verdict == Verdict::Tight {
+        p.fixes = fit::rank_fixes(req, &p);
+    }
+    Ok(p)
+}
+
+/// The plan without the fix search (the fix search plans each candidate with this).
+pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
+    validate(req)?;
+    let costs = layer_costs(req);
+    let dims = StepDims::new(req);
+    let placed = placement(&costs, req);
+    let n_used = placed.len();
+    let mut per_device = Vec::with_capacity(n_used);
+    let tied_split = req.model.tie_word_embeddings && req.strategy == Strategy::LayerSplit && n_used > 1;
+    for (d, (layers, blocks)) in placed.into_iter().enumerate() {
+        let device = req.devices[d].clone();
+        let dp = device_timeline(&costs, &dims, req, &blocks, d == n_used - 1 && tied_split);
+        let overhead = device.overhead_bytes();
+        let peak = dp.peak + overhead;
+        let fits = peak <= device.capacity_bytes;
+        let phases: Vec<PhaseBytes> = dp
+            .phases
+            .iter()
+            .map(|(phase, b)| PhaseBytes {
+                phase: *phase,
+                bytes: b + overhead,
+            })
+            .collect();
+        let first_oom_phase = phases
+            .iter()
+            .find(|p| p.bytes > device.capacity_bytes)
+            .map(|p| p.phase);
+        per_device.push(DevicePlan {
+            layers,
+            holds_embeddings: blocks.first() == Some(&0),
+            holds_head: blocks.last() == Some(&(costs.blocks.len() - 1)),
+            weights_bytes: dp.parts.weights,
+            master_weights_bytes: dp.parts.master,
+            gradients_bytes: dp.parts.gradients,
+            optimizer_states_bytes: dp.parts.optimizer,
+            activations_bytes: dp.parts.activations,
+            logits_and_loss_bytes: dp.parts.logits,
+            temporaries_bytes: dp.parts.temporaries,
+            overhead_bytes: overhead,
+            peak_bytes: peak,
+            peak_phase: dp.peak_phase,
+            phases,
+            first_oom_phase,
+            fits,
+            headroom_bytes: device.capacity_bytes.saturating_sub(peak),
+            shortfall_bytes: peak.saturating_sub(device.capacity_bytes),
+            device,
+        });
+    }
+    let verdict = if per_device.iter().any(|d| !d.fits) {
+        Verdict::OutOfMemory
+    } else if per_device
+        .iter()
+        .any(|d| d.headroom_fraction() < TIGHT_HEADROOM)
+    {
+        Verdict::Tight
+    } else {
+        Verdict::Fits
+    };
+    let summary = summarize(&per_device, verdict);
+    Ok(Plan {
+        per_device,
+        verdict,
+        summary,
+        fixes: Vec::new(),
+        per_layer: costs.per_block(),
+        parameters: costs.parameters,
+        trainable_parameters: costs.trainable_parameters,
+        effective_batch: req.effective_batch(),
+        settings: req.settings_summary(),
+    })
+}
+
+fn summarize(per_device: &[DevicePlan], verdict: Verdict) -> String {
+    match verdict {
+        Verdict::OutOfMemory => per_device
+            .iter()
+            .filter(|d| !d.fits)
+            .map(|d| {
+                let first = match d.first_oom_phase {
+                    Some(p) if p != d.peak_phase => {
+                        format!("; it already overflows in the {p}")
+                    }
+                    _ => String::new(),
+                };
+                format!(
+                    "{} is out of memory at the {}: needs {}, has {} (short by {}){}",
+                    d.device.name,
+                    d.peak_phase,
+                    format_bytes(d.peak_bytes),
+                    format_bytes(d.device.capacity_bytes),
+                    format_bytes(d.shortfall_bytes),
+                    first
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("; "),
+        Verdict::Tight | Verdict::Fits => {
+            let worst = per_device.iter().min_by(|a, b| {
+                a.headroom_fraction()
+                    .partial_cmp(&b.headroom_fraction())
+                    .unwrap_or(std::cmp::Ordering::Equal)
+            });
+            match worst {
+                Some(w) => format!(
+                    "{}: peak {} of {} on {} at the {} ({} headroom, {:.0} %)",
+                    if verdict == Verdict::Tight {
+                        "fits, but tight"
+                    } else {
+                        "fits"
+                    },
+                    format_bytes(w.peak_bytes),
+                    format_bytes(w.device.capacity_bytes),
+                    w.device.name,
+                    w.peak_phase,
+                    format_bytes(w.headroom_bytes),
+                    100.0 * w.headroom_fraction()
+                ),
+                None => "no device".into(),
+            }
+        }
+    }
+}
+
+/// Bytes by kind at one moment.
+#[derive(Debug, Clone, Copy, Default)]
+struct Parts {
+    weights: u64,
+    master: u64,
+    gradients: u64,
+    optimizer: u64,
+    activations: u64,
+    logits: u64,
+    temporaries: u64,
+}
+
+impl Parts {
+    fn total(&self) -> u64 {
+        self.weights
+            + self.master
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.logits
+            + self.temporaries
+    }
+}
+
+struct Timeline {
+    phases: Vec<(Phase, u64)>,
+    peak: u64,
+    peak_phase: Phase,
+    parts: Parts,
+}
+
+/// Walks one training step (the last micro-batch of an accumulation cycle, the
+/// worst one, then the optimizer step) over the blocks this device holds.
+fn device_timeline(
+    costs: &LayerCosts,
+    dims: &StepDims,
+    req: &PlanRequest,
+    held: &[usize],
+    tied_head_copy: bool,
+) -> Timeline {
+    let blocks: Vec<&Block> = held.iter().map(|&i| &costs.blocks[i]).collect();
+    let mut weights: u64 = blocks.iter().map(|b| b.memory.weights_bytes).sum();
+    let master: u64 = blocks.iter().map(|b| b.memory.master_weights_bytes).sum();
+    let optimizer: u64 = blocks.iter().map(|b| b.memory.optimizer_states_bytes).sum();
+    let fresh_total: u64 = blocks.iter().map(|b| b.terms.backward_grad_bytes).sum();
+    // A tied lm_head on another device than the embeddings needs its own copy of
+    // the matrix (its gradient flows back through the copy).
+    if tied_head_copy {
+        weights += dims.vocab * dims.hidden * dims.weight_bytes;
+    }
+    let accumulated = if req.gradient_accumulation > 1 {
+        fresh_total
+    } else {
+        0
+    };
+    let kept_total: u64 = blocks.iter().map(|b| b.terms.kept_bytes).sum();
+    let base = Parts {
+        weights,
+        master,
+        optimizer,
+        gradients: accumulated,
+        ..Parts::default()
+    };
+    let best_of = |a: Parts, b: Parts| if b.total() > a.total() { b } else { a };
+
+    // Forward: kept activations grow block by block; each block has a transient on top.
+    let mut fwd_best = base;
+    let mut kept_so_far = 0u64;
+    for b in &blocks {
+        let mut p = base;
+        p.activations = kept_so_far + b.terms.kept_bytes;
+        p.temporaries = b.terms.forward_transient_bytes;
+        fwd_best = best_of(fwd_best, p);
+        kept_so_far += b.terms.kept_bytes;
+    }
+
+    // Backward: the graph (all kept tensors) stays alive until the loss is dropped;
+    // gradients appear block by block from the head down; each block's backward has
+    // its own transient on top of what is stored.
+    let mut bwd_best = base;
+    bwd_best.activations = kept_total;
+    let mut kept_live = kept_total;
+    let mut grads = accumulated;
+    let mut residue = 0u64;
+    for b in blocks.iter().rev() {
+        let mut p = base;
+        p.activations = kept_live;
+        p.gradients = grads;
+        if matches!(b.kind, BlockKind::Head) {
+            p.logits = b.terms.backward_transient_bytes;
+            p.temporaries = residue;
+        } else {
+            p.temporaries = residue + b.terms.backward_transient_bytes;
+        }
+        bwd_best = best_of(bwd_best, p);
+        grads += b.terms.backward_grad_bytes;
+        residue += b.terms.residue_bytes;
+        kept_live = kept_live.saturating_sub(b.terms.freed_kept_bytes);
+    }
+    let mut end = base;
+    end.activations = kept_live;
+    end.gradients = grads;
+    end.temporaries = residue;
+    bwd_best = best_of(bwd_best, end);
+    // After the loss is dropped: gradient accumulation adds the fresh gradients into
+    // the buffer one tensor at a time.
+    let largest_trainable = blocks
+        .iter()
+        .map(|b| b.largest_trainable_elems)
+        .max()
+        .unwrap_or(0);
+    if req.gradient_accumulation > 1 {
+        let mut p = base;
+        p.gradients = accumulated + fresh_total;
+        p.temporaries = step_model::accumulate_transient_bytes(dims, largest_trainable);
+        bwd_best = best_of(bwd_best, p);
+    }
+
+    // Optimizer step: one gradient set (the accumulated one), moments, master weights,
+    // and the update's per-tensor scratch.
+    let mut opt = base;
+    opt.gradients = fresh_total;
+    opt.temporaries = step_model::optimizer_transient_bytes(dims, largest_trainable);
+    if req.strategy == Strategy::DataParallel && req.devices.len() > 1 {
+        // The all-reduce stages one gradient tensor at a time.
+        opt.temporaries += largest_trainable * dims.grad_bytes;
+    }
+
+    let phases = vec![
+        (Phase::Forward, fwd_best.total()),
+        (Phase::Backward, bwd_best.total()),
+        (Phase::OptimizerStep, opt.total()),
+    ];
+    let (peak_phase, parts) = [
+        (Phase::Forward, fwd_best),
+        (Phase::Backward, bwd_best),
+        (Phase::OptimizerStep, opt),
+    ]
+    .into_iter()
+    .fold((Phase::Forward, Parts::default()), |best, cur| {
+        if cur.1.total() > best.1.total() {
+            cur
+        } else {
+            best
+        }
+    });
+    Timeline {
+        phases,
+        peak: parts.total(),
+        peak_phase,
+        parts,
+    }
+}

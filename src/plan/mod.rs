@@ -1,0 +1,576 @@
+//! The memory planner: predicts every device's memory for a training run before
+//! it starts, says where and by how much it runs out, ranks the fixes, and fits
+//! the run to the devices.
+//!
+//! The planner is pure (no I/O, no tensors; a plan takes well under a
+//! millisecond) and models tunestudio's *own* training step on candle, not a
+//! generic formula: which precision copies exist, that accumulated gradients
+//! stay alive across micro-batches, that candle's autograd keeps every forward
+//! tensor of the graph alive until the loss is dropped, that its backward
+//! allocates a zero tensor per gradient edge and adds into it, that the loss is
+//! computed in vocabulary chunks, and so on. See [`step_model`] for every term
+//! and why it exists; the coefficients were measured with the counting
+//! allocator of [`crate::mem`] (`tests/plan_accuracy.rs`).
+//!
+//! Data flow: [`PlanRequest`] → [`plan`] → [`Plan`] (per device: a breakdown by
+//! kind of memory, the peak and its phase, the verdict) → [`auto_fit`] when it
+//! does not fit. [`dry_run`] checks the prediction against one real step.
+
+mod device;
+mod dry_run;
+mod estimate;
+mod fit;
+mod run_config;
+pub mod step_model;
+
+pub use device::{format_bytes, parse_bytes, parse_devices, DeviceKind, DeviceSpec};
+pub use dry_run::{dry_run, DryRunOutcome, DryRunReport, MeasureMethod};
+pub use estimate::{balance_layers, layer_costs, plan, LayerCosts};
+pub use fit::{auto_fit, relative_throughput, AutoFit};
+pub use run_config::{model_config_path, request_from_run_config, RunConfigSettings};
+
+use crate::model::ModelConfig;
+use std::fmt;
+use std::ops::Range;
+use std::str::FromStr;
+
+/// Everything that can stop a plan from being made.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    /// The request lists no device.
+    #[error("no devices to plan for: give at least one, e.g. --devices cpu:24GiB or --devices 2x80GiB")]
+    NoDevices,
+    /// A device string could not be parsed.
+    #[error("cannot read device `{spec}`: {reason} (examples: `2x80GiB`, `80GB,80GB`, `cpu:24GiB`, `cuda:0=80GiB`)")]
+    InvalidDevice {
+        /// The text that was given.
+        spec: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A byte size could not be parsed.
+    #[error("cannot read the size `{text}`: {reason} (write e.g. `80GiB`, `80GB`, `512MiB`)")]
+    InvalidSize {
+        /// The text that was given.
+        text: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A CUDA device cannot even hold the CUDA context.
+    #[error("{device} has {capacity} but the CUDA context alone takes about {overhead}: that device cannot train anything (check its size; GiB vs MiB?)")]
+    DeviceTooSmall {
+        /// The device's name.
+        device: String,
+        /// Its capacity, formatted.
+        capacity: String,
+        /// The CUDA context estimate, formatted.
+        overhead: String,
+    },
+    /// A setting has a value the planner cannot use.
+    #[error("invalid setting {setting} = {value}: {fix}")]
+    InvalidSetting {
+        /// The setting's name as the run config / CLI spells it.
+        setting: &'static str,
+        /// The value given.
+        value: String,
+        /// How to fix it.
+        fix: String,
+    },
+    /// The model config could not be read (unknown `model_type`, missing fields, ...).
+    #[error(transparent)]
+    Model(#[from] crate::model::ModelError),
+    /// A run config could not be read.
+    #[error("cannot use the run config {origin}: {message}")]
+    RunConfig {
+        /// The file.
+        origin: String,
+        /// What is wrong and how to fix it.
+        message: String,
+    },
+}
+
+/// Numeric precision of training, as `[training] precision` spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum Precision {
+    /// Everything in f32.
+    #[serde(rename = "fp32")]
+    Fp32,
+    /// bf16 weights for compute, f32 master weights, bf16 gradients, f32 moments.
+    #[serde(rename = "bf16-mixed")]
+    Bf16Mixed,
+    /// bf16 weights and gradients, f32 moments, no master copy.
+    #[serde(rename = "bf16")]
+    Bf16,
+    /// Like bf16-mixed with IEEE half and a loss scale.
+    #[serde(rename = "fp16-mixed")]
+    Fp16Mixed,
+}
+
+impl Precision {
+    /// Every mode, in the order the UI lists them.
+    pub const ALL: [Precision; 4] = [
+        Precision::Fp32,
+        Precision::Bf16Mixed,
+        Precision::Bf16,
+        Precision::Fp16Mixed,
+    ];
+
+    /// The run-config spelling.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Bf16Mixed => "bf16-mixed",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16Mixed => "fp16-mixed",
+        }
+    }
+
+    /// Bytes of one element of the compute weights, activations and gradients.
+    pub fn compute_bytes(&self) -> u64 {
+        match self {
+            Precision::Fp32 => 4,
+            _ => 2,
+        }
+    }
+
+    /// Whether the optimizer keeps f32 master weights of the trainable parameters.
+    pub fn has_master_weights(&self) -> bool {
+        matches!(self, Precision::Bf16Mixed | Precision::Fp16Mixed)
+    }
+}
+
+impl fmt::Display for Precision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Precision {
+    type Err = PlanError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().replace('_', "-").as_str() {
+            "fp32" | "f32" | "float32" => Ok(Precision::Fp32),
+            "bf16-mixed" | "mixed-bf16" => Ok(Precision::Bf16Mixed),
+            "bf16" | "bfloat16" => Ok(Precision::Bf16),
+            "fp16-mixed" | "f16-mixed" | "mixed-fp16" | "fp16" | "f16" => Ok(Precision::Fp16Mixed),
+            _ => Err(PlanError::InvalidSetting {
+                setting: "training.precision",
+                value: s.to_string(),
+                fix: "use fp32, bf16-mixed, bf16 or fp16-mixed".into(),
+            }),
+        }
+    }
+}
+
+/// How the model is spread over the devices (`[devices] strategy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum Strategy {
+    /// Everything on the first device.
+    #[serde(rename = "single")]
+    Single,
+    /// Consecutive layers on each device (pipeline without overlap).
+    #[serde(rename = "layer-split")]
+    LayerSplit,
+    /// A full replica per device, each on its own micro-batch, gradients all-reduced.
+    #[serde(rename = "data-parallel")]
+    DataParallel,
+}
+
+impl Strategy {
+    /// The run-config spelling.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Strategy::Single => "single",
+            Strategy::LayerSplit => "layer-split",
+            Strategy::DataParallel => "data-parallel",
+        }
+    }
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Strategy {
+    type Err = PlanError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().replace('_', "-").as_str() {
+            "single" => Ok(Strategy::Single),
+            "layer-split" | "split" | "pipeline" => Ok(Strategy::LayerSplit),
+            "data-parallel" | "dp" | "ddp" => Ok(Strategy::DataParallel),
+            _ => Err(PlanError::InvalidSetting {
+                setting: "devices.strategy",
+                value: s.to_string(),
+                fix: "use single, layer-split or data-parallel".into(),
+            }),
+        }
+    }
+}
+
+/// LoRA settings that matter for memory.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LoraSpec {
+    /// Adapter rank.
+    pub r: usize,
+    /// Short names of the adapted linear layers (`q_proj`, `v_proj`, ...).
+    pub target_modules: Vec<String>,
+}
+
+impl LoraSpec {
+    /// Rank `r` on every linear layer of the decoder (what auto-fit proposes).
+    pub fn all_linear(r: usize) -> Self {
+        LoraSpec {
+            r,
+            target_modules: [
+                "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
+        }
+    }
+}
+
+/// What to plan: a model shape, the training settings, and the devices.
+#[derive(Debug, Clone)]
+pub struct PlanRequest {
+    /// The model's architecture (from its `config.json`).
+    pub model: ModelConfig,
+    /// Numeric precision.
+    pub precision: Precision,
+    /// Rows per forward/backward pass (per device under data parallel).
+    pub micro_batch: usize,
+    /// Micro-batches per optimizer step.
+    pub gradient_accumulation: usize,
+    /// Tokens per row (the longest batch the run will see).
+    pub seq_len: usize,
+    /// Recompute each layer in the backward pass instead of keeping its activations.
+    pub activation_checkpointing: bool,
+    /// Train LoRA adapters on a frozen base instead of every weight.
+    pub lora: Option<LoraSpec>,
+    /// How the model is spread over `devices`.
+    pub strategy: Strategy,
+    /// The devices, in order (layer split puts the embeddings on the first).
+    pub devices: Vec<DeviceSpec>,
+}
+
+impl PlanRequest {
+    /// Rows per optimizer step: micro-batch × accumulation × data-parallel ranks.
+    pub fn effective_batch(&self) -> usize {
+        self.micro_batch * self.gradient_accumulation * self.data_parallel_ranks()
+    }
+
+    /// Replicas that each process a micro-batch (1 unless data parallel).
+    pub fn data_parallel_ranks(&self) -> usize {
+        match self.strategy {
+            Strategy::DataParallel => self.devices.len().max(1),
+            _ => 1,
+        }
+    }
+
+    /// The devices this strategy actually uses (single uses the first only).
+    pub fn used_devices(&self) -> &[DeviceSpec] {
+        match self.strategy {
+            Strategy::Single => &self.devices[..self.devices.len().min(1)],
+            _ => &self.devices,
+        }
+    }
+
+    /// A one-line description of the settings ("fp32, micro-batch 1 × 4, seq 512, ...").
+    pub fn settings_summary(&self) -> String {
+        let mut s = format!(
+            "{}, micro-batch {} × accumulation {}, seq {}, {}",
+            self.precision,
+            self.micro_batch,
+            self.gradient_accumulation,
+            self.seq_len,
+            self.strategy
+        );
+        if self.activation_checkpointing {
+            s.push_str(", checkpointing");
+        }
+        if let Some(l) = &self.lora {
+            s.push_str(&format!(", LoRA r={} on {}", l.r, l.target_modules.join("/")));
+        }
+        s
+    }
+}
+
+/// A moment of the training step, in time order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+pub enum Phase {
+    /// The forward pass and the loss (the autograd graph grows).
+    Forward,
+    /// The backward pass (graph alive, gradients being produced).
+    Backward,
+    /// The AdamW update (activations freed, gradients + moments alive).
+    OptimizerStep,
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::OptimizerStep => "optimizer step",
+        })
+    }
+}
+
+/// Bytes in use on one device at one phase's high-water mark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct PhaseBytes {
+    /// The phase.
+    pub phase: Phase,
+    /// Its peak bytes.
+    pub bytes: u64,
+}
+
+/// One device's share of the run. The component fields are what is alive at the
+/// device's peak, so they add up to `peak_bytes`.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DevicePlan {
+    /// The device.
+    pub device: DeviceSpec,
+    /// Decoder layers on this device (empty when it holds none).
+    pub layers: Range<usize>,
+    /// Whether the token embeddings live here (first device).
+    pub holds_embeddings: bool,
+    /// Whether the final norm, `lm_head` and the loss live here (last device).
+    pub holds_head: bool,
+    /// Compute copy of the weights (trainable and frozen).
+    pub weights_bytes: u64,
+    /// f32 master copy of the trainable weights (mixed precision only).
+    pub master_weights_bytes: u64,
+    /// Gradients alive at the peak (incl. the accumulation buffer).
+    pub gradients_bytes: u64,
+    /// AdamW first and second moments (f32).
+    pub optimizer_states_bytes: u64,
+    /// Forward tensors kept by the autograd graph for backward.
+    pub activations_bytes: u64,
+    /// The f32 logits chunk, its softmax pieces and the per-row logsumexp.
+    pub logits_and_loss_bytes: u64,
+    /// Short-lived buffers at the peak (backward's zero-then-add, copies, optimizer scratch).
+    pub temporaries_bytes: u64,
+    /// Runtime overhead (≈ 500 MiB CUDA context per CUDA device; 0 on CPU).
+    pub overhead_bytes: u64,
+    /// The predicted high-water mark.
+    pub peak_bytes: u64,
+    /// The phase in which the peak occurs.
+    pub peak_phase: Phase,
+    /// Each phase's high-water mark, in time order.
+    pub phases: Vec<PhaseBytes>,
+    /// The first phase (in time order) whose need exceeds the capacity, if any.
+    pub first_oom_phase: Option<Phase>,
+    /// Peak ≤ capacity.
+    pub fits: bool,
+    /// Capacity − peak (0 when it does not fit).
+    pub headroom_bytes: u64,
+    /// Peak − capacity (0 when it fits).
+    pub shortfall_bytes: u64,
+}
+
+impl DevicePlan {
+    /// Headroom as a fraction of the capacity (negative when short).
+    pub fn headroom_fraction(&self) -> f64 {
+        let cap = self.device.capacity_bytes.max(1) as f64;
+        (self.device.capacity_bytes as f64 - self.peak_bytes as f64) / cap
+    }
+}
+
+/// Memory of one block of the model (embeddings, a decoder layer, or norm + head),
+/// independent of the device it lands on. Used to balance a layer split.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct LayerMemory {
+    /// "embeddings", "layer 7", "norm + lm_head".
+    pub name: String,
+    /// Parameters in the block.
+    pub parameters: u64,
+    /// Compute copy of the weights.
+    pub weights_bytes: u64,
+    /// f32 master weights.
+    pub master_weights_bytes: u64,
+    /// Gradients (×2 with gradient accumulation: accumulated + current).
+    pub gradients_bytes: u64,
+    /// AdamW moments.
+    pub optimizer_states_bytes: u64,
+    /// Forward tensors kept for backward.
+    pub activations_bytes: u64,
+}
+
+impl LayerMemory {
+    /// Everything the block holds at the end of backward.
+    pub fn total_bytes(&self) -> u64 {
+        self.weights_bytes
+            + self.master_weights_bytes
+            + self.gradients_bytes
+            + self.optimizer_states_bytes
+            + self.activations_bytes
+    }
+}
+
+/// The overall answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum Verdict {
+    /// Every device fits with at least 5 % headroom.
+    Fits,
+    /// Every device fits, but one has less than 5 % headroom (fragmentation may tip it over).
+    Tight,
+    /// At least one device runs out of memory.
+    OutOfMemory,
+}
+
+impl fmt::Display for Verdict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Verdict::Fits => "fits",
+            Verdict::Tight => "fits (tight)",
+            Verdict::OutOfMemory => "out of memory",
+        })
+    }
+}
+
+/// One change of settings.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub enum Change {
+    /// Switch the device strategy.
+    Strategy(Strategy),
+    /// Switch the precision.
+    Precision(Precision),
+    /// Turn activation checkpointing on.
+    ActivationCheckpointing,
+    /// Smaller micro-batch with more accumulation (same effective batch).
+    MicroBatch {
+        /// New micro-batch.
+        micro_batch: usize,
+        /// New accumulation.
+        gradient_accumulation: usize,
+    },
+    /// Train LoRA adapters instead of every weight.
+    Lora(LoraSpec),
+    /// Shorter sequences (changes what is trained: never chosen by auto-fit).
+    SeqLen(usize),
+}
+
+impl Change {
+    /// Applies the change to a request. Strategy changes that alter the number of
+    /// data-parallel ranks re-split accumulation so the effective batch stays the same
+    /// when it divides.
+    pub fn apply(&self, req: &PlanRequest) -> PlanRequest {
+        let mut r = req.clone();
+        match self {
+            Change::Strategy(s) => {
+                let effective = req.effective_batch();
+                r.strategy = *s;
+                let ranks = r.data_parallel_ranks();
+                if effective % (ranks * r.micro_batch) == 0 {
+                    r.gradient_accumulation = effective / (ranks * r.micro_batch);
+                }
+            }
+            Change::Precision(p) => r.precision = *p,
+            Change::ActivationCheckpointing => r.activation_checkpointing = true,
+            Change::MicroBatch {
+                micro_batch,
+                gradient_accumulation,
+            } => {
+                r.micro_batch = *micro_batch;
+                r.gradient_accumulation = *gradient_accumulation;
+            }
+            Change::Lora(l) => r.lora = Some(l.clone()),
+            Change::SeqLen(t) => r.seq_len = *t,
+        }
+        r
+    }
+
+    /// The change in words ("bf16 mixed precision", "layer split over 2 GPUs").
+    pub fn describe(&self, req: &PlanRequest) -> String {
+        match self {
+            Change::Strategy(Strategy::LayerSplit) => format!(
+                "split the layers over the {} devices",
+                req.devices.len()
+            ),
+            Change::Strategy(Strategy::DataParallel) => {
+                let r = self.apply(req);
+                format!(
+                    "data parallel on {} devices (accumulation {} → {})",
+                    req.devices.len(),
+                    req.gradient_accumulation,
+                    r.gradient_accumulation
+                )
+            }
+            Change::Strategy(Strategy::Single) => "train on a single device".into(),
+            Change::Precision(p) => match p {
+                Precision::Bf16Mixed => "bf16 mixed precision".into(),
+                Precision::Fp16Mixed => "fp16 mixed precision".into(),
+                Precision::Bf16 => "pure bf16 (no f32 master weights)".into(),
+                Precision::Fp32 => "fp32".into(),
+            },
+            Change::ActivationCheckpointing => "activation checkpointing".into(),
+            Change::MicroBatch {
+                micro_batch,
+                gradient_accumulation,
+            } => format!(
+                "micro-batch {} × accumulation {} (was {} × {})",
+                micro_batch, gradient_accumulation, req.micro_batch, req.gradient_accumulation
+            ),
+            Change::Lora(l) => format!("LoRA r={} on {} (base frozen)", l.r, l.target_modules.join(", ")),
+            Change::SeqLen(t) => format!("sequence length {} (was {})", t, req.seq_len),
+        }
+    }
+}
+
+/// A ranked suggestion for a plan that does not fit.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Fix {
+    /// The fix in words, with its saving ("bf16 mixed precision: −4.1 GiB on GPU 0").
+    pub description: String,
+    /// Bytes saved on the device that is shortest of memory.
+    pub saving_bytes: u64,
+    /// Whether this change alone makes every device fit.
+    pub fits_alone: bool,
+    /// Relative throughput of the run after the change (1.0 = as requested).
+    pub relative_throughput: f64,
+    /// The change itself (apply it with [`Change::apply`]).
+    pub change: Change,
+}
+
+/// The planner's answer for one request.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Plan {
+    /// One entry per device the strategy uses, in order.
+    pub per_device: Vec<DevicePlan>,
+    /// Overall verdict.
+    pub verdict: Verdict,
+    /// The verdict in words, naming the device, the phase and the shortfall.
+    pub summary: String,
+    /// Ranked fixes (empty when it fits): those that fit alone first, fastest first.
+    pub fixes: Vec<Fix>,
+    /// Memory per block of the model (embeddings, each layer, head).
+    pub per_layer: Vec<LayerMemory>,
+    /// Total parameters and trainable parameters.
+    pub parameters: u64,
+    /// Parameters the optimizer updates.
+    pub trainable_parameters: u64,
+    /// Rows per optimizer step.
+    pub effective_batch: usize,
+    /// The settings planned, in words.
+    pub settings: String,
+}
+
+impl Plan {
+    /// Whether every device fits.
+    pub fn fits(&self) -> bool {
+        self.per_device.iter().all(|d| d.fits)
+    }
+
+    /// The device with the least headroom (largest shortfall).
+    pub fn worst_device(&self) -> Option<&DevicePlan> {
+        self.per_device.iter().min_by(|a, b| {
+            a.headroom_fraction()
+                .partial_cmp(&b.headroom_fraction())
+                .unwrap_or(std::cmp::Ordering::Equal)
+        })
+    }
+}

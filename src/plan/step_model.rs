@@ -1,0 +1,461 @@
+//! The memory model of one tunestudio training step on candle, block by block.
+//!
+//! Every term below corresponds to a tensor (or buffer) that the model code in
+//! [`crate::model`] and candle 0.11's autograd really allocate; the comments say
+//! which and why. The terms were derived by reading that code and checked with
+//! the counting allocator (`examples/plan_accuracy.rs`, `tests/plan_accuracy.rs`).
+//!
+//! The facts that shape the model:
+//!
+//! * **candle keeps the whole graph.** Every op output that feeds another op is
+//!   referenced by its consumer, so every intermediate tensor of the forward pass
+//!   stays alive until the loss tensor is dropped (after backward), not only what
+//!   backward needs. Views (reshape of a contiguous tensor, transpose, narrow)
+//!   share storage; `.contiguous()` of a transposed view and a reshape of a
+//!   non-contiguous tensor copy.
+//! * **Backward allocates per gradient edge.** `GradStore::or_insert` creates a zero
+//!   tensor and `add` allocates the sum, so accumulating one gradient costs three
+//!   buffers for a moment. For `x.matmul(w.t())` with a tracked `x`, the weight
+//!   gradient `x.t().matmul(grad)` is itself a *tracked* tensor, so the stored
+//!   gradient of `w.t()` keeps its zero tensor and the raw product alive until the
+//!   transpose node is processed, where the shadowed (still alive) gradient plus a
+//!   second zero-then-add make it **five weight-sized buffers** at the peak.
+//! * **The loss is one fused op** (`linear_cross_entropy`): it keeps the per-row
+//!   log-sum-exp and the probabilities of the last chunk of ≤ 1024 rows (the
+//!   logits buffer's full capacity), recomputes other chunks in backward, and
+//!   returns an f32 `lm_head` gradient that candle again adds into a zero tensor.
+//! * **Checkpointed layers** keep only their output; backward copies the input into
+//!   a fresh Var, recomputes the layer (its whole graph alive again for that layer),
+//!   back-propagates, and parks the parameter gradients in a side table.
+//! * **AdamW** is one fused pass per tensor, but converts the gradient and the
+//!   parameter to f32 `Vec`s and builds the updated tensor, so its scratch is a few
+//!   copies of the largest trainable tensor.
+
+use super::{PlanRequest, Precision};
+use std::fmt;
+
+/// A block of the model, in forward order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlockKind {
+    /// Token embeddings (first device).
+    Embeddings,
+    /// Decoder layer `i`.
+    Layer(usize),
+    /// Final norm, `lm_head` and the chunked loss (last device).
+    Head,
+}
+
+impl fmt::Display for BlockKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BlockKind::Embeddings => f.write_str("embeddings"),
+            BlockKind::Layer(i) => write!(f, "layer {i}"),
+            BlockKind::Head => f.write_str("norm + lm_head + loss"),
+        }
+    }
+}
+
+/// The sizes the step model needs, derived once per request.
+#[derive(Debug, Clone)]
+pub struct StepDims {
+    /// Rows per micro-batch.
+    pub micro_batch: u64,
+    /// Tokens per row.
+    pub seq_len: u64,
+    /// micro_batch × seq_len.
+    pub tokens: u64,
+    /// Residual width.
+    pub hidden: u64,
+    /// MLP width.
+    pub intermediate: u64,
+    /// Query heads × head_dim.
+    pub q_dim: u64,
+    /// Key/value heads × head_dim.
+    pub kv_dim: u64,
+    /// Query heads.
+    pub heads: u64,
+    /// Key/value heads.
+    pub kv_heads: u64,
+    /// Width of a head.
+    pub head_dim: u64,
+    /// Vocabulary size.
+    pub vocab: u64,
+    /// q/k/v biases.
+    pub qkv_bias: bool,
+    /// o_proj bias.
+    pub o_bias: bool,
+    /// MLP biases.
+    pub mlp_bias: bool,
+    /// lm_head shares the embedding matrix.
+    pub tied: bool,
+    /// Bytes per element of weights, activations and gradients.
+    pub act_bytes: u64,
+    /// Bytes per element of the compute weights.
+    pub weight_bytes: u64,
+    /// Bytes per element of gradients.
+    pub grad_bytes: u64,
+    /// Bytes per trainable element of master weights (4 in mixed precision, else 0).
+    pub master_bytes: u64,
+    /// Bytes per trainable element of AdamW moments (m and v in f32).
+    pub optimizer_bytes: u64,
+    /// Precision mode.
+    pub precision: Precision,
+    /// Activation checkpointing.
+    pub checkpointing: bool,
+    /// LoRA rank and targets.
+    pub lora: Option<(u64, Vec<String>)>,
+    /// Whether the embedding matrix is trained.
+    pub embeddings_trainable: bool,
+}
+
+impl StepDims {
+    /// Derives the sizes of a request.
+    pub fn new(req: &PlanRequest) -> Self {
+        let m = &req.model;
+        let act = req.precision.compute_bytes();
+        let tokens = (req.micro_batch * req.seq_len) as u64;
+        StepDims {
+            micro_batch: req.micro_batch as u64,
+            seq_len: req.seq_len as u64,
+            tokens,
+            hidden: m.hidden_size as u64,
+            intermediate: m.intermediate_size as u64,
+            q_dim: (m.num_attention_heads * m.head_dim) as u64,
+            kv_dim: (m.num_key_value_heads * m.head_dim) as u64,
+            heads: m.num_attention_heads as u64,
+            kv_heads: m.num_key_value_heads as u64,
+            head_dim: m.head_dim as u64,
+            vocab: m.vocab_size as u64,
+            qkv_bias: m.qkv_bias(),
+            o_bias: m.o_bias(),
+            mlp_bias: m.mlp_bias,
+            tied: m.tie_word_embeddings,
+            act_bytes: act,
+            weight_bytes: act,
+            grad_bytes: act,
+            master_bytes: if req.precision.has_master_weights() { 4 } else { 0 },
+            optimizer_bytes: 8,
+            precision: req.precision,
+            checkpointing: req.activation_checkpointing,
+            lora: req
+                .lora
+                .as_ref()
+                .map(|l| (l.r as u64, l.target_modules.clone())),
+            embeddings_trainable: req.lora.is_none(),
+        }
+    }
+
+    fn lora_targets(&self, module: &str) -> Option<u64> {
+        match &self.lora {
+            Some((r, t)) if t.iter().any(|m| m == module) => Some(*r),
+            _ => None,
+        }
+    }
+
+    /// The linear layers of a decoder layer: (short name, in, out, bias).
+    pub fn linears(&self) -> [(&'static str, u64, u64, bool); 7] {
+        [
+            ("q_proj", self.hidden, self.q_dim, self.qkv_bias),
+            ("k_proj", self.hidden, self.kv_dim, self.qkv_bias),
+            ("v_proj", self.hidden, self.kv_dim, self.qkv_bias),
+            ("o_proj", self.q_dim, self.hidden, self.o_bias),
+            ("gate_proj", self.hidden, self.intermediate, self.mlp_bias),
+            ("up_proj", self.hidden, self.intermediate, self.mlp_bias),
+            ("down_proj", self.intermediate, self.hidden, self.mlp_bias),
+        ]
+    }
+}
+
+/// Parameter counts of one block.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BlockParams {
+    /// Every parameter (frozen base + adapters).
+    pub total: u64,
+    /// Parameters the optimizer updates.
+    pub trainable: u64,
+    /// Elements of the largest trainable tensor.
+    pub largest_trainable: u64,
+    /// Weight bytes that are not `total × weight_bytes` (none today).
+    pub extra_weight_bytes: u64,
+}
+
+/// Parameters of a block (LoRA adapters included, trainable flags applied).
+pub fn block_parameters(d: &StepDims, kind: BlockKind) -> BlockParams {
+    let full = d.lora.is_none();
+    match kind {
+        BlockKind::Embeddings => {
+            let n = d.vocab * d.hidden;
+            BlockParams {
+                total: n,
+                trainable: if full { n } else { 0 },
+                largest_trainable: if full { n } else { 0 },
+                extra_weight_bytes: 0,
+            }
+        }
+        BlockKind::Head => {
+            let head = if d.tied { 0 } else { d.vocab * d.hidden };
+            let n = head + d.hidden;
+            BlockParams {
+                total: n,
+                trainable: if full { n } else { 0 },
+                largest_trainable: if full { head.max(d.hidden) } else { 0 },
+                extra_weight_bytes: 0,
+            }
+        }
+        BlockKind::Layer(_) => {
+            let mut p = BlockParams::default();
+            for (name, i, o, bias) in d.linears() {
+                let base = i * o + if bias { o } else { 0 };
+                p.total += base;
+                if full {
+                    p.trainable += base;
+                    p.largest_trainable = p.largest_trainable.max(i * o);
+                } else if let Some(r) = d.lora_targets(name) {
+                    let adapters = r * (i + o);
+                    p.total += adapters;
+                    p.trainable += adapters;
+                    p.largest_trainable = p.largest_trainable.max(r * i.max(o));
+                }
+            }
+            let norms = 2 * d.hidden;
+            p.total += norms;
+            if full {
+                p.trainable += norms;
+            }
+            p
+        }
+    }
+}
+
+/// A block's memory during the step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BlockTerms {
+    /// Forward tensors kept alive by the autograd graph until the loss is dropped.
+    pub kept_bytes: u64,
+    /// Extra bytes at the block's forward high-water mark, freed before the next block.
+    pub forward_transient_bytes: u64,
+    /// Extra bytes at the block's backward high-water mark, above everything kept and
+    /// everything stored before the block's backward started (includes the block's
+    /// own gradients as they are produced).
+    pub backward_transient_bytes: u64,
+    /// Gradient bytes that appear in this block's backward and persist (the block's
+    /// parameter gradients; for a tied head, the shared matrix's gradient).
+    pub backward_grad_bytes: u64,
+    /// Bytes that stay in the gradient store after this block's backward until
+    /// backward returns, without being a parameter gradient (e.g. the `lm_head`
+    /// gradient the fused loss computes even when the head is frozen).
+    pub residue_bytes: u64,
+    /// Kept bytes this block's backward releases (the loss's cached last chunk).
+    pub freed_kept_bytes: u64,
+}
+
+impl BlockTerms {
+    /// The larger of the two transients.
+    pub fn transient_bytes(&self) -> u64 {
+        self.forward_transient_bytes
+            .max(self.backward_transient_bytes)
+    }
+}
+
+/// Rows per loss chunk (`LOSS_CHUNK_TOKENS` of the model).
+const LOSS_CHUNK_ROWS: u64 = 1024;
+/// Per-layer bookkeeping of candle tensors (shapes, strides, op nodes, `Arc`s):
+/// measured ≈ 11.7 KB per decoder layer, independent of sizes.
+const LAYER_METADATA_BYTES: u64 = 11_720;
+
+/// Bytes the forward graph of one (non-checkpointed) decoder layer keeps.
+fn layer_kept_full(d: &StepDims) -> u64 {
+    let n = d.tokens;
+    let a = d.act_bytes;
+    let (h, q, kv, i) = (d.hidden, d.q_dim, d.kv_dim, d.intermediate);
+    // [n, h]: input norm, o_proj, residual, post norm, down_proj, residual.
+    // [n, q]: q_proj, q.contiguous() (transposed view), rope(q), probs @ v,
+    //         the reshape of the transposed attention output (a copy).
+    // [n, kv]: k_proj, k.contiguous(), rope(k), v_proj, v.contiguous().
+    // [n, i]: gate, up, silu_mul.
+    let mut kept = n * (6 * h + 5 * q + 5 * kv + 3 * i) * a;
+    if d.qkv_bias {
+        // broadcast_add of the bias is one more tensor per projection.
+        kept += n * (q + 2 * kv) * a;
+    }
+    if d.o_bias {
+        kept += n * h * a;
+    }
+    if d.mlp_bias {
+        kept += n * (2 * i + h) * a;
+    }
+    // Attention scores [b, heads, t, t]: q·kᵀ and its scaling in the compute dtype,
+    // the f32 cast (half precision only), + mask and softmax in f32, and the cast back.
+    let s = d.micro_batch * d.heads * d.seq_len * d.seq_len;
+    kept += if d.act_bytes == 4 {
+        s * 16
+    } else {
+        s * (2 + 2 + 4 + 4 + 4 + 2)
+    };
+    // Each rope call copies the cos and sin tables to f32 vectors kept in its op.
+    kept += 2 * 2 * d.seq_len * d.head_dim * 4;
+    // LoRA: x·Aᵀ [n, r], its ·Bᵀ [n, out], the scaling, and the sum with the base output.
+    if let Some((r, _)) = &d.lora {
+        for (name, _, out, _) in d.linears() {
+            if d.lora_targets(name).is_some() {
+                kept += n * (r + 3 * out) * a;
+            }
+        }
+    }
+    kept + LAYER_METADATA_BYTES
+}
+
+/// Peak of one decoder layer's backward above what was stored before it, for a
+/// layer whose graph is alive (normal, or recomputed under checkpointing).
+fn layer_backward_peak(d: &StepDims) -> u64 {
+    let n = d.tokens;
+    let a = d.act_bytes;
+    let g = d.grad_bytes;
+    let (h, q, kv, i) = (d.hidden, d.q_dim, d.kv_dim, d.intermediate);
+    // Activation gradients in flight at the MLP's peak: measured 2·[n, i] + 6·[n, h]
+    // (the gate/up output gradients, the post-norm input's accumulating gradient with
+    // its zero-then-add, the residual stream's gradient).
+    let acts = n * (2 * i + 6 * h) * a;
+    let lora_scratch = match &d.lora {
+        // Adapter gradients follow the same five-buffer pattern, on tiny matrices.
+        Some((r, _)) => 5 * r * i.max(h) * g,
+        None => 0,
+    };
+    if d.lora.is_some() {
+        // The base is frozen (no weight gradients): activation gradients dominate.
+        return acts + lora_scratch;
+    }
+    // MLP: down, up, gate are processed in that order; at the gate projection the
+    // down and up gradients are stored and the gate's own backward holds five
+    // weight-sized buffers (see the module docs).
+    let mlp = 7 * h * i * g;
+    // Attention: at the last of q/k/v the MLP and o_proj gradients (and the other
+    // projections') are stored and q's backward holds five q-sized buffers.
+    let attn = (3 * h * i + h * q + 2 * h * kv) * g + 5 * h * q * g - h * q * g
+        + 4 * d.micro_batch * d.heads * d.seq_len * d.seq_len * 4;
+    mlp.max(attn) + acts
+}
+
+/// Memory terms of a block (see the module docs for why each exists).
+pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
+    let n = d.tokens;
+    let a = d.act_bytes;
+    let g = d.grad_bytes;
+    let (h, v) = (d.hidden, d.vocab);
+    let full = d.lora.is_none();
+    match kind {
+        BlockKind::Embeddings => {
+            // index_select output [n, h] (the first layer's input).
+            let kept = n * h * a;
+            if !full {
+                // Frozen embeddings: the lookup is not part of the graph.
+                return BlockTerms {
+                    kept_bytes: kept,
+                    ..BlockTerms::default()
+                };
+            }
+            let e = v * h * g;
+            BlockTerms {
+                kept_bytes: kept,
+                forward_transient_bytes: 0,
+                // index_add allocates a new [vocab, hidden] tensor while the old sum
+                // (tied: the head's gradient; untied: a fresh zero tensor) is alive.
+                backward_transient_bytes: if d.tied { e } else { 2 * e } + n * h * a,
+                backward_grad_bytes: if d.tied { 0 } else { e },
+                residue_bytes: 0,
+                freed_kept_bytes: 0,
+            }
+        }
+        BlockKind::Layer(_) => {
+            let full_kept = layer_kept_full(d);
+            let own_grads = block_parameters(d, kind).trainable * g;
+            let peak = layer_backward_peak(d);
+            if d.checkpointing {
+                // Kept: the layer's output copy (its input is the previous output).
+                let kept = n * h * a + 512;
+                // Forward: the layer's graph exists until its output is copied out.
+                let fwd = full_kept + n * h * a;
+                // Backward: input copied into a Var, the layer's graph rebuilt,
+                // out·grad seeded, then the normal layer backward.
+                let bwd = n * h * a + full_kept + n * h * a + peak;
+                BlockTerms {
+                    kept_bytes: kept,
+                    forward_transient_bytes: fwd,
+                    backward_transient_bytes: bwd,
+                    backward_grad_bytes: own_grads,
+                    residue_bytes: 0,
+                    freed_kept_bytes: 0,
+                }
+            } else {
+                BlockTerms {
+                    kept_bytes: full_kept,
+                    forward_transient_bytes: 0,
+                    backward_transient_bytes: peak,
+                    backward_grad_bytes: own_grads,
+                    residue_bytes: 0,
+                    freed_kept_bytes: 0,
+                }
+            }
+        }
+        BlockKind::Head => {
+            let rows = d.micro_batch * d.seq_len.saturating_sub(1);
+            let chunk = rows.min(LOSS_CHUNK_ROWS);
+            let mut kept = n * h * a; // final norm output
+            if d.micro_batch > 1 {
+                // hidden[:, :-1] is not contiguous for b > 1: the reshape copies it.
+                kept += rows * h * a;
+            }
+            if a != 4 {
+                // The fused loss works in f32: casts of the hidden rows and of lm_head.
+                kept += rows * h * 4 + v * h * 4;
+            }
+            // Loss op state: labels (i64) and active rows (usize) copies, per-row
+            // log-sum-exp and loss (f32), and the last chunk's probabilities (the
+            // logits buffer keeps its full capacity).
+            kept += rows * (8 + 8 + 4 + 4) + chunk * v * 4;
+            // Backward of the fused loss: its f32 hidden and weight gradients, then
+            // candle's zero-then-add for each (three weight-sized f32 buffers).
+            let f32_head = 3 * v * h * 4 + 2 * rows * h * 4 + rows * 8 + chunk * h * 4;
+            let multi_chunk_extra = if rows > LOSS_CHUNK_ROWS && rows % LOSS_CHUNK_ROWS != 0 {
+                LOSS_CHUNK_ROWS * v * 4
+            } else {
+                0
+            };
+            // Half precision: the f32 gradients flow back through the casts
+            // (f32 sum + half cast + zero + sum).
+            let cast_back = if a != 4 { v * h * (4 + 3 * g) } else { 0 };
+            // The norm's and lm_head's gradients appear here; with tied embeddings the
+            // shared matrix's gradient first appears here too.
+            let head_grads = if full { (v * h + h) * g } else { 0 };
+            BlockTerms {
+                kept_bytes: kept,
+                forward_transient_bytes: 0,
+                backward_transient_bytes: f32_head.max(cast_back) + multi_chunk_extra,
+                backward_grad_bytes: head_grads,
+                // A frozen head still gets the loss op's f32 weight gradient stored
+                // (for the f32 cast in half precision) until backward returns.
+                residue_bytes: if full { 0 } else { v * h * 4 },
+                freed_kept_bytes: chunk * v * 4,
+            }
+        }
+    }
+}
+
+/// Scratch of `Gradients::accumulate`: `acc + g` allocates the sum before the old
+/// buffer is released, one tensor at a time.
+pub fn accumulate_transient_bytes(d: &StepDims, largest_trainable: u64) -> u64 {
+    largest_trainable * d.grad_bytes
+}
+
+/// Scratch of the AdamW step for the largest trainable tensor: the gradient as an
+/// f32 `Vec` (via an f32 tensor for half gradients), the parameter as an f32 `Vec`
+/// (the master copy is reused instead in mixed precision), and the updated tensor
+/// (plus its cast back to half precision).
+pub fn optimizer_transient_bytes(d: &StepDims, largest_trainable: u64) -> u64 {
+    let per_elem = match d.precision {
+        Precision::Fp32 => 4 + 4 + 4,
+        Precision::Bf16Mixed | Precision::Fp16Mixed => 4 + 4 + 2,
+        Precision::Bf16 => 4 + 4 + 4 + 2,
+    };
+    largest_trainable * per_elem
+}

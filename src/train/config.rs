@@ -1,0 +1,564 @@
+//! The run config: everything a training run needs, as the TOML file the studio
+//! saves and `tunestudio train --config run.toml` reads.
+//!
+//! Paths inside a config are relative to the folder of the config file
+//! ([`RunConfig::base_dir`]); a config built in memory resolves them against the
+//! current directory.
+
+use crate::data::DataConfig;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+use super::error::{ConfigError, ConfigProblem};
+use super::precision::Precision;
+use super::schedule::ScheduleKind;
+
+/// A complete training run description (`run.toml`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RunConfig {
+    /// Where checkpoints, `metrics.jsonl` and exports are written.
+    pub output_dir: PathBuf,
+    /// `[model]`: which model to fine-tune and how to initialise it.
+    pub model: ModelSection,
+    /// `[data]`: dataset, format, template and tokenisation (owned by [`crate::data`]).
+    pub data: DataConfig,
+    /// `[training]`: optimisation settings.
+    pub training: TrainingSection,
+    /// `[lora]`: low-rank adapters instead of full fine-tuning.
+    pub lora: LoraSection,
+    /// `[eval]`: evaluation on the validation split.
+    pub eval: EvalSection,
+    /// `[checkpoint]`: how often to save and how many to keep.
+    pub checkpoint: CheckpointSection,
+    /// `[devices]`: where to train.
+    pub devices: DevicesSection,
+    /// The folder relative paths are resolved against (the config file's folder).
+    /// Not written to the file.
+    #[serde(skip)]
+    pub base_dir: PathBuf,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        RunConfig {
+            output_dir: PathBuf::from("runs/run"),
+            model: ModelSection::default(),
+            data: DataConfig::default(),
+            training: TrainingSection::default(),
+            lora: LoraSection::default(),
+            eval: EvalSection::default(),
+            checkpoint: CheckpointSection::default(),
+            devices: DevicesSection::default(),
+            base_dir: PathBuf::new(),
+        }
+    }
+}
+
+/// `[model]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelSection {
+    /// A local Hugging Face model folder (relative to the config file) or a hub id (`org/name`).
+    pub source: String,
+    /// Compute dtype of the weights. `auto` follows `training.precision`
+    /// (fp32 → f32, bf16 / bf16-mixed → bf16, fp16-mixed → f16).
+    pub dtype: ModelDtype,
+    /// `pretrained` loads the weights, `random` initialises from `training.seed`,
+    /// `auto` loads the weights when the folder has any and initialises randomly otherwise.
+    pub init: InitMode,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        ModelSection {
+            source: String::new(),
+            dtype: ModelDtype::Auto,
+            init: InitMode::Auto,
+        }
+    }
+}
+
+/// Weight dtype requested in `[model] dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum ModelDtype {
+    /// Derived from the precision mode.
+    #[default]
+    #[serde(rename = "auto")]
+    Auto,
+    /// 32-bit float.
+    #[serde(rename = "f32")]
+    F32,
+    /// bfloat16.
+    #[serde(rename = "bf16")]
+    Bf16,
+    /// IEEE half.
+    #[serde(rename = "f16")]
+    F16,
+}
+
+impl ModelDtype {
+    /// The candle dtype, or `None` for `auto`.
+    pub fn to_dtype(self) -> Option<candle_core::DType> {
+        match self {
+            ModelDtype::Auto => None,
+            ModelDtype::F32 => Some(candle_core::DType::F32),
+            ModelDtype::Bf16 => Some(candle_core::DType::BF16),
+            ModelDtype::F16 => Some(candle_core::DType::F16),
+        }
+    }
+}
+
+/// How the model's weights are initialised.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum InitMode {
+    /// Pretrained weights when the folder has safetensors files, random otherwise.
+    #[default]
+    #[serde(rename = "auto")]
+    Auto,
+    /// Load the weights (an error when there are none).
+    #[serde(rename = "pretrained")]
+    Pretrained,
+    /// Random initialisation from `training.seed` (the config's architecture only).
+    #[serde(rename = "random")]
+    Random,
+}
+
+/// `[training]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainingSection {
+    /// Numeric precision mode.
+    pub precision: Precision,
+    /// Rows per forward/backward pass.
+    pub micro_batch: usize,
+    /// Micro-batches accumulated into one optimizer step.
+    pub gradient_accumulation: usize,
+    /// Passes over the training split (ignored when `max_steps` is set).
+    pub epochs: u32,
+    /// Optimizer steps to run; overrides `epochs` when set.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_steps: Option<u64>,
+    /// Peak learning rate.
+    pub learning_rate: f64,
+    /// Learning-rate schedule after warm-up.
+    pub schedule: ScheduleKind,
+    /// Linear warm-up steps (exclusive with `warmup_ratio`).
+    pub warmup_steps: u64,
+    /// Warm-up as a fraction of the total steps (exclusive with `warmup_steps`).
+    pub warmup_ratio: f64,
+    /// Decoupled AdamW weight decay.
+    pub weight_decay: f64,
+    /// Clip the global gradient norm to this value; 0 turns clipping off.
+    pub max_grad_norm: f64,
+    /// Recompute each layer's activations in the backward pass (less memory, ~30 % more time).
+    pub activation_checkpointing: bool,
+    /// Seed of everything random: initialisation, data order, dropout.
+    pub seed: u64,
+    /// AdamW β₁.
+    pub adam_beta1: f64,
+    /// AdamW β₂.
+    pub adam_beta2: f64,
+    /// AdamW ε.
+    pub adam_epsilon: f64,
+    /// Apply weight decay to norm weights and biases too (transformers' Trainer does not).
+    pub decay_norms_and_biases: bool,
+    /// fp16-mixed: the loss scale at the start.
+    pub initial_loss_scale: f64,
+    /// fp16-mixed: double the loss scale after this many steps without overflow.
+    pub loss_scale_growth_interval: u64,
+}
+
+impl Default for TrainingSection {
+    fn default() -> Self {
+        TrainingSection {
+            precision: Precision::Fp32,
+            micro_batch: 1,
+            gradient_accumulation: 1,
+            epochs: 1,
+            max_steps: None,
+            learning_rate: 1e-4,
+            schedule: ScheduleKind::Cosine,
+            warmup_steps: 0,
+            warmup_ratio: 0.0,
+            weight_decay: 0.0,
+            max_grad_norm: 1.0,
+            activation_checkpointing: false,
+            seed: 42,
+            adam_beta1: 0.9,
+            adam_beta2: 0.999,
+            adam_epsilon: 1e-8,
+            decay_norms_and_biases: false,
+            initial_loss_scale: 65536.0,
+            loss_scale_growth_interval: 200,
+        }
+    }
+}
+
+/// `[lora]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LoraSection {
+    /// Train low-rank adapters (base weights frozen) instead of every weight.
+    pub enabled: bool,
+    /// Adapter rank.
+    pub r: usize,
+    /// Scaling numerator (scale = alpha / r).
+    pub alpha: f64,
+    /// Dropout on the adapter input.
+    pub dropout: f64,
+    /// Linear layers to adapt, by their short name (`q_proj`, `v_proj`, ...).
+    pub target_modules: Vec<String>,
+}
+
+impl Default for LoraSection {
+    fn default() -> Self {
+        LoraSection {
+            enabled: false,
+            r: 8,
+            alpha: 16.0,
+            dropout: 0.0,
+            target_modules: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+        }
+    }
+}
+
+impl LoraSection {
+    /// The model's LoRA settings.
+    pub fn to_model_config(&self) -> crate::model::LoraConfig {
+        crate::model::LoraConfig {
+            r: self.r,
+            alpha: self.alpha,
+            dropout: self.dropout,
+            target_modules: self.target_modules.clone(),
+        }
+    }
+}
+
+/// `[eval]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EvalSection {
+    /// Evaluate every this many optimizer steps (and at the end); 0 = only at the end.
+    pub eval_every: u64,
+    /// Cap on validation micro-batches per evaluation; 0 = the whole split.
+    pub max_batches: usize,
+}
+
+impl Default for EvalSection {
+    fn default() -> Self {
+        EvalSection {
+            eval_every: 50,
+            max_batches: 0,
+        }
+    }
+}
+
+/// `[checkpoint]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointSection {
+    /// Save every this many optimizer steps; 0 = only at the end.
+    pub save_every: u64,
+    /// Keep only the newest K checkpoints; 0 keeps all.
+    pub keep_last: usize,
+    /// Save a checkpoint when training completes.
+    pub save_final: bool,
+}
+
+impl Default for CheckpointSection {
+    fn default() -> Self {
+        CheckpointSection {
+            save_every: 100,
+            keep_last: 2,
+            save_final: true,
+        }
+    }
+}
+
+/// `[devices]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DevicesSection {
+    /// Devices to train on: `cpu`, `cuda:0`, `cuda:1`, ...
+    pub devices: Vec<String>,
+    /// `single`, `layer-split` (pipeline: layers spread over the devices) or `data-parallel`.
+    pub strategy: String,
+}
+
+impl Default for DevicesSection {
+    fn default() -> Self {
+        DevicesSection {
+            devices: vec!["cpu".to_string()],
+            strategy: "single".to_string(),
+        }
+    }
+}
+
+/// The strategies `[devices] strategy` accepts.
+pub const STRATEGIES: &[&str] = &["single", "layer-split", "data-parallel"];
+
+/// Top-level keys of the run config, for error messages.
+const SECTIONS: &[&str] = &[
+    "output_dir",
+    "model",
+    "data",
+    "training",
+    "lora",
+    "eval",
+    "checkpoint",
+    "devices",
+];
+
+impl RunConfig {
+    /// Reads, parses and validates a run config; relative paths in it resolve
+    /// against the file's folder. Every problem is reported at once.
+    pub fn load(path: &Path) -> Result<RunConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let base_dir = path
+            .parent()
+            .map(Path::to_path_buf)
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or_else(|| PathBuf::from("."));
+        let config = Self::parse_with_base(&text, &path.display().to_string(), base_dir)?;
+        let problems = config.validate();
+        if problems.is_empty() {
+            Ok(config)
+        } else {
+            Err(ConfigError::Invalid {
+                origin: path.display().to_string(),
+                problems,
+            })
+        }
+    }
+
+    /// Parses a config from TOML text without the semantic checks of [`RunConfig::validate`]
+    /// (type errors, unknown keys and unknown enum values are still reported, all at once).
+    pub fn from_toml_str(text: &str, base_dir: &Path) -> Result<RunConfig, ConfigError> {
+        Self::parse_with_base(text, "<text>", base_dir.to_path_buf())
+    }
+
+    fn parse_with_base(text: &str, origin: &str, base_dir: PathBuf) -> Result<RunConfig, ConfigError> {
+        let mut table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Syntax {
+            origin: origin.to_string(),
+            message: e.to_string(),
+        })?;
+        let mut problems = probe_and_strip(&mut table);
+        // With the offending keys removed the rest deserialises, so semantic checks can
+        // run on it too and the user sees every problem in one go.
+        let mut config: RunConfig = match toml::Value::Table(table).try_into() {
+            Ok(c) => c,
+            Err(e) => {
+                problems.push(ConfigProblem::new("<config>", e.message().to_string()));
+                return Err(ConfigError::Invalid {
+                    origin: origin.to_string(),
+                    problems,
+                });
+            }
+        };
+        config.base_dir = base_dir;
+        if problems.is_empty() {
+            Ok(config)
+        } else {
+            problems.extend(config.validate());
+            Err(ConfigError::Invalid {
+                origin: origin.to_string(),
+                problems,
+            })
+        }
+    }
+
+    /// Writes the config as TOML (atomically: a temporary file renamed over `path`).
+    pub fn save(&self, path: &Path) -> Result<(), ConfigError> {
+        let text = self.to_toml_string()?;
+        let tmp = path.with_extension("toml.tmp");
+        let write_err = |source| ConfigError::Write {
+            path: path.to_path_buf(),
+            source,
+        };
+        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).map_err(write_err)?;
+        }
+        std::fs::write(&tmp, text).map_err(write_err)?;
+        std::fs::rename(&tmp, path).map_err(write_err)
+    }
+
+    /// The config as TOML text.
+    pub fn to_toml_string(&self) -> Result<String, ConfigError> {
+        toml::to_string_pretty(self).map_err(|e| ConfigError::Serialize(e.to_string()))
+    }
+
+    /// A path from the config resolved against [`RunConfig::base_dir`].
+    pub fn resolve_path(&self, p: &Path) -> PathBuf {
+        if p.is_absolute() || self.base_dir.as_os_str().is_empty() {
+            p.to_path_buf()
+        } else {
+            normalize(&self.base_dir.join(p))
+        }
+    }
+
+    /// The output folder, resolved.
+    pub fn output_path(&self) -> PathBuf {
+        self.resolve_path(&self.output_dir)
+    }
+
+    /// `model.source` resolved: a local folder relative to the config file when one
+    /// exists there, otherwise the text as given (a hub id or an absolute path).
+    pub fn model_source(&self) -> String {
+        let src = self.model.source.trim();
+        let candidate = self.resolve_path(Path::new(src));
+        if !src.is_empty() && candidate.is_dir() {
+            candidate.display().to_string()
+        } else {
+            src.to_string()
+        }
+    }
+
+    /// A data path from `[data]` resolved: relative to the config file when a file or
+    /// folder exists there, otherwise as written (a hub dataset id).
+    fn resolve_data_path(&self, p: &str) -> String {
+        let candidate = self.resolve_path(Path::new(p));
+        if !p.trim().is_empty() && candidate.exists() {
+            candidate.display().to_string()
+        } else {
+            p.to_string()
+        }
+    }
+
+    /// `[data]` with its paths resolved against the config file's folder.
+    pub fn resolved_data(&self) -> DataConfig {
+        let mut d = self.data.clone();
+        d.path = self.resolve_data_path(&d.path);
+        d.validation_path = d.validation_path.as_deref().map(|p| self.resolve_data_path(p));
+        d
+    }
+
+    /// A copy with every local path made absolute, so it can be saved anywhere
+    /// (checkpoints keep such a copy as `run.toml`).
+    pub fn with_absolute_paths(&self) -> RunConfig {
+        let abs = |p: PathBuf| std::path::absolute(&p).unwrap_or(p);
+        let mut c = self.clone();
+        c.output_dir = abs(self.output_path());
+        let src = self.model_source();
+        if Path::new(&src).is_dir() {
+            c.model.source = abs(PathBuf::from(&src)).display().to_string();
+        }
+        let mut data = self.resolved_data();
+        if Path::new(&data.path).exists() {
+            data.path = abs(PathBuf::from(&data.path)).display().to_string();
+        }
+        if let Some(v) = data.validation_path.as_mut() {
+            if Path::new(v.as_str()).exists() {
+                *v = abs(PathBuf::from(v.as_str())).display().to_string();
+            }
+        }
+        c.data = data;
+        c
+    }
+
+    /// The precision mode's compute dtype, or the explicit `[model] dtype`.
+    pub fn compute_dtype(&self) -> candle_core::DType {
+        self.model
+            .dtype
+            .to_dtype()
+            .unwrap_or_else(|| self.training.precision.compute_dtype())
+    }
+
+    /// Semantic checks of every field; an empty list means the config is usable.
+    /// Includes file-system checks (model folder present, output folder writable).
+    pub fn validate(&self) -> Vec<ConfigProblem> {
+        super::validate::validate(self)
+    }
+}
+
+/// Removes `.` and folds `dir/..` lexically (`assets/../runs` → `runs`) so paths in messages
+/// read naturally; a leading `..` is kept.
+fn normalize(p: &Path) -> PathBuf {
+    use std::path::Component;
+    let mut out: Vec<Component<'_>> = Vec::new();
+    for c in p.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir => match out.last() {
+                Some(Component::Normal(_)) => {
+                    out.pop();
+                }
+                Some(Component::RootDir) | Some(Component::Prefix(_)) => {}
+                _ => out.push(c),
+            },
+            other => out.push(other),
+        }
+    }
+    if out.is_empty() {
+        return PathBuf::from(".");
+    }
+    out.iter().collect()
+}
+
+/// Deserialises every key of every known section on its own, so that each bad key gives its
+/// own problem (serde stops at the first); bad keys are removed from `table`.
+fn probe_and_strip(table: &mut toml::Table) -> Vec<ConfigProblem> {
+    let mut problems = Vec::new();
+    let keys: Vec<String> = table.keys().cloned().collect();
+    for key in keys {
+        let Some(value) = table.get(&key).cloned() else {
+            continue;
+        };
+        let bad = match key.as_str() {
+            "output_dir" => probe_value::<PathBuf>(&value).err(),
+            "model" => probe_section::<ModelSection>(&key, table, &mut problems),
+            "training" => probe_section::<TrainingSection>(&key, table, &mut problems),
+            "lora" => probe_section::<LoraSection>(&key, table, &mut problems),
+            "eval" => probe_section::<EvalSection>(&key, table, &mut problems),
+            "checkpoint" => probe_section::<CheckpointSection>(&key, table, &mut problems),
+            "devices" => probe_section::<DevicesSection>(&key, table, &mut problems),
+            "data" => probe_section::<DataConfig>(&key, table, &mut problems),
+            _ => Some(format!(
+                "unknown setting; expected one of {}",
+                SECTIONS.iter().map(|s| format!("`{s}`")).collect::<Vec<_>>().join(", ")
+            )),
+        };
+        if let Some(message) = bad {
+            problems.push(ConfigProblem::new(&key, message));
+            table.remove(&key);
+        }
+    }
+    problems
+}
+
+fn probe_value<T: serde::de::DeserializeOwned>(value: &toml::Value) -> Result<T, String> {
+    value.clone().try_into::<T>().map_err(|e| e.message().trim().to_string())
+}
+
+/// Probes the keys of one section; returns `Some` only when the section itself is not a table.
+fn probe_section<T: serde::de::DeserializeOwned>(
+    section: &str,
+    table: &mut toml::Table,
+    problems: &mut Vec<ConfigProblem>,
+) -> Option<String> {
+    let Some(toml::Value::Table(inner)) = table.get_mut(section) else {
+        return Some("must be a table (a `[section]`)".to_string());
+    };
+    let keys: Vec<String> = inner.keys().cloned().collect();
+    for key in keys {
+        let Some(value) = inner.get(&key).cloned() else {
+            continue;
+        };
+        let mut single = toml::Table::new();
+        single.insert(key.clone(), value);
+        if let Err(e) = toml::Value::Table(single).try_into::<T>() {
+            problems.push(ConfigProblem::new(
+                &format!("{section}.{key}"),
+                e.message().trim().to_string(),
+            ));
+            inner.remove(&key);
+        }
+    }
+    None
+}

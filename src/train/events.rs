@@ -1,0 +1,206 @@
+//! Messages between the trainer thread and its front end (GUI or CLI).
+//! Events are serde-serialisable: the same objects are the lines of `metrics.jsonl`.
+
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+use super::error::Phase;
+
+/// Serialises non-finite floats as `null` (JSON has no NaN/inf) and reads `null` back as NaN,
+/// so a skipped fp16 step or a diverged loss still round-trips through `metrics.jsonl`.
+pub mod float_or_null {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    /// Writes `v`, or `null` when it is not finite.
+    pub fn serialize<S: Serializer>(v: &f64, s: S) -> Result<S::Ok, S::Error> {
+        if v.is_finite() {
+            s.serialize_f64(*v)
+        } else {
+            s.serialize_none()
+        }
+    }
+
+    /// Reads a number, or NaN for `null`.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+        Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+    }
+}
+
+/// What the front end asks the trainer thread to do.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Command {
+    /// Load everything and start training (the thread waits for this).
+    Start,
+    /// Stop after the current step; no step events until `Resume`.
+    Pause,
+    /// Continue after `Pause`.
+    Resume,
+    /// End the run after the current step (no checkpoint; send `SaveNow` first to keep one).
+    Stop,
+    /// Write a checkpoint after the current step.
+    SaveNow,
+}
+
+/// Why a run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// All steps done.
+    Completed,
+    /// The user stopped it.
+    Stopped,
+    /// An error ended it (see the preceding `Error` event).
+    Failed,
+}
+
+/// What the trainer thread reports, in order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    /// Setup progress (loading the model, tokenising the data...).
+    Status {
+        /// What is happening, for a status line.
+        message: String,
+    },
+    /// Training begins (or continues from a checkpoint).
+    Started {
+        /// Optimizer steps of the whole run.
+        total_steps: u64,
+        /// Steps already done (non-zero when resumed).
+        start_step: u64,
+        /// Checkpoint resumed from, if any.
+        resumed_from: Option<PathBuf>,
+        /// Parameters of the model.
+        num_parameters: u64,
+        /// Parameters being trained.
+        trainable_parameters: u64,
+        /// Rows in the training split.
+        train_rows: usize,
+        /// Rows in the validation split.
+        eval_rows: usize,
+        /// The output folder.
+        output_dir: PathBuf,
+    },
+    /// One optimizer step finished.
+    Step {
+        /// 1-based optimizer step.
+        step: u64,
+        /// Mean token loss over the step's accumulated micro-batches.
+        #[serde(with = "float_or_null")]
+        loss: f64,
+        /// Learning rate used.
+        lr: f64,
+        /// Global gradient norm before clipping (token-normalised); NaN when skipped.
+        #[serde(with = "float_or_null")]
+        grad_norm: f64,
+        /// Trained (label) tokens per second in this step.
+        #[serde(with = "float_or_null")]
+        tokens_per_sec: f64,
+        /// Label tokens trained so far.
+        trained_tokens: u64,
+        /// Seconds of training so far (excluding pauses and setup).
+        elapsed_secs: f64,
+        /// Fractional epoch reached.
+        epoch: f64,
+        /// fp16: the update was skipped because the gradients overflowed.
+        #[serde(default)]
+        skipped: bool,
+        /// fp16: the loss scale after this step.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        loss_scale: Option<f64>,
+    },
+    /// Evaluation on the validation split.
+    Eval {
+        /// The optimizer step it followed.
+        step: u64,
+        /// Mean token loss.
+        #[serde(with = "float_or_null")]
+        loss: f64,
+        /// exp(loss).
+        #[serde(with = "float_or_null")]
+        perplexity: f64,
+        /// Tokens evaluated.
+        tokens: u64,
+    },
+    /// A memory sample.
+    Memory {
+        /// Device name (`cpu`, `cuda:0`).
+        device: String,
+        /// Bytes in use now.
+        used_bytes: u64,
+        /// Peak bytes so far.
+        peak_bytes: u64,
+        /// Capacity of the device, when known.
+        total_bytes: Option<u64>,
+        /// Step when sampled.
+        step: u64,
+    },
+    /// A checkpoint was written.
+    CheckpointSaved {
+        /// Step it holds.
+        step: u64,
+        /// Its folder.
+        path: PathBuf,
+    },
+    /// Training is paused.
+    Paused {
+        /// Steps done.
+        step: u64,
+    },
+    /// Training continues.
+    Resumed {
+        /// Steps done.
+        step: u64,
+    },
+    /// Something worth knowing that does not stop training.
+    Warning {
+        /// The message.
+        message: String,
+    },
+    /// Something stopped training. The thread still answers commands until `Finished`.
+    Error {
+        /// What happened.
+        message: String,
+        /// What to do about it.
+        hint: String,
+        /// The phase, when it happened inside a step.
+        phase: Option<Phase>,
+        /// The step, when known.
+        step: Option<u64>,
+    },
+    /// The run is over; the thread ends after this.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Steps done.
+        step: u64,
+        /// Loss of the last step.
+        final_loss: Option<f64>,
+        /// Last evaluation loss.
+        final_eval_loss: Option<f64>,
+        /// Seconds of training.
+        elapsed_secs: f64,
+        /// The last checkpoint written, if any.
+        last_checkpoint: Option<PathBuf>,
+    },
+}
+
+impl Event {
+    /// A short name of the variant (`step`, `eval`, ...), for logs and tests.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Event::Status { .. } => "status",
+            Event::Started { .. } => "started",
+            Event::Step { .. } => "step",
+            Event::Eval { .. } => "eval",
+            Event::Memory { .. } => "memory",
+            Event::CheckpointSaved { .. } => "checkpoint_saved",
+            Event::Paused { .. } => "paused",
+            Event::Resumed { .. } => "resumed",
+            Event::Warning { .. } => "warning",
+            Event::Error { .. } => "error",
+            Event::Finished { .. } => "finished",
+        }
+    }
+}

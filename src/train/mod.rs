@@ -1,0 +1,38 @@
+//! The trainer: run configs, the training loop (precision modes, gradient accumulation,
+//! activation checkpointing, LoRA), evaluation, checkpoints with exact resume, and the
+//! background thread the GUI drives through [`Command`]s and [`Event`]s.
+//!
+//! Two ways to drive it:
+//! - [`Trainer::spawn`] runs a [`RunConfig`] on a background thread; the front end sends
+//!   [`Command`]s and receives [`Event`]s (also appended to `<output>/metrics.jsonl`).
+//! - [`TrainingRun`] is the same loop, synchronously: `TrainingRun::new(config)?` then
+//!   `.step()` until `.is_done()`; tests and the CLI use it.
+
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod events;
+pub mod export;
+pub mod loader;
+pub mod memory;
+pub mod metrics;
+pub mod precision;
+pub mod samples;
+pub mod schedule;
+pub mod step;
+pub mod trainer;
+pub mod validate;
+
+pub use checkpoint::{latest_checkpoint, list_checkpoints, TrainerState};
+pub use config::{
+    CheckpointSection, DevicesSection, EvalSection, InitMode, LoraSection, ModelDtype,
+    ModelSection, RunConfig, TrainingSection,
+};
+pub use error::{ConfigError, ConfigProblem, Phase, TrainError};
+pub use events::{Command, Event, FinishReason};
+pub use export::{export_adapter, export_full, export_merged};
+pub use metrics::{read_metrics, MetricsWriter, RunCurves, METRICS_FILE};
+pub use precision::{LossScaler, Precision};
+pub use schedule::{LrSchedule, ScheduleKind};
+pub use step::{EvalResult, StepGradients, StepOutcome, TrainingRun};
+pub use trainer::{Trainer, TrainerHandle, TrainerOptions, Waker};

@@ -1,0 +1,110 @@
+//! The bridge to [`crate::data`]: tokenizer, prepared splits and padded batches as tensors.
+
+use std::path::Path;
+
+use candle_core::{Device, Tensor};
+
+use crate::data::{CollateOptions, TokenizerBundle};
+
+use super::config::RunConfig;
+use super::error::TrainError;
+
+/// A tokenised, labelled sample.
+pub type Sample = crate::data::TokenizedSample;
+
+/// The prepared training and validation samples.
+#[derive(Debug, Clone, Default)]
+pub struct Splits {
+    /// Training samples.
+    pub train: Vec<Sample>,
+    /// Validation samples (empty = no evaluation).
+    pub eval: Vec<Sample>,
+    /// Things the user should know about the data (lints, ignored settings).
+    pub warnings: Vec<String>,
+}
+
+/// A micro-batch on the device.
+#[derive(Debug)]
+pub struct TensorBatch {
+    /// `[b, t]` u32.
+    pub input_ids: Tensor,
+    /// `[b, t]` u32, 1 = real token.
+    pub attention_mask: Tensor,
+    /// `[b, t]` i64, -100 = ignored (unshifted; the model shifts).
+    pub labels: Tensor,
+    /// Rows.
+    pub rows: usize,
+    /// Padded length.
+    pub seq_len: usize,
+    /// Label tokens the loss sees.
+    pub trained_tokens: usize,
+}
+
+/// Loads the model folder's tokenizer.
+pub fn load_tokenizer(model_dir: &Path) -> Result<TokenizerBundle, TrainError> {
+    TokenizerBundle::load(model_dir).map_err(|e| TrainError::Data {
+        context: format!("cannot load the tokenizer of `{}`", model_dir.display()),
+        message: e.to_string(),
+    })
+}
+
+/// Fails when the tokenizer can produce ids the model has no embedding row for.
+pub fn check_vocab(tok: &TokenizerBundle, model_dir: &Path, model_vocab: usize) -> Result<(), TrainError> {
+    let tokenizer_vocab = tok.vocab_size();
+    if tokenizer_vocab > model_vocab {
+        return Err(TrainError::VocabMismatch {
+            tokenizer: tok.origin.join("tokenizer.json"),
+            tokenizer_vocab,
+            model_config: model_dir.join("config.json"),
+            model_vocab,
+        });
+    }
+    Ok(())
+}
+
+/// Reads, splits, tokenises and labels the run's data.
+pub fn load_splits(config: &RunConfig, tok: &TokenizerBundle) -> Result<Splits, TrainError> {
+    let data_cfg = config.resolved_data();
+    let prepared = crate::data::prepare_dataset(&data_cfg, tok, config.training.micro_batch)
+        .map_err(|e| TrainError::Data {
+            context: format!("cannot prepare the dataset `{}` (data.path)", data_cfg.path),
+            message: e.to_string(),
+        })?;
+    let mut warnings: Vec<String> = prepared
+        .lints
+        .iter()
+        .chain(prepared.validation_lints.iter())
+        .filter(|l| l.severity != crate::data::lints::Severity::Info)
+        .map(|l| l.message.clone())
+        .collect();
+    if prepared.train.iter().any(|s| s.weights.is_some()) {
+        warnings.push(
+            "some rows carry per-turn loss weights other than 0 and 1; the trainer trains every labelled token with weight 1"
+                .into(),
+        );
+    }
+    Ok(Splits {
+        train: prepared.train,
+        eval: prepared.validation,
+        warnings,
+    })
+}
+
+/// Pads `samples` into a batch and moves it to `device`.
+pub fn collate(
+    samples: &[&Sample],
+    pad_id: u32,
+    max_length: usize,
+    device: &Device,
+) -> Result<TensorBatch, candle_core::Error> {
+    let batch = crate::data::collate(samples, &CollateOptions::new(pad_id, max_length));
+    let (input_ids, attention_mask, labels) = batch.to_tensors(device)?;
+    Ok(TensorBatch {
+        input_ids,
+        attention_mask,
+        labels,
+        rows: batch.batch_size,
+        seq_len: batch.seq_len,
+        trained_tokens: batch.num_trained_tokens,
+    })
+}

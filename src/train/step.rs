@@ -1,0 +1,876 @@
+//! The synchronous training loop: [`TrainingRun`] owns the model, optimizer, data order and
+//! counters; [`TrainingRun::step`] runs one optimizer step (all accumulated micro-batches).
+//!
+//! Loss normalisation: each micro-batch's *summed* token loss is back-propagated as is, the
+//! gradients are summed over the micro-batches, and the optimizer multiplies them by
+//! `1 / total_label_tokens` (times the clipping coefficient and the inverse loss scale).
+//! That is the gradient of the mean token loss over the whole accumulated batch, so
+//! `micro_batch = 1, gradient_accumulation = 4` trains exactly like `micro_batch = 4`.
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::model::{AdamW, AdamWConfig, CausalLm, Gradients};
+
+use super::checkpoint::{self, TrainerState};
+use super::config::{InitMode, RunConfig};
+use super::error::{step_error, Phase, TrainError};
+use super::loader::{derive_seed, DataLoader};
+use super::precision::{LossScaler, Precision};
+use super::schedule::LrSchedule;
+use super::samples::{self, Sample, Splits};
+
+/// Stream id of LoRA initialisation.
+const LORA_STREAM: u64 = 2;
+/// Stream id of dropout masks.
+pub(crate) const DROPOUT_STREAM: u64 = 3;
+/// fp16: this many skipped steps in a row means scaling cannot fix it.
+const MAX_CONSECUTIVE_SKIPS: u64 = 64;
+
+/// What one optimizer step did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepOutcome {
+    /// 1-based index of the step just done.
+    pub step: u64,
+    /// Mean token loss over the step's micro-batches.
+    pub loss: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Global norm of the token-normalised gradient, before clipping (NaN when skipped).
+    pub grad_norm: f64,
+    /// Label tokens in this step.
+    pub tokens: u64,
+    /// Label tokens per second of this step.
+    pub tokens_per_sec: f64,
+    /// Label tokens trained so far.
+    pub trained_tokens: u64,
+    /// Seconds spent training so far.
+    pub elapsed_secs: f64,
+    /// Fractional epoch reached.
+    pub epoch: f64,
+    /// fp16: the update was skipped (gradient overflow); the scale was halved.
+    pub skipped: bool,
+    /// fp16: the loss scale after this step.
+    pub loss_scale: Option<f64>,
+    /// `(rows, padded length)` of each micro-batch.
+    pub batch_shapes: Vec<(usize, usize)>,
+}
+
+/// An evaluation's result.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvalResult {
+    /// The step it followed.
+    pub step: u64,
+    /// Mean token loss.
+    pub loss: f64,
+    /// exp(loss).
+    pub perplexity: f64,
+    /// Label tokens evaluated.
+    pub tokens: u64,
+}
+
+/// The gradient of the next step (for tests and diagnostics): token-normalised, unscaled, f32.
+#[derive(Debug, Clone)]
+pub struct StepGradients {
+    /// Gradient of the mean token loss, by parameter name.
+    pub grads: HashMap<String, Tensor>,
+    /// Label tokens of the step.
+    pub tokens: u64,
+    /// Mean token loss.
+    pub loss: f64,
+}
+
+/// Gradients summed over the micro-batches of a step, before normalisation.
+struct Accumulated {
+    grads: Option<Gradients>,
+    loss_sum: f64,
+    tokens: u64,
+    shapes: Vec<(usize, usize)>,
+    /// What the summed loss was multiplied by before backward.
+    backward_factor: f64,
+}
+
+/// A training run, driven synchronously.
+pub struct TrainingRun {
+    config: RunConfig,
+    device: Device,
+    model: CausalLm,
+    optimizer: AdamW,
+    splits: Splits,
+    loader: DataLoader,
+    schedule: LrSchedule,
+    total_steps: u64,
+    step: u64,
+    trained_tokens: u64,
+    elapsed_secs: f64,
+    scaler: Option<LossScaler>,
+    consecutive_skips: u64,
+    last_loss: Option<f64>,
+    last_eval_loss: Option<f64>,
+    last_checkpoint: Option<PathBuf>,
+    resumed_from: Option<PathBuf>,
+    pad_id: u32,
+    model_dir: PathBuf,
+}
+
+/// Parses a `[devices]` entry into a candle device.
+pub fn parse_device(name: &str) -> Result<Device, TrainError> {
+    let err = |message: String| TrainError::Device {
+        device: name.to_string(),
+        message,
+    };
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        _ => {
+            let (kind, idx) = name.split_once(':').unwrap_or((name, "0"));
+            let idx: usize = idx
+                .parse()
+                .map_err(|_| err(format!("`{idx}` is not a device number")))?;
+            match kind {
+                "cuda" => Device::new_cuda(idx).map_err(|e| err(e.to_string())),
+                "metal" => Device::new_metal(idx).map_err(|e| err(e.to_string())),
+                _ => Err(err("unknown device kind".into())),
+            }
+        }
+    }
+}
+
+/// Builds the model a run config describes: pretrained or random weights in the precision's
+/// dtype, activation checkpointing and LoRA applied. Returns it with its folder.
+pub fn build_model(config: &RunConfig, device: &Device) -> Result<(CausalLm, PathBuf), TrainError> {
+    let source = config.model_source();
+    let model_err = |context: String| {
+        move |source: crate::model::ModelError| TrainError::Model { context, source }
+    };
+    let local = Path::new(&source);
+    let local_weights = local.is_dir() && has_weights(local);
+    // A local folder without weights needs only its config.json (random initialisation);
+    // resolve_model insists on weights, so it is only asked when there are some or for hub ids.
+    let (dir, config_path, has_any_weights) = if local.is_dir() && !local_weights {
+        (local.to_path_buf(), local.join("config.json"), false)
+    } else {
+        let files = crate::model::resolve_model(&source)
+            .map_err(model_err(format!("cannot find the model `{source}` (model.source)")))?;
+        let any = !files.weights.is_empty();
+        (files.dir, files.config, any)
+    };
+    let dtype = config.compute_dtype();
+    let random = match config.model.init {
+        InitMode::Random => true,
+        InitMode::Pretrained => false,
+        InitMode::Auto => !has_any_weights,
+    };
+    if !random && !has_any_weights {
+        return Err(TrainError::Model {
+            context: format!("`{source}` has no weights (model.init = \"pretrained\")"),
+            source: crate::model::ModelError::MissingFile {
+                path: dir.join("model.safetensors"),
+                hint: "add the safetensors weights, or set `[model] init = \"random\"`".into(),
+            },
+        });
+    }
+    let mut model = if random {
+        let mc = crate::model::ModelConfig::from_file(&config_path).map_err(model_err(format!(
+            "cannot read `{}`",
+            config_path.display()
+        )))?;
+        CausalLm::random_init(&mc, config.training.seed, dtype, device).map_err(model_err(
+            format!("cannot initialise the model of `{}`", config_path.display()),
+        ))?
+    } else {
+        CausalLm::load(&dir, dtype, device).map_err(model_err(format!(
+            "cannot load the model `{}`",
+            dir.display()
+        )))?
+    };
+    model.set_activation_checkpointing(config.training.activation_checkpointing);
+    if config.lora.enabled {
+        model
+            .apply_lora(
+                &config.lora.to_model_config(),
+                derive_seed(config.training.seed, LORA_STREAM, 0),
+            )
+            .map_err(model_err("cannot add LoRA adapters (check `[lora] target_modules`)".into()))?;
+    }
+    Ok((model, dir))
+}
+
+/// Whether a folder holds safetensors weights.
+fn has_weights(dir: &Path) -> bool {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        })
+        .unwrap_or(false)
+}
+
+impl TrainingRun {
+    /// Prepares a fresh run: validates the config, loads the model and tokenizer,
+    /// tokenises the data and builds the optimizer. Nothing is written yet.
+    pub fn new(config: RunConfig) -> Result<Self, TrainError> {
+        let problems = config.validate();
+        if !problems.is_empty() {
+            return Err(super::error::ConfigError::Invalid {
+                origin: "run config".into(),
+                problems,
+            }
+            .into());
+        }
+        let device_name = config
+            .devices
+            .devices
+            .first()
+            .cloned()
+            .unwrap_or_else(|| "cpu".into());
+        let device = parse_device(&device_name)?;
+        let (model, model_dir) = build_model(&config, &device)?;
+        let tokenizer = samples::load_tokenizer(&model_dir)?;
+        samples::check_vocab(&tokenizer, &model_dir, model.config().vocab_size)?;
+        let pad_id = tokenizer.pad().id;
+        let splits = samples::load_splits(&config, &tokenizer)?;
+        if splits.train.is_empty() {
+            return Err(TrainError::EmptyDataset(format!(
+                "`{}` gave 0 training rows",
+                config.data.path
+            )));
+        }
+        let t = &config.training;
+        let loader = DataLoader::new(
+            splits.train.iter().map(|s| s.len()).collect(),
+            t.micro_batch,
+            config.data.group_by_length,
+            config.data.seed,
+        );
+        let total_steps = match t.max_steps {
+            Some(n) => n,
+            None => loader.steps_per_epoch(t.gradient_accumulation) * u64::from(t.epochs),
+        };
+        let schedule = LrSchedule::new(
+            t.schedule,
+            t.learning_rate,
+            t.warmup_steps,
+            t.warmup_ratio,
+            total_steps,
+        );
+        let adam_cfg = AdamWConfig {
+            lr: t.learning_rate,
+            beta1: t.adam_beta1,
+            beta2: t.adam_beta2,
+            eps: t.adam_epsilon,
+            weight_decay: t.weight_decay,
+            decay_norms_and_biases: t.decay_norms_and_biases,
+        };
+        let optimizer = AdamW::new(model.params(), adam_cfg, t.precision.master_weights())
+            .map_err(|source| TrainError::Model {
+                context: "cannot create the optimizer".into(),
+                source,
+            })?;
+        let scaler = t
+            .precision
+            .uses_loss_scaling()
+            .then(|| LossScaler::new(t.initial_loss_scale, t.loss_scale_growth_interval));
+        Ok(TrainingRun {
+            config,
+            device,
+            model,
+            optimizer,
+            splits,
+            loader,
+            schedule,
+            total_steps,
+            step: 0,
+            trained_tokens: 0,
+            elapsed_secs: 0.0,
+            scaler,
+            consecutive_skips: 0,
+            last_loss: None,
+            last_eval_loss: None,
+            last_checkpoint: None,
+            resumed_from: None,
+            pad_id,
+            model_dir,
+        })
+    }
+
+    /// Prepares a run that continues from `checkpoint` (a `checkpoint-<step>` folder): the
+    /// trainable weights, optimizer state, data position, loss scale and counters are restored,
+    /// so the following steps are those the uninterrupted run would have made.
+    pub fn resume(config: RunConfig, checkpoint_dir: &Path) -> Result<Self, TrainError> {
+        let state = checkpoint::read_state(checkpoint_dir)?;
+        let mut run = TrainingRun::new(config)?;
+        run.load_checkpoint(checkpoint_dir, &state)?;
+        Ok(run)
+    }
+
+    /// Resumes from the newest checkpoint in the output folder, or starts fresh when there is none.
+    pub fn resume_latest_or_new(config: RunConfig) -> Result<Self, TrainError> {
+        match checkpoint::latest_checkpoint(&config.output_path()) {
+            Some(dir) => TrainingRun::resume(config, &dir),
+            None => TrainingRun::new(config),
+        }
+    }
+
+    fn load_checkpoint(&mut self, dir: &Path, state: &TrainerState) -> Result<(), TrainError> {
+        let ck_err = |message: String| TrainError::Checkpoint {
+            path: dir.to_path_buf(),
+            message,
+        };
+        if state.lora != self.config.lora.enabled {
+            return Err(ck_err(format!(
+                "the checkpoint was made with lora.enabled = {} but the config says {}; use the run's own config (its run.toml)",
+                state.lora, self.config.lora.enabled
+            )));
+        }
+        if state.precision != self.config.training.precision {
+            return Err(ck_err(format!(
+                "the checkpoint was made with training.precision = \"{}\" but the config says \"{}\"",
+                state.precision, self.config.training.precision
+            )));
+        }
+        let tensors = checkpoint::load_tensors(&dir.join(checkpoint::TRAINABLE_FILE), &self.device)?;
+        for p in self.model.params().iter().filter(|p| p.trainable) {
+            let t = tensors.get(&p.name).ok_or_else(|| {
+                ck_err(format!(
+                    "`{}` has no tensor `{}`; the checkpoint belongs to another model or LoRA setup",
+                    checkpoint::TRAINABLE_FILE,
+                    p.name
+                ))
+            })?;
+            if t.dims() != p.var.dims() {
+                return Err(ck_err(format!(
+                    "`{}` has shape {:?} in the checkpoint but {:?} in the model",
+                    p.name,
+                    t.dims(),
+                    p.var.dims()
+                )));
+            }
+            let t = t
+                .to_dtype(p.var.dtype())
+                .map_err(|e| ck_err(e.to_string()))?;
+            p.var.set(&t).map_err(|e| ck_err(e.to_string()))?;
+        }
+        let opt = checkpoint::load_tensors(&dir.join(checkpoint::OPTIMIZER_FILE), &self.device)?;
+        self.optimizer
+            .load_state_tensors(&opt, state.optimizer_steps)
+            .map_err(|e| ck_err(format!("optimizer state: {e}")))?;
+        self.step = state.step;
+        self.loader.set_position(state.epoch, state.index_in_epoch);
+        self.trained_tokens = state.trained_tokens;
+        self.elapsed_secs = state.elapsed_secs;
+        if self.scaler.is_some() {
+            if let Some(s) = &state.loss_scaler {
+                self.scaler = Some(s.clone());
+            }
+        }
+        self.last_loss = state.last_loss;
+        self.last_eval_loss = state.last_eval_loss;
+        self.resumed_from = Some(dir.to_path_buf());
+        self.last_checkpoint = Some(dir.to_path_buf());
+        Ok(())
+    }
+
+    /// The run config.
+    pub fn config(&self) -> &RunConfig {
+        &self.config
+    }
+
+    /// The model being trained.
+    pub fn model(&self) -> &CausalLm {
+        &self.model
+    }
+
+    /// Mutable access to the model (e.g. to export it).
+    pub fn model_mut(&mut self) -> &mut CausalLm {
+        &mut self.model
+    }
+
+    /// The device trained on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The model's folder (config, tokenizer).
+    pub fn model_dir(&self) -> &Path {
+        &self.model_dir
+    }
+
+    /// Optimizer steps done.
+    pub fn step_index(&self) -> u64 {
+        self.step
+    }
+
+    /// Optimizer steps of the whole run.
+    pub fn total_steps(&self) -> u64 {
+        self.total_steps
+    }
+
+    /// True when every step is done.
+    pub fn is_done(&self) -> bool {
+        self.step >= self.total_steps
+    }
+
+    /// Rows in the training and validation splits.
+    pub fn split_sizes(&self) -> (usize, usize) {
+        (self.splits.train.len(), self.splits.eval.len())
+    }
+
+    /// Label tokens trained so far.
+    pub fn trained_tokens(&self) -> u64 {
+        self.trained_tokens
+    }
+
+    /// Seconds spent in steps, evaluations and checkpoints.
+    pub fn elapsed_secs(&self) -> f64 {
+        self.elapsed_secs
+    }
+
+    /// Warnings about the data (lints, ignored loss weights), for the front end to show.
+    pub fn data_warnings(&self) -> &[String] {
+        &self.splits.warnings
+    }
+
+    /// Loss of the last step.
+    pub fn last_loss(&self) -> Option<f64> {
+        self.last_loss
+    }
+
+    /// Loss of the last evaluation.
+    pub fn last_eval_loss(&self) -> Option<f64> {
+        self.last_eval_loss
+    }
+
+    /// The newest checkpoint written or resumed from.
+    pub fn last_checkpoint(&self) -> Option<&Path> {
+        self.last_checkpoint.as_deref()
+    }
+
+    /// The checkpoint this run resumed from.
+    pub fn resumed_from(&self) -> Option<&Path> {
+        self.resumed_from.as_deref()
+    }
+
+    /// The fp16 loss scaler.
+    pub fn loss_scaler(&self) -> Option<&LossScaler> {
+        self.scaler.as_ref()
+    }
+
+    /// Number of parameters and of trainable parameters.
+    pub fn parameter_counts(&self) -> (u64, u64) {
+        let mut all = 0u64;
+        let mut trainable = 0u64;
+        for p in self.model.params() {
+            let n = p.var.elem_count() as u64;
+            all += n;
+            if p.trainable {
+                trainable += n;
+            }
+        }
+        (all, trainable)
+    }
+
+    /// Whether an evaluation is due after the step just done.
+    pub fn eval_due(&self) -> bool {
+        let every = self.config.eval.eval_every;
+        !self.splits.eval.is_empty()
+            && self.step > 0
+            && ((every > 0 && self.step % every == 0) || self.is_done())
+    }
+
+    /// Whether a periodic checkpoint is due after the step just done.
+    pub fn save_due(&self) -> bool {
+        let every = self.config.checkpoint.save_every;
+        (every > 0 && self.step > 0 && self.step % every == 0)
+            || (self.is_done() && self.config.checkpoint.save_final)
+    }
+
+    /// The settings that decide memory, for error hints.
+    fn settings_summary(&self) -> String {
+        let t = &self.config.training;
+        format!(
+            "micro_batch {}, gradient_accumulation {}, max_length {}, precision {}, activation_checkpointing {}, lora {}",
+            t.micro_batch,
+            t.gradient_accumulation,
+            self.config.data.max_length,
+            t.precision,
+            t.activation_checkpointing,
+            self.config.lora.enabled
+        )
+    }
+
+    /// Forward + backward over the micro-batches, summing gradients and token counts.
+    ///
+    /// Without loss scaling each micro-batch's summed loss is back-propagated as is (the
+    /// optimizer divides by the step's token count). With fp16 loss scaling the summed loss is
+    /// multiplied by `loss_scale / step_tokens` instead, so the scale applies to the *mean*
+    /// token loss as in torch's GradScaler (a scaled sum would overflow f16 far sooner).
+    fn accumulate(
+        &mut self,
+        micro_batches: &[Vec<usize>],
+        loss_scale: f64,
+    ) -> Result<Accumulated, TrainError> {
+        let step = self.step + 1;
+        let settings = self.settings_summary();
+        let max_length = self.config.data.max_length;
+        let mut batches = Vec::with_capacity(micro_batches.len());
+        for rows in micro_batches {
+            let picked: Vec<&Sample> = rows.iter().map(|&r| &self.splits.train[r]).collect();
+            let batch = samples::collate(&picked, self.pad_id, max_length, &self.device).map_err(
+                |e| step_error(Phase::Forward, step, (rows.len(), 0), e, &settings),
+            )?;
+            batches.push(batch);
+        }
+        let step_tokens: usize = batches.iter().map(|b| b.trained_tokens).sum();
+        let backward_factor = if loss_scale != 1.0 {
+            loss_scale / step_tokens.max(1) as f64
+        } else {
+            1.0
+        };
+        let mut acc = Accumulated {
+            grads: None,
+            loss_sum: 0.0,
+            tokens: 0,
+            shapes: Vec::new(),
+            backward_factor,
+        };
+        for (i, batch) in batches.iter().enumerate() {
+            let shape = (batch.rows, batch.seq_len);
+            acc.shapes.push(shape);
+            // LoRA dropout masks derive from (seed, step, micro-batch), never from how many
+            // forward passes this process made, so a resumed run draws the same masks.
+            self.model.dropout_seed_base =
+                derive_seed(self.config.training.seed, DROPOUT_STREAM, 0);
+            self.model
+                .forward_counter
+                .store((step << 16) + i as u64, std::sync::atomic::Ordering::Relaxed);
+            let out = self
+                .model
+                .loss(&batch.input_ids, Some(&batch.attention_mask), &batch.labels)
+                .map_err(|e| step_error(Phase::Forward, step, shape, e, &settings))?;
+            let loss_value = out
+                .sum
+                .to_dtype(DType::F64)
+                .and_then(|t| t.to_scalar::<f64>())
+                .map_err(|e| step_error(Phase::Forward, step, shape, e, &settings))?;
+            acc.loss_sum += loss_value;
+            acc.tokens += out.num_tokens as u64;
+            if out.num_tokens == 0 {
+                // Nothing to learn from (every label masked); its gradient is zero anyway.
+                continue;
+            }
+            let scaled = if backward_factor != 1.0 {
+                out.sum
+                    .affine(backward_factor, 0.0)
+                    .map_err(|e| step_error(Phase::Backward, step, shape, e, &settings))?
+            } else {
+                out.sum
+            };
+            let grads = self
+                .model
+                .backward(&scaled)
+                .map_err(|e| step_error(Phase::Backward, step, shape, e, &settings))?;
+            match &mut acc.grads {
+                None => acc.grads = Some(grads),
+                Some(g) => g
+                    .accumulate(grads)
+                    .map_err(|e| step_error(Phase::Backward, step, shape, e, &settings))?,
+            }
+        }
+        Ok(acc)
+    }
+
+    /// Runs one optimizer step. Errors leave the thread (and process) alive; a panic inside the
+    /// step is caught and returned as [`TrainError::Panic`].
+    pub fn step(&mut self) -> Result<StepOutcome, TrainError> {
+        let step = self.step + 1;
+        match std::panic::catch_unwind(AssertUnwindSafe(|| self.step_inner())) {
+            Ok(r) => r,
+            Err(payload) => Err(TrainError::Panic {
+                step,
+                message: panic_message(&payload),
+            }),
+        }
+    }
+
+    fn step_inner(&mut self) -> Result<StepOutcome, TrainError> {
+        let started = Instant::now();
+        let step = self.step + 1;
+        let lr = self.schedule.lr_at(self.step);
+        let micro_batches = self
+            .loader
+            .next_step(self.config.training.gradient_accumulation);
+        if micro_batches.is_empty() {
+            return Err(TrainError::EmptyDataset("no rows left".into()));
+        }
+        let loss_scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
+        let acc = self.accumulate(&micro_batches, loss_scale)?;
+        let shape = acc.shapes.last().copied().unwrap_or((0, 0));
+        let settings = self.settings_summary();
+        let tokens = acc.tokens;
+        let loss = if tokens > 0 {
+            acc.loss_sum / tokens as f64
+        } else {
+            0.0
+        };
+        let mut skipped = false;
+        let mut grad_norm = 0.0;
+        if !loss.is_finite() && self.scaler.is_none() {
+            return Err(TrainError::NonFiniteLoss {
+                step,
+                value: if loss.is_nan() { "NaN".into() } else { "infinite".into() },
+                hint: self.non_finite_hint(),
+            });
+        }
+        if let Some(grads) = acc.grads.as_ref().filter(|_| tokens > 0) {
+            let raw_norm = grads
+                .global_norm()
+                .map_err(|e| step_error(Phase::Optimizer, step, shape, e, &settings))?;
+            // grads = backward_factor × ∇(summed loss); the mean-loss gradient is ∇sum / tokens.
+            let denominator = tokens as f64 * acc.backward_factor;
+            grad_norm = raw_norm / denominator;
+            let finite = loss.is_finite() && grad_norm.is_finite();
+            let apply = match &mut self.scaler {
+                Some(s) => s.update(finite),
+                None if finite => true,
+                None => {
+                    return Err(TrainError::NonFiniteLoss {
+                        step,
+                        value: "finite, but the gradient norm is not".into(),
+                        hint: self.non_finite_hint(),
+                    })
+                }
+            };
+            if apply {
+                self.consecutive_skips = 0;
+                let max_norm = self.config.training.max_grad_norm;
+                let clip = if max_norm > 0.0 && grad_norm > max_norm {
+                    max_norm / (grad_norm + 1e-6)
+                } else {
+                    1.0
+                };
+                let multiplier = clip / denominator;
+                self.optimizer
+                    .step(grads, lr, multiplier)
+                    .map_err(|e| step_error(Phase::Optimizer, step, shape, e, &settings))?;
+            } else {
+                skipped = true;
+                grad_norm = f64::NAN;
+                self.consecutive_skips += 1;
+                if self.consecutive_skips >= MAX_CONSECUTIVE_SKIPS {
+                    return Err(TrainError::NonFiniteLoss {
+                        step,
+                        value: format!(
+                            "non-finite in {} steps in a row despite loss scaling",
+                            self.consecutive_skips
+                        ),
+                        hint: self.non_finite_hint(),
+                    });
+                }
+            }
+        }
+        let shapes = acc.shapes;
+        self.step = step;
+        self.trained_tokens += tokens;
+        let secs = started.elapsed().as_secs_f64();
+        self.elapsed_secs += secs;
+        if loss.is_finite() {
+            self.last_loss = Some(loss);
+        }
+        Ok(StepOutcome {
+            step,
+            loss,
+            lr,
+            grad_norm,
+            tokens,
+            tokens_per_sec: tokens as f64 / secs.max(1e-9),
+            trained_tokens: self.trained_tokens,
+            elapsed_secs: self.elapsed_secs,
+            epoch: self.loader.epoch_progress(),
+            skipped,
+            loss_scale: self.scaler.as_ref().map(|s| s.scale),
+            batch_shapes: shapes,
+        })
+    }
+
+    fn non_finite_hint(&self) -> String {
+        let t = &self.config.training;
+        let mut advice = vec![format!(
+            "lower training.learning_rate (now {})",
+            t.learning_rate
+        )];
+        if t.max_grad_norm == 0.0 {
+            advice.push("turn gradient clipping on (training.max_grad_norm = 1.0)".into());
+        }
+        match t.precision {
+            Precision::Fp16Mixed | Precision::Bf16 => {
+                advice.push("use training.precision = \"bf16-mixed\" or \"fp32\"".into())
+            }
+            _ => {}
+        }
+        advice.push("check the data for broken rows (`tunestudio preview`)".into());
+        advice.push("then resume from the last checkpoint".into());
+        advice.join("; ")
+    }
+
+    /// The token-normalised gradient of the next step, without applying it or moving the data
+    /// position (for tests and diagnostics).
+    pub fn preview_gradients(&mut self) -> Result<StepGradients, TrainError> {
+        let (epoch, index) = self.loader.position();
+        let micro_batches = self
+            .loader
+            .next_step(self.config.training.gradient_accumulation);
+        self.loader.set_position(epoch, index);
+        let acc = self.accumulate(&micro_batches, 1.0)?;
+        let n = acc.tokens.max(1) as f64 * acc.backward_factor;
+        let mut grads = HashMap::new();
+        if let Some(g) = acc.grads {
+            for (name, t) in g.iter() {
+                let t = t
+                    .to_dtype(DType::F32)
+                    .and_then(|t| t.affine(1.0 / n, 0.0))
+                    .map_err(|e| TrainError::Data {
+                        context: "preview gradients".into(),
+                        message: e.to_string(),
+                    })?;
+                grads.insert(name.to_string(), t);
+            }
+        }
+        Ok(StepGradients {
+            grads,
+            tokens: acc.tokens,
+            loss: acc.loss_sum / n,
+        })
+    }
+
+    /// Mean token loss on the validation split (at most `eval.max_batches` micro-batches).
+    pub fn evaluate(&mut self) -> Result<EvalResult, TrainError> {
+        let step = self.step;
+        match std::panic::catch_unwind(AssertUnwindSafe(|| self.evaluate_inner())) {
+            Ok(r) => r,
+            Err(payload) => Err(TrainError::Panic {
+                step,
+                message: panic_message(&payload),
+            }),
+        }
+    }
+
+    fn evaluate_inner(&mut self) -> Result<EvalResult, TrainError> {
+        let started = Instant::now();
+        let settings = self.settings_summary();
+        let mb = self.config.training.micro_batch.max(1);
+        let max_batches = match self.config.eval.max_batches {
+            0 => usize::MAX,
+            n => n,
+        };
+        let max_length = self.config.data.max_length;
+        let mut loss_sum = 0.0;
+        let mut tokens = 0u64;
+        for chunk in self.splits.eval.chunks(mb).take(max_batches) {
+            let picked: Vec<&Sample> = chunk.iter().collect();
+            let batch = samples::collate(&picked, self.pad_id, max_length, &self.device)
+                .map_err(|e| step_error(Phase::Eval, self.step, (chunk.len(), 0), e, &settings))?;
+            let shape = (batch.rows, batch.seq_len);
+            // token_losses runs without dropout and without building a backward graph.
+            let v = self
+                .model
+                .token_losses(&batch.input_ids, Some(&batch.attention_mask), &batch.labels)
+                .and_then(|t| Ok(t.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?))
+                .map_err(|e| step_error(Phase::Eval, self.step, shape, e, &settings))?;
+            loss_sum += v;
+            tokens += batch.trained_tokens as u64;
+        }
+        let loss = if tokens > 0 {
+            loss_sum / tokens as f64
+        } else {
+            f64::NAN
+        };
+        self.last_eval_loss = Some(loss).filter(|l| l.is_finite());
+        self.elapsed_secs += started.elapsed().as_secs_f64();
+        Ok(EvalResult {
+            step: self.step,
+            loss,
+            perplexity: loss.exp(),
+            tokens,
+        })
+    }
+
+    /// The state an exact resume needs.
+    pub fn trainer_state(&self) -> TrainerState {
+        let (epoch, index_in_epoch) = self.loader.position();
+        TrainerState {
+            format_version: checkpoint::FORMAT_VERSION,
+            step: self.step,
+            optimizer_steps: self.optimizer.steps_taken(),
+            epoch,
+            index_in_epoch,
+            trained_tokens: self.trained_tokens,
+            elapsed_secs: self.elapsed_secs,
+            seed: self.config.training.seed,
+            precision: self.config.training.precision,
+            lora: self.config.lora.enabled,
+            loss_scaler: self.scaler.clone(),
+            last_loss: self.last_loss,
+            last_eval_loss: self.last_eval_loss,
+        }
+    }
+
+    /// Writes `<output>/checkpoint-<step>` atomically and prunes old ones to `keep_last`.
+    pub fn save_checkpoint(&mut self) -> Result<PathBuf, TrainError> {
+        let started = Instant::now();
+        let out = self.config.output_path();
+        std::fs::create_dir_all(&out).map_err(|source| TrainError::Io {
+            path: out.clone(),
+            source,
+        })?;
+        let state = self.trainer_state();
+        let config_text = self.config.with_absolute_paths().to_toml_string()?;
+        let model = &self.model;
+        let optimizer = &self.optimizer;
+        let lora = self.config.lora.enabled;
+        let path = checkpoint::write_atomically(&out, self.step, |dir| {
+            let ck_err = |message: String| TrainError::Checkpoint {
+                path: dir.to_path_buf(),
+                message,
+            };
+            let trainable: HashMap<String, Tensor> = model
+                .params()
+                .iter()
+                .filter(|p| p.trainable)
+                .map(|p| (p.name.clone(), p.var.as_tensor().clone()))
+                .collect();
+            checkpoint::save_tensors(&dir.join(checkpoint::TRAINABLE_FILE), &trainable)?;
+            let opt = optimizer
+                .state_tensors()
+                .map_err(|e| ck_err(format!("optimizer state: {e}")))?;
+            checkpoint::save_tensors(&dir.join(checkpoint::OPTIMIZER_FILE), &opt)?;
+            if lora {
+                model
+                    .save_adapter(&dir.join(checkpoint::ADAPTER_DIR))
+                    .map_err(|e| ck_err(format!("adapter: {e}")))?;
+            }
+            std::fs::write(dir.join(checkpoint::CONFIG_FILE), &config_text)
+                .map_err(|e| ck_err(e.to_string()))?;
+            // The state file goes last: its presence marks the checkpoint complete.
+            checkpoint::write_state(dir, &state)
+        })?;
+        checkpoint::prune_checkpoints(&out, self.config.checkpoint.keep_last)?;
+        self.last_checkpoint = Some(path.clone());
+        self.elapsed_secs += started.elapsed().as_secs_f64();
+        Ok(path)
+    }
+}
+
+/// The text of a panic payload.
+pub(crate) fn panic_message(payload: &Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".to_string()
+    }
+}

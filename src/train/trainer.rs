@@ -1,0 +1,386 @@
+//! The background trainer thread the GUI drives.
+//!
+//! ```text
+//! GUI ──Command──▶ trainer thread ──Event──▶ GUI (waker() after each event → repaint)
+//!                        │
+//!                        └──▶ <output>/metrics.jsonl (every event, one JSON line)
+//! ```
+//!
+//! The thread waits for [`Command::Start`] (unless [`TrainerOptions::start_immediately`]),
+//! loads everything, and runs steps, checking for commands between steps. Errors (and even
+//! panics) inside a step end the run with an [`Event::Error`] and [`Event::Finished`]; they
+//! never take the process down.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender, TryRecvError};
+
+use super::config::RunConfig;
+use super::error::{Phase, TrainError};
+use super::events::{Command, Event, FinishReason};
+use super::metrics::{MetricsWriter, METRICS_FILE};
+use super::step::{panic_message, StepOutcome, TrainingRun};
+
+/// Called after every event (e.g. `ctx.request_repaint()` in the GUI).
+pub type Waker = Arc<dyn Fn() + Send + Sync>;
+
+/// How the thread starts.
+#[derive(Debug, Clone, Default)]
+pub struct TrainerOptions {
+    /// Continue from this checkpoint folder.
+    pub resume_from: Option<PathBuf>,
+    /// Continue from the newest checkpoint in the output folder, if there is one.
+    pub resume_latest: bool,
+    /// Start without waiting for [`Command::Start`].
+    pub start_immediately: bool,
+}
+
+/// The front end's side of a trainer thread.
+pub struct TrainerHandle {
+    /// Send commands here.
+    pub commands: Sender<Command>,
+    /// Receive events here (in order; the last one is `Finished`).
+    pub events: Receiver<Event>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl TrainerHandle {
+    /// Sends a command; false when the thread has ended.
+    pub fn send(&self, command: Command) -> bool {
+        self.commands.send(command).is_ok()
+    }
+
+    /// Every event available now, without blocking.
+    pub fn drain(&self) -> Vec<Event> {
+        self.events.try_iter().collect()
+    }
+
+    /// True when the thread has ended.
+    pub fn is_finished(&self) -> bool {
+        self.thread.as_ref().is_none_or(|t| t.is_finished())
+    }
+
+    /// Waits for the thread to end (send `Stop` first to end it early).
+    pub fn join(mut self) {
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Spawns trainer threads.
+pub struct Trainer;
+
+impl Trainer {
+    /// Spawns a trainer thread for `config` that waits for [`Command::Start`].
+    /// Dropping the handle (closing the command channel) stops the run after the current step.
+    pub fn spawn(config: RunConfig, waker: Option<Waker>) -> TrainerHandle {
+        Self::spawn_with(config, TrainerOptions::default(), waker)
+    }
+
+    /// Spawns a trainer thread with options (resume, start immediately).
+    pub fn spawn_with(config: RunConfig, options: TrainerOptions, waker: Option<Waker>) -> TrainerHandle {
+        let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
+        let (ev_tx, ev_rx) = crossbeam_channel::unbounded();
+        let thread = std::thread::Builder::new()
+            .name("tunestudio-trainer".into())
+            .spawn(move || {
+                let mut emitter = Emitter {
+                    tx: ev_tx,
+                    waker,
+                    metrics: None,
+                };
+                // The last resort: nothing a run does may take the thread down silently.
+                let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    thread_main(config, options, cmd_rx, &mut emitter)
+                }));
+                if let Err(payload) = result {
+                    emitter.emit(Event::Error {
+                        message: format!("internal error: {}", panic_message(&payload)),
+                        hint: "please report it; resume from the last checkpoint".into(),
+                        phase: None,
+                        step: None,
+                    });
+                    emitter.emit(Event::Finished {
+                        reason: FinishReason::Failed,
+                        step: 0,
+                        final_loss: None,
+                        final_eval_loss: None,
+                        elapsed_secs: 0.0,
+                        last_checkpoint: None,
+                    });
+                }
+            });
+        let thread = match thread {
+            Ok(t) => Some(t),
+            Err(e) => {
+                // No thread: report through a channel the front end still reads.
+                let (tx, rx) = crossbeam_channel::unbounded();
+                let _ = tx.send(Event::Error {
+                    message: format!("cannot start the trainer thread: {e}"),
+                    hint: "the system is out of threads or memory; close other programs".into(),
+                    phase: Some(Phase::Setup),
+                    step: None,
+                });
+                return TrainerHandle {
+                    commands: cmd_tx,
+                    events: rx,
+                    thread: None,
+                };
+            }
+        };
+        TrainerHandle {
+            commands: cmd_tx,
+            events: ev_rx,
+            thread,
+        }
+    }
+}
+
+/// Sends events, appends them to metrics.jsonl and wakes the front end.
+struct Emitter {
+    tx: Sender<Event>,
+    waker: Option<Waker>,
+    metrics: Option<MetricsWriter>,
+}
+
+impl Emitter {
+    fn emit(&mut self, event: Event) {
+        let mut warning = None;
+        if let Some(m) = &mut self.metrics {
+            if !matches!(event, Event::Status { .. }) {
+                if let Err(e) = m.append(&event) {
+                    warning = Some(format!("metrics are no longer recorded: {e}"));
+                    self.metrics = None;
+                }
+            }
+        }
+        // A closed receiver only means nobody listens any more; training goes on.
+        let _ = self.tx.send(event);
+        if let Some(w) = warning {
+            let _ = self.tx.send(Event::Warning { message: w });
+        }
+        if let Some(w) = &self.waker {
+            w();
+        }
+    }
+
+    fn error(&mut self, err: &TrainError, step: Option<u64>) {
+        let phase = match err {
+            TrainError::Step { phase, .. } => Some(*phase),
+            TrainError::Checkpoint { .. } => Some(Phase::Checkpoint),
+            _ => None,
+        };
+        self.emit(Event::Error {
+            message: err.to_string(),
+            hint: err.hint(),
+            phase,
+            step,
+        });
+    }
+}
+
+/// What the command loop decided.
+enum Control {
+    Continue,
+    Stop,
+}
+
+fn thread_main(config: RunConfig, options: TrainerOptions, commands: Receiver<Command>, em: &mut Emitter) {
+    let finish = |em: &mut Emitter, reason, run: Option<&TrainingRun>| {
+        em.emit(Event::Finished {
+            reason,
+            step: run.map_or(0, |r| r.step_index()),
+            final_loss: run.and_then(|r| r.last_loss()),
+            final_eval_loss: run.and_then(|r| r.last_eval_loss()),
+            elapsed_secs: run.map_or(0.0, |r| r.elapsed_secs()),
+            last_checkpoint: run.and_then(|r| r.last_checkpoint().map(|p| p.to_path_buf())),
+        })
+    };
+
+    if !options.start_immediately {
+        loop {
+            match commands.recv() {
+                Ok(Command::Start) => break,
+                Ok(Command::Stop) | Err(_) => return finish(em, FinishReason::Stopped, None),
+                Ok(_) => {}
+            }
+        }
+    }
+
+    em.emit(Event::Status {
+        message: "loading the model, tokenizer and data".into(),
+    });
+    let resume_dir = options.resume_from.clone().or_else(|| {
+        options
+            .resume_latest
+            .then(|| super::checkpoint::latest_checkpoint(&config.output_path()))
+            .flatten()
+    });
+    let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &resume_dir {
+        Some(dir) => TrainingRun::resume(config.clone(), dir),
+        None => TrainingRun::new(config.clone()),
+    }));
+    let mut run = match built {
+        Ok(Ok(run)) => run,
+        Ok(Err(e)) => {
+            em.error(&e, None);
+            return finish(em, FinishReason::Failed, None);
+        }
+        Err(payload) => {
+            em.error(
+                &TrainError::Panic {
+                    step: 0,
+                    message: panic_message(&payload),
+                },
+                None,
+            );
+            return finish(em, FinishReason::Failed, None);
+        }
+    };
+
+    let out = run.config().output_path();
+    match MetricsWriter::open(&out.join(METRICS_FILE)) {
+        Ok(m) => em.metrics = Some(m),
+        Err(e) => em.emit(Event::Warning {
+            message: format!("{e}; training continues without metrics.jsonl"),
+        }),
+    }
+    let (num_parameters, trainable_parameters) = run.parameter_counts();
+    let (train_rows, eval_rows) = run.split_sizes();
+    em.emit(Event::Started {
+        total_steps: run.total_steps(),
+        start_step: run.step_index(),
+        resumed_from: run.resumed_from().map(|p| p.to_path_buf()),
+        num_parameters,
+        trainable_parameters,
+        train_rows,
+        eval_rows,
+        output_dir: out,
+    });
+    for w in run.data_warnings().to_vec() {
+        em.emit(Event::Warning { message: w });
+    }
+    let mut memory = super::memory::MemoryMonitor::new(run.config());
+
+    let mut paused = false;
+    let reason = 'training: loop {
+        // Commands between steps: everything queued now, and while paused, wait for more.
+        loop {
+            let cmd = if paused {
+                match commands.recv_timeout(Duration::from_millis(500)) {
+                    Ok(c) => Some(c),
+                    Err(RecvTimeoutError::Timeout) => continue,
+                    Err(RecvTimeoutError::Disconnected) => break 'training FinishReason::Stopped,
+                }
+            } else {
+                match commands.try_recv() {
+                    Ok(c) => Some(c),
+                    Err(TryRecvError::Empty) => None,
+                    Err(TryRecvError::Disconnected) => break 'training FinishReason::Stopped,
+                }
+            };
+            let Some(cmd) = cmd else { break };
+            match handle_command(cmd, &mut run, &mut paused, em) {
+                Control::Continue => {}
+                Control::Stop => break 'training FinishReason::Stopped,
+            }
+        }
+        if run.is_done() {
+            break FinishReason::Completed;
+        }
+        let outcome = match run.step() {
+            Ok(o) => o,
+            Err(e) => {
+                em.error(&e, Some(run.step_index() + 1));
+                break FinishReason::Failed;
+            }
+        };
+        em.emit(step_event(&outcome));
+        for ev in memory.sample(outcome.step) {
+            em.emit(ev);
+        }
+        if run.eval_due() {
+            match run.evaluate() {
+                Ok(r) => em.emit(Event::Eval {
+                    step: r.step,
+                    loss: r.loss,
+                    perplexity: r.perplexity,
+                    tokens: r.tokens,
+                }),
+                Err(e) => em.emit(Event::Warning {
+                    message: format!("evaluation failed: {e}"),
+                }),
+            }
+        }
+        if run.save_due() {
+            save(&mut run, em);
+        }
+    };
+    finish(em, reason, Some(&run));
+}
+
+fn handle_command(cmd: Command, run: &mut TrainingRun, paused: &mut bool, em: &mut Emitter) -> Control {
+    match cmd {
+        Command::Start => {}
+        Command::Pause => {
+            if !*paused {
+                *paused = true;
+                em.emit(Event::Paused {
+                    step: run.step_index(),
+                });
+            }
+        }
+        Command::Resume => {
+            if *paused {
+                *paused = false;
+                em.emit(Event::Resumed {
+                    step: run.step_index(),
+                });
+            }
+        }
+        Command::SaveNow => save(run, em),
+        Command::Stop => return Control::Stop,
+    }
+    Control::Continue
+}
+
+fn save(run: &mut TrainingRun, em: &mut Emitter) {
+    // Saving twice at one step (periodic save, then Ctrl-C) just reports the one checkpoint.
+    if let Some(p) = run.last_checkpoint() {
+        if super::checkpoint::read_state(p).is_ok_and(|s| s.step == run.step_index()) {
+            em.emit(Event::CheckpointSaved {
+                step: run.step_index(),
+                path: p.to_path_buf(),
+            });
+            return;
+        }
+    }
+    match run.save_checkpoint() {
+        Ok(path) => em.emit(Event::CheckpointSaved {
+            step: run.step_index(),
+            path,
+        }),
+        Err(e) => em.emit(Event::Warning {
+            message: format!("could not save a checkpoint: {e}; training continues"),
+        }),
+    }
+}
+
+/// The event of a finished step.
+pub fn step_event(o: &StepOutcome) -> Event {
+    Event::Step {
+        step: o.step,
+        loss: o.loss,
+        lr: o.lr,
+        grad_norm: o.grad_norm,
+        tokens_per_sec: o.tokens_per_sec,
+        trained_tokens: o.trained_tokens,
+        elapsed_secs: o.elapsed_secs,
+        epoch: o.epoch,
+        skipped: o.skipped,
+        loss_scale: o.loss_scale,
+    }
+}

@@ -1,0 +1,304 @@
+//! Semantic checks of a [`RunConfig`]: every problem is collected, by field name.
+
+use std::path::Path;
+
+use super::config::{InitMode, ModelDtype, RunConfig, STRATEGIES};
+use super::error::ConfigProblem;
+use super::precision::Precision;
+
+/// Every problem of `config` (empty = usable).
+pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
+    let mut p = Vec::new();
+    let mut bad = |field: &str, message: String| p.push(ConfigProblem::new(field, message));
+
+    // [model]
+    let src = config.model.source.trim();
+    if src.is_empty() {
+        bad(
+            "model.source",
+            "is empty; give a model folder (with config.json) or a hub id such as `HuggingFaceTB/SmolLM2-135M`".into(),
+        );
+    } else {
+        let local = config.resolve_path(Path::new(src));
+        if local.is_dir() {
+            if !local.join("config.json").is_file() {
+                bad(
+                    "model.source",
+                    format!("the folder `{}` has no config.json; point it at a Hugging Face model folder", local.display()),
+                );
+            } else if config.model.init == InitMode::Pretrained && !has_safetensors(&local) {
+                bad(
+                    "model.init",
+                    format!("is `pretrained` but `{}` has no *.safetensors weights; use `init = \"random\"` or add the weights", local.display()),
+                );
+            }
+        } else if looks_like_path(src) {
+            bad(
+                "model.source",
+                format!("no folder `{}` (relative paths start at the config file's folder); fix the path or give a hub id `org/name`", local.display()),
+            );
+        } else if !is_hub_id(src) {
+            bad(
+                "model.source",
+                format!("`{src}` is neither a folder nor a hub id of the form `org/name`"),
+            );
+        }
+    }
+    let precision = config.training.precision;
+    if let Some(dtype) = config.model.dtype.to_dtype() {
+        if dtype != precision.compute_dtype() {
+            bad(
+                "model.dtype",
+                format!(
+                    "`{}` does not match `training.precision = \"{}\"` (which computes in {:?}); remove `dtype` or set it to `auto`",
+                    dtype_name(config.model.dtype),
+                    precision,
+                    precision.compute_dtype()
+                ),
+            );
+        }
+    }
+
+    // [training]
+    let t = &config.training;
+    if t.micro_batch < 1 {
+        bad("training.micro_batch", format!("must be ≥ 1 (got {})", t.micro_batch));
+    }
+    if t.gradient_accumulation < 1 {
+        bad(
+            "training.gradient_accumulation",
+            format!("must be ≥ 1 (got {})", t.gradient_accumulation),
+        );
+    }
+    match t.max_steps {
+        Some(0) => bad("training.max_steps", "must be ≥ 1 (got 0); remove it to train by epochs".into()),
+        Some(_) => {}
+        None if t.epochs < 1 => bad(
+            "training.epochs",
+            format!("must be ≥ 1 (got {}), or set training.max_steps", t.epochs),
+        ),
+        None => {}
+    }
+    if !(t.learning_rate.is_finite() && t.learning_rate > 0.0) {
+        bad(
+            "training.learning_rate",
+            format!("must be a positive number (got {})", t.learning_rate),
+        );
+    } else if t.learning_rate > 1.0 {
+        bad(
+            "training.learning_rate",
+            format!("{} is far too large for AdamW; typical values are 1e-5 … 1e-3", t.learning_rate),
+        );
+    }
+    if !(0.0..1.0).contains(&t.warmup_ratio) {
+        bad(
+            "training.warmup_ratio",
+            format!("must be in [0, 1) (got {})", t.warmup_ratio),
+        );
+    }
+    if t.warmup_steps > 0 && t.warmup_ratio > 0.0 {
+        bad(
+            "training.warmup_ratio",
+            format!(
+                "set either warmup_steps ({}) or warmup_ratio ({}), not both",
+                t.warmup_steps, t.warmup_ratio
+            ),
+        );
+    }
+    if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
+        bad(
+            "training.weight_decay",
+            format!("must be ≥ 0 (got {})", t.weight_decay),
+        );
+    }
+    if !(t.max_grad_norm.is_finite() && t.max_grad_norm >= 0.0) {
+        bad(
+            "training.max_grad_norm",
+            format!("must be ≥ 0, 0 = no clipping (got {})", t.max_grad_norm),
+        );
+    }
+    for (field, v) in [
+        ("training.adam_beta1", t.adam_beta1),
+        ("training.adam_beta2", t.adam_beta2),
+    ] {
+        if !(0.0..1.0).contains(&v) {
+            bad(field, format!("must be in [0, 1) (got {v})"));
+        }
+    }
+    if !(t.adam_epsilon.is_finite() && t.adam_epsilon > 0.0) {
+        bad(
+            "training.adam_epsilon",
+            format!("must be > 0 (got {})", t.adam_epsilon),
+        );
+    }
+    if precision == Precision::Fp16Mixed {
+        if !(t.initial_loss_scale.is_finite() && t.initial_loss_scale >= 1.0) {
+            bad(
+                "training.initial_loss_scale",
+                format!("must be ≥ 1 (got {})", t.initial_loss_scale),
+            );
+        }
+        if t.loss_scale_growth_interval < 1 {
+            bad(
+                "training.loss_scale_growth_interval",
+                "must be ≥ 1 (got 0)".to_string(),
+            );
+        }
+    }
+
+    // [lora]
+    let l = &config.lora;
+    if l.enabled {
+        if l.r < 1 {
+            bad("lora.r", format!("must be ≥ 1 (got {})", l.r));
+        }
+        if !(l.alpha.is_finite() && l.alpha > 0.0) {
+            bad("lora.alpha", format!("must be > 0 (got {})", l.alpha));
+        }
+        if !(0.0..1.0).contains(&l.dropout) {
+            bad("lora.dropout", format!("must be in [0, 1) (got {})", l.dropout));
+        }
+        if l.target_modules.is_empty() {
+            bad(
+                "lora.target_modules",
+                "is empty; list linear layers such as [\"q_proj\", \"v_proj\"]".into(),
+            );
+        }
+    }
+
+    // [data]: the data module checks its own ranges; its message names the setting.
+    if let Err(e) = config.data.validate() {
+        match &e {
+            crate::data::DataError::Config { setting, message } => bad(setting, message.clone()),
+            other => bad("data", other.to_string()),
+        }
+    }
+
+    // [checkpoint] / [eval] have no invalid values (0 = off / keep all) beyond their types.
+
+    // [devices]
+    let d = &config.devices;
+    if d.devices.is_empty() {
+        bad("devices.devices", "is empty; use [\"cpu\"] or [\"cuda:0\", ...]".into());
+    }
+    for (i, dev) in d.devices.iter().enumerate() {
+        if !is_device_name(dev) {
+            bad(
+                &format!("devices.devices[{i}]"),
+                format!("`{dev}` is not a device name; use `cpu`, `cuda:N` or `metal:N`"),
+            );
+        }
+    }
+    if !STRATEGIES.contains(&d.strategy.as_str()) {
+        bad(
+            "devices.strategy",
+            format!(
+                "unknown strategy `{}`; expected one of {}",
+                d.strategy,
+                STRATEGIES.iter().map(|s| format!("`{s}`")).collect::<Vec<_>>().join(", ")
+            ),
+        );
+    } else if d.strategy == "single" && d.devices.len() > 1 {
+        bad(
+            "devices.strategy",
+            format!(
+                "is `single` but {} devices are listed; use `layer-split` or `data-parallel`, or list one device",
+                d.devices.len()
+            ),
+        );
+    }
+
+    // output_dir
+    if config.output_dir.as_os_str().is_empty() {
+        bad("output_dir", "is empty; give a folder for checkpoints and metrics".into());
+    } else if let Err(msg) = check_writable(&config.output_path()) {
+        bad("output_dir", msg);
+    }
+
+    p
+}
+
+fn dtype_name(d: ModelDtype) -> &'static str {
+    match d {
+        ModelDtype::Auto => "auto",
+        ModelDtype::F32 => "f32",
+        ModelDtype::Bf16 => "bf16",
+        ModelDtype::F16 => "f16",
+    }
+}
+
+fn has_safetensors(dir: &Path) -> bool {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        })
+        .unwrap_or(false)
+}
+
+fn looks_like_path(s: &str) -> bool {
+    s.starts_with('.') || s.starts_with('/') || s.starts_with('~') || s.contains('\\') || s.matches('/').count() > 1
+}
+
+/// `org/name` with the characters the hub allows.
+pub(crate) fn is_hub_id(s: &str) -> bool {
+    let ok = |part: &str| {
+        !part.is_empty()
+            && part
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    };
+    match s.split_once('/') {
+        Some((org, name)) => ok(org) && ok(name),
+        None => ok(s),
+    }
+}
+
+fn is_device_name(s: &str) -> bool {
+    if s == "cpu" {
+        return true;
+    }
+    match s.split_once(':') {
+        Some(("cuda" | "metal", n)) => n.parse::<usize>().is_ok(),
+        _ => s == "cuda" || s == "metal",
+    }
+}
+
+/// Checks that `dir` exists and takes files, or that it can be created.
+/// Uses a probe file because permission bits do not tell the whole story (read-only mounts, ACLs).
+fn check_writable(dir: &Path) -> Result<(), String> {
+    if dir.exists() {
+        if !dir.is_dir() {
+            return Err(format!("`{}` exists and is not a folder; choose another output_dir", dir.display()));
+        }
+        let probe = dir.join(format!(".tunestudio-write-test-{}", std::process::id()));
+        return match std::fs::write(&probe, b"") {
+            Ok(()) => {
+                let _ = std::fs::remove_file(&probe);
+                Ok(())
+            }
+            Err(e) => Err(format!("cannot write into `{}` ({e}); choose a folder you can write to", dir.display())),
+        };
+    }
+    // Walk up to the first existing ancestor: it must be a writable folder.
+    let mut ancestor = dir.parent();
+    while let Some(a) = ancestor {
+        if a.as_os_str().is_empty() {
+            return check_writable(Path::new("."));
+        }
+        if a.exists() {
+            if !a.is_dir() {
+                return Err(format!(
+                    "cannot create `{}`: `{}` is a file, not a folder; choose another output_dir",
+                    dir.display(),
+                    a.display()
+                ));
+            }
+            return check_writable(a).map_err(|_| {
+                format!("cannot create `{}`: `{}` is not writable; choose another output_dir", dir.display(), a.display())
+            });
+        }
+        ancestor = a.parent();
+    }
+    Err(format!("cannot create `{}`; choose another output_dir", dir.display()))
+}

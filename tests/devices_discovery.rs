@@ -1,0 +1,188 @@
+//! Device discovery: without an NVIDIA driver only the CPU is listed (no
+//! error), and the NVML bindings read what a driver reports — checked against
+//! a fake `libnvidia-ml.so` compiled from C with nvml.h's struct layouts.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use tunestudio::devices::{discover, discover_with, DeviceKind, DiscoveryOptions};
+
+#[test]
+fn without_an_nvidia_driver_only_the_cpu_is_listed() {
+    let inv = discover_with(&DiscoveryOptions {
+        nvml_library: Some(PathBuf::from("/nonexistent/libnvidia-ml.so.1")),
+        skip_gpus: false,
+    });
+    assert_eq!(inv.devices.len(), 1, "{inv:?}");
+    let cpu = &inv.devices[0];
+    assert_eq!(cpu.kind, DeviceKind::Cpu);
+    assert!(cpu.total_bytes > 0 && cpu.free_bytes <= cpu.total_bytes);
+    assert!(cpu.cores.unwrap_or(0) >= 1);
+    assert!(!cpu.name.is_empty());
+    assert!(inv.driver_version.is_none());
+    assert!(
+        inv.notes.iter().any(|n| n.contains("no GPU found")),
+        "{:?}",
+        inv.notes
+    );
+
+    // Whatever this machine has, the CPU is always listed first.
+    let inv = discover();
+    assert_eq!(inv.devices.first().map(|d| d.kind), Some(DeviceKind::Cpu));
+}
+
+const FAKE_NVML: &str = r#"
+#include <string.h>
+#include <unistd.h>
+typedef struct { char busIdLegacy[16]; unsigned int domain, bus, device, pciDeviceId, pciSubSystemId; char busId[32]; } nvmlPciInfo_t;
+typedef struct { unsigned long long total, free, used; } nvmlMemory_t;
+typedef struct { unsigned int gpu, memory; } nvmlUtilization_t;
+typedef struct { unsigned int pid; unsigned long long usedGpuMemory; unsigned int gpuInstanceId, computeInstanceId; } nvmlProcessInfo_t;
+typedef void *nvmlDevice_t;
+static int dev_ids[2] = {0, 1};
+int nvmlInit_v2(void) { return 0; }
+int nvmlShutdown(void) { return 0; }
+const char *nvmlErrorString(int r) { return r == 7 ? "Insufficient Size" : "Unknown Error"; }
+int nvmlSystemGetDriverVersion(char *v, unsigned int n) { strncpy(v, "580.65.06", n); return 0; }
+int nvmlDeviceGetCount_v2(unsigned int *c) { *c = 2; return 0; }
+int nvmlDeviceGetHandleByIndex_v2(unsigned int i, nvmlDevice_t *d) { if (i > 1) return 2; *d = &dev_ids[i]; return 0; }
+static int idx(nvmlDevice_t d) { return *(int *)d; }
+int nvmlDeviceGetName(nvmlDevice_t d, char *s, unsigned int n) { strncpy(s, idx(d) ? "NVIDIA H200" : "NVIDIA H100 80GB HBM3", n); return 0; }
+int nvmlDeviceGetUUID(nvmlDevice_t d, char *s, unsigned int n) {
+  strncpy(s, idx(d) ? "GPU-bbbbbbbb-1111-2222-3333-444444444444" : "GPU-aaaaaaaa-1111-2222-3333-444444444444", n); return 0; }
+int nvmlDeviceGetPciInfo_v3(nvmlDevice_t d, nvmlPciInfo_t *p) {
+  memset(p, 0, sizeof *p); p->domain = 0; p->bus = idx(d) ? 0x3b : 0x19;
+  strcpy(p->busId, idx(d) ? "00000000:3B:00.0" : "00000000:19:00.0"); return 0; }
+int nvmlDeviceGetMemoryInfo(nvmlDevice_t d, nvmlMemory_t *m) {
+  m->total = idx(d) ? 150754820096ULL : 85520809984ULL; m->used = idx(d) ? 1000000000ULL : 2000000000ULL;
+  m->free = m->total - m->used; return 0; }
+int nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilization_t *u) {
+  if (idx(d)) return 3; /* not supported */ u->gpu = 37; u->memory = 12; return 0; }
+int nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *count, nvmlProcessInfo_t *infos) {
+  unsigned int n = idx(d) ? 10 : 2;
+  if (*count < n) { *count = n; return 7; }
+  for (unsigned int i = 0; i < n; i++) {
+    infos[i].pid = (i == 0) ? (unsigned int)getpid() : 1000 + i;
+    infos[i].usedGpuMemory = (i == 1) ? 0xFFFFFFFFFFFFFFFFULL : (i + 1) * 1048576ULL;
+    infos[i].gpuInstanceId = 0xFFFFFFFF; infos[i].computeInstanceId = 0xFFFFFFFF;
+  }
+  *count = n; return 0; }
+"#;
+
+/// Compiles the fake NVML into `dir`; `None` when no C compiler is installed.
+fn build_fake_nvml(dir: &Path) -> Option<PathBuf> {
+    let src = dir.join("fake_nvml.c");
+    let lib = dir.join("libnvidia-ml.so.1");
+    std::fs::write(&src, FAKE_NVML).unwrap();
+    let status = Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .status()
+        .ok()?;
+    assert!(status.success(), "cc failed to build the fake NVML");
+    Some(lib)
+}
+
+#[test]
+fn nvml_bindings_read_a_drivers_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(lib) = build_fake_nvml(dir.path()) else {
+        eprintln!("skipped: no C compiler (`cc`) to build the fake NVML");
+        return;
+    };
+    let inv = discover_with(&DiscoveryOptions {
+        nvml_library: Some(lib.clone()),
+        skip_gpus: false,
+    });
+    assert_eq!(inv.driver_version.as_deref(), Some("580.65.06"));
+    let gpus: Vec<_> = inv.gpus().collect();
+    assert_eq!(gpus.len(), 2, "{inv:?}");
+
+    let h100 = gpus[0];
+    assert_eq!(h100.index, 0);
+    assert_eq!(h100.name, "NVIDIA H100 80GB HBM3");
+    assert_eq!(
+        h100.uuid.as_deref(),
+        Some("GPU-aaaaaaaa-1111-2222-3333-444444444444")
+    );
+    assert_eq!(h100.pci_bus_id.as_deref(), Some("00000000:19:00.0"));
+    assert_eq!(h100.total_bytes, 85_520_809_984);
+    assert_eq!(h100.used_bytes, 2_000_000_000);
+    assert_eq!(h100.free_bytes, 85_520_809_984 - 2_000_000_000);
+    assert_eq!(h100.utilization_percent, Some(37));
+    assert_eq!(h100.memory_utilization_percent, Some(12));
+    assert_eq!(h100.processes.len(), 2);
+    assert!(h100.processes[0].is_self && h100.processes[0].used_bytes == Some(1 << 20));
+    // NVML_VALUE_NOT_AVAILABLE means "unknown", not 16 EiB.
+    assert_eq!(h100.processes[1].used_bytes, None);
+    assert_eq!(h100.other_processes_bytes(), 0);
+
+    let h200 = gpus[1];
+    assert_eq!(h200.name, "NVIDIA H200");
+    assert_eq!(h200.pci_bus_id.as_deref(), Some("00000000:3B:00.0"));
+    assert_eq!(
+        h200.utilization_percent, None,
+        "NOT_SUPPORTED is not an error"
+    );
+    // 10 processes do not fit the first buffer of 8: the retry gets them all.
+    assert_eq!(h200.processes.len(), 10);
+    assert_eq!(h200.processes[9].pid, 1009);
+    assert_eq!(
+        h200.other_processes_bytes(),
+        (3..=10).map(|i| i * (1u64 << 20)).sum::<u64>()
+    );
+
+    // Without the `cuda` feature no CUDA ordinal is known, and the note says why.
+    if !inv.cuda_build {
+        assert!(gpus.iter().all(|g| g.cuda_ordinal.is_none()));
+        assert!(
+            inv.notes.iter().any(|n| n.contains("no CUDA support")),
+            "{:?}",
+            inv.notes
+        );
+    }
+
+    // The CLI renders the same inventory (NVML chosen through the environment).
+    let out = Command::new(env!("CARGO_BIN_EXE_tunestudio"))
+        .args(["devices", "--json"])
+        .env("TUNESTUDIO_NVML_LIB", &lib)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let devices = json["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 3);
+    assert_eq!(devices[0]["kind"], "cpu");
+    assert_eq!(devices[2]["name"], "NVIDIA H200");
+    let table = Command::new(env!("CARGO_BIN_EXE_tunestudio"))
+        .arg("devices")
+        .env("TUNESTUDIO_NVML_LIB", &lib)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(
+        text.contains("NVIDIA H100 80GB HBM3") && text.contains("79.6 GiB"),
+        "{text}"
+    );
+    assert!(text.contains("NVIDIA driver 580.65.06"), "{text}");
+}
+
+#[test]
+fn cli_without_a_driver_prints_the_cpu_and_a_note() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tunestudio"))
+        .args(["devices", "--json"])
+        .env("TUNESTUDIO_NVML_LIB", "/nonexistent/libnvidia-ml.so.1")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(json["devices"].as_array().map(|d| d.len()), Some(1));
+    assert!(json["notes"][0]
+        .as_str()
+        .unwrap_or("")
+        .starts_with("no GPU found"));
+}

@@ -1,0 +1,47 @@
+//! The studio in a real window: runs the binary under Xvfb (Mesa llvmpipe for
+//! OpenGL) in screenshot mode — it starts, loads the demo, renders the preview,
+//! saves a PNG through the viewport screenshot request, and exits. Skips (with a
+//! message) where `xvfb-run` is not installed.
+#![cfg(feature = "gui")]
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+#[test]
+fn studio_renders_a_real_window_and_saves_a_screenshot() {
+    if Command::new("xvfb-run").arg("--help").output().is_err() {
+        println!("skipped: xvfb-run is not installed");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let png = dir.path().join("preview.png");
+    let mut child = Command::new("xvfb-run")
+        .args(["-a", "-s", "-screen 0 1400x900x24", env!("CARGO_BIN_EXE_tunestudio")])
+        .env("LIBGL_ALWAYS_SOFTWARE", "1")
+        .env("TUNESTUDIO_SCREENSHOT", &png)
+        .env("TUNESTUDIO_SCREENSHOT_PANEL", "preview")
+        .env("TUNESTUDIO_OUTPUT_DIR", dir.path().join("run"))
+        .spawn()
+        .expect("start xvfb-run");
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(180) {
+            let _ = child.kill();
+            panic!("the studio did not exit within 180 s in screenshot mode");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(status.success(), "the studio exited with {status}");
+    let img = image::open(&png).expect("a readable PNG").to_rgba8();
+    println!("screenshot {}x{} in {:.1} s", img.width(), img.height(), start.elapsed().as_secs_f64());
+    assert!(img.width() >= 800 && img.height() >= 500, "{}x{}", img.width(), img.height());
+    let first = *img.get_pixel(0, 0);
+    let distinct = img.pixels().filter(|p| **p != first).count();
+    assert!(
+        distinct > (img.width() * img.height()) as usize / 20,
+        "the screenshot is (almost) one colour: {distinct} pixels differ from the corner"
+    );
+}

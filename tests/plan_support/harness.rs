@@ -1,0 +1,231 @@
+//! Shared by tests/plan_accuracy.rs and examples/plan_accuracy.rs: runs real training
+//! steps (SmolLM2-135M shape, random init) and records the heap with the counting
+//! allocator (which the including binary installs), next to the planner's prediction.
+
+#![allow(dead_code)]
+
+use candle_core::{DType, Device, Tensor};
+use rand::{Rng, SeedableRng};
+use std::time::Instant;
+use tunestudio::mem;
+use tunestudio::model::{AdamW, AdamWConfig, CausalLm, LoraConfig, ModelConfig};
+use tunestudio::plan::{self, DeviceSpec, LoraSpec, PlanRequest, Precision, Strategy};
+
+#[derive(Debug, Clone)]
+pub struct Case {
+    pub precision: Precision,
+    pub checkpointing: bool,
+    pub lora: bool,
+    pub micro_batch: usize,
+    pub seq_len: usize,
+    pub accumulation: usize,
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct Measured {
+    /// Heap in use before the step (model + optimizer), above the pre-model baseline.
+    pub before: u64,
+    pub fwd_peak: u64,
+    pub after_fwd: u64,
+    pub bwd_peak: u64,
+    pub after_bwd: u64,
+    /// Heap when backward returned, before the loss (and its graph) is dropped.
+    pub bwd_end: u64,
+    pub acc_peak: u64,
+    pub opt_peak: u64,
+    pub peak: u64,
+    pub secs: f64,
+}
+
+pub fn model_config() -> ModelConfig {
+    let path = tunestudio::paths::shared_dir()
+        .join("model-configs")
+        .join("smollm2-135m.json");
+    ModelConfig::from_file(&path).expect("smollm2-135m.json")
+}
+
+fn lora_cfg() -> LoraConfig {
+    LoraConfig {
+        r: 8,
+        alpha: 16.0,
+        dropout: 0.0,
+        target_modules: vec![
+            "q_proj".into(),
+            "k_proj".into(),
+            "v_proj".into(),
+            "o_proj".into(),
+            "gate_proj".into(),
+            "up_proj".into(),
+            "down_proj".into(),
+        ],
+    }
+}
+
+pub fn request(cfg: &ModelConfig, c: &Case) -> PlanRequest {
+    PlanRequest {
+        model: cfg.clone(),
+        precision: c.precision,
+        micro_batch: c.micro_batch,
+        gradient_accumulation: c.accumulation,
+        seq_len: c.seq_len,
+        activation_checkpointing: c.checkpointing,
+        lora: c.lora.then(|| LoraSpec {
+            r: lora_cfg().r,
+            target_modules: lora_cfg().target_modules,
+        }),
+        strategy: Strategy::Single,
+        devices: vec![DeviceSpec::cpu(1 << 40)],
+    }
+}
+
+/// Runs one optimizer step (with `accumulation` micro-batches) exactly as the trainer
+/// does: loss → backward → (accumulate) → AdamW step, and records the heap at each point.
+pub fn measure(model: &mut CausalLm, c: &Case, zero: u64, seed: u64) -> Measured {
+    model.set_activation_checkpointing(c.checkpointing);
+    let vocab = model.config().vocab_size as u32;
+    let master = matches!(c.precision, Precision::Bf16Mixed | Precision::Fp16Mixed);
+    let mut opt = AdamW::new(model.params(), AdamWConfig::default(), master).expect("adamw");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let batches: Vec<(Tensor, Tensor)> = (0..c.accumulation)
+        .map(|_| {
+            let ids: Vec<u32> = (0..c.micro_batch * c.seq_len)
+                .map(|_| rng.gen_range(0..vocab))
+                .collect();
+            let ids = Tensor::from_vec(ids, (c.micro_batch, c.seq_len), &Device::Cpu).unwrap();
+            let labels = ids.to_dtype(DType::I64).unwrap();
+            (ids, labels)
+        })
+        .collect();
+    let mut m = Measured {
+        before: mem::current_bytes() - zero,
+        ..Default::default()
+    };
+    let start = Instant::now();
+    mem::reset_peak();
+    let mut acc: Option<tunestudio::model::Gradients> = None;
+    let mut tokens = 0usize;
+    for (ids, labels) in &batches {
+        let loss = model.loss(ids, None, labels).expect("loss");
+        m.fwd_peak = m.fwd_peak.max(mem::reset_peak() - zero);
+        m.after_fwd = mem::current_bytes() - zero;
+        tokens += loss.num_tokens;
+        let grads = model.backward(&loss.sum).expect("backward");
+        m.bwd_end = mem::current_bytes() - zero;
+        drop(loss);
+        m.bwd_peak = m.bwd_peak.max(mem::reset_peak() - zero);
+        m.after_bwd = mem::current_bytes() - zero;
+        match acc.as_mut() {
+            None => acc = Some(grads),
+            Some(a) => a.accumulate(grads).expect("accumulate"),
+        }
+        m.acc_peak = m.acc_peak.max(mem::reset_peak() - zero);
+    }
+    let grads = acc.expect("at least one micro-batch");
+    opt.step(&grads, 1e-4, 1.0 / tokens.max(1) as f64)
+        .expect("step");
+    m.opt_peak = mem::reset_peak() - zero;
+    drop(grads);
+    drop(opt);
+    m.peak = m.fwd_peak.max(m.bwd_peak).max(m.acc_peak).max(m.opt_peak);
+    m.secs = start.elapsed().as_secs_f64();
+    m
+}
+
+pub fn mib(b: u64) -> f64 {
+    b as f64 / (1 << 20) as f64
+}
+
+pub fn run_grid(cases: &[Case]) -> Vec<(Case, Measured, u64)> {
+    assert!(mem::is_installed());
+    let cfg = model_config();
+    let mut out = Vec::new();
+    // Group by dtype and LoRA so each model is built once (LoRA freezes the base for good).
+    for dtype in [DType::F32, DType::BF16] {
+        for lora in [false, true] {
+            let group: Vec<&Case> = cases
+                .iter()
+                .filter(|c| (c.precision.compute_bytes() == 4) == (dtype == DType::F32) && c.lora == lora)
+                .collect();
+            if group.is_empty() {
+                continue;
+            }
+            let zero = mem::current_bytes();
+            let mut model = CausalLm::random_init(&cfg, 7, dtype, &Device::Cpu).expect("init");
+            if lora {
+                model.apply_lora(&lora_cfg(), 3).expect("lora");
+            }
+            for (i, c) in group.into_iter().enumerate() {
+                let m = measure(&mut model, c, zero, 11 + i as u64);
+                let predicted = plan::plan(&request(&cfg, c))
+                    .expect("plan")
+                    .per_device[0]
+                    .peak_bytes;
+                print_row(c, &m, predicted);
+                out.push((c.clone(), m, predicted));
+            }
+        }
+    }
+    out
+}
+
+pub fn print_row(c: &Case, m: &Measured, predicted: u64) {
+    let err = 100.0 * (predicted as f64 - m.peak as f64) / m.peak as f64;
+    println!(
+        "{:<10} ckpt={:<5} lora={:<5} b={} t={:<3} acc={} | before {:>7.1} fwd {:>7.1} afterfwd {:>7.1} bwd {:>7.1} afterbwd {:>7.1} acc {:>7.1} opt {:>7.1} | measured {:>7.1} MiB predicted {:>7.1} MiB {:+5.2} % | {:.1} s",
+        c.precision.as_str(),
+        c.checkpointing,
+        c.lora,
+        c.micro_batch,
+        c.seq_len,
+        c.accumulation,
+        mib(m.before),
+        mib(m.fwd_peak),
+        mib(m.after_fwd),
+        mib(m.bwd_peak),
+        mib(m.after_bwd),
+        mib(m.acc_peak),
+        mib(m.opt_peak),
+        mib(m.peak),
+        mib(predicted),
+        err,
+        m.secs
+    );
+}
+
+pub fn case(p: Precision, ckpt: bool, lora: bool, b: usize, t: usize) -> Case {
+    Case {
+        precision: p,
+        checkpointing: ckpt,
+        lora,
+        micro_batch: b,
+        seq_len: t,
+        accumulation: 1,
+    }
+}
+
+pub fn grid() -> Vec<Case> {
+    use Precision::{Bf16Mixed as B, Fp32 as F};
+    let mut g = vec![
+        case(F, false, false, 1, 64),
+        case(F, false, false, 4, 64),
+        case(F, false, false, 1, 256),
+        case(F, true, false, 1, 256),
+        case(F, true, false, 4, 64),
+        case(F, false, true, 1, 256),
+        case(F, true, true, 4, 64),
+        case(B, false, false, 1, 64),
+        case(B, true, false, 1, 256),
+        case(B, false, false, 4, 64),
+        case(B, false, true, 1, 256),
+        case(B, true, true, 4, 64),
+    ];
+    g.push(Case {
+        accumulation: 2,
+        ..case(F, false, false, 1, 64)
+    });
+    if let Ok(filter) = std::env::var("PLAN_ACCURACY_FILTER") {
+        g.retain(|c| format!("{c:?}").contains(&filter));
+    }
+    g
+}
+

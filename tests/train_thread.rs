@@ -1,0 +1,199 @@
+//! The background trainer thread: event order, pause, stop, errors, metrics.jsonl.
+
+mod train_common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use train_common::*;
+use tunestudio::train::{read_metrics, Command, Event, FinishReason, Trainer, TrainerHandle};
+
+fn next(h: &TrainerHandle, timeout_secs: u64) -> Event {
+    h.events
+        .recv_timeout(Duration::from_secs(timeout_secs))
+        .expect("no event from the trainer thread in time")
+}
+
+fn wait_for(h: &TrainerHandle, kind: &str, seen: &mut Vec<Event>) -> Event {
+    loop {
+        let e = next(h, 120);
+        seen.push(e.clone());
+        if e.kind() == kind {
+            return e;
+        }
+        assert!(
+            !matches!(e, Event::Finished { .. }),
+            "finished while waiting for {kind}: {seen:?}"
+        );
+    }
+}
+
+#[test]
+fn events_arrive_in_order_and_are_recorded() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = tiny_config(tmp.path(), 4);
+    c.training.micro_batch = 2;
+    c.data.validation_ratio = 0.01;
+    c.eval.eval_every = 2;
+    c.eval.max_batches = 2;
+    c.checkpoint.save_every = 0;
+    c.checkpoint.save_final = true;
+    let wakes = Arc::new(AtomicUsize::new(0));
+    let w = wakes.clone();
+    let h = Trainer::spawn(c, Some(Arc::new(move || {
+        w.fetch_add(1, Ordering::SeqCst);
+    })));
+    // Nothing happens before Start.
+    assert!(h.events.recv_timeout(Duration::from_millis(200)).is_err());
+    assert!(h.send(Command::Start));
+    let mut all = Vec::new();
+    loop {
+        let e = next(&h, 120);
+        all.push(e.clone());
+        if matches!(e, Event::Finished { .. }) {
+            break;
+        }
+    }
+    h.join();
+    let kinds: Vec<String> = all
+        .iter()
+        .filter(|e| matches!(e.kind(), "step" | "eval" | "checkpoint_saved" | "finished" | "started"))
+        .map(|e| match e {
+            Event::Step { step, .. } => format!("step{step}"),
+            Event::Eval { step, .. } => format!("eval{step}"),
+            Event::CheckpointSaved { step, .. } => format!("ckpt{step}"),
+            other => other.kind().to_string(),
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        ["started", "step1", "step2", "eval2", "step3", "step4", "eval4", "ckpt4", "finished"],
+        "{all:?}"
+    );
+    assert!(all.iter().any(|e| matches!(e, Event::Memory { .. })));
+    match all.last().unwrap() {
+        Event::Finished { reason, step, last_checkpoint, .. } => {
+            assert_eq!(*reason, FinishReason::Completed);
+            assert_eq!(*step, 4);
+            assert!(last_checkpoint.as_ref().unwrap().ends_with("checkpoint-4"));
+        }
+        e => panic!("{e:?}"),
+    }
+    assert_eq!(wakes.load(Ordering::SeqCst), all.len(), "the waker runs once per event");
+    // metrics.jsonl holds the same events (status lines excepted).
+    let recorded = read_metrics(tmp.path()).unwrap();
+    let sent: Vec<&Event> = all.iter().filter(|e| e.kind() != "status").collect();
+    assert_eq!(recorded.len(), sent.len());
+    for (a, b) in recorded.iter().zip(sent) {
+        assert_eq!(a.kind(), b.kind());
+    }
+    let curves = tunestudio::train::RunCurves::from_events(&recorded);
+    assert_eq!(curves.loss.len(), 4);
+    assert_eq!(curves.eval_loss.len(), 2);
+}
+
+#[test]
+fn pause_resume_and_stop() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = tiny_config(tmp.path(), 10_000);
+    c.training.micro_batch = 1;
+    c.data.max_length = 48;
+    let h = Trainer::spawn(c, None);
+    h.send(Command::Start);
+    let mut seen = Vec::new();
+    wait_for(&h, "step", &mut seen);
+    h.send(Command::Pause);
+    let paused_at = match wait_for(&h, "paused", &mut seen) {
+        Event::Paused { step } => step,
+        _ => unreachable!(),
+    };
+    // No step events while paused.
+    let quiet = Instant::now();
+    while quiet.elapsed() < Duration::from_millis(700) {
+        if let Ok(e) = h.events.recv_timeout(Duration::from_millis(50)) {
+            assert!(!matches!(e, Event::Step { .. }), "a step ran while paused: {e:?}");
+        }
+    }
+    h.send(Command::Resume);
+    wait_for(&h, "resumed", &mut seen);
+    match wait_for(&h, "step", &mut seen) {
+        Event::Step { step, .. } => assert_eq!(step, paused_at + 1),
+        _ => unreachable!(),
+    }
+    // Stop: at most the step in flight finishes, then Finished.
+    h.send(Command::Stop);
+    let mut steps_after_stop = 0;
+    let stopped = Instant::now();
+    loop {
+        match next(&h, 30) {
+            Event::Step { .. } => steps_after_stop += 1,
+            Event::Finished { reason, .. } => {
+                assert_eq!(reason, FinishReason::Stopped);
+                break;
+            }
+            _ => {}
+        }
+    }
+    assert!(steps_after_stop <= 1, "{steps_after_stop} steps ran after Stop");
+    assert!(stopped.elapsed() < Duration::from_secs(10));
+    let joined = Instant::now();
+    h.join();
+    assert!(joined.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
+fn setup_errors_become_events_and_the_process_lives_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = tiny_config(tmp.path(), 3);
+    c.data.path = tmp.path().join("missing.json").display().to_string();
+    c.training.gradient_accumulation = 0;
+    let h = Trainer::spawn(c, None);
+    h.send(Command::Start);
+    let mut error = None;
+    loop {
+        match next(&h, 60) {
+            Event::Error { message, hint, .. } => error = Some((message, hint)),
+            Event::Finished { reason, .. } => {
+                assert_eq!(reason, FinishReason::Failed);
+                break;
+            }
+            _ => {}
+        }
+    }
+    h.join();
+    let (message, hint) = error.expect("no error event");
+    assert!(message.contains("training.gradient_accumulation"), "{message}");
+    assert!(!hint.is_empty());
+}
+
+#[test]
+fn save_now_writes_a_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = tiny_config(tmp.path(), 10_000);
+    c.training.micro_batch = 1;
+    c.data.max_length = 48;
+    let h = Trainer::spawn(c, None);
+    h.send(Command::Start);
+    let mut seen = Vec::new();
+    wait_for(&h, "step", &mut seen);
+    h.send(Command::SaveNow);
+    h.send(Command::Stop);
+    let saved = match wait_for(&h, "checkpoint_saved", &mut seen) {
+        Event::CheckpointSaved { path, step } => {
+            assert!(step >= 1);
+            path
+        }
+        _ => unreachable!(),
+    };
+    assert!(saved.join("trainer_state.json").is_file());
+    assert!(saved.join("optimizer.safetensors").is_file());
+    assert!(saved.join("trainable.safetensors").is_file());
+    loop {
+        if let Event::Finished { reason, .. } = next(&h, 30) {
+            assert_eq!(reason, FinishReason::Stopped);
+            break;
+        }
+    }
+    h.join();
+}
