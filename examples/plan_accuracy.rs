@@ -13,15 +13,16 @@ static ALLOC: CountingAllocator = CountingAllocator::new();
 
 fn main() {
     let t0 = std::time::Instant::now();
+    harness::print_header();
     let rows = harness::run_grid(&harness::grid());
     let worst = rows
         .iter()
-        .map(|(_, m, p)| (*p as f64 - m.peak as f64).abs() / m.peak as f64)
+        .map(|(_, m, d)| harness::err_pct(d.peak_bytes, m.peak).abs())
         .fold(0.0, f64::max);
     println!(
         "{} configs in {:.0} s; worst |error| {:.2} %",
         rows.len(),
         t0.elapsed().as_secs_f64(),
-        100.0 * worst
+        worst
     );
 }

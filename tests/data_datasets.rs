@@ -6,8 +6,7 @@ mod data_support;
 use data_support::{dataset, tiny_llama, write_parquet, Col};
 use tunestudio::data::{
     open_data_with_cache, prepare_dataset, prepare_opened, preview_dataset, split_indices,
-    DataConfig, Format, LintKind, PreviewOptions, RowSelection, Severity, TokenClass,
-    IGNORE_INDEX,
+    DataConfig, Format, LintKind, PreviewOptions, RowSelection, Severity, TokenClass, IGNORE_INDEX,
 };
 
 fn cfg(path: &str) -> DataConfig {
@@ -70,7 +69,12 @@ fn alpaca_masks_the_prompt() {
         let first = s.labels.iter().position(|&l| l != IGNORE_INDEX).unwrap();
         assert!(first > 10, "row {}: system+user prompt masked", s.row);
         // The masked prefix ends with the assistant header (the generation prompt).
-        assert_eq!(&s.input_ids[first - header.len()..first], &header[..], "row {}", s.row);
+        assert_eq!(
+            &s.input_ids[first - header.len()..first],
+            &header[..],
+            "row {}",
+            s.row
+        );
         // Everything from there on is trained, including <|im_end|>\n.
         for i in first..s.len() {
             assert_eq!(s.labels[i], s.input_ids[i] as i64, "row {}", s.row);
@@ -111,7 +115,11 @@ fn v1_honours_loss_weight() {
         ]})
         .to_string()
     };
-    std::fs::write(&path, [row(1.0, 1.0), row(0.0, 0.5), row(0.0, 0.0)].join("\n")).unwrap();
+    std::fs::write(
+        &path,
+        [row(1.0, 1.0), row(0.0, 0.5), row(0.0, 0.0)].join("\n"),
+    )
+    .unwrap();
     let p = prepare_dataset(&cfg(&path.display().to_string()), &tok, 8).unwrap();
     assert_eq!(p.format, Format::LlamaFactoryV1);
     assert_eq!(p.train.len(), 2, "the all-zero row is dropped");
@@ -136,8 +144,14 @@ fn v1_honours_loss_weight() {
     for (i, &l) in half.labels.iter().enumerate() {
         assert_eq!(w[i], if l == IGNORE_INDEX { 0.0 } else { 0.5 });
     }
-    assert!(p.lints.iter().any(|l| l.kind == LintKind::NonBinaryLossWeights));
-    assert!(p.lints.iter().any(|l| l.kind == LintKind::ZeroTrainedTokens && l.examples == [2]));
+    assert!(p
+        .lints
+        .iter()
+        .any(|l| l.kind == LintKind::NonBinaryLossWeights));
+    assert!(p
+        .lints
+        .iter()
+        .any(|l| l.kind == LintKind::ZeroTrainedTokens && l.examples == [2]));
 }
 
 #[test]
@@ -195,7 +209,10 @@ fn chat_sharegpt_prompt_completion_and_single_column() {
     assert_eq!(p.train.len(), 2);
 
     // Explicit format + column mapping override detection.
-    let mapped = w("m.jsonl", r#"{"q": "Why?", "a": "Because.", "text": "ignored"}"#);
+    let mapped = w(
+        "m.jsonl",
+        r#"{"q": "Why?", "a": "Because.", "text": "ignored"}"#,
+    );
     let mut c = cfg(&mapped);
     c.format = Format::PromptCompletion;
     c.columns.prompt = Some("q".into());
@@ -218,10 +235,18 @@ fn truncation_and_prompt_too_long() {
     let p = prepare_dataset(&c, &tok, 8).unwrap();
     assert!(p.train.iter().all(|s| s.len() <= 64));
     assert!(p.train_stats.num_truncated > 100);
-    let trunc = p.lints.iter().find(|l| l.kind == LintKind::CompletionTruncated).unwrap();
+    let trunc = p
+        .lints
+        .iter()
+        .find(|l| l.kind == LintKind::CompletionTruncated)
+        .unwrap();
     assert!(trunc.count > 100);
     // Rows whose prompt alone fills 64 tokens are dropped and reported.
-    let too_long = p.lints.iter().find(|l| l.kind == LintKind::PromptTooLong).unwrap();
+    let too_long = p
+        .lints
+        .iter()
+        .find(|l| l.kind == LintKind::PromptTooLong)
+        .unwrap();
     assert_eq!(too_long.count, p.train_stats.num_dropped);
     assert!(p.train.iter().all(|s| s.num_trained() > 0));
 }
@@ -253,13 +278,19 @@ fn folder_hub_cache_and_splits() {
     let p = prepare_opened(&c, &tok, &data, 4).unwrap();
     assert_eq!(p.format, Format::Text);
     assert_eq!((p.train.len(), p.validation.len()), (20, 5));
-    assert_eq!(tok.decode(&p.train[3].input_ids), "document number 3<|im_end|>");
+    assert_eq!(
+        tok.decode(&p.train[3].input_ids),
+        "document number 3<|im_end|>"
+    );
 
     // Not cached + offline: a clear error.
     let err = open_data_with_cache(&cfg("someone/other"), cache.path(), true)
         .unwrap_err()
         .to_string();
-    assert!(err.contains("HF_HUB_OFFLINE") && err.contains("someone/other"), "{err}");
+    assert!(
+        err.contains("HF_HUB_OFFLINE") && err.contains("someone/other"),
+        "{err}"
+    );
 
     // A ratio split is seeded and deterministic.
     let mut c = cfg(&dataset("identity.json"));
@@ -287,7 +318,8 @@ fn packing_fills_sequences() {
     c.packing = true;
     let packed = prepare_dataset(&c, &tok, 8).unwrap();
     assert!(packed.train.len() * 2 < plain.train.len());
-    let t = |v: &[tunestudio::data::TokenizedSample]| v.iter().map(|s| s.num_trained()).sum::<usize>();
+    let t =
+        |v: &[tunestudio::data::TokenizedSample]| v.iter().map(|s| s.num_trained()).sum::<usize>();
     assert_eq!(t(&plain.train), t(&packed.train));
     assert!(packed.train.iter().all(|s| s.len() <= 256));
     assert!(packed.train_stats.packing_efficiency > 0.8);
@@ -318,7 +350,11 @@ fn preview_rows_classes_and_padding() {
     assert_eq!(r1.tokens[51].label, IGNORE_INDEX);
     let text: String = r1.tokens[..51].iter().map(|t| t.text.as_str()).collect();
     assert_eq!(Some(text.as_str()), r1.text.as_deref());
-    assert!(r1.text.as_deref().unwrap().contains("The car accelerated rapidly."));
+    assert!(r1
+        .text
+        .as_deref()
+        .unwrap()
+        .contains("The car accelerated rapidly."));
     let err = preview_dataset(
         &c,
         &tok,

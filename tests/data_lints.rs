@@ -30,7 +30,10 @@ fn write_bad_pretokenized(dir: &Path) -> (PathBuf, PathBuf) {
     let pq = dir.join("bad.parquet");
     write_parquet(
         &pq,
-        &[Col::IntLists("input_ids", rows), Col::IntLists("labels", labels)],
+        &[
+            Col::IntLists("input_ids", rows),
+            Col::IntLists("labels", labels),
+        ],
     );
     (jsonl, pq)
 }
@@ -100,17 +103,27 @@ fn pretokenized_variants() {
         vec![serde_json::json!({"input_ids": [100, 101, 102, 2], "labels": [101, 102, 2, -100]})],
     );
     let p = preview(&shifted, &tok);
-    let lint = p.lints.iter().find(|l| l.kind == LintKind::LabelsMismatch).unwrap();
+    let lint = p
+        .lints
+        .iter()
+        .find(|l| l.kind == LintKind::LabelsMismatch)
+        .unwrap();
     assert_eq!(lint.severity, Severity::Error);
     assert!(lint.message.contains("pre-shifted"), "{}", lint.message);
 
     // Padding trained: attention_mask 0 with a label.
     let pad = w(
         "pad.jsonl",
-        vec![serde_json::json!({"input_ids": [100, 101, 2, 2], "labels": [100, 101, 2, 2], "attention_mask": [1, 1, 1, 0]})],
+        vec![
+            serde_json::json!({"input_ids": [100, 101, 2, 2], "labels": [100, 101, 2, 2], "attention_mask": [1, 1, 1, 0]}),
+        ],
     );
     let p = preview(&pad, &tok);
-    let lint = p.lints.iter().find(|l| l.kind == LintKind::PaddingTrained).unwrap();
+    let lint = p
+        .lints
+        .iter()
+        .find(|l| l.kind == LintKind::PaddingTrained)
+        .unwrap();
     assert_eq!(lint.severity, Severity::Error);
 
     // All -100: dropped with a count; mismatched lengths: a clear error.
@@ -122,7 +135,11 @@ fn pretokenized_variants() {
         ],
     );
     let p = preview(&none, &tok);
-    let lint = p.lints.iter().find(|l| l.kind == LintKind::ZeroTrainedTokens).unwrap();
+    let lint = p
+        .lints
+        .iter()
+        .find(|l| l.kind == LintKind::ZeroTrainedTokens)
+        .unwrap();
     assert_eq!((lint.count, lint.examples.clone()), (1, vec![0]));
     let bad_len = w(
         "len.jsonl",
@@ -131,8 +148,14 @@ fn pretokenized_variants() {
     let err = prepare_dataset(&DataConfig::new(bad_len.display().to_string()), &tok, 8)
         .unwrap_err()
         .to_string();
-    assert!(err.contains("len.jsonl line 1") && err.contains("same length"), "{err}");
-    let oov = w("oov.jsonl", vec![serde_json::json!({"input_ids": [100, 999999]})]);
+    assert!(
+        err.contains("len.jsonl line 1") && err.contains("same length"),
+        "{err}"
+    );
+    let oov = w(
+        "oov.jsonl",
+        vec![serde_json::json!({"input_ids": [100, 999999]})],
+    );
     let err = prepare_dataset(&DataConfig::new(oov.display().to_string()), &tok, 8)
         .unwrap_err()
         .to_string();
@@ -145,7 +168,11 @@ fn text_lints_duplicates_empty_and_no_pad_no_template() {
     // A tokenizer folder without pad token and without chat template.
     let tdir = dir.path().join("tok");
     std::fs::create_dir(&tdir).unwrap();
-    std::fs::copy(tiny_llama_dir().join("tokenizer.json"), tdir.join("tokenizer.json")).unwrap();
+    std::fs::copy(
+        tiny_llama_dir().join("tokenizer.json"),
+        tdir.join("tokenizer.json"),
+    )
+    .unwrap();
     std::fs::write(
         tdir.join("tokenizer_config.json"),
         r#"{"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"}"#,
@@ -166,7 +193,11 @@ fn text_lints_duplicates_empty_and_no_pad_no_template() {
     assert!(kinds.contains(&LintKind::NoPadToken));
     assert!(p.pad_is_fallback);
     assert_eq!(p.stats.num_dropped, 1);
-    let dup = p.lints.iter().find(|l| l.kind == LintKind::DuplicateRows).unwrap();
+    let dup = p
+        .lints
+        .iter()
+        .find(|l| l.kind == LintKind::DuplicateRows)
+        .unwrap();
     assert_eq!(dup.examples, vec![2]);
 
     // Chat data without a template: ChatML fallback + warning.
@@ -177,7 +208,10 @@ fn text_lints_duplicates_empty_and_no_pad_no_template() {
     )
     .unwrap();
     let p = preview(&chat, &tok);
-    assert!(p.lints.iter().any(|l| l.kind == LintKind::ChatWithoutTemplate));
+    assert!(p
+        .lints
+        .iter()
+        .any(|l| l.kind == LintKind::ChatWithoutTemplate));
     assert_eq!(
         p.rows[0].text.as_deref(),
         Some("<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\na<|im_end|>\n")
@@ -226,12 +260,24 @@ fn preview_binary_exit_codes() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(2), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("ERROR LabelsMismatch"), "{stdout}");
-    assert!(stdout.contains("(1, 100)"), "text(label, id) rendering: {stdout}");
+    assert!(
+        stdout.contains("(1, 100)"),
+        "text(label, id) rendering: {stdout}"
+    );
 
     // A run config with [model] and [data] (relative paths, other tables ignored).
-    std::fs::copy(dataset("alpaca_en_demo.json"), dir.path().join("alpaca.json")).unwrap();
+    std::fs::copy(
+        dataset("alpaca_en_demo.json"),
+        dir.path().join("alpaca.json"),
+    )
+    .unwrap();
     let run = format!(
         "output_dir = \"runs/x\"\n[model]\nsource = {:?}\ndtype = \"auto\"\n[training]\nmicro_batch = 2\n[data]\npath = \"alpaca.json\"\nmax_length = 512\n",
         tiny_llama_dir().display().to_string()
@@ -243,9 +289,20 @@ fn preview_binary_exit_codes() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(0), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    assert!(stdout.contains("format: alpaca") && stdout.contains("batch 2"), "{stdout}");
-    assert!(stdout.contains("accelerated(3001, 3001)") || stdout.contains("rapidly"), "{stdout}");
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("format: alpaca") && stdout.contains("batch 2"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("accelerated(3001, 3001)") || stdout.contains("rapidly"),
+        "{stdout}"
+    );
 
     // Unreadable data: exit 1 with the location.
     let bad = dir.path().join("bad.jsonl");
@@ -272,5 +329,8 @@ fn quick_preview_reads_only_shown_rows() {
     let p = preview_dataset(&DataConfig::new(dataset("c4_demo.jsonl")), &tok, &opts).unwrap();
     assert_eq!(p.num_rows, 300);
     assert_eq!(p.stats.num_rows, 2);
-    assert!(p.rows[0].tokens.iter().all(|t| t.class != TokenClass::Masked));
+    assert!(p.rows[0]
+        .tokens
+        .iter()
+        .all(|t| t.class != TokenClass::Masked));
 }

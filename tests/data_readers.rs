@@ -8,7 +8,7 @@ use proptest::test_runner::{Config, TestRunner};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tunestudio::data::{
-    prepare_dataset, prepare_opened, open_data, DataConfig, Dataset, Format, TokenizerBundle,
+    open_data, prepare_dataset, prepare_opened, DataConfig, Dataset, Format, TokenizerBundle,
 };
 
 fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
@@ -27,20 +27,28 @@ fn prepare_err(path: &Path, tok: &TokenizerBundle) -> String {
 fn malformed_jsonl_line_names_file_and_line() {
     let tok = tiny_llama();
     let dir = tempfile::tempdir().unwrap();
-    let mut lines: Vec<String> = (1..=40).map(|i| format!("{{\"text\": \"row {i}\"}}")).collect();
+    let mut lines: Vec<String> = (1..=40)
+        .map(|i| format!("{{\"text\": \"row {i}\"}}"))
+        .collect();
     lines[36] = "{\"text\": \"row 37\",}".into();
     let p = write(dir.path(), "bad.jsonl", lines.join("\n").as_bytes());
     let err = prepare_err(&p, &tok);
-    assert!(err.contains("bad.jsonl") && err.contains("line 37"), "{err}");
+    assert!(
+        err.contains("bad.jsonl") && err.contains("line 37"),
+        "{err}"
+    );
     // Opening (indexing) succeeds; reading the row fails with the location.
-    let ds = Dataset::open_files(&[p.clone()], false).unwrap();
+    let ds = Dataset::open_files(std::slice::from_ref(&p), false).unwrap();
     assert_eq!(ds.len(), 40);
     assert!(ds.row(35).is_ok());
     assert!(ds.row(36).unwrap_err().to_string().contains("line 37"));
     // A line that is valid JSON but not an object.
     let p = write(dir.path(), "arr.jsonl", b"{\"text\": \"a\"}\n[1, 2]\n");
     let err = prepare_err(&p, &tok);
-    assert!(err.contains("line 2") && err.contains("JSON object"), "{err}");
+    assert!(
+        err.contains("line 2") && err.contains("JSON object"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -54,12 +62,18 @@ fn csv_missing_mapped_column_lists_columns() {
     cfg.columns.completion = Some("reply".into());
     let err = prepare_dataset(&cfg, &tok, 8).unwrap_err().to_string();
     assert!(err.contains("qa.csv row 0"), "{err}");
-    assert!(err.contains("\"question\"") && err.contains("data.columns.prompt"), "{err}");
+    assert!(
+        err.contains("\"question\"") && err.contains("data.columns.prompt"),
+        "{err}"
+    );
     assert!(err.contains("query") && err.contains("reply"), "{err}");
     // Unrecognisable columns: the error lists them and names the settings.
     let p = write(dir.path(), "odd.csv", b"a,b\n1,2\n");
     let err = prepare_err(&p, &tok);
-    assert!(err.contains("[a, b]") && err.contains("data.format"), "{err}");
+    assert!(
+        err.contains("[a, b]") && err.contains("data.format"),
+        "{err}"
+    );
     // A ragged CSV.
     let p = write(dir.path(), "ragged.csv", b"text,x\nhello,1\nworld\n");
     let err = prepare_err(&p, &tok);
@@ -73,7 +87,10 @@ fn empty_files_and_invalid_utf8_are_clear() {
     for name in ["e.json", "e.jsonl", "e.csv", "e.txt", "e.parquet"] {
         let p = write(dir.path(), name, b"");
         let err = prepare_err(&p, &tok);
-        assert!(err.contains(name) && err.contains("is empty"), "{name}: {err}");
+        assert!(
+            err.contains(name) && err.contains("is empty"),
+            "{name}: {err}"
+        );
     }
     let p = write(dir.path(), "ws.jsonl", b"\n  \n\n");
     assert!(prepare_err(&p, &tok).contains("is empty"));
@@ -84,15 +101,24 @@ fn empty_files_and_invalid_utf8_are_clear() {
     for name in ["u.jsonl", "u.json", "u.txt"] {
         let p = write(dir.path(), name, bad);
         let err = prepare_err(&p, &tok);
-        assert!(err.contains(name) && err.contains("line 3") && err.contains("UTF-8"), "{name}: {err}");
+        assert!(
+            err.contains(name) && err.contains("line 3") && err.contains("UTF-8"),
+            "{name}: {err}"
+        );
     }
     let p = write(dir.path(), "u.csv", b"text\nok\ncaf\xe9\n");
     let err = prepare_err(&p, &tok);
-    assert!(err.contains("u.csv") && err.contains("line 3") && err.contains("UTF-8"), "{err}");
+    assert!(
+        err.contains("u.csv") && err.contains("line 3") && err.contains("UTF-8"),
+        "{err}"
+    );
 
     let p = write(dir.path(), "x.parquet", b"PAR1 not really parquet PAR1");
     let err = prepare_err(&p, &tok);
-    assert!(err.contains("x.parquet") && err.contains("Parquet"), "{err}");
+    assert!(
+        err.contains("x.parquet") && err.contains("Parquet"),
+        "{err}"
+    );
     let p = write(dir.path(), "x.xlsx", b"..");
     assert!(prepare_err(&p, &tok).contains("unsupported file type"));
     let err = prepare_err(&dir.path().join("missing.jsonl"), &tok);
@@ -107,7 +133,11 @@ fn json_variants_and_folders() {
     let tok = tiny_llama();
     let dir = tempfile::tempdir().unwrap();
     // JSON lines saved as .json, a {"data": [...]} wrapper, a BOM.
-    let a = write(dir.path(), "a.json", b"{\"text\": \"one\"}\n{\"text\": \"two\"}\n");
+    let a = write(
+        dir.path(),
+        "a.json",
+        b"{\"text\": \"one\"}\n{\"text\": \"two\"}\n",
+    );
     let b = write(dir.path(), "b.json", b"{\"data\": [{\"text\": \"three\"}]}");
     let c = write(dir.path(), "c.csv", b"\xef\xbb\xbftext\nfour\n");
     let ds = Dataset::open_files(&[a, b, c], false).unwrap();
@@ -149,7 +179,10 @@ fn readers_never_panic_on_arbitrary_bytes() {
     // Either raw bytes with a random extension, or a valid seed with a few
     // bytes overwritten / truncated.
     let strategy = prop_oneof![
-        (0..exts.len(), proptest::collection::vec(any::<u8>(), 0..300))
+        (
+            0..exts.len(),
+            proptest::collection::vec(any::<u8>(), 0..300)
+        )
             .prop_map(move |(e, b)| (exts[e].to_string(), b)),
         (
             0..seeds.len(),

@@ -62,9 +62,12 @@ fn rendered_ids_and_labels_match_transformers_for_all_rows() {
     let rows = fixture();
     assert_eq!(rows.len(), 8);
     for (i, fx) in rows.iter().enumerate() {
-        let ex = to_example(&fx["row"], Format::Alpaca, &ColumnMapping::default(), &|| {
-            format!("fixture row {i}")
-        })
+        let ex = to_example(
+            &fx["row"],
+            Format::Alpaca,
+            &ColumnMapping::default(),
+            &|| format!("fixture row {i}"),
+        )
         .unwrap();
         let out = label_example(i, &ex, &ctx, &|| format!("fixture row {i}")).unwrap();
         assert_eq!(
@@ -108,7 +111,10 @@ fn chat_template_from_config_list_and_jinja_precedence() {
     });
     std::fs::write(dir.path().join("tokenizer_config.json"), cfg.to_string()).unwrap();
     let tok = TokenizerBundle::load(dir.path()).unwrap();
-    assert_eq!(tok.chat_template.as_deref(), Some("DEFAULT {{ messages[0].content }}"));
+    assert_eq!(
+        tok.chat_template.as_deref(),
+        Some("DEFAULT {{ messages[0].content }}")
+    );
     assert_eq!(tok.bos_token_id, Some(1));
     assert_eq!(tok.pad_token_id, None);
     let pad = tok.pad();
@@ -176,4 +182,65 @@ fn real_world_template_features_render() {
         .render(&[ChatMessage::new("tool", "x")], false)
         .unwrap_err();
     assert!(err.contains("bad role tool"), "{err}");
+}
+
+/// The prefix-count shortcut (reusing the full conversation's tokens) gives
+/// exactly the labels of tokenising every prefix on its own.
+#[test]
+fn prefix_shortcut_matches_tokenising_each_prefix() {
+    use tunestudio::data::{prepare_dataset, DataConfig};
+    let fast = tiny_llama();
+    assert!(fast.prefix_shortcut(), "byte-level BPE allows the shortcut");
+    let mut slow = tiny_llama();
+    slow.set_prefix_shortcut(false);
+    assert!(!slow.prefix_shortcut());
+
+    let dir = tempfile::tempdir().unwrap();
+    let nasty = [
+        "\n\nleading newlines",
+        "  leading spaces",
+        " ",
+        "",
+        "ends with newlines\n\n",
+        "literal <|im_end|> and <|im_start|>assistant\n inside",
+        "שלום! 你好。 emoji 🎉",
+        "\n",
+    ];
+    let mut lines = Vec::new();
+    for (i, a) in nasty.iter().enumerate() {
+        for b in nasty.iter().skip(i % 3) {
+            let row = serde_json::json!({"messages": [
+                {"role": "system", "content": *b},
+                {"role": "user", "content": *a},
+                {"role": "assistant", "content": *b},
+                {"role": "user", "content": *b},
+                {"role": "assistant", "content": *a},
+            ]});
+            lines.push(row.to_string());
+        }
+    }
+    let chat = dir.path().join("nasty.jsonl");
+    std::fs::write(&chat, lines.join("\n")).unwrap();
+    let shared = tunestudio::paths::shared_dir().join("datasets");
+    let mut paths: Vec<String> = [
+        "alpaca_en_demo.json",
+        "alpaca_zh_demo.json",
+        "v1_sft_demo.jsonl",
+    ]
+    .iter()
+    .map(|n| shared.join(n).display().to_string())
+    .collect();
+    paths.push(chat.display().to_string());
+    for path in paths {
+        let cfg = DataConfig {
+            max_length: 100_000,
+            ..DataConfig::new(path.clone())
+        };
+        let a = prepare_dataset(&cfg, &fast, 8).unwrap();
+        let b = prepare_dataset(&cfg, &slow, 8).unwrap();
+        assert_eq!(a.train.len(), b.train.len(), "{path}");
+        for (x, y) in a.train.iter().zip(&b.train) {
+            assert_eq!(x, y, "{path} row {}", x.row);
+        }
+    }
 }

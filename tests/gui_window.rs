@@ -16,7 +16,12 @@ fn studio_renders_a_real_window_and_saves_a_screenshot() {
     let dir = tempfile::tempdir().expect("tempdir");
     let png = dir.path().join("preview.png");
     let mut child = Command::new("xvfb-run")
-        .args(["-a", "-s", "-screen 0 1400x900x24", env!("CARGO_BIN_EXE_tunestudio")])
+        .args([
+            "-a",
+            "-s",
+            "-screen 0 1400x900x24",
+            env!("CARGO_BIN_EXE_tunestudio"),
+        ])
         .env("LIBGL_ALWAYS_SOFTWARE", "1")
         .env("TUNESTUDIO_SCREENSHOT", &png)
         .env("TUNESTUDIO_SCREENSHOT_PANEL", "preview")
@@ -36,8 +41,18 @@ fn studio_renders_a_real_window_and_saves_a_screenshot() {
     };
     assert!(status.success(), "the studio exited with {status}");
     let img = image::open(&png).expect("a readable PNG").to_rgba8();
-    println!("screenshot {}x{} in {:.1} s", img.width(), img.height(), start.elapsed().as_secs_f64());
-    assert!(img.width() >= 800 && img.height() >= 500, "{}x{}", img.width(), img.height());
+    println!(
+        "screenshot {}x{} in {:.1} s",
+        img.width(),
+        img.height(),
+        start.elapsed().as_secs_f64()
+    );
+    assert!(
+        img.width() >= 800 && img.height() >= 500,
+        "{}x{}",
+        img.width(),
+        img.height()
+    );
     let first = *img.get_pixel(0, 0);
     let distinct = img.pixels().filter(|p| **p != first).count();
     assert!(

@@ -41,8 +41,14 @@ fn valid_config_loads_with_relative_paths() {
     assert_eq!(c.training.precision, Precision::Fp32);
     assert_eq!(c.training.schedule, ScheduleKind::Cosine);
     assert_eq!(c.output_path(), tmp.path().join("out"));
-    assert_eq!(c.model_source(), tmp.path().join("model").display().to_string());
-    assert_eq!(c.resolved_data().path, tmp.path().join("data.json").display().to_string());
+    assert_eq!(
+        c.model_source(),
+        tmp.path().join("model").display().to_string()
+    );
+    assert_eq!(
+        c.resolved_data().path,
+        tmp.path().join("data.json").display().to_string()
+    );
 }
 
 #[test]
@@ -83,11 +89,17 @@ fn five_invalid_fields_are_all_reported() {
         "training.warmup_ratio",
         "devices.strategy",
     ] {
-        assert!(fields.contains(&f.to_string()), "{f} missing from {fields:?}\n{err}");
+        assert!(
+            fields.contains(&f.to_string()),
+            "{f} missing from {fields:?}\n{err}"
+        );
     }
     assert_eq!(fields.len(), 6, "{err}");
     let msg = err.to_string();
-    assert!(msg.contains("training.gradient_accumulation: must be ≥ 1 (got 0)"), "{msg}");
+    assert!(
+        msg.contains("training.gradient_accumulation: must be ≥ 1 (got 0)"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -107,19 +119,28 @@ fn unknown_precision_names_field_and_allowed_values() {
 #[test]
 fn accumulation_zero_and_unknown_keys() {
     let tmp = tempfile::tempdir().unwrap();
-    let text = valid_toml(tmp.path())
-        .replace("micro_batch = 2", "gradient_accumulation = 0\nbatch_size = 8");
+    let text = valid_toml(tmp.path()).replace(
+        "micro_batch = 2",
+        "gradient_accumulation = 0\nbatch_size = 8",
+    );
     let path = write(tmp.path(), "run.toml", &text);
     let err = RunConfig::load(&path).unwrap_err();
     let fields = problems(&err);
-    assert!(fields.contains(&"training.gradient_accumulation".to_string()), "{err}");
+    assert!(
+        fields.contains(&"training.gradient_accumulation".to_string()),
+        "{err}"
+    );
     assert!(fields.contains(&"training.batch_size".to_string()), "{err}");
     let unknown = err
         .problems()
         .iter()
         .find(|p| p.field == "training.batch_size")
         .unwrap();
-    assert!(unknown.message.contains("micro_batch"), "should list valid keys: {}", unknown.message);
+    assert!(
+        unknown.message.contains("micro_batch"),
+        "should list valid keys: {}",
+        unknown.message
+    );
 }
 
 #[test]
@@ -127,7 +148,8 @@ fn unwritable_output_dir_is_reported() {
     let tmp = tempfile::tempdir().unwrap();
     // A file where a folder is needed: unwritable even for root.
     std::fs::write(tmp.path().join("blocker"), "x").unwrap();
-    let text = valid_toml(tmp.path()).replace("output_dir = \"out\"", "output_dir = \"blocker/run\"");
+    let text =
+        valid_toml(tmp.path()).replace("output_dir = \"out\"", "output_dir = \"blocker/run\"");
     let path = write(tmp.path(), "run.toml", &text);
     let err = RunConfig::load(&path).unwrap_err();
     let p = err
@@ -143,7 +165,10 @@ fn missing_model_folder_and_bad_data_are_reported_together() {
     let tmp = tempfile::tempdir().unwrap();
     let text = valid_toml(tmp.path())
         .replace("source = \"model\"", "source = \"./no-such-model\"")
-        .replace("path = \"data.json\"", "path = \"data.json\"\nmax_length = 1");
+        .replace(
+            "path = \"data.json\"",
+            "path = \"data.json\"\nmax_length = 1",
+        );
     let path = write(tmp.path(), "run.toml", &text);
     let err = RunConfig::load(&path).unwrap_err();
     let fields = problems(&err);

@@ -25,8 +25,14 @@ fn loss_falls_on_alpaca() {
     assert_eq!(losses.len(), 100);
     let first: f64 = losses[..10].iter().sum::<f64>() / 10.0;
     let last: f64 = losses[90..].iter().sum::<f64>() / 10.0;
-    println!("mean loss first 10 = {first:.4}, last 10 = {last:.4}, ratio {:.3}", last / first);
-    assert!(last <= 0.7 * first, "loss did not fall enough: {first} → {last}");
+    println!(
+        "mean loss first 10 = {first:.4}, last 10 = {last:.4}, ratio {:.3}",
+        last / first
+    );
+    assert!(
+        last <= 0.7 * first,
+        "loss did not fall enough: {first} → {last}"
+    );
 }
 
 /// micro-batch 1 × accumulation 4 and micro-batch 4 × accumulation 1 see the same 4 rows
@@ -43,9 +49,17 @@ fn accumulation_matches_a_large_batch() {
     let ga = TrainingRun::new(a).unwrap().preview_gradients().unwrap();
     let gb = TrainingRun::new(b).unwrap().preview_gradients().unwrap();
     assert_eq!(ga.tokens, gb.tokens);
-    assert!((ga.loss - gb.loss).abs() < 1e-5, "{} vs {}", ga.loss, gb.loss);
+    assert!(
+        (ga.loss - gb.loss).abs() < 1e-5,
+        "{} vs {}",
+        ga.loss,
+        gb.loss
+    );
     let worst = compare_grads(&ga.grads, &gb.grads, 1e-5);
-    println!("accumulation 4×1 vs 1×4: {} tokens, max |Δgrad| = {worst:e}", ga.tokens);
+    println!(
+        "accumulation 4×1 vs 1×4: {} tokens, max |Δgrad| = {worst:e}",
+        ga.tokens
+    );
     // Normalising per micro-batch (mean of means) would differ: the rows have different lengths.
     assert!(ga.grads.len() > 5);
 }
@@ -88,7 +102,11 @@ fn half_precision_tracks_fp32() {
     let reference = losses_for(Precision::Fp32, steps);
     for p in [Precision::Bf16Mixed, Precision::Bf16, Precision::Fp16Mixed] {
         let l = losses_for(p, steps);
-        let diffs: Vec<f64> = l.iter().zip(&reference).map(|(a, b)| (a - b).abs()).collect();
+        let diffs: Vec<f64> = l
+            .iter()
+            .zip(&reference)
+            .map(|(a, b)| (a - b).abs())
+            .collect();
         let max = diffs.iter().cloned().fold(0.0, f64::max);
         let mean = diffs.iter().sum::<f64>() / diffs.len() as f64;
         println!(
@@ -117,7 +135,16 @@ fn fp16_overflow_skips_the_step() {
         .model()
         .params()
         .iter()
-        .map(|p| p.var.as_tensor().to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap())
+        .map(|p| {
+            p.var
+                .as_tensor()
+                .to_dtype(candle_core::DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        })
         .collect();
     let o = run.step().unwrap();
     assert!(o.skipped, "the overflowing step was applied");
@@ -127,7 +154,16 @@ fn fp16_overflow_skips_the_step() {
         .model()
         .params()
         .iter()
-        .map(|p| p.var.as_tensor().to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap())
+        .map(|p| {
+            p.var
+                .as_tensor()
+                .to_dtype(candle_core::DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        })
         .collect();
     assert_eq!(before, after, "a skipped step changed the weights");
     assert!(after.iter().flatten().all(|x| x.is_finite()));
@@ -142,7 +178,8 @@ fn vocab_mismatch_is_a_clear_error() {
     let tmp = tempfile::tempdir().unwrap();
     let model = random_model_dir(tmp.path(), 1, 32);
     let cfg_path = model.join("config.json");
-    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
     cfg["vocab_size"] = serde_json::json!(1000);
     std::fs::write(&cfg_path, cfg.to_string()).unwrap();
     let mut c = tiny_config(&tmp.path().join("out"), 1);
@@ -154,6 +191,9 @@ fn vocab_mismatch_is_a_clear_error() {
     };
     assert!(matches!(err, TrainError::VocabMismatch { .. }), "{err}");
     let msg = err.to_string();
-    assert!(msg.contains("tokenizer.json") && msg.contains("config.json"), "{msg}");
+    assert!(
+        msg.contains("tokenizer.json") && msg.contains("config.json"),
+        "{msg}"
+    );
     assert!(msg.contains("49152") && msg.contains("1000"), "{msg}");
 }

@@ -34,7 +34,7 @@ fn checkpointing_keeps_gradients_and_lowers_peak_memory() {
         c.training.activation_checkpointing = ckpt;
         TrainingRun::new(c).unwrap()
     };
-    let mut measure = |ckpt: bool| {
+    let measure = |ckpt: bool| {
         let mut run = make(ckpt);
         let base = tunestudio::mem::current_bytes();
         tunestudio::mem::reset_peak();
@@ -53,5 +53,8 @@ fn checkpointing_keeps_gradients_and_lowers_peak_memory() {
     assert_eq!(g_off.tokens, g_on.tokens);
     let worst = train_common::compare_grads(&g_off.grads, &g_on.grads, 1e-5);
     println!("max |Δgrad| checkpointing on vs off = {worst:e}");
-    assert!(peak_on < peak_off, "checkpointing did not lower the peak: {peak_on} vs {peak_off}");
+    assert!(
+        peak_on < peak_off,
+        "checkpointing did not lower the peak: {peak_on} vs {peak_off}"
+    );
 }

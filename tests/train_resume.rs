@@ -23,7 +23,10 @@ fn assert_same(reference: &BTreeMap<u64, f64>, resumed: &BTreeMap<u64, f64>) {
     assert!(!resumed.is_empty());
     for (step, l) in resumed {
         let r = reference[step];
-        assert!((r - l).abs() <= 1e-6, "step {step}: resumed loss {l} vs uninterrupted {r}");
+        assert!(
+            (r - l).abs() <= 1e-6,
+            "step {step}: resumed loss {l} vs uninterrupted {r}"
+        );
     }
 }
 
@@ -71,7 +74,10 @@ fn resume_in_process_matches_uninterrupted_run() {
     let mut resumed = TrainingRun::resume(cfg, &latest).unwrap();
     assert_eq!(resumed.step_index(), 7);
     let after = losses(&mut resumed);
-    assert_eq!(after.keys().copied().collect::<Vec<_>>(), (8..=14).collect::<Vec<_>>());
+    assert_eq!(
+        after.keys().copied().collect::<Vec<_>>(),
+        (8..=14).collect::<Vec<_>>()
+    );
     assert_same(&reference, &after);
 }
 
@@ -100,7 +106,10 @@ fn resume_after_killing_the_process() {
         .unwrap();
     let started = Instant::now();
     while tunestudio::train::latest_checkpoint(&out).is_none() {
-        assert!(started.elapsed() < Duration::from_secs(120), "no checkpoint appeared");
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "no checkpoint appeared"
+        );
         if let Some(status) = child.try_wait().unwrap() {
             panic!("tunestudio train exited early: {status}");
         }
@@ -134,5 +143,11 @@ fn resume_after_killing_the_process() {
     }
     assert_eq!(recorded.len(), 14, "steps recorded: {:?}", recorded.keys());
     assert_same(&reference, &recorded);
-    assert!(events.iter().any(|e| matches!(e, Event::Started { resumed_from: Some(_), .. })));
+    assert!(events.iter().any(|e| matches!(
+        e,
+        Event::Started {
+            resumed_from: Some(_),
+            ..
+        }
+    )));
 }

@@ -41,9 +41,12 @@ fn events_arrive_in_order_and_are_recorded() {
     c.checkpoint.save_final = true;
     let wakes = Arc::new(AtomicUsize::new(0));
     let w = wakes.clone();
-    let h = Trainer::spawn(c, Some(Arc::new(move || {
-        w.fetch_add(1, Ordering::SeqCst);
-    })));
+    let h = Trainer::spawn(
+        c,
+        Some(Arc::new(move || {
+            w.fetch_add(1, Ordering::SeqCst);
+        })),
+    );
     // Nothing happens before Start.
     assert!(h.events.recv_timeout(Duration::from_millis(200)).is_err());
     assert!(h.send(Command::Start));
@@ -58,7 +61,12 @@ fn events_arrive_in_order_and_are_recorded() {
     h.join();
     let kinds: Vec<String> = all
         .iter()
-        .filter(|e| matches!(e.kind(), "step" | "eval" | "checkpoint_saved" | "finished" | "started"))
+        .filter(|e| {
+            matches!(
+                e.kind(),
+                "step" | "eval" | "checkpoint_saved" | "finished" | "started"
+            )
+        })
         .map(|e| match e {
             Event::Step { step, .. } => format!("step{step}"),
             Event::Eval { step, .. } => format!("eval{step}"),
@@ -73,14 +81,23 @@ fn events_arrive_in_order_and_are_recorded() {
     );
     assert!(all.iter().any(|e| matches!(e, Event::Memory { .. })));
     match all.last().unwrap() {
-        Event::Finished { reason, step, last_checkpoint, .. } => {
+        Event::Finished {
+            reason,
+            step,
+            last_checkpoint,
+            ..
+        } => {
             assert_eq!(*reason, FinishReason::Completed);
             assert_eq!(*step, 4);
             assert!(last_checkpoint.as_ref().unwrap().ends_with("checkpoint-4"));
         }
         e => panic!("{e:?}"),
     }
-    assert_eq!(wakes.load(Ordering::SeqCst), all.len(), "the waker runs once per event");
+    assert_eq!(
+        wakes.load(Ordering::SeqCst),
+        all.len(),
+        "the waker runs once per event"
+    );
     // metrics.jsonl holds the same events (status lines excepted).
     let recorded = read_metrics(tmp.path()).unwrap();
     let sent: Vec<&Event> = all.iter().filter(|e| e.kind() != "status").collect();
@@ -112,7 +129,10 @@ fn pause_resume_and_stop() {
     let quiet = Instant::now();
     while quiet.elapsed() < Duration::from_millis(700) {
         if let Ok(e) = h.events.recv_timeout(Duration::from_millis(50)) {
-            assert!(!matches!(e, Event::Step { .. }), "a step ran while paused: {e:?}");
+            assert!(
+                !matches!(e, Event::Step { .. }),
+                "a step ran while paused: {e:?}"
+            );
         }
     }
     h.send(Command::Resume);
@@ -135,7 +155,10 @@ fn pause_resume_and_stop() {
             _ => {}
         }
     }
-    assert!(steps_after_stop <= 1, "{steps_after_stop} steps ran after Stop");
+    assert!(
+        steps_after_stop <= 1,
+        "{steps_after_stop} steps ran after Stop"
+    );
     assert!(stopped.elapsed() < Duration::from_secs(10));
     let joined = Instant::now();
     h.join();
@@ -163,7 +186,10 @@ fn setup_errors_become_events_and_the_process_lives_on() {
     }
     h.join();
     let (message, hint) = error.expect("no error event");
-    assert!(message.contains("training.gradient_accumulation"), "{message}");
+    assert!(
+        message.contains("training.gradient_accumulation"),
+        "{message}"
+    );
     assert!(!hint.is_empty());
 }
 
@@ -196,4 +222,35 @@ fn save_now_writes_a_checkpoint() {
         }
     }
     h.join();
+}
+
+#[test]
+fn a_run_predicted_to_exhaust_host_memory_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = tiny_config(tmp.path(), 3);
+    c.training.micro_batch = 1 << 20;
+    c.data.max_length = 256;
+    let h = Trainer::spawn(c, None);
+    h.send(Command::Start);
+    let started = Instant::now();
+    let mut error = None;
+    loop {
+        match next(&h, 60) {
+            Event::Error { message, hint, .. } => error = Some((message, hint)),
+            Event::Started { .. } => panic!("a run that cannot fit was started"),
+            Event::Finished { reason, .. } => {
+                assert_eq!(reason, FinishReason::Failed);
+                break;
+            }
+            _ => {}
+        }
+    }
+    h.join();
+    let (message, hint) = error.expect("no error event");
+    assert!(message.contains("memory plan"), "{message}");
+    assert!(!hint.is_empty());
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "the model was loaded before the check"
+    );
 }

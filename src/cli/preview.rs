@@ -73,11 +73,9 @@ pub fn run(args: PreviewArgs) -> anyhow::Result<ExitCode> {
     if let Some(m) = args.max_length {
         cfg.max_length = m;
     }
-    let model = args
-        .model
-        .clone()
-        .or(model_source)
-        .context("no model: pass --model DIR (or a hub id) or --config run.toml with [model] source")?;
+    let model = args.model.clone().or(model_source).context(
+        "no model: pass --model DIR (or a hub id) or --config run.toml with [model] source",
+    )?;
     if cfg.path.trim().is_empty() {
         anyhow::bail!("no data: pass --data PATH or --config run.toml with [data] path");
     }

@@ -30,6 +30,9 @@ pub struct TrainArgs {
     /// Print every event as a JSON line on stdout instead of the progress bar.
     #[arg(long)]
     pub json: bool,
+    /// Train even when the memory plan predicts that host memory runs out.
+    #[arg(long)]
+    pub ignore_memory_plan: bool,
 }
 
 /// Runs `tunestudio train`.
@@ -40,6 +43,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     }
     let mut options = TrainerOptions {
         start_immediately: true,
+        ignore_memory_plan: args.ignore_memory_plan,
         ..TrainerOptions::default()
     };
     match &args.resume {
@@ -57,7 +61,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         let presses = presses.clone();
         ctrlc::set_handler(move || {
             if presses.fetch_add(1, Ordering::SeqCst) == 0 {
-                eprintln!("\nstopping after this step and saving a checkpoint (Ctrl-C again to quit now)");
+                eprintln!(
+                    "\nstopping after this step and saving a checkpoint (Ctrl-C again to quit now)"
+                );
                 let _ = commands.send(Command::SaveNow);
                 let _ = commands.send(Command::Stop);
             } else {
@@ -94,7 +100,10 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
                 output_dir,
             } if !args.json => {
                 if let Some(p) = resumed_from {
-                    say(&bar, format!("resuming from {} (step {start_step})", p.display()));
+                    say(
+                        &bar,
+                        format!("resuming from {} (step {start_step})", p.display()),
+                    );
                 }
                 say(
                     &bar,
@@ -131,7 +140,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
                     b.set_message(format!("loss {loss:.4} | {tokens_per_sec:.0} tok/s"));
                 }
                 if step % log_every == 0 || *step == 1 || *skipped {
-                    let note = if *skipped { " (skipped: fp16 overflow)" } else { "" };
+                    let note = if *skipped {
+                        " (skipped: fp16 overflow)"
+                    } else {
+                        ""
+                    };
                     say(
                         &bar,
                         format!(
@@ -159,7 +172,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
                 }
                 eprintln!("error: {message}\nhint: {hint}");
             }
-            Event::Finished { reason: r, step, final_loss, elapsed_secs, .. } => {
+            Event::Finished {
+                reason: r,
+                step,
+                final_loss,
+                elapsed_secs,
+                ..
+            } => {
                 reason = *r;
                 if let Some(b) = &bar {
                     b.finish_and_clear();

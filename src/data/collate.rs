@@ -66,7 +66,11 @@ impl Batch {
     pub fn to_tensors(
         &self,
         device: &candle_core::Device,
-    ) -> candle_core::Result<(candle_core::Tensor, candle_core::Tensor, candle_core::Tensor)> {
+    ) -> candle_core::Result<(
+        candle_core::Tensor,
+        candle_core::Tensor,
+        candle_core::Tensor,
+    )> {
         use candle_core::Tensor;
         let shape = (self.batch_size, self.seq_len);
         Ok((
@@ -122,7 +126,11 @@ pub fn collate(samples: &[&TokenizedSample], opts: &CollateOptions) -> Batch {
                 Some(sw) => w[base..base + n].copy_from_slice(&sw[..n]),
                 None => {
                     for i in 0..n {
-                        w[base + i] = if s.labels[i] == IGNORE_INDEX { 0.0 } else { 1.0 };
+                        w[base + i] = if s.labels[i] == IGNORE_INDEX {
+                            0.0
+                        } else {
+                            1.0
+                        };
                     }
                 }
             }
@@ -163,7 +171,8 @@ pub fn batch_indices(
     epoch: u64,
 ) -> Vec<Vec<usize>> {
     let bs = batch_size.max(1);
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let mut rng =
+        rand::rngs::StdRng::seed_from_u64(seed ^ epoch.wrapping_mul(0x9E37_79B9_7F4A_7C15));
     let mut idx: Vec<usize> = (0..lengths.len()).collect();
     if shuffle {
         idx.shuffle(&mut rng);
@@ -182,7 +191,12 @@ pub fn batch_indices(
         let longest = batches
             .iter()
             .enumerate()
-            .max_by_key(|(i, b)| (b.iter().map(|&j| lengths[j]).max().unwrap_or(0), usize::MAX - i))
+            .max_by_key(|(i, b)| {
+                (
+                    b.iter().map(|&j| lengths[j]).max().unwrap_or(0),
+                    usize::MAX - i,
+                )
+            })
             .map(|(i, _)| i)
             .unwrap_or(0);
         let first = batches.swap_remove(longest);
@@ -200,7 +214,9 @@ mod tests {
         TokenizedSample {
             row,
             input_ids: vec![5; n],
-            labels: (0..n).map(|i| if i < 2 { IGNORE_INDEX } else { 5 }).collect(),
+            labels: (0..n)
+                .map(|i| if i < 2 { IGNORE_INDEX } else { 5 })
+                .collect(),
             weights: None,
             segments: vec![n],
             rows: vec![row],

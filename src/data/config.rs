@@ -235,7 +235,8 @@ pub struct RunConfigView {
 impl RunConfigView {
     /// Reads a run config file.
     pub fn from_file(path: &std::path::Path) -> Result<Self, crate::data::DataError> {
-        let text = std::fs::read_to_string(path).map_err(|e| crate::data::DataError::io(path, e))?;
+        let text =
+            std::fs::read_to_string(path).map_err(|e| crate::data::DataError::io(path, e))?;
         let base = path.parent().unwrap_or(std::path::Path::new("."));
         Self::from_toml_str(&text, base, &path.display().to_string())
     }
@@ -266,10 +267,13 @@ impl RunConfigView {
             .filter(|s| !s.trim().is_empty())
             .map(resolve);
         let mut data: DataConfig = match root.get("data") {
-            Some(v) => v.clone().try_into().map_err(|e: toml::de::Error| DataError::Config {
-                setting: format!("[data] in {origin}"),
-                message: e.to_string(),
-            })?,
+            Some(v) => v
+                .clone()
+                .try_into()
+                .map_err(|e: toml::de::Error| DataError::Config {
+                    setting: format!("[data] in {origin}"),
+                    message: e.to_string(),
+                })?,
             None => DataConfig::default(),
         };
         data.path = resolve(&data.path);
@@ -304,7 +308,8 @@ mod tests {
         let run = format!(
             "output_dir = \"x\"\n[model]\nsource = \"m\"\ndtype = \"auto\"\n[training]\nmicro_batch = 4\nlr = 1e-4\n[data]\n{text}"
         );
-        let view = RunConfigView::from_toml_str(&run, std::path::Path::new("."), "run.toml").unwrap();
+        let view =
+            RunConfigView::from_toml_str(&run, std::path::Path::new("."), "run.toml").unwrap();
         assert_eq!(view.model_source.as_deref(), Some("m"));
         assert_eq!(view.micro_batch, Some(4));
         assert_eq!(view.data.format, Format::ShareGpt);
@@ -313,6 +318,9 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("max_len"), "{err}");
-        assert_eq!("LlamaFactory-v1".parse::<Format>(), Ok(Format::LlamaFactoryV1));
+        assert_eq!(
+            "LlamaFactory-v1".parse::<Format>(),
+            Ok(Format::LlamaFactoryV1)
+        );
     }
 }

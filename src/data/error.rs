@@ -25,7 +25,9 @@ pub enum DataError {
         hint: String,
     },
     /// A data file holds no bytes (or only whitespace).
-    #[error("{path} is empty: there are no rows to train on; point `data.path` at a file with data")]
+    #[error(
+        "{path} is empty: there are no rows to train on; point `data.path` at a file with data"
+    )]
     EmptyFile {
         /// The file.
         path: PathBuf,

@@ -90,11 +90,13 @@ pub fn detect_format(row: &Value, cols: &ColumnMapping) -> Option<Format> {
     if obj.contains_key(instr) && obj.contains_key(out) {
         // Alpaca when the instruction column is alpaca's own (or alpaca-only
         // columns are mapped); any other mapped pair is prompt/completion.
-        return Some(if instr == "instruction" || cols.input.is_some() || cols.history.is_some() {
-            Format::Alpaca
-        } else {
-            Format::PromptCompletion
-        });
+        return Some(
+            if instr == "instruction" || cols.input.is_some() || cols.history.is_some() {
+                Format::Alpaca
+            } else {
+                Format::PromptCompletion
+            },
+        );
     }
     if cols.text.is_none() {
         for (p, c) in PAIRS {
@@ -120,10 +122,15 @@ pub fn detect_format(row: &Value, cols: &ColumnMapping) -> Option<Format> {
 
 fn detect_message_style(v: &Value, is_conversations: bool) -> Format {
     let v = parse_if_string(v);
-    let first = v.as_array().and_then(|a| a.first()).and_then(Value::as_object);
+    let first = v
+        .as_array()
+        .and_then(|a| a.first())
+        .and_then(Value::as_object);
     match first {
         Some(m) if m.contains_key("from") || m.contains_key("value") => Format::ShareGpt,
-        Some(m) if m.get("content").is_some_and(Value::is_array) || m.contains_key("loss_weight") => {
+        Some(m)
+            if m.get("content").is_some_and(Value::is_array) || m.contains_key("loss_weight") =>
+        {
             // Typed parts: v1 uses {type, value}; OpenAI-style {type, text} is chat.
             let parts_have_value = m
                 .get("content")
@@ -178,9 +185,8 @@ pub fn to_example(
     let get_str = |name: &str, setting: &str| -> Result<String, DataError> {
         match obj.get(name) {
             None => Err(missing(name, setting)),
-            Some(v) => value_to_text(v).ok_or_else(|| {
-                bad(format!("column {name:?} must be text, found {}", kind(v)))
-            }),
+            Some(v) => value_to_text(v)
+                .ok_or_else(|| bad(format!("column {name:?} must be text, found {}", kind(v)))),
         }
     };
     let opt_str = |name: &str| -> Result<Option<String>, DataError> {
@@ -214,8 +220,11 @@ pub fn to_example(
                 Some(t) => t.clone(),
                 None if obj.contains_key("text") => "text".into(),
                 None => {
-                    let strings: Vec<&String> =
-                        obj.iter().filter(|(_, v)| v.is_string()).map(|(k, _)| k).collect();
+                    let strings: Vec<&String> = obj
+                        .iter()
+                        .filter(|(_, v)| v.is_string())
+                        .map(|(k, _)| k)
+                        .collect();
                     match strings.as_slice() {
                         [only] => (*only).clone(),
                         _ => "text".into(),
@@ -240,8 +249,12 @@ pub fn to_example(
                         )
                     }),
             };
-            let pv = obj.get(&p).ok_or_else(|| missing(&p, "data.columns.prompt"))?;
-            let cv = obj.get(&c).ok_or_else(|| missing(&c, "data.columns.completion"))?;
+            let pv = obj
+                .get(&p)
+                .ok_or_else(|| missing(&p, "data.columns.prompt"))?;
+            let cv = obj
+                .get(&c)
+                .ok_or_else(|| missing(&c, "data.columns.completion"))?;
             // Conversational prompt/completion (lists of messages) is chat.
             if pv.is_array() && cv.is_array() {
                 let mut msgs = parse_messages(pv, false, &bad)?;
@@ -267,7 +280,9 @@ pub fn to_example(
                             let pair = t.as_array().filter(|p| p.len() == 2).ok_or_else(|| {
                                 bad("`history` must be a list of [user, assistant] pairs".into())
                             })?;
-                            let (Some(u), Some(a)) = (value_to_text(&pair[0]), value_to_text(&pair[1])) else {
+                            let (Some(u), Some(a)) =
+                                (value_to_text(&pair[0]), value_to_text(&pair[1]))
+                            else {
                                 return Err(bad("`history` pairs must hold text".into()));
                             };
                             msgs.push(ChatMessage::new("user", u));
@@ -299,7 +314,9 @@ pub fn to_example(
                 "messages"
             };
             let name = col(&cols.messages, default);
-            let v = obj.get(name).ok_or_else(|| missing(name, "data.columns.messages"))?;
+            let v = obj
+                .get(name)
+                .ok_or_else(|| missing(name, "data.columns.messages"))?;
             let mut msgs = parse_messages(v, format == Format::ShareGpt, &bad)?;
             system(&mut msgs)?;
             Ok(Example::Chat { messages: msgs })
@@ -312,7 +329,9 @@ pub fn to_example(
                 .into_iter()
                 .map(|x| {
                     u32::try_from(x).map_err(|_| {
-                        bad(format!("input_ids holds {x}, which is not a token id (0..2^32)"))
+                        bad(format!(
+                            "input_ids holds {x}, which is not a token id (0..2^32)"
+                        ))
                     })
                 })
                 .collect::<Result<Vec<u32>, _>>()?;
@@ -351,11 +370,18 @@ pub fn to_example(
     }
 }
 
-fn int_list(v: &Value, name: &str, bad: &dyn Fn(String) -> DataError) -> Result<Vec<i64>, DataError> {
+fn int_list(
+    v: &Value,
+    name: &str,
+    bad: &dyn Fn(String) -> DataError,
+) -> Result<Vec<i64>, DataError> {
     let v = parse_if_string(v);
-    let arr = v
-        .as_array()
-        .ok_or_else(|| bad(format!("{name} must be a list of integers, found {}", kind(&v))))?;
+    let arr = v.as_array().ok_or_else(|| {
+        bad(format!(
+            "{name} must be a list of integers, found {}",
+            kind(&v)
+        ))
+    })?;
     arr.iter()
         .map(|x| {
             x.as_i64()
@@ -391,7 +417,9 @@ fn kind(v: &Value) -> &'static str {
 fn sharegpt_role(from: &str) -> String {
     match from {
         "human" | "user" => "user",
-        "gpt" | "assistant" | "model" | "bot" | "chatgpt" | "bing" | "bard" | "function_call" => "assistant",
+        "gpt" | "assistant" | "model" | "bot" | "chatgpt" | "bing" | "bard" | "function_call" => {
+            "assistant"
+        }
         "system" => "system",
         "observation" | "function" | "tool" => "tool",
         other => other,
@@ -407,9 +435,12 @@ fn parse_messages(
     bad: &dyn Fn(String) -> DataError,
 ) -> Result<Vec<ChatMessage>, DataError> {
     let v = parse_if_string(v);
-    let list = v
-        .as_array()
-        .ok_or_else(|| bad(format!("messages must be a list of turns, found {}", kind(&v))))?;
+    let list = v.as_array().ok_or_else(|| {
+        bad(format!(
+            "messages must be a list of turns, found {}",
+            kind(&v)
+        ))
+    })?;
     let mut out = Vec::with_capacity(list.len());
     for (i, m) in list.iter().enumerate() {
         let m = m
@@ -425,18 +456,30 @@ fn parse_messages(
         } else {
             role_raw.to_string()
         };
-        let content_v = m.get("content").or_else(|| m.get("value")).unwrap_or(&Value::Null);
-        let content = content_text(content_v)
-            .map_err(|why| bad(format!("turn {i} ({role}): {why}")))?;
+        let content_v = m
+            .get("content")
+            .or_else(|| m.get("value"))
+            .unwrap_or(&Value::Null);
+        let content =
+            content_text(content_v).map_err(|why| bad(format!("turn {i} ({role}): {why}")))?;
         let loss_weight = match m.get("loss_weight") {
             None | Some(Value::Null) => None,
-            Some(w) => Some(w.as_f64().filter(|w| *w >= 0.0 && w.is_finite()).ok_or_else(|| {
-                bad(format!("turn {i}: loss_weight must be a non-negative number, found {w}"))
-            })? as f32),
+            Some(w) => Some(
+                w.as_f64()
+                    .filter(|w| *w >= 0.0 && w.is_finite())
+                    .ok_or_else(|| {
+                        bad(format!(
+                            "turn {i}: loss_weight must be a non-negative number, found {w}"
+                        ))
+                    })? as f32,
+            ),
         };
         let mut extra = Map::new();
         for (k, val) in m {
-            if !matches!(k.as_str(), "role" | "from" | "content" | "value" | "loss_weight") {
+            if !matches!(
+                k.as_str(),
+                "role" | "from" | "content" | "value" | "loss_weight"
+            ) {
                 extra.insert(k.clone(), val.clone());
             }
         }
@@ -478,7 +521,10 @@ fn content_text(v: &Value) -> Result<String, String> {
             }
             Ok(s)
         }
-        other => Err(format!("content must be text or a list of parts, found {}", kind(other))),
+        other => Err(format!(
+            "content must be text or a list of parts, found {}",
+            kind(other)
+        )),
     }
 }
 
@@ -495,29 +541,54 @@ mod tests {
     fn detection() {
         assert_eq!(det(json!({"text": "a"})), Some(Format::Text));
         assert_eq!(det(json!({"Prompt": "a", "n": 3})), Some(Format::Text));
-        assert_eq!(det(json!({"instruction": "a", "input": "", "output": "b"})), Some(Format::Alpaca));
-        assert_eq!(det(json!({"prompt": "a", "completion": "b"})), Some(Format::PromptCompletion));
-        assert_eq!(det(json!({"messages": [{"role": "user", "content": "x"}]})), Some(Format::Chat));
-        assert_eq!(det(json!({"conversations": [{"from": "human", "value": "x"}]})), Some(Format::ShareGpt));
         assert_eq!(
-            det(json!({"messages": [{"role": "user", "content": [{"type": "text", "value": "x"}], "loss_weight": 0.0}]})),
+            det(json!({"instruction": "a", "input": "", "output": "b"})),
+            Some(Format::Alpaca)
+        );
+        assert_eq!(
+            det(json!({"prompt": "a", "completion": "b"})),
+            Some(Format::PromptCompletion)
+        );
+        assert_eq!(
+            det(json!({"messages": [{"role": "user", "content": "x"}]})),
+            Some(Format::Chat)
+        );
+        assert_eq!(
+            det(json!({"conversations": [{"from": "human", "value": "x"}]})),
+            Some(Format::ShareGpt)
+        );
+        assert_eq!(
+            det(
+                json!({"messages": [{"role": "user", "content": [{"type": "text", "value": "x"}], "loss_weight": 0.0}]})
+            ),
             Some(Format::LlamaFactoryV1)
         );
-        assert_eq!(det(json!({"input_ids": [1, 2]})), Some(Format::Pretokenized));
+        assert_eq!(
+            det(json!({"input_ids": [1, 2]})),
+            Some(Format::Pretokenized)
+        );
         assert_eq!(det(json!({"a": 1, "b": 2})), None);
         let cols = ColumnMapping {
             prompt: Some("q".into()),
             completion: Some("a".into()),
             ..Default::default()
         };
-        assert_eq!(detect_format(&json!({"q": "x", "a": "y"}), &cols), Some(Format::PromptCompletion));
+        assert_eq!(
+            detect_format(&json!({"q": "x", "a": "y"}), &cols),
+            Some(Format::PromptCompletion)
+        );
     }
 
     #[test]
     fn alpaca_to_chat() {
         let row = json!({"instruction": "Do", "input": "this", "output": "ok", "system": "S", "history": [["h1", "a1"]]});
-        let ex = to_example(&row, Format::Alpaca, &ColumnMapping::default(), &|| "r".into()).unwrap();
-        let Example::Chat { messages } = ex else { panic!() };
+        let ex = to_example(&row, Format::Alpaca, &ColumnMapping::default(), &|| {
+            "r".into()
+        })
+        .unwrap();
+        let Example::Chat { messages } = ex else {
+            panic!()
+        };
         let roles: Vec<&str> = messages.iter().map(|m| m.role.as_str()).collect();
         assert_eq!(roles, ["system", "user", "assistant", "user", "assistant"]);
         assert_eq!(messages[3].content, "Do\nthis");
@@ -531,9 +602,14 @@ mod tests {
             ..Default::default()
         };
         let row = json!({"q": "x", "a": "y"});
-        let err = to_example(&row, Format::PromptCompletion, &cols, &|| "f.csv row 0".into())
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("\"question\"") && err.contains("q, a") || err.contains("a, q"), "{err}");
+        let err = to_example(&row, Format::PromptCompletion, &cols, &|| {
+            "f.csv row 0".into()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("\"question\"") && err.contains("q, a") || err.contains("a, q"),
+            "{err}"
+        );
     }
 }

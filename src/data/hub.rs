@@ -32,14 +32,21 @@ pub fn hub_cache_dir() -> PathBuf {
     if let Some(home) = std::env::var_os("HF_HOME") {
         return PathBuf::from(home).join("hub");
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_default();
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_default();
     home.join(".cache").join("huggingface").join("hub")
 }
 
 /// Whether `HF_HUB_OFFLINE` asks for no network access.
 pub fn hub_offline() -> bool {
     std::env::var("HF_HUB_OFFLINE")
-        .map(|v| matches!(v.trim().to_ascii_lowercase().as_str(), "1" | "true" | "yes" | "on"))
+        .map(|v| {
+            matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "1" | "true" | "yes" | "on"
+            )
+        })
         .unwrap_or(false)
 }
 
@@ -72,7 +79,11 @@ pub fn split_revision(s: &str) -> (&str, &str) {
 
 /// The repository's folder in the cache: `<cache>/datasets--org--name`.
 pub fn repo_cache_folder(cache_dir: &Path, kind: RepoKind, id: &str) -> PathBuf {
-    cache_dir.join(format!("{}--{}", kind.folder_prefix(), id.replace('/', "--")))
+    cache_dir.join(format!(
+        "{}--{}",
+        kind.folder_prefix(),
+        id.replace('/', "--")
+    ))
 }
 
 /// The cached snapshot folder of `id` at `revision` (a branch/tag name
@@ -85,8 +96,7 @@ pub fn cached_snapshot(
 ) -> Option<PathBuf> {
     let repo = repo_cache_folder(cache_dir, kind, id);
     let direct = repo.join("snapshots").join(revision);
-    if revision.len() == 40 && revision.chars().all(|c| c.is_ascii_hexdigit()) && direct.is_dir()
-    {
+    if revision.len() == 40 && revision.chars().all(|c| c.is_ascii_hexdigit()) && direct.is_dir() {
         return Some(direct);
     }
     let commit = std::fs::read_to_string(repo.join("refs").join(revision)).ok()?;
@@ -143,7 +153,11 @@ fn download(
         RepoKind::Model => RepoType::Model,
         RepoKind::Dataset => RepoType::Dataset,
     };
-    let repo = api.repo(Repo::with_revision(id.to_string(), repo_type, rev.to_string()));
+    let repo = api.repo(Repo::with_revision(
+        id.to_string(),
+        repo_type,
+        rev.to_string(),
+    ));
     let info = repo.info().map_err(|e| {
         hub_err(format!(
             "cannot list the repository (revision {rev}): {e}; check the id, your network, or HF_TOKEN for gated repositories"

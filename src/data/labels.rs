@@ -289,9 +289,7 @@ pub fn label_example(
     out.first_trained = labels.iter().position(|&l| l != IGNORE_INDEX);
     if ids.len() > ctx.max_length {
         out.truncated = true;
-        out.completion_truncated = labels[ctx.max_length..]
-            .iter()
-            .any(|&l| l != IGNORE_INDEX);
+        out.completion_truncated = labels[ctx.max_length..].iter().any(|&l| l != IGNORE_INDEX);
         ids.truncate(ctx.max_length);
         labels.truncate(ctx.max_length);
         if let Some(w) = weights.as_mut() {
@@ -342,9 +340,14 @@ fn label_chat(
     };
     let tok = ctx.tok;
     let text = tmpl.render(messages, false).map_err(render_err)?;
-    let mut ids = tok
-        .encode(&text, false)
-        .map_err(|message| render_err(format!("tokenising failed: {message}")))?;
+    // Offsets let prefix token counts reuse these tokens (see
+    // `TokenizerBundle::prefix_token_count`).
+    let (mut ids, offsets) = if ctx.completions_only && tok.prefix_shortcut() {
+        tok.encode_with_offsets(&text)
+    } else {
+        tok.encode(&text, false).map(|ids| (ids, Vec::new()))
+    }
+    .map_err(|message| render_err(format!("tokenising failed: {message}")))?;
     let n = messages.len();
     let mut prefix_unstable = false;
     let (mut labels, mut weights): (Vec<i64>, Vec<f32>);
@@ -372,9 +375,8 @@ fn label_chat(
                     if !text.starts_with(&prefix) {
                         prefix_unstable = true;
                     }
-                    tok.encode(&prefix, false)
+                    tok.prefix_token_count(&text, &ids, &offsets, &prefix)
                         .map_err(|m| render_err(format!("tokenising failed: {m}")))?
-                        .len()
                 }
                 // Some templates refuse an empty conversation: it renders nothing.
                 Err(_) if k == 0 => 0,
@@ -482,11 +484,13 @@ pub fn pack(samples: &[TokenizedSample], max_length: usize) -> Vec<TokenizedSamp
                 if let Some(w) = out.weights.as_mut() {
                     match &s.weights {
                         Some(sw) => w.extend_from_slice(&sw[..len]),
-                        None => w.extend(
-                            s.labels[..len]
-                                .iter()
-                                .map(|&l| if l == IGNORE_INDEX { 0.0 } else { 1.0 }),
-                        ),
+                        None => w.extend(s.labels[..len].iter().map(|&l| {
+                            if l == IGNORE_INDEX {
+                                0.0
+                            } else {
+                                1.0
+                            }
+                        })),
                     }
                     if j > 0 && len > 0 {
                         w[start] = 0.0;
@@ -509,7 +513,13 @@ mod tests {
             row,
             input_ids: (0..n as u32).collect(),
             labels: (0..n as i64)
-                .map(|i| if (i as usize) < masked { IGNORE_INDEX } else { i })
+                .map(|i| {
+                    if (i as usize) < masked {
+                        IGNORE_INDEX
+                    } else {
+                        i
+                    }
+                })
                 .collect(),
             weights: None,
             segments: vec![n],
@@ -519,7 +529,12 @@ mod tests {
 
     #[test]
     fn packing_keeps_trained_tokens() {
-        let s = vec![sample(0, 5, 2), sample(1, 7, 0), sample(2, 3, 1), sample(3, 9, 0)];
+        let s = vec![
+            sample(0, 5, 2),
+            sample(1, 7, 0),
+            sample(2, 3, 1),
+            sample(3, 9, 0),
+        ];
         let packed = pack(&s, 12);
         let before: usize = s.iter().map(TokenizedSample::num_trained).sum();
         let after: usize = packed.iter().map(TokenizedSample::num_trained).sum();

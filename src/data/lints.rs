@@ -300,7 +300,7 @@ pub fn lint_rows(rows: &[LabelledRow], ctx: &LintContext) -> Vec<Lint> {
             message: "the tokenizer has no pad token; EOS pads batches. Padding is masked by position (labels -100, attention 0), so trained EOS tokens are unaffected.".into(),
         });
     }
-    out.sort_by(|a, b| b.severity.cmp(&a.severity));
+    out.sort_by_key(|l| std::cmp::Reverse(l.severity));
     out
 }
 

@@ -37,8 +37,8 @@ pub use labels::{
 };
 pub use lints::{has_errors, lint_rows, Lint, LintKind, Severity};
 pub use prepare::{
-    label_dataset, open_data, open_data_with_cache, prepare_dataset, prepare_opened, split_indices, OpenedData,
-    Pipeline, PreparedData,
+    label_dataset, open_data, open_data_with_cache, prepare_dataset, prepare_opened, split_indices,
+    OpenedData, Pipeline, PreparedData,
 };
 pub use preview::{
     preview_dataset, preview_opened, DataPreview, PreviewOptions, RowPreview, RowSelection,

@@ -119,15 +119,15 @@ impl<'a> Pipeline<'a> {
         first_location: &str,
     ) -> Result<Self, DataError> {
         let format = match cfg.format {
-            Format::Auto => detect_format(first_row, &cfg.columns).ok_or_else(|| {
-                DataError::UnknownFormat {
+            Format::Auto => {
+                detect_format(first_row, &cfg.columns).ok_or_else(|| DataError::UnknownFormat {
                     location: first_location.to_string(),
                     columns: first_row
                         .as_object()
                         .map(|o| o.keys().cloned().collect())
                         .unwrap_or_default(),
-                }
-            })?,
+                })?
+            }
             f => f,
         };
         let tokens = TemplateTokens {
@@ -202,7 +202,8 @@ pub fn label_dataset(
     indices: &[usize],
     keep_text: bool,
 ) -> Result<Vec<LabelledRow>, DataError> {
-    let rows = if indices.len() == ds.len() {
+    let in_order = indices.len() == ds.len() && indices.iter().enumerate().all(|(k, &i)| k == i);
+    let rows = if in_order {
         ds.all_rows()?
     } else if indices.len() * 4 > ds.len() {
         let all = ds.all_rows()?;

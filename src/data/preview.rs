@@ -174,7 +174,10 @@ pub fn preview_opened(
             if let Some(bad) = v.iter().find(|&&i| i >= n) {
                 return Err(DataError::Config {
                     setting: "--row".into(),
-                    message: format!("row {bad} is out of range: the dataset has {n} rows (0..{})", n.saturating_sub(1)),
+                    message: format!(
+                        "row {bad} is out of range: the dataset has {n} rows (0..{})",
+                        n.saturating_sub(1)
+                    ),
                 });
             }
             v.clone()
@@ -184,7 +187,10 @@ pub fn preview_opened(
     let pipe = Pipeline::new(cfg, tok, &first, &data.main.location(0))?;
     let shown = label_dataset(&pipe, &data.main, &indices, true)?;
     let (stats_rows, full_scan) = if opts.full_scan {
-        (label_dataset(&pipe, &data.main, &data.train_indices, false)?, true)
+        (
+            label_dataset(&pipe, &data.main, &data.train_indices, false)?,
+            true,
+        )
     } else {
         (shown.clone(), false)
     };

@@ -166,7 +166,11 @@ fn resolve_folder(dir: &Path) -> Result<ResolvedSource, DataError> {
     let mut out = ResolvedSource::default();
     let mut untagged = Vec::new();
     for f in files {
-        let rel = f.strip_prefix(dir).unwrap_or(&f).to_string_lossy().to_lowercase();
+        let rel = f
+            .strip_prefix(dir)
+            .unwrap_or(&f)
+            .to_string_lossy()
+            .to_lowercase();
         let words: Vec<&str> = rel
             .split(|c: char| !c.is_ascii_alphanumeric())
             .filter(|w| !w.is_empty())
@@ -200,7 +204,11 @@ fn walk(root: &Path, dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), DataError
     for entry in entries {
         let entry = entry.map_err(|e| DataError::io(dir, e))?;
         let path = entry.path();
-        let rel = path.strip_prefix(root).unwrap_or(&path).to_string_lossy().to_string();
+        let rel = path
+            .strip_prefix(root)
+            .unwrap_or(&path)
+            .to_string_lossy()
+            .to_string();
         if is_ignored_name(&rel) {
             continue;
         }
@@ -271,7 +279,11 @@ impl Dataset {
                         format!("{} line {}", part.path.display(), spans[local].line)
                     }
                     PartData::Loaded(_) => {
-                        let unit = if part.kind == FileKind::Txt { "document" } else { "row" };
+                        let unit = if part.kind == FileKind::Txt {
+                            "document"
+                        } else {
+                            "row"
+                        };
                         format!("{} {unit} {local}", part.path.display())
                     }
                 }
@@ -290,11 +302,13 @@ impl Dataset {
             PartData::Loaded(rows) => Ok(rows[local].clone()),
             PartData::Jsonl(spans) => {
                 let span = spans[local];
-                let mut f = std::fs::File::open(&part.path).map_err(|e| DataError::io(&part.path, e))?;
+                let mut f =
+                    std::fs::File::open(&part.path).map_err(|e| DataError::io(&part.path, e))?;
                 f.seek(SeekFrom::Start(span.start))
                     .map_err(|e| DataError::io(&part.path, e))?;
                 let mut buf = vec![0u8; span.len as usize];
-                f.read_exact(&mut buf).map_err(|e| DataError::io(&part.path, e))?;
+                f.read_exact(&mut buf)
+                    .map_err(|e| DataError::io(&part.path, e))?;
                 parse_jsonl_line(&part.path, &buf, span)
             }
         }
@@ -307,7 +321,8 @@ impl Dataset {
             match &part.data {
                 PartData::Loaded(rows) => out.extend(rows.iter().cloned()),
                 PartData::Jsonl(spans) => {
-                    let bytes = std::fs::read(&part.path).map_err(|e| DataError::io(&part.path, e))?;
+                    let bytes =
+                        std::fs::read(&part.path).map_err(|e| DataError::io(&part.path, e))?;
                     let rows: Vec<Value> = spans
                         .par_iter()
                         .map(|s| {
@@ -432,13 +447,19 @@ fn index_jsonl(path: &Path) -> Result<Vec<LineSpan>, DataError> {
 }
 
 fn trim_ascii_start(b: &[u8]) -> &[u8] {
-    let start = b.iter().position(|c| !c.is_ascii_whitespace()).unwrap_or(b.len());
+    let start = b
+        .iter()
+        .position(|c| !c.is_ascii_whitespace())
+        .unwrap_or(b.len());
     &b[start..]
 }
 
 fn trim_ascii(b: &[u8]) -> &[u8] {
     let b = trim_ascii_start(b);
-    let end = b.iter().rposition(|c| !c.is_ascii_whitespace()).map_or(0, |e| e + 1);
+    let end = b
+        .iter()
+        .rposition(|c| !c.is_ascii_whitespace())
+        .map_or(0, |e| e + 1);
     &b[..end]
 }
 
@@ -452,7 +473,11 @@ fn read_utf8(path: &Path) -> Result<String, DataError> {
         }
         Err(e) => {
             let valid = e.utf8_error().valid_up_to();
-            let line = e.as_bytes()[..valid].iter().filter(|&&b| b == b'\n').count() + 1;
+            let line = e.as_bytes()[..valid]
+                .iter()
+                .filter(|&&b| b == b'\n')
+                .count()
+                + 1;
             Err(DataError::InvalidUtf8 {
                 path: path.to_path_buf(),
                 line,
@@ -558,9 +583,7 @@ fn read_csv(path: &Path) -> Result<Vec<Value>, DataError> {
     };
     let headers: Vec<String> = {
         let h = rdr.byte_headers().map_err(csv_err)?.clone();
-        h.iter()
-            .map(|f| utf8(1, f, 0))
-            .collect::<Result<_, _>>()?
+        h.iter().map(|f| utf8(1, f, 0)).collect::<Result<_, _>>()?
     };
     let mut rows = Vec::new();
     let mut rec = csv::ByteRecord::new();
@@ -714,8 +737,12 @@ mod tests {
     fn jsonl_index_and_rows() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("a.jsonl");
-        std::fs::write(&p, "{\"text\":\"a\"}\n\n  {\"text\":\"b\"}\r\n{\"text\":\"c\"}").unwrap();
-        let ds = Dataset::open_files(&[p.clone()], false).unwrap();
+        std::fs::write(
+            &p,
+            "{\"text\":\"a\"}\n\n  {\"text\":\"b\"}\r\n{\"text\":\"c\"}",
+        )
+        .unwrap();
+        let ds = Dataset::open_files(std::slice::from_ref(&p), false).unwrap();
         assert_eq!(ds.len(), 3);
         assert_eq!(ds.row(1).unwrap()["text"], "b");
         assert_eq!(ds.row(2).unwrap()["text"], "c");
@@ -729,7 +756,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("a.txt");
         std::fs::write(&p, "one\ntwo\n\n\nthree\n").unwrap();
-        let ds = Dataset::open_files(&[p.clone()], false).unwrap();
+        let ds = Dataset::open_files(std::slice::from_ref(&p), false).unwrap();
         assert_eq!(ds.len(), 2);
         assert_eq!(ds.row(0).unwrap()["text"], "one\ntwo");
         let ds = Dataset::open_files(&[p], true).unwrap();
@@ -741,7 +768,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path().join("data");
         std::fs::create_dir_all(&d).unwrap();
-        for n in ["train-00000-of-00001.jsonl", "validation-0.jsonl", "test.jsonl"] {
+        for n in [
+            "train-00000-of-00001.jsonl",
+            "validation-0.jsonl",
+            "test.jsonl",
+        ] {
             std::fs::write(d.join(n), "{\"text\":\"x\"}\n").unwrap();
         }
         std::fs::write(dir.path().join("README.md"), "# hi").unwrap();

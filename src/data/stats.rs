@@ -98,7 +98,11 @@ pub fn compute_stats(rows: &[LabelledRow], batch_size: usize, max_length: usize)
     // What the length-grouped sampler (seed 0, first epoch) would produce.
     let padding_waste_grouped = waste(&batch_indices(&kept_lens, bs, true, true, 0, 0));
     let owned: Vec<TokenizedSample> = kept.iter().map(|s| (*s).clone()).collect();
-    let packed = if owned.is_empty() { 0 } else { pack(&owned, max_length).len() };
+    let packed = if owned.is_empty() {
+        0
+    } else {
+        pack(&owned, max_length).len()
+    };
     let packing_efficiency = if packed == 0 {
         0.0
     } else {

@@ -209,7 +209,12 @@ fn strftime_now(fmt: String) -> Result<String, Error> {
     }
     let mut s = String::new();
     use std::fmt::Write;
-    write!(s, "{}", chrono::Local::now().format_with_items(items.into_iter())).map_err(|_| {
+    write!(
+        s,
+        "{}",
+        chrono::Local::now().format_with_items(items.into_iter())
+    )
+    .map_err(|_| {
         Error::new(
             ErrorKind::InvalidOperation,
             format!("strftime_now: cannot format {fmt:?}"),
@@ -281,9 +286,8 @@ fn write_json(out: &mut String, v: &Value, o: &JsonOpts, level: usize) -> Result
                     out.push_str(&i.to_string());
                 }
             } else {
-                let f = f64::try_from(v.clone()).map_err(|_| {
-                    Error::new(ErrorKind::InvalidOperation, "tojson: bad number")
-                })?;
+                let f = f64::try_from(v.clone())
+                    .map_err(|_| Error::new(ErrorKind::InvalidOperation, "tojson: bad number"))?;
                 out.push_str(&python_float(f));
             }
         }
@@ -436,7 +440,10 @@ mod tests {
     fn python_like_tojson_and_values() {
         let src = "{{ {'a': 1, 'b': [1.5, 'é<'], 'c': none} | tojson }}|{{ tools }}|{{ true }}|{{ x | tojson(indent=2) }}";
         let out = render(src, &[], false).unwrap();
-        assert!(out.starts_with("{\"a\": 1, \"b\": [1.5, \"é<\"], \"c\": null}|None|True|"), "{out}");
+        assert!(
+            out.starts_with("{\"a\": 1, \"b\": [1.5, \"é<\"], \"c\": null}|None|True|"),
+            "{out}"
+        );
         let src2 = "{{ [1, {'k': 'v'}] | tojson(indent=2) }}";
         assert_eq!(
             render(src2, &[], false).unwrap(),

@@ -81,6 +81,8 @@ pub struct TokenizerBundle {
     /// Where the chat template came from (file path, or file + `#name`).
     pub chat_template_origin: Option<String>,
     special_ids: HashSet<u32>,
+    added_ids: HashSet<u32>,
+    prefix_shortcut: bool,
 }
 
 impl std::fmt::Debug for TokenizerBundle {
@@ -254,14 +256,15 @@ impl TokenizerBundle {
             .and_then(Value::as_f64)
             .filter(|v| *v > 0.0 && *v < 1e12)
             .map(|v| v as usize);
-        let special_ids: HashSet<u32> = tokenizer
-            .get_added_tokens_decoder()
+        let added = tokenizer.get_added_tokens_decoder();
+        let special_ids: HashSet<u32> = added
             .iter()
             .filter(|(_, t)| t.special)
             .map(|(id, _)| *id)
             .collect();
+        let added_ids: HashSet<u32> = added.keys().copied().collect();
 
-        Ok(TokenizerBundle {
+        let mut bundle = TokenizerBundle {
             bos_token_id: id_of(&bos_token),
             eos_token_id: id_of(&eos_token),
             pad_token_id: id_of(&pad_token),
@@ -276,13 +279,17 @@ impl TokenizerBundle {
             chat_template,
             chat_template_origin,
             special_ids,
+            added_ids,
+            prefix_shortcut: false,
             origin: paths
                 .tokenizer_json
                 .parent()
                 .map(Path::to_path_buf)
                 .unwrap_or_default(),
             tokenizer,
-        })
+        };
+        bundle.prefix_shortcut = bundle.prefix_shortcut_allowed();
+        Ok(bundle)
     }
 
     /// Vocabulary size including added tokens.
@@ -359,6 +366,81 @@ impl TokenizerBundle {
             }
             _ => {}
         }
+    }
+
+    /// Tokenises without special tokens, with byte offsets into `text`.
+    pub fn encode_with_offsets(
+        &self,
+        text: &str,
+    ) -> Result<(Vec<u32>, Vec<(usize, usize)>), String> {
+        let enc = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| e.to_string())?;
+        Ok((enc.get_ids().to_vec(), enc.get_offsets().to_vec()))
+    }
+
+    /// `len(encode(prefix, false))`, computed cheaply when `prefix` is a
+    /// prefix of `full` (whose tokens and byte offsets are given): the
+    /// tokens up to the last added token inside `prefix` are shared with
+    /// `full` (added tokens cut the text into independently tokenised
+    /// pieces), so only the text after it is tokenised. Falls back to
+    /// tokenising `prefix` when that argument does not hold for this
+    /// tokenizer.
+    pub fn prefix_token_count(
+        &self,
+        full: &str,
+        full_ids: &[u32],
+        full_offsets: &[(usize, usize)],
+        prefix: &str,
+    ) -> Result<usize, String> {
+        if self.prefix_shortcut && full.starts_with(prefix) && full_ids.len() == full_offsets.len()
+        {
+            let cut = (0..full_ids.len()).rev().find(|&j| {
+                self.added_ids.contains(&full_ids[j]) && full_offsets[j].1 <= prefix.len()
+            });
+            if let Some(j) = cut {
+                let end = full_offsets[j].1;
+                let tail = prefix.get(end..).ok_or("offset inside a character")?;
+                let tail_len = if tail.is_empty() {
+                    0
+                } else {
+                    self.encode(tail, false)?.len()
+                };
+                return Ok(j + 1 + tail_len);
+            }
+        }
+        Ok(self.encode(prefix, false)?.len())
+    }
+
+    /// Turns the prefix shortcut of [`TokenizerBundle::prefix_token_count`]
+    /// on or off (it is on when the tokenizer allows it); for tests and
+    /// diagnostics.
+    pub fn set_prefix_shortcut(&mut self, on: bool) {
+        self.prefix_shortcut = on && self.prefix_shortcut_allowed();
+    }
+
+    /// Added tokens split the text into pieces that are tokenised
+    /// independently; that makes a prefix's token count computable from the
+    /// full text's tokens, as long as no added token eats neighbouring text
+    /// and nothing depends on a piece's position (Metaspace's "first"
+    /// prepend scheme, normalizers).
+    fn prefix_shortcut_allowed(&self) -> bool {
+        let plain_added = self
+            .tokenizer
+            .get_added_tokens_decoder()
+            .values()
+            .all(|t| !t.lstrip && !t.rstrip && !t.single_word && !t.normalized);
+        let pre = serde_json::to_string(&self.tokenizer.get_pre_tokenizer()).unwrap_or_default();
+        plain_added
+            && self.tokenizer.get_normalizer().is_none()
+            && pre.contains("ByteLevel")
+            && !pre.contains("Metaspace")
+    }
+
+    /// Whether the prefix shortcut is in use.
+    pub fn prefix_shortcut(&self) -> bool {
+        self.prefix_shortcut
     }
 
     /// Decodes ids (special tokens kept).

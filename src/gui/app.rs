@@ -135,8 +135,12 @@ pub fn load_config(path: &Path) -> Result<(RunConfig, Vec<String>), String> {
     match RunConfig::load(path) {
         Ok(c) => Ok((c, Vec::new())),
         Err(err) => {
-            let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
-            let base = path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+            let base = path
+                .parent()
+                .map(Path::to_path_buf)
+                .unwrap_or_else(|| PathBuf::from("."));
             match RunConfig::from_toml_str(&text, &base) {
                 Ok(c) => {
                     let problems = match &err {
@@ -175,7 +179,12 @@ impl StudioApp {
         // The last config, else the bundled demo (tiny model, tokenizer and data: trains offline).
         let mut problems = Vec::new();
         let mut loaded = None;
-        if let Some(p) = opts.config.clone().or_else(|| settings.last_config.clone()).filter(|p| p.is_file()) {
+        if let Some(p) = opts
+            .config
+            .clone()
+            .or_else(|| settings.last_config.clone())
+            .filter(|p| p.is_file())
+        {
             if let Ok((c, pr)) = load_config(&p) {
                 problems = pr;
                 loaded = Some((c, Some(p)));
@@ -242,7 +251,10 @@ impl StudioApp {
                         continue;
                     }
                 }
-                if let Some(n) = label.strip_prefix("cuda:").and_then(|n| n.parse::<usize>().ok()) {
+                if let Some(n) = label
+                    .strip_prefix("cuda:")
+                    .and_then(|n| n.parse::<usize>().ok())
+                {
                     let gpu = inv
                         .gpu_by_cuda_ordinal(n)
                         .or_else(|| inv.gpus().find(|g| g.index == n));
@@ -396,7 +408,12 @@ impl StudioApp {
 
     /// Starts background work the current settings need (dataset scan, preview, plan).
     fn schedule_jobs(&mut self) {
-        let model_dir = self.state.model.info.as_ref().map(|i| i.dir.display().to_string());
+        let model_dir = self
+            .state
+            .model
+            .info
+            .as_ref()
+            .map(|i| i.dir.display().to_string());
 
         let dkey = self.state.dataset_key();
         if dkey != self.state.dataset.key {
@@ -500,7 +517,8 @@ impl StudioApp {
         let mut config = self.state.config.clone();
         if let Some(s) = &self.screenshot {
             if s.train_steps.is_some() {
-                config.output_dir = std::env::temp_dir().join(format!("tunestudio-screenshot-{}", std::process::id()));
+                config.output_dir = std::env::temp_dir()
+                    .join(format!("tunestudio-screenshot-{}", std::process::id()));
             }
         }
         let out = config.output_path();
@@ -620,7 +638,8 @@ impl StudioApp {
                     let r = self.state.config.with_absolute_paths().save(&path);
                     match r {
                         Ok(()) => {
-                            self.state.export.config_message = Some(Ok(format!("saved {}", path.display())));
+                            self.state.export.config_message =
+                                Some(Ok(format!("saved {}", path.display())));
                             push_recent(&mut self.state.settings.recent_configs, path.clone());
                             self.state.settings.last_config = Some(path.clone());
                             // Later relative edits resolve against the new location.
@@ -638,7 +657,8 @@ impl StudioApp {
                         self.state.config_problems = problems;
                         push_recent(&mut self.state.settings.recent_configs, path.clone());
                         self.state.settings.last_config = Some(path.clone());
-                        self.state.export.config_message = Some(Ok(format!("loaded {}", path.display())));
+                        self.state.export.config_message =
+                            Some(Ok(format!("loaded {}", path.display())));
                         self.actions.push(Action::LoadModel);
                     }
                     Err(e) => self.state.export.config_message = Some(Err(e)),
@@ -659,8 +679,9 @@ impl StudioApp {
                     let ck = PathBuf::from(e.checkpoint.trim());
                     let dest = PathBuf::from(e.destination.trim());
                     if e.checkpoint.trim().is_empty() || e.destination.trim().is_empty() {
-                        self.state.export.result =
-                            Some(Err("choose a checkpoint folder and a destination folder first".into()));
+                        self.state.export.result = Some(Err(
+                            "choose a checkpoint folder and a destination folder first".into(),
+                        ));
                     } else {
                         let (kind, dtype) = (e.kind, e.dtype.to_dtype());
                         self.state.export.running = true;
@@ -681,7 +702,9 @@ impl StudioApp {
                 Action::Pick(target) => {
                     let base = self.state.config.base_dir.clone();
                     let start = match target {
-                        PickTarget::ModelFolder => super::state::dialog_dir(&self.state.model.source_input, &base),
+                        PickTarget::ModelFolder => {
+                            super::state::dialog_dir(&self.state.model.source_input, &base)
+                        }
                         PickTarget::DatasetFile | PickTarget::DatasetFolder => {
                             super::state::dialog_dir(&self.state.dataset.path_input, &base)
                         }
@@ -731,13 +754,21 @@ impl StudioApp {
                 RunPhase::Idle => "no run".to_string(),
                 RunPhase::Loading => format!("run: {}", r.status),
                 RunPhase::Running | RunPhase::Paused => {
-                    let loss = r.loss.last().map(|p| format!(" · loss {:.4}", p[1])).unwrap_or_default();
+                    let loss = r
+                        .loss
+                        .last()
+                        .map(|p| format!(" · loss {:.4}", p[1]))
+                        .unwrap_or_default();
                     format!(
                         "run: step {}/{}{loss} · {:.0} tok/s{}",
                         r.step,
                         r.total_steps,
                         r.tokens_per_sec,
-                        if r.phase == RunPhase::Paused { " · paused" } else { "" }
+                        if r.phase == RunPhase::Paused {
+                            " · paused"
+                        } else {
+                            ""
+                        }
                     )
                 }
                 RunPhase::Finished(_) => format!("run: {}", r.status),
@@ -753,7 +784,11 @@ impl StudioApp {
             if busy > 0 {
                 ui.separator();
                 ui.add(egui::Spinner::new().size(12.0));
-                ui.label(RichText::new(format!("{busy} background job(s)")).small().weak());
+                ui.label(
+                    RichText::new(format!("{busy} background job(s)"))
+                        .small()
+                        .weak(),
+                );
             }
             if let Some((msg, at)) = &self.state.toast {
                 if at.elapsed() < Duration::from_secs(6) {
@@ -769,7 +804,12 @@ impl StudioApp {
                     self.state.show_debug = !self.state.show_debug;
                 }
                 if self.state.show_debug {
-                    ui.label(RichText::new(self.state.frames.summary()).small().weak().monospace());
+                    ui.label(
+                        RichText::new(self.state.frames.summary())
+                            .small()
+                            .weak()
+                            .monospace(),
+                    );
                 }
             });
         });
@@ -777,7 +817,12 @@ impl StudioApp {
 
     fn navigation(&mut self, ui: &mut egui::Ui) {
         ui.add_space(8.0);
-        ui.label(RichText::new("tunestudio").size(20.0).strong().color(theme::ACCENT));
+        ui.label(
+            RichText::new("tunestudio")
+                .size(20.0)
+                .strong()
+                .color(theme::ACCENT),
+        );
         ui.label(RichText::new("fine-tuning studio").small().weak());
         ui.add_space(12.0);
         for (i, p) in Panel::ALL.iter().enumerate() {
@@ -787,13 +832,15 @@ impl StudioApp {
             ui.horizontal(|ui| {
                 let r = ui.add(
                     // The grow atom pushes the title to the left edge.
-                    egui::Button::selectable(selected, (text, egui::Atom::grow())).min_size(egui::vec2(150.0, 28.0)),
+                    egui::Button::selectable(selected, (text, egui::Atom::grow()))
+                        .min_size(egui::vec2(150.0, 28.0)),
                 );
                 if r.clicked() {
                     self.state.panel = *p;
                 }
                 if let Some((color, tip)) = badge {
-                    let (rect, resp) = ui.allocate_exact_size(egui::vec2(10.0, 10.0), egui::Sense::hover());
+                    let (rect, resp) =
+                        ui.allocate_exact_size(egui::vec2(10.0, 10.0), egui::Sense::hover());
                     ui.painter().circle_filled(rect.center(), 4.0, color);
                     resp.on_hover_text(tip);
                 }
@@ -807,16 +854,21 @@ impl StudioApp {
         }
         if !self.state.config_problems.is_empty() {
             ui.label(
-                RichText::new(format!("{} config problem(s)", self.state.config_problems.len()))
-                    .small()
-                    .color(theme::WARNING),
+                RichText::new(format!(
+                    "{} config problem(s)",
+                    self.state.config_problems.len()
+                ))
+                .small()
+                .color(theme::WARNING),
             )
             .on_hover_text(self.state.config_problems.join("\n"));
         }
         ui.add_space(6.0);
         if ui
             .button("Load demo project")
-            .on_hover_text("The bundled tiny model, tokenizer and dataset: trains offline in about a minute")
+            .on_hover_text(
+                "The bundled tiny model, tokenizer and dataset: trains offline in about a minute",
+            )
             .clicked()
         {
             self.actions.push(Action::LoadDemo);
@@ -840,7 +892,10 @@ impl StudioApp {
                 if s.dataset.error.is_some() {
                     Some((theme::ERROR, "the dataset could not be read".into()))
                 } else {
-                    s.dataset.summary.as_ref().map(|d| (theme::OK, format!("{} rows", d.num_rows)))
+                    s.dataset
+                        .summary
+                        .as_ref()
+                        .map(|d| (theme::OK, format!("{} rows", d.num_rows)))
                 }
             }
             Panel::Preview => s.preview.preview.as_ref().map(|p| {
@@ -860,7 +915,9 @@ impl StudioApp {
             Panel::Run => match s.run.phase {
                 RunPhase::Running | RunPhase::Loading => Some((theme::OK, "training".into())),
                 RunPhase::Paused => Some((theme::WARNING, "paused".into())),
-                RunPhase::Finished(train::FinishReason::Failed) => Some((theme::ERROR, "the run failed".into())),
+                RunPhase::Finished(train::FinishReason::Failed) => {
+                    Some((theme::ERROR, "the run failed".into()))
+                }
                 _ => None,
             },
             _ => None,
@@ -868,7 +925,9 @@ impl StudioApp {
     }
 
     fn drive_screenshot(&mut self) {
-        let Some(shot) = &mut self.screenshot else { return };
+        let Some(shot) = &mut self.screenshot else {
+            return;
+        };
         if shot.saved {
             return;
         }
@@ -892,7 +951,10 @@ impl StudioApp {
         }
         let elapsed = shot.started.elapsed();
         // Start the demo once the plan is there, so the memory chart has its predicted peak.
-        if shot.train_steps.is_some() && self.state.run.phase == RunPhase::Idle && self.state.plan.plan.is_some() {
+        if shot.train_steps.is_some()
+            && self.state.run.phase == RunPhase::Idle
+            && self.state.plan.plan.is_some()
+        {
             self.actions.push(Action::Start);
             self.ctx.request_repaint();
             return;
@@ -900,10 +962,13 @@ impl StudioApp {
         let jobs_done = self.jobs.in_flight() == 0;
         let steps_done = match shot.train_steps {
             None => true,
-            Some(n) => self.state.run.step >= n || matches!(self.state.run.phase, RunPhase::Finished(_)),
+            Some(n) => {
+                self.state.run.step >= n || matches!(self.state.run.phase, RunPhase::Finished(_))
+            }
         };
         // Let a few frames settle layout (egui sizes some widgets on the first pass).
-        let ready = jobs_done && steps_done && self.frame_count > 8 && elapsed > Duration::from_millis(800);
+        let ready =
+            jobs_done && steps_done && self.frame_count > 8 && elapsed > Duration::from_millis(800);
         if ready || elapsed > Duration::from_secs(180) {
             if shot.train_steps.is_some() {
                 if let Some(h) = &self.state.run.handle {
@@ -952,15 +1017,24 @@ impl eframe::App for StudioApp {
         self.schedule_jobs();
 
         egui::Panel::bottom("status")
-            .frame(egui::Frame::side_top_panel(ui.style()).inner_margin(egui::Margin::symmetric(10, 4)))
+            .frame(
+                egui::Frame::side_top_panel(ui.style())
+                    .inner_margin(egui::Margin::symmetric(10, 4)),
+            )
             .show(ui, |ui| self.status_bar(ui));
         egui::Panel::left("nav")
             .resizable(false)
             .exact_size(190.0)
-            .frame(egui::Frame::side_top_panel(ui.style()).inner_margin(egui::Margin::symmetric(10, 6)))
+            .frame(
+                egui::Frame::side_top_panel(ui.style())
+                    .inner_margin(egui::Margin::symmetric(10, 6)),
+            )
             .show(ui, |ui| self.navigation(ui));
         egui::CentralPanel::default()
-            .frame(egui::Frame::central_panel(ui.style()).inner_margin(egui::Margin::symmetric(18, 10)))
+            .frame(
+                egui::Frame::central_panel(ui.style())
+                    .inner_margin(egui::Margin::symmetric(18, 10)),
+            )
             .show(ui, |ui| {
                 let mut actions = Vec::new();
                 let panel = self.state.panel;
@@ -971,7 +1045,9 @@ impl eframe::App for StudioApp {
                         Panel::Model => panels::model::show(ui, &mut self.state, &mut actions),
                         Panel::Dataset => panels::dataset::show(ui, &mut self.state, &mut actions),
                         Panel::Preview => panels::preview::show(ui, &mut self.state, &mut actions),
-                        Panel::Training => panels::training::show(ui, &mut self.state, &mut actions),
+                        Panel::Training => {
+                            panels::training::show(ui, &mut self.state, &mut actions)
+                        }
                         Panel::Devices => panels::devices::show(ui, &mut self.state, &mut actions),
                         Panel::Run => panels::run::show(ui, &mut self.state, &mut actions),
                         Panel::Export => panels::export::show(ui, &mut self.state, &mut actions),
@@ -988,15 +1064,20 @@ impl eframe::App for StudioApp {
             self.ctx.request_repaint_after(Duration::from_millis(250));
         }
         self.drive_screenshot();
-        self.state.frames.record(t0.elapsed().as_secs_f32() * 1000.0);
+        self.state
+            .frames
+            .record(t0.elapsed().as_secs_f32() * 1000.0);
     }
 
     fn raw_input_hook(&mut self, _ctx: &egui::Context, raw_input: &mut egui::RawInput) {
         // Screenshots show the panels, not whatever the X server's pointer happens to hover.
         if self.screenshot.is_some() {
-            raw_input
-                .events
-                .retain(|e| !matches!(e, egui::Event::PointerMoved(_) | egui::Event::PointerButton { .. }));
+            raw_input.events.retain(|e| {
+                !matches!(
+                    e,
+                    egui::Event::PointerMoved(_) | egui::Event::PointerButton { .. }
+                )
+            });
             raw_input.events.push(egui::Event::PointerGone);
         }
     }

@@ -6,7 +6,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use eframe::egui::{self, FallbackRequest, FontData, FontFamily, FontInsert, FontPriority, InsertFontFamily};
+use eframe::egui::{
+    self, FallbackRequest, FontData, FontFamily, FontInsert, FontPriority, InsertFontFamily,
+};
 
 /// A script family we look for a font for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,7 +82,9 @@ fn collect_fonts(dir: &Path, depth: usize, out: &mut Vec<PathBuf>) {
     if depth == 0 {
         return;
     }
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
     for e in entries.flatten() {
         let p = e.path();
         if p.is_dir() {
@@ -148,19 +152,25 @@ pub fn install(ctx: &egui::Context) -> SystemFonts {
     // CJK fonts are large (10–20 MB): load one only when a CJK character shows up.
     if let Some(path) = found.cjk.clone() {
         let loaded: Arc<Mutex<bool>> = Arc::new(Mutex::new(false));
-        ctx.add_font_provider(Arc::new(move |req: &FallbackRequest<'_>| -> Option<FontInsert> {
-            let c = req.cluster.chars().next()?;
-            if script_of(c) != Script::Cjk {
-                return None;
-            }
-            let mut done = loaded.lock().ok()?;
-            if *done {
-                return None;
-            }
-            let bytes = std::fs::read(&path).ok()?;
-            *done = true;
-            Some(FontInsert::new("system-cjk", FontData::from_owned(bytes), fallback_families()))
-        }));
+        ctx.add_font_provider(Arc::new(
+            move |req: &FallbackRequest<'_>| -> Option<FontInsert> {
+                let c = req.cluster.chars().next()?;
+                if script_of(c) != Script::Cjk {
+                    return None;
+                }
+                let mut done = loaded.lock().ok()?;
+                if *done {
+                    return None;
+                }
+                let bytes = std::fs::read(&path).ok()?;
+                *done = true;
+                Some(FontInsert::new(
+                    "system-cjk",
+                    FontData::from_owned(bytes),
+                    fallback_families(),
+                ))
+            },
+        ));
     }
     found
 }

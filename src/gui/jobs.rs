@@ -14,7 +14,9 @@ use std::sync::{Arc, Mutex};
 use crossbeam_channel::{Receiver, Sender};
 use eframe::egui;
 
-use tunestudio::data::{self, DataConfig, DataPreview, PreviewOptions, RowSelection, TokenizerBundle};
+use tunestudio::data::{
+    self, DataConfig, DataPreview, PreviewOptions, RowSelection, TokenizerBundle,
+};
 use tunestudio::devices::DeviceInventory;
 use tunestudio::model::{self, ModelConfig};
 use tunestudio::plan::{self, AutoFit, DeviceSpec, DryRunReport, LoraSpec, Plan, PlanRequest};
@@ -100,6 +102,9 @@ pub enum PickTarget {
     RunDir,
 }
 
+/// The tokenizer of the last model folder, shared with preview jobs.
+type TokenizerCache = Arc<Mutex<Option<(PathBuf, Arc<TokenizerBundle>)>>>;
+
 /// Spawns jobs and collects their outputs.
 pub struct Jobs {
     tx: Sender<JobOutput>,
@@ -107,7 +112,7 @@ pub struct Jobs {
     ctx: egui::Context,
     running: Arc<AtomicUsize>,
     /// The tokenizer of the last model folder, reused across previews.
-    tokenizer: Arc<Mutex<Option<(PathBuf, Arc<TokenizerBundle>)>>>,
+    tokenizer: TokenizerCache,
 }
 
 impl Jobs {
@@ -134,7 +139,11 @@ impl Jobs {
     }
 
     /// Runs `work` on a new thread; its output is delivered by [`Jobs::drain`].
-    pub fn spawn(&self, name: &str, work: impl FnOnce(&Sender<JobOutput>) -> Option<JobOutput> + Send + 'static) {
+    pub fn spawn(
+        &self,
+        name: &str,
+        work: impl FnOnce(&Sender<JobOutput>) -> Option<JobOutput> + Send + 'static,
+    ) {
         let tx = self.tx.clone();
         let ctx = self.ctx.clone();
         let running = Arc::clone(&self.running);
@@ -163,18 +172,22 @@ impl Jobs {
             let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
             if looks_like_hub_id(&source) && !Path::new(&source).exists() {
                 let opts = model::HubOptions::from_env();
-                let dir = opts.cache_dir.join(format!("models--{}", source.replace('/', "--")));
+                let dir = opts
+                    .cache_dir
+                    .join(format!("models--{}", source.replace('/', "--")));
                 let done2 = Arc::clone(&done);
                 let tx2 = tx.clone();
-                let _ = std::thread::Builder::new().name("studio-download".into()).spawn(move || {
-                    while !done2.load(Ordering::SeqCst) {
-                        let _ = tx2.send(JobOutput::ModelProgress {
-                            seq,
-                            bytes: folder_bytes(&dir),
-                        });
-                        std::thread::sleep(std::time::Duration::from_millis(400));
-                    }
-                });
+                let _ = std::thread::Builder::new()
+                    .name("studio-download".into())
+                    .spawn(move || {
+                        while !done2.load(Ordering::SeqCst) {
+                            let _ = tx2.send(JobOutput::ModelProgress {
+                                seq,
+                                bytes: folder_bytes(&dir),
+                            });
+                            std::thread::sleep(std::time::Duration::from_millis(400));
+                        }
+                    });
             }
             let result = model_info(&source);
             done.store(true, Ordering::SeqCst);
@@ -205,14 +218,23 @@ impl Jobs {
 
     /// Opens the dataset of `cfg` and summarises it.
     pub fn scan_dataset(&self, seq: u64, cfg: DataConfig) {
-        self.spawn("dataset", move |_| Some(JobOutput::Dataset {
-            seq,
-            result: dataset_summary(&cfg),
-        }));
+        self.spawn("dataset", move |_| {
+            Some(JobOutput::Dataset {
+                seq,
+                result: dataset_summary(&cfg),
+            })
+        });
     }
 
     /// Builds the token preview of `batch` rows starting at `start`.
-    pub fn preview(&self, seq: u64, model_dir: String, cfg: DataConfig, start: usize, batch: usize) {
+    pub fn preview(
+        &self,
+        seq: u64,
+        model_dir: String,
+        cfg: DataConfig,
+        start: usize,
+        batch: usize,
+    ) {
         let cache = Arc::clone(&self.tokenizer);
         self.spawn("preview", move |_| {
             let result = (|| {
@@ -238,8 +260,11 @@ impl Jobs {
     /// Plans memory for `config` on `devices`.
     pub fn plan(&self, seq: u64, model: ModelConfig, config: RunConfig, devices: Vec<DeviceSpec>) {
         self.spawn("plan", move |_| {
-            let result = plan_request(&model, &config, devices)
-                .and_then(|req| plan::plan(&req).map(|p| (req, p)).map_err(|e| e.to_string()));
+            let result = plan_request(&model, &config, devices).and_then(|req| {
+                plan::plan(&req)
+                    .map(|p| (req, p))
+                    .map_err(|e| e.to_string())
+            });
             Some(JobOutput::Plan { seq, result })
         });
     }
@@ -247,16 +272,19 @@ impl Jobs {
     /// Searches settings that fit.
     pub fn auto_fit(&self, request: PlanRequest) {
         self.spawn("auto-fit", move |_| {
-            Some(JobOutput::AutoFit(plan::auto_fit(&request).map_err(|e| e.to_string())))
+            Some(JobOutput::AutoFit(
+                plan::auto_fit(&request).map_err(|e| e.to_string()),
+            ))
         });
     }
 
     /// One real training step measured against the plan.
     pub fn dry_run(&self, plan: Plan, config: RunConfig) {
         self.spawn("dry-run", move |_| {
-            let report = plan::dry_run(&plan, 0, move || -> Result<(), train::TrainError> {
-                let mut run = train::TrainingRun::new(config)?;
-                run.step()?;
+            // The error as text: TrainError is large, and the report only needs its message.
+            let report = plan::dry_run(&plan, 0, move || -> Result<(), String> {
+                let mut run = train::TrainingRun::new(config).map_err(|e| e.to_string())?;
+                run.step().map_err(|e| e.to_string())?;
                 Ok(())
             });
             Some(JobOutput::DryRun(report))
@@ -265,11 +293,19 @@ impl Jobs {
 
     /// Discovers devices.
     pub fn discover_devices(&self) {
-        self.spawn("devices", |_| Some(JobOutput::Devices(tunestudio::devices::discover())));
+        self.spawn("devices", |_| {
+            Some(JobOutput::Devices(tunestudio::devices::discover()))
+        });
     }
 
     /// Exports a checkpoint.
-    pub fn export(&self, kind: ExportKind, checkpoint: PathBuf, dest: PathBuf, dtype: candle_core::DType) {
+    pub fn export(
+        &self,
+        kind: ExportKind,
+        checkpoint: PathBuf,
+        dest: PathBuf,
+        dtype: candle_core::DType,
+    ) {
         self.spawn("export", move |_| {
             let r = match kind {
                 ExportKind::Adapter => train::export_adapter(&checkpoint, &dest),
@@ -303,7 +339,10 @@ impl Jobs {
                 | PickTarget::ExportDest
                 | PickTarget::RunDir => d.pick_folder(),
                 PickTarget::DatasetFile | PickTarget::ValidationFile => d
-                    .add_filter("data", &["json", "jsonl", "ndjson", "csv", "tsv", "parquet", "txt"])
+                    .add_filter(
+                        "data",
+                        &["json", "jsonl", "ndjson", "csv", "tsv", "parquet", "txt"],
+                    )
                     .pick_file(),
                 PickTarget::ConfigOpen => d.add_filter("run config", &["toml"]).pick_file(),
                 PickTarget::ConfigSave => d
@@ -334,7 +373,9 @@ fn folder_bytes(dir: &Path) -> u64 {
     let mut total = 0;
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
-        let Ok(entries) = std::fs::read_dir(&d) else { continue };
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
         for e in entries.flatten() {
             let Ok(meta) = e.metadata() else { continue };
             if meta.is_dir() {
@@ -351,7 +392,9 @@ fn folder_bytes(dir: &Path) -> u64 {
 pub fn model_info(source: &str) -> Result<ModelInfo, String> {
     let source = source.trim();
     if source.is_empty() {
-        return Err("no model chosen: type a folder or a hub id like HuggingFaceTB/SmolLM2-135M".into());
+        return Err(
+            "no model chosen: type a folder or a hub id like HuggingFaceTB/SmolLM2-135M".into(),
+        );
     }
     let local = Path::new(source);
     // A local folder without weights is still a usable model (random initialisation),
@@ -361,16 +404,22 @@ pub fn model_info(source: &str) -> Result<ModelInfo, String> {
         let dir = local.parent().map(Path::to_path_buf).unwrap_or_default();
         (dir, Vec::new(), local.to_path_buf())
     } else if local.is_dir() {
-        let weights = model::ModelFiles::from_dir(local).map(|f| f.weights).unwrap_or_default();
+        let weights = model::ModelFiles::from_dir(local)
+            .map(|f| f.weights)
+            .unwrap_or_default();
         (local.to_path_buf(), weights, local.join("config.json"))
     } else {
         let files = model::resolve_model(source).map_err(|e| e.to_string())?;
         (files.dir.clone(), files.weights, files.config.clone())
     };
     let config = ModelConfig::from_file(&config_path).map_err(|e| e.to_string())?;
-    let dtype = ["torch_dtype", "dtype"]
-        .iter()
-        .find_map(|k| config.raw.get(*k).and_then(|v| v.as_str()).map(str::to_string));
+    let dtype = ["torch_dtype", "dtype"].iter().find_map(|k| {
+        config
+            .raw
+            .get(*k)
+            .and_then(|v| v.as_str())
+            .map(str::to_string)
+    });
     let weight_bytes = weight_files
         .iter()
         .filter_map(|p| std::fs::metadata(p).ok())
@@ -441,7 +490,12 @@ pub fn dataset_summary(cfg: &DataConfig) -> Result<DatasetSummary, String> {
         (None, Vec::new(), String::new())
     };
     Ok(DatasetSummary {
-        files: opened.main.files().iter().map(|p| p.display().to_string()).collect(),
+        files: opened
+            .main
+            .files()
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect(),
         num_rows: n,
         train_rows: opened.train_indices.len(),
         validation_rows: opened.heldout_indices.len()
@@ -453,9 +507,17 @@ pub fn dataset_summary(cfg: &DataConfig) -> Result<DatasetSummary, String> {
 }
 
 /// The planner's request for the studio's settings.
-pub fn plan_request(model: &ModelConfig, config: &RunConfig, devices: Vec<DeviceSpec>) -> Result<PlanRequest, String> {
+pub fn plan_request(
+    model: &ModelConfig,
+    config: &RunConfig,
+    devices: Vec<DeviceSpec>,
+) -> Result<PlanRequest, String> {
     let t = &config.training;
-    let precision: plan::Precision = t.precision.name().parse().map_err(|e: plan::PlanError| e.to_string())?;
+    let precision: plan::Precision = t
+        .precision
+        .name()
+        .parse()
+        .map_err(|e: plan::PlanError| e.to_string())?;
     let strategy: plan::Strategy = config
         .devices
         .strategy

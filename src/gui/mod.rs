@@ -38,7 +38,9 @@ pub fn run_native() -> anyhow::Result<()> {
         .with_min_inner_size([900.0, 600.0]);
     if screenshot {
         // A fixed size so screenshots are comparable.
-        viewport = viewport.with_inner_size([1360.0, 860.0]).with_resizable(false);
+        viewport = viewport
+            .with_inner_size([1360.0, 860.0])
+            .with_resizable(false);
     }
     let native = eframe::NativeOptions {
         viewport,

@@ -389,7 +389,10 @@ impl Default for RunState {
 impl RunState {
     /// Whether a trainer thread is alive (loading, running or paused).
     pub fn is_active(&self) -> bool {
-        matches!(self.phase, RunPhase::Loading | RunPhase::Running | RunPhase::Paused)
+        matches!(
+            self.phase,
+            RunPhase::Loading | RunPhase::Running | RunPhase::Paused
+        )
     }
 
     /// Seconds left at the current pace, when it can be told.
@@ -506,14 +509,19 @@ impl RunState {
                 step,
             } => {
                 let series = self.memory.entry(device).or_default();
-                series.used.push([step as f64, crate::gui::theme::gib(used_bytes)]);
+                series
+                    .used
+                    .push([step as f64, crate::gui::theme::gib(used_bytes)]);
                 series.peak_bytes = series.peak_bytes.max(peak_bytes);
                 if total_bytes.is_some() {
                     series.total_bytes = total_bytes;
                 }
             }
             Event::CheckpointSaved { step, path } => {
-                self.log(LogLevel::Info, format!("checkpoint at step {step}: {}", path.display()));
+                self.log(
+                    LogLevel::Info,
+                    format!("checkpoint at step {step}: {}", path.display()),
+                );
                 self.last_checkpoint = Some(path);
             }
             Event::Paused { step } => {
@@ -566,7 +574,9 @@ impl RunState {
                     FinishReason::Stopped => "stopped",
                     FinishReason::Failed => "failed",
                 };
-                let fl = final_loss.map(|l| format!(", loss {l:.4}")).unwrap_or_default();
+                let fl = final_loss
+                    .map(|l| format!(", loss {l:.4}"))
+                    .unwrap_or_default();
                 let fe = final_eval_loss
                     .map(|l| format!(", eval loss {l:.4}"))
                     .unwrap_or_default();
@@ -826,9 +836,18 @@ impl AppState {
     pub fn sync_inputs_from_config(&mut self) {
         self.model.source_input = self.config.model.source.clone();
         self.dataset.path_input = self.config.data.path.clone();
-        if let Some(p) = &self.config_path {
-            self.export.config_path = p.display().to_string();
-        }
+        // Never offer to overwrite the bundled demo: its copy goes to <output>/run.toml.
+        self.export.config_path = match &self.config_path {
+            Some(p) if *p != crate::gui::app::demo_config_path() => p.display().to_string(),
+            _ => self.default_config_path().display().to_string(),
+        };
+        self.export.kind = if self.config.lora.enabled {
+            ExportKind::Adapter
+        } else {
+            ExportKind::Full
+        };
+        self.export.checkpoint.clear();
+        self.export.destination.clear();
         self.preview.start_row = 0;
         self.preview.highlight = None;
     }
@@ -875,7 +894,10 @@ impl AppState {
     /// Key of everything the dataset summary depends on.
     pub fn dataset_key(&self) -> String {
         let d = self.config.resolved_data();
-        format!("{}|{:?}|{:?}|{}|{}", d.path, d.validation_path, d.columns, d.validation_ratio, d.seed)
+        format!(
+            "{}|{:?}|{:?}|{}|{}",
+            d.path, d.validation_path, d.columns, d.validation_ratio, d.seed
+        )
     }
 
     /// Key of everything the plan depends on.
@@ -889,7 +911,11 @@ impl AppState {
             t.gradient_accumulation,
             self.config.data.max_length,
             t.activation_checkpointing,
-            (self.config.lora.enabled, self.config.lora.r, &self.config.lora.target_modules),
+            (
+                self.config.lora.enabled,
+                self.config.lora.r,
+                &self.config.lora.target_modules
+            ),
             self.config.devices.strategy,
             self.config.devices.devices,
             self.devices.inventory.as_ref().map(|i| i.devices.len()),
@@ -911,7 +937,11 @@ impl AppState {
 /// The folder a path-like string points into, for file dialogs.
 pub fn dialog_dir(text: &str, base: &Path) -> Option<PathBuf> {
     let p = Path::new(text);
-    let p = if p.is_absolute() { p.to_path_buf() } else { base.join(p) };
+    let p = if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        base.join(p)
+    };
     if p.is_dir() {
         Some(p)
     } else {

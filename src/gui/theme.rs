@@ -131,7 +131,12 @@ pub fn heading(ui: &mut Ui, title: &str, subtitle: &str) {
 /// A section title inside a panel.
 pub fn section(ui: &mut Ui, title: &str) {
     ui.add_space(10.0);
-    ui.label(RichText::new(title).size(15.0).strong().color(ui.visuals().strong_text_color()));
+    ui.label(
+        RichText::new(title)
+            .size(15.0)
+            .strong()
+            .color(ui.visuals().strong_text_color()),
+    );
     ui.add_space(2.0);
 }
 
@@ -192,27 +197,55 @@ pub fn drag_row<N: egui::emath::Numeric>(
         dv = dv.suffix(suffix.to_string());
     }
     let r = ui.add(dv).labelled_by(l.id);
-    let r = if tip.is_empty() { r } else { r.on_hover_text(tip) };
+    let r = if tip.is_empty() {
+        r
+    } else {
+        r.on_hover_text(tip)
+    };
     ui.end_row();
     r
 }
 
 /// A labelled checkbox in a grid row (the checkbox carries its own name too).
-pub fn check_row(ui: &mut Ui, label: &str, tip: &str, value: &mut bool, text: &str) -> egui::Response {
+pub fn check_row(
+    ui: &mut Ui,
+    label: &str,
+    tip: &str,
+    value: &mut bool,
+    text: &str,
+) -> egui::Response {
     let l = form_label(ui, label, tip);
     let r = ui.checkbox(value, text).labelled_by(l.id);
-    let r = if tip.is_empty() { r } else { r.on_hover_text(tip) };
+    let r = if tip.is_empty() {
+        r
+    } else {
+        r.on_hover_text(tip)
+    };
     ui.end_row();
     r
 }
 
 /// A labelled single-line text field in a grid row.
-pub fn text_row(ui: &mut Ui, label: &str, tip: &str, value: &mut String, hint: &str) -> egui::Response {
+pub fn text_row(
+    ui: &mut Ui,
+    label: &str,
+    tip: &str,
+    value: &mut String,
+    hint: &str,
+) -> egui::Response {
     let l = form_label(ui, label, tip);
     let r = ui
-        .add(egui::TextEdit::singleline(value).hint_text(hint).desired_width(320.0))
+        .add(
+            egui::TextEdit::singleline(value)
+                .hint_text(hint)
+                .desired_width(320.0),
+        )
         .labelled_by(l.id);
-    let r = if tip.is_empty() { r } else { r.on_hover_text(tip) };
+    let r = if tip.is_empty() {
+        r
+    } else {
+        r.on_hover_text(tip)
+    };
     ui.end_row();
     r
 }

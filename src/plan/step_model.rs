@@ -336,6 +336,27 @@ fn layer_backward_peak(d: &StepDims) -> u64 {
     mlp.max(attn) + acts
 }
 
+/// Gradients candle leaves in the store for operands that are not part of the graph:
+/// `Add`'s backward calls `or_insert` on both operands without checking whether they
+/// track gradients, so the broadcast attention mask gets an f32 gradient of the full
+/// score shape `[b, heads, t, t]` that nothing consumes (as do frozen biases under
+/// LoRA). They live until backward returns.
+fn layer_residue(d: &StepDims) -> u64 {
+    let mut r = d.micro_batch * d.heads * d.seq_len * d.seq_len * 4;
+    if d.lora.is_some() {
+        if d.qkv_bias {
+            r += d.tokens * (d.q_dim + 2 * d.kv_dim) * d.act_bytes;
+        }
+        if d.o_bias {
+            r += d.tokens * d.hidden * d.act_bytes;
+        }
+        if d.mlp_bias {
+            r += d.tokens * (2 * d.intermediate + d.hidden) * d.act_bytes;
+        }
+    }
+    r
+}
+
 /// Memory terms of a block (see the module docs for why each exists).
 pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
     let n = d.tokens;
@@ -392,7 +413,7 @@ pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
                     forward_transient_bytes: 0,
                     backward_transient_bytes: peak,
                     backward_grad_bytes: own_grads,
-                    residue_bytes: 0,
+                    residue_bytes: layer_residue(d),
                     freed_kept_bytes: 0,
                 }
             }
@@ -413,17 +434,25 @@ pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
             // log-sum-exp and loss (f32), and the last chunk's probabilities (the
             // logits buffer keeps its full capacity).
             kept += rows * (8 + 8 + 4 + 4) + chunk * v * 4;
-            // Backward of the fused loss: its f32 hidden and weight gradients, then
-            // candle's zero-then-add for each (three weight-sized f32 buffers).
-            let f32_head = 3 * v * h * 4 + 2 * rows * h * 4 + rows * 8 + chunk * h * 4;
+            let last_chunk = chunk * v * 4;
+            // Backward of the fused loss: while it runs, its f32 weight and hidden
+            // gradients next to the cached last chunk (kept); once it returns the chunk
+            // is gone and candle adds each gradient into a zero tensor (three
+            // weight-sized f32 buffers at once).
+            let in_op = v * h * 4 + rows * h * 4 + rows * 8 + chunk * h * 4;
+            let f32_head = in_op.max((3 * v * h * 4 + 2 * rows * h * 4).saturating_sub(last_chunk));
             let multi_chunk_extra = if rows > LOSS_CHUNK_ROWS && rows % LOSS_CHUNK_ROWS != 0 {
                 LOSS_CHUNK_ROWS * v * 4
             } else {
                 0
             };
             // Half precision: the f32 gradients flow back through the casts
-            // (f32 sum + half cast + zero + sum).
-            let cast_back = if a != 4 { v * h * (4 + 3 * g) } else { 0 };
+            // (f32 sum + half cast + zero + sum), after the chunk is freed.
+            let cast_back = if a != 4 {
+                (v * h * (4 + 3 * g)).saturating_sub(last_chunk)
+            } else {
+                0
+            };
             // The norm's and lm_head's gradients appear here; with tied embeddings the
             // shared matrix's gradient first appears here too.
             let head_grads = if full { (v * h + h) * g } else { 0 };
@@ -435,7 +464,7 @@ pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
                 // A frozen head still gets the loss op's f32 weight gradient stored
                 // (for the f32 cast in half precision) until backward returns.
                 residue_bytes: if full { 0 } else { v * h * 4 },
-                freed_kept_bytes: chunk * v * 4,
+                freed_kept_bytes: last_chunk,
             }
         }
     }

@@ -218,10 +218,18 @@ impl Default for LoraSection {
             r: 8,
             alpha: 16.0,
             dropout: 0.0,
-            target_modules: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-                .iter()
-                .map(|s| s.to_string())
-                .collect(),
+            target_modules: [
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
         }
     }
 }
@@ -317,9 +325,9 @@ impl RunConfig {
     /// Reads, parses and validates a run config; relative paths in it resolve
     /// against the file's folder. Every problem is reported at once.
     pub fn load(path: &Path) -> Result<RunConfig, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
             path: path.to_path_buf(),
-            source,
+            cause,
         })?;
         let base_dir = path
             .parent()
@@ -344,7 +352,11 @@ impl RunConfig {
         Self::parse_with_base(text, "<text>", base_dir.to_path_buf())
     }
 
-    fn parse_with_base(text: &str, origin: &str, base_dir: PathBuf) -> Result<RunConfig, ConfigError> {
+    fn parse_with_base(
+        text: &str,
+        origin: &str,
+        base_dir: PathBuf,
+    ) -> Result<RunConfig, ConfigError> {
         let mut table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Syntax {
             origin: origin.to_string(),
             message: e.to_string(),
@@ -378,9 +390,9 @@ impl RunConfig {
     pub fn save(&self, path: &Path) -> Result<(), ConfigError> {
         let text = self.to_toml_string()?;
         let tmp = path.with_extension("toml.tmp");
-        let write_err = |source| ConfigError::Write {
+        let write_err = |cause| ConfigError::Write {
             path: path.to_path_buf(),
-            source,
+            cause,
         };
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(write_err)?;
@@ -435,7 +447,10 @@ impl RunConfig {
     pub fn resolved_data(&self) -> DataConfig {
         let mut d = self.data.clone();
         d.path = self.resolve_data_path(&d.path);
-        d.validation_path = d.validation_path.as_deref().map(|p| self.resolve_data_path(p));
+        d.validation_path = d
+            .validation_path
+            .as_deref()
+            .map(|p| self.resolve_data_path(p));
         d
     }
 
@@ -521,7 +536,11 @@ fn probe_and_strip(table: &mut toml::Table) -> Vec<ConfigProblem> {
             "data" => probe_section::<DataConfig>(&key, table, &mut problems),
             _ => Some(format!(
                 "unknown setting; expected one of {}",
-                SECTIONS.iter().map(|s| format!("`{s}`")).collect::<Vec<_>>().join(", ")
+                SECTIONS
+                    .iter()
+                    .map(|s| format!("`{s}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             )),
         };
         if let Some(message) = bad {
@@ -533,7 +552,10 @@ fn probe_and_strip(table: &mut toml::Table) -> Vec<ConfigProblem> {
 }
 
 fn probe_value<T: serde::de::DeserializeOwned>(value: &toml::Value) -> Result<T, String> {
-    value.clone().try_into::<T>().map_err(|e| e.message().trim().to_string())
+    value
+        .clone()
+        .try_into::<T>()
+        .map_err(|e| e.message().trim().to_string())
 }
 
 /// Probes the keys of one section; returns `Some` only when the section itself is not a table.

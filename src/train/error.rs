@@ -38,12 +38,12 @@ fn list(problems: &[ConfigProblem]) -> String {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file could not be read.
-    #[error("cannot read the run config `{path}`: {source}")]
+    #[error("cannot read the run config `{path}`: {cause}")]
     Read {
         /// The file.
         path: PathBuf,
         /// The cause.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The file is not valid TOML.
     #[error("the run config {origin} is not valid TOML:\n{message}")]
@@ -62,12 +62,12 @@ pub enum ConfigError {
         problems: Vec<ConfigProblem>,
     },
     /// Writing failed.
-    #[error("cannot write the run config `{path}`: {source}")]
+    #[error("cannot write the run config `{path}`: {cause}")]
     Write {
         /// The file.
         path: PathBuf,
         /// The cause.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// The config could not be turned into TOML.
     #[error("cannot serialise the run config: {0}")]
@@ -123,12 +123,12 @@ pub enum TrainError {
     #[error(transparent)]
     Config(#[from] ConfigError),
     /// Loading or running the model failed outside a step.
-    #[error("{context}: {source}")]
+    #[error("{context}: {cause}")]
     Model {
         /// What was being done.
         context: String,
         /// The model's error.
-        source: crate::model::ModelError,
+        cause: crate::model::ModelError,
     },
     /// The dataset could not be read or prepared.
     #[error("{context}: {message}")]
@@ -188,12 +188,12 @@ pub enum TrainError {
         message: String,
     },
     /// Writing metrics or other output failed.
-    #[error("cannot write `{path}`: {source}")]
+    #[error("cannot access `{path}`: {cause}")]
     Io {
         /// The file.
         path: PathBuf,
         /// The cause.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// No device matches a `[devices]` entry.
     #[error("device `{device}` is not available: {message}; set `[devices] devices = [\"cpu\"]` or build with the matching feature")]

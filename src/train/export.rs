@@ -45,7 +45,10 @@ pub fn checkpoint_config(checkpoint_dir: &Path) -> Result<RunConfig, TrainError>
     let text = std::fs::read_to_string(&path).map_err(|e| {
         ck_err(
             checkpoint_dir,
-            format!("cannot read {} ({e}); is this a `checkpoint-<step>` folder?", checkpoint::CONFIG_FILE),
+            format!(
+                "cannot read {} ({e}); is this a `checkpoint-<step>` folder?",
+                checkpoint::CONFIG_FILE
+            ),
         )
     })?;
     let base = checkpoint_dir.to_path_buf();
@@ -59,9 +62,15 @@ fn load_trained_model(checkpoint_dir: &Path) -> Result<(CausalLm, RunConfig, Pat
     config.model.dtype = ModelDtype::F32;
     config.training.activation_checkpointing = false;
     let (model, model_dir) = build_model(&config, &Device::Cpu)?;
-    let trained = checkpoint::load_tensors(&checkpoint_dir.join(checkpoint::TRAINABLE_FILE), &Device::Cpu)?;
+    let trained = checkpoint::load_tensors(
+        &checkpoint_dir.join(checkpoint::TRAINABLE_FILE),
+        &Device::Cpu,
+    )?;
     let masters = if state.precision.master_weights() {
-        checkpoint::load_tensors(&checkpoint_dir.join(checkpoint::OPTIMIZER_FILE), &Device::Cpu)?
+        checkpoint::load_tensors(
+            &checkpoint_dir.join(checkpoint::OPTIMIZER_FILE),
+            &Device::Cpu,
+        )?
     } else {
         Default::default()
     };
@@ -80,7 +89,10 @@ fn load_trained_model(checkpoint_dir: &Path) -> Result<(CausalLm, RunConfig, Pat
             .to_dtype(DType::F32)
             .map_err(|e| ck_err(checkpoint_dir, e.to_string()))?;
         var.set(&t).map_err(|e| {
-            ck_err(checkpoint_dir, format!("`{name}` does not fit the model: {e}"))
+            ck_err(
+                checkpoint_dir,
+                format!("`{name}` does not fit the model: {e}"),
+            )
         })?;
     }
     Ok((model, config, model_dir))
@@ -91,9 +103,9 @@ fn copy_tokenizer(model_dir: &Path, dest: &Path) -> Result<(), TrainError> {
     for f in TOKENIZER_FILES {
         let src = model_dir.join(f);
         if src.is_file() {
-            std::fs::copy(&src, dest.join(f)).map_err(|source| TrainError::Io {
+            std::fs::copy(&src, dest.join(f)).map_err(|cause| TrainError::Io {
                 path: dest.join(f),
-                source,
+                cause,
             })?;
         }
     }
@@ -113,14 +125,18 @@ pub fn export_adapter(checkpoint_dir: &Path, dest: &Path) -> Result<PathBuf, Tra
     let (model, _, _) = load_trained_model(checkpoint_dir)?;
     model.save_adapter(dest).map_err(|e| TrainError::Model {
         context: format!("cannot write the adapter to `{}`", dest.display()),
-        source: e,
+        cause: e,
     })?;
     Ok(dest.to_path_buf())
 }
 
 /// Merges the LoRA adapter of `checkpoint_dir` into the base weights and saves a complete
 /// Hugging Face model folder (weights as `dtype`, config, tokenizer) in `dest`.
-pub fn export_merged(checkpoint_dir: &Path, dest: &Path, dtype: DType) -> Result<PathBuf, TrainError> {
+pub fn export_merged(
+    checkpoint_dir: &Path,
+    dest: &Path,
+    dtype: DType,
+) -> Result<PathBuf, TrainError> {
     let state = checkpoint::read_state(checkpoint_dir)?;
     if !state.lora {
         return Err(ck_err(
@@ -131,14 +147,18 @@ pub fn export_merged(checkpoint_dir: &Path, dest: &Path, dtype: DType) -> Result
     let (mut model, _, model_dir) = load_trained_model(checkpoint_dir)?;
     model.merge_lora().map_err(|e| TrainError::Model {
         context: "cannot merge the adapter".into(),
-        source: e,
+        cause: e,
     })?;
     save_model(&model, &model_dir, dest, dtype)
 }
 
 /// Saves the fully fine-tuned model of `checkpoint_dir` as a Hugging Face model folder.
 /// For a LoRA run this is the same as [`export_merged`].
-pub fn export_full(checkpoint_dir: &Path, dest: &Path, dtype: DType) -> Result<PathBuf, TrainError> {
+pub fn export_full(
+    checkpoint_dir: &Path,
+    dest: &Path,
+    dtype: DType,
+) -> Result<PathBuf, TrainError> {
     let state = checkpoint::read_state(checkpoint_dir)?;
     if state.lora {
         return export_merged(checkpoint_dir, dest, dtype);
@@ -147,16 +167,21 @@ pub fn export_full(checkpoint_dir: &Path, dest: &Path, dtype: DType) -> Result<P
     save_model(&model, &model_dir, dest, dtype)
 }
 
-fn save_model(model: &CausalLm, model_dir: &Path, dest: &Path, dtype: DType) -> Result<PathBuf, TrainError> {
-    std::fs::create_dir_all(dest).map_err(|source| TrainError::Io {
+fn save_model(
+    model: &CausalLm,
+    model_dir: &Path,
+    dest: &Path,
+    dtype: DType,
+) -> Result<PathBuf, TrainError> {
+    std::fs::create_dir_all(dest).map_err(|cause| TrainError::Io {
         path: dest.to_path_buf(),
-        source,
+        cause,
     })?;
     model
         .save_pretrained(dest, dtype, MAX_SHARD_BYTES)
         .map_err(|e| TrainError::Model {
             context: format!("cannot save the model to `{}`", dest.display()),
-            source: e,
+            cause: e,
         })?;
     copy_tokenizer(model_dir, dest)?;
     Ok(dest.to_path_buf())

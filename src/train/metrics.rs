@@ -22,18 +22,18 @@ impl MetricsWriter {
     /// Opens (creating, appending) `path`.
     pub fn open(path: &Path) -> Result<Self, TrainError> {
         if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent).map_err(|source| TrainError::Io {
+            std::fs::create_dir_all(parent).map_err(|cause| TrainError::Io {
                 path: parent.to_path_buf(),
-                source,
+                cause,
             })?;
         }
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(path)
-            .map_err(|source| TrainError::Io {
+            .map_err(|cause| TrainError::Io {
                 path: path.to_path_buf(),
-                source,
+                cause,
             })?;
         Ok(MetricsWriter {
             path: path.to_path_buf(),
@@ -50,14 +50,14 @@ impl MetricsWriter {
     pub fn append(&mut self, event: &Event) -> Result<(), TrainError> {
         let mut line = serde_json::to_string(event).map_err(|e| TrainError::Io {
             path: self.path.clone(),
-            source: std::io::Error::other(e),
+            cause: std::io::Error::other(e),
         })?;
         line.push('\n');
         self.file
             .write_all(line.as_bytes())
-            .map_err(|source| TrainError::Io {
+            .map_err(|cause| TrainError::Io {
                 path: self.path.clone(),
-                source,
+                cause,
             })
     }
 }
@@ -70,15 +70,15 @@ pub fn read_metrics(path: &Path) -> Result<Vec<Event>, TrainError> {
     } else {
         path.to_path_buf()
     };
-    let file = std::fs::File::open(&path).map_err(|source| TrainError::Io {
+    let file = std::fs::File::open(&path).map_err(|cause| TrainError::Io {
         path: path.clone(),
-        source,
+        cause,
     })?;
     let mut events = Vec::new();
     for line in std::io::BufReader::new(file).lines() {
-        let line = line.map_err(|source| TrainError::Io {
+        let line = line.map_err(|cause| TrainError::Io {
             path: path.clone(),
-            source,
+            cause,
         })?;
         if line.trim().is_empty() {
             continue;

@@ -49,7 +49,11 @@ pub fn load_tokenizer(model_dir: &Path) -> Result<TokenizerBundle, TrainError> {
 }
 
 /// Fails when the tokenizer can produce ids the model has no embedding row for.
-pub fn check_vocab(tok: &TokenizerBundle, model_dir: &Path, model_vocab: usize) -> Result<(), TrainError> {
+pub fn check_vocab(
+    tok: &TokenizerBundle,
+    model_dir: &Path,
+    model_vocab: usize,
+) -> Result<(), TrainError> {
     let tokenizer_vocab = tok.vocab_size();
     if tokenizer_vocab > model_vocab {
         return Err(TrainError::VocabMismatch {

@@ -21,8 +21,8 @@ use super::config::{InitMode, RunConfig};
 use super::error::{step_error, Phase, TrainError};
 use super::loader::{derive_seed, DataLoader};
 use super::precision::{LossScaler, Precision};
-use super::schedule::LrSchedule;
 use super::samples::{self, Sample, Splits};
+use super::schedule::LrSchedule;
 
 /// Stream id of LoRA initialisation.
 const LORA_STREAM: u64 = 2;
@@ -144,7 +144,7 @@ pub fn parse_device(name: &str) -> Result<Device, TrainError> {
 pub fn build_model(config: &RunConfig, device: &Device) -> Result<(CausalLm, PathBuf), TrainError> {
     let source = config.model_source();
     let model_err = |context: String| {
-        move |source: crate::model::ModelError| TrainError::Model { context, source }
+        move |cause: crate::model::ModelError| TrainError::Model { context, cause }
     };
     let local = Path::new(&source);
     let local_weights = local.is_dir() && has_weights(local);
@@ -153,8 +153,9 @@ pub fn build_model(config: &RunConfig, device: &Device) -> Result<(CausalLm, Pat
     let (dir, config_path, has_any_weights) = if local.is_dir() && !local_weights {
         (local.to_path_buf(), local.join("config.json"), false)
     } else {
-        let files = crate::model::resolve_model(&source)
-            .map_err(model_err(format!("cannot find the model `{source}` (model.source)")))?;
+        let files = crate::model::resolve_model(&source).map_err(model_err(format!(
+            "cannot find the model `{source}` (model.source)"
+        )))?;
         let any = !files.weights.is_empty();
         (files.dir, files.config, any)
     };
@@ -167,7 +168,7 @@ pub fn build_model(config: &RunConfig, device: &Device) -> Result<(CausalLm, Pat
     if !random && !has_any_weights {
         return Err(TrainError::Model {
             context: format!("`{source}` has no weights (model.init = \"pretrained\")"),
-            source: crate::model::ModelError::MissingFile {
+            cause: crate::model::ModelError::MissingFile {
                 path: dir.join("model.safetensors"),
                 hint: "add the safetensors weights, or set `[model] init = \"random\"`".into(),
             },
@@ -194,7 +195,9 @@ pub fn build_model(config: &RunConfig, device: &Device) -> Result<(CausalLm, Pat
                 &config.lora.to_model_config(),
                 derive_seed(config.training.seed, LORA_STREAM, 0),
             )
-            .map_err(model_err("cannot add LoRA adapters (check `[lora] target_modules`)".into()))?;
+            .map_err(model_err(
+                "cannot add LoRA adapters (check `[lora] target_modules`)".into(),
+            ))?;
     }
     Ok((model, dir))
 }
@@ -228,11 +231,38 @@ impl TrainingRun {
             .cloned()
             .unwrap_or_else(|| "cpu".into());
         let device = parse_device(&device_name)?;
-        let (model, model_dir) = build_model(&config, &device)?;
+        let (mut model, model_dir) = build_model(&config, &device)?;
+        let mut setup_warnings = Vec::new();
+        let names = &config.devices.devices;
+        match config.devices.strategy.as_str() {
+            "layer-split" if names.len() > 1 => {
+                // Contiguous, equal runs of layers per device (pipeline split); the
+                // embeddings and the head stay on the first device.
+                let devices = names
+                    .iter()
+                    .map(|n| parse_device(n))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let layers = model.config().num_hidden_layers;
+                let per_layer: Vec<Device> = (0..layers)
+                    .map(|l| devices[l * devices.len() / layers.max(1)].clone())
+                    .collect();
+                model
+                    .set_layer_devices(&per_layer)
+                    .map_err(|cause| TrainError::Model {
+                        context: "cannot spread the layers over `[devices] devices`".into(),
+                        cause,
+                    })?;
+            }
+            "data-parallel" if names.len() > 1 => setup_warnings.push(format!(
+                "data-parallel training is not available in this trainer yet; training on `{device_name}` only"
+            )),
+            _ => {}
+        }
         let tokenizer = samples::load_tokenizer(&model_dir)?;
         samples::check_vocab(&tokenizer, &model_dir, model.config().vocab_size)?;
         let pad_id = tokenizer.pad().id;
-        let splits = samples::load_splits(&config, &tokenizer)?;
+        let mut splits = samples::load_splits(&config, &tokenizer)?;
+        splits.warnings.extend(setup_warnings);
         if splits.train.is_empty() {
             return Err(TrainError::EmptyDataset(format!(
                 "`{}` gave 0 training rows",
@@ -266,9 +296,9 @@ impl TrainingRun {
             decay_norms_and_biases: t.decay_norms_and_biases,
         };
         let optimizer = AdamW::new(model.params(), adam_cfg, t.precision.master_weights())
-            .map_err(|source| TrainError::Model {
+            .map_err(|cause| TrainError::Model {
                 context: "cannot create the optimizer".into(),
-                source,
+                cause,
             })?;
         let scaler = t
             .precision
@@ -332,7 +362,8 @@ impl TrainingRun {
                 state.precision, self.config.training.precision
             )));
         }
-        let tensors = checkpoint::load_tensors(&dir.join(checkpoint::TRAINABLE_FILE), &self.device)?;
+        let tensors =
+            checkpoint::load_tensors(&dir.join(checkpoint::TRAINABLE_FILE), &self.device)?;
         for p in self.model.params().iter().filter(|p| p.trainable) {
             let t = tensors.get(&p.name).ok_or_else(|| {
                 ck_err(format!(
@@ -519,9 +550,8 @@ impl TrainingRun {
         let mut batches = Vec::with_capacity(micro_batches.len());
         for rows in micro_batches {
             let picked: Vec<&Sample> = rows.iter().map(|&r| &self.splits.train[r]).collect();
-            let batch = samples::collate(&picked, self.pad_id, max_length, &self.device).map_err(
-                |e| step_error(Phase::Forward, step, (rows.len(), 0), e, &settings),
-            )?;
+            let batch = samples::collate(&picked, self.pad_id, max_length, &self.device)
+                .map_err(|e| step_error(Phase::Forward, step, (rows.len(), 0), e, &settings))?;
             batches.push(batch);
         }
         let step_tokens: usize = batches.iter().map(|b| b.trained_tokens).sum();
@@ -544,9 +574,10 @@ impl TrainingRun {
             // forward passes this process made, so a resumed run draws the same masks.
             self.model.dropout_seed_base =
                 derive_seed(self.config.training.seed, DROPOUT_STREAM, 0);
-            self.model
-                .forward_counter
-                .store((step << 16) + i as u64, std::sync::atomic::Ordering::Relaxed);
+            self.model.forward_counter.store(
+                (step << 16) + i as u64,
+                std::sync::atomic::Ordering::Relaxed,
+            );
             let out = self
                 .model
                 .loss(&batch.input_ids, Some(&batch.attention_mask), &batch.labels)
@@ -621,7 +652,11 @@ impl TrainingRun {
         if !loss.is_finite() && self.scaler.is_none() {
             return Err(TrainError::NonFiniteLoss {
                 step,
-                value: if loss.is_nan() { "NaN".into() } else { "infinite".into() },
+                value: if loss.is_nan() {
+                    "NaN".into()
+                } else {
+                    "infinite".into()
+                },
                 hint: self.non_finite_hint(),
             });
         }
@@ -822,9 +857,9 @@ impl TrainingRun {
     pub fn save_checkpoint(&mut self) -> Result<PathBuf, TrainError> {
         let started = Instant::now();
         let out = self.config.output_path();
-        std::fs::create_dir_all(&out).map_err(|source| TrainError::Io {
+        std::fs::create_dir_all(&out).map_err(|cause| TrainError::Io {
             path: out.clone(),
-            source,
+            cause,
         })?;
         let state = self.trainer_state();
         let config_text = self.config.with_absolute_paths().to_toml_string()?;

@@ -35,6 +35,10 @@ pub struct TrainerOptions {
     pub resume_latest: bool,
     /// Start without waiting for [`Command::Start`].
     pub start_immediately: bool,
+    /// Train even when the memory planner predicts that host memory runs out
+    /// (on the CPU an allocation failure aborts the whole process, so by default such a run
+    /// is refused with an error event naming the fixes).
+    pub ignore_memory_plan: bool,
 }
 
 /// The front end's side of a trainer thread.
@@ -81,7 +85,11 @@ impl Trainer {
     }
 
     /// Spawns a trainer thread with options (resume, start immediately).
-    pub fn spawn_with(config: RunConfig, options: TrainerOptions, waker: Option<Waker>) -> TrainerHandle {
+    pub fn spawn_with(
+        config: RunConfig,
+        options: TrainerOptions,
+        waker: Option<Waker>,
+    ) -> TrainerHandle {
         let (cmd_tx, cmd_rx) = crossbeam_channel::unbounded();
         let (ev_tx, ev_rx) = crossbeam_channel::unbounded();
         let thread = std::thread::Builder::new()
@@ -188,7 +196,12 @@ enum Control {
     Stop,
 }
 
-fn thread_main(config: RunConfig, options: TrainerOptions, commands: Receiver<Command>, em: &mut Emitter) {
+fn thread_main(
+    config: RunConfig,
+    options: TrainerOptions,
+    commands: Receiver<Command>,
+    em: &mut Emitter,
+) {
     let finish = |em: &mut Emitter, reason, run: Option<&TrainingRun>| {
         em.emit(Event::Finished {
             reason,
@@ -210,6 +223,41 @@ fn thread_main(config: RunConfig, options: TrainerOptions, commands: Receiver<Co
         }
     }
 
+    em.emit(Event::Status {
+        message: "checking the memory plan".into(),
+    });
+    match super::memory::check_plan(&config) {
+        super::memory::PlanCheck::OutOfMemory {
+            summary,
+            fixes,
+            on_cpu,
+        } => {
+            let hint = if fixes.is_empty() {
+                "lower training.micro_batch or data.max_length, or use [lora]".to_string()
+            } else {
+                format!("try: {}", fixes.join("; "))
+            };
+            if on_cpu && !options.ignore_memory_plan {
+                em.emit(Event::Error {
+                    message: format!(
+                        "the memory plan predicts that this run does not fit: {summary}. \
+                         Training was not started, because running out of host memory would end the program"
+                    ),
+                    hint,
+                    phase: Some(Phase::Setup),
+                    step: None,
+                });
+                return finish(em, FinishReason::Failed, None);
+            }
+            em.emit(Event::Warning {
+                message: format!("the memory plan predicts: {summary}; {hint}"),
+            });
+        }
+        super::memory::PlanCheck::Tight { summary } => em.emit(Event::Warning {
+            message: format!("memory will be tight: {summary}"),
+        }),
+        super::memory::PlanCheck::Fits | super::memory::PlanCheck::Unavailable { .. } => {}
+    }
     em.emit(Event::Status {
         message: "loading the model, tokenizer and data".into(),
     });
@@ -322,7 +370,12 @@ fn thread_main(config: RunConfig, options: TrainerOptions, commands: Receiver<Co
     finish(em, reason, Some(&run));
 }
 
-fn handle_command(cmd: Command, run: &mut TrainingRun, paused: &mut bool, em: &mut Emitter) -> Control {
+fn handle_command(
+    cmd: Command,
+    run: &mut TrainingRun,
+    paused: &mut bool,
+    em: &mut Emitter,
+) -> Control {
     match cmd {
         Command::Start => {}
         Command::Pause => {

@@ -62,7 +62,10 @@ pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
     // [training]
     let t = &config.training;
     if t.micro_batch < 1 {
-        bad("training.micro_batch", format!("must be ≥ 1 (got {})", t.micro_batch));
+        bad(
+            "training.micro_batch",
+            format!("must be ≥ 1 (got {})", t.micro_batch),
+        );
     }
     if t.gradient_accumulation < 1 {
         bad(
@@ -71,7 +74,10 @@ pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
         );
     }
     match t.max_steps {
-        Some(0) => bad("training.max_steps", "must be ≥ 1 (got 0); remove it to train by epochs".into()),
+        Some(0) => bad(
+            "training.max_steps",
+            "must be ≥ 1 (got 0); remove it to train by epochs".into(),
+        ),
         Some(_) => {}
         None if t.epochs < 1 => bad(
             "training.epochs",
@@ -87,7 +93,10 @@ pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
     } else if t.learning_rate > 1.0 {
         bad(
             "training.learning_rate",
-            format!("{} is far too large for AdamW; typical values are 1e-5 … 1e-3", t.learning_rate),
+            format!(
+                "{} is far too large for AdamW; typical values are 1e-5 … 1e-3",
+                t.learning_rate
+            ),
         );
     }
     if !(0.0..1.0).contains(&t.warmup_ratio) {
@@ -156,7 +165,10 @@ pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
             bad("lora.alpha", format!("must be > 0 (got {})", l.alpha));
         }
         if !(0.0..1.0).contains(&l.dropout) {
-            bad("lora.dropout", format!("must be in [0, 1) (got {})", l.dropout));
+            bad(
+                "lora.dropout",
+                format!("must be in [0, 1) (got {})", l.dropout),
+            );
         }
         if l.target_modules.is_empty() {
             bad(
@@ -179,7 +191,10 @@ pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
     // [devices]
     let d = &config.devices;
     if d.devices.is_empty() {
-        bad("devices.devices", "is empty; use [\"cpu\"] or [\"cuda:0\", ...]".into());
+        bad(
+            "devices.devices",
+            "is empty; use [\"cpu\"] or [\"cuda:0\", ...]".into(),
+        );
     }
     for (i, dev) in d.devices.iter().enumerate() {
         if !is_device_name(dev) {
@@ -195,7 +210,11 @@ pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
             format!(
                 "unknown strategy `{}`; expected one of {}",
                 d.strategy,
-                STRATEGIES.iter().map(|s| format!("`{s}`")).collect::<Vec<_>>().join(", ")
+                STRATEGIES
+                    .iter()
+                    .map(|s| format!("`{s}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         );
     } else if d.strategy == "single" && d.devices.len() > 1 {
@@ -210,7 +229,10 @@ pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
 
     // output_dir
     if config.output_dir.as_os_str().is_empty() {
-        bad("output_dir", "is empty; give a folder for checkpoints and metrics".into());
+        bad(
+            "output_dir",
+            "is empty; give a folder for checkpoints and metrics".into(),
+        );
     } else if let Err(msg) = check_writable(&config.output_path()) {
         bad("output_dir", msg);
     }
@@ -237,7 +259,11 @@ fn has_safetensors(dir: &Path) -> bool {
 }
 
 fn looks_like_path(s: &str) -> bool {
-    s.starts_with('.') || s.starts_with('/') || s.starts_with('~') || s.contains('\\') || s.matches('/').count() > 1
+    s.starts_with('.')
+        || s.starts_with('/')
+        || s.starts_with('~')
+        || s.contains('\\')
+        || s.matches('/').count() > 1
 }
 
 /// `org/name` with the characters the hub allows.
@@ -269,7 +295,10 @@ fn is_device_name(s: &str) -> bool {
 fn check_writable(dir: &Path) -> Result<(), String> {
     if dir.exists() {
         if !dir.is_dir() {
-            return Err(format!("`{}` exists and is not a folder; choose another output_dir", dir.display()));
+            return Err(format!(
+                "`{}` exists and is not a folder; choose another output_dir",
+                dir.display()
+            ));
         }
         let probe = dir.join(format!(".tunestudio-write-test-{}", std::process::id()));
         return match std::fs::write(&probe, b"") {
@@ -277,7 +306,10 @@ fn check_writable(dir: &Path) -> Result<(), String> {
                 let _ = std::fs::remove_file(&probe);
                 Ok(())
             }
-            Err(e) => Err(format!("cannot write into `{}` ({e}); choose a folder you can write to", dir.display())),
+            Err(e) => Err(format!(
+                "cannot write into `{}` ({e}); choose a folder you can write to",
+                dir.display()
+            )),
         };
     }
     // Walk up to the first existing ancestor: it must be a writable folder.
@@ -295,10 +327,17 @@ fn check_writable(dir: &Path) -> Result<(), String> {
                 ));
             }
             return check_writable(a).map_err(|_| {
-                format!("cannot create `{}`: `{}` is not writable; choose another output_dir", dir.display(), a.display())
+                format!(
+                    "cannot create `{}`: `{}` is not writable; choose another output_dir",
+                    dir.display(),
+                    a.display()
+                )
             });
         }
         ancestor = a.parent();
     }
-    Err(format!("cannot create `{}`; choose another output_dir", dir.display()))
+    Err(format!(
+        "cannot create `{}`; choose another output_dir",
+        dir.display()
+    ))
 }

@@ -22,7 +22,11 @@ pub fn tiny_llama() -> TokenizerBundle {
 
 /// A file of /work/shared/datasets.
 pub fn dataset(name: &str) -> String {
-    shared_dir().join("datasets").join(name).display().to_string()
+    shared_dir()
+        .join("datasets")
+        .join(name)
+        .display()
+        .to_string()
 }
 
 /// A column for [`write_parquet`].

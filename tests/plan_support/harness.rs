@@ -9,7 +9,7 @@ use rand::{Rng, SeedableRng};
 use std::time::Instant;
 use tunestudio::mem;
 use tunestudio::model::{AdamW, AdamWConfig, CausalLm, LoraConfig, ModelConfig};
-use tunestudio::plan::{self, DeviceSpec, LoraSpec, PlanRequest, Precision, Strategy};
+use tunestudio::plan::{self, DevicePlan, DeviceSpec, LoraSpec, Phase, PlanRequest, Precision, Strategy};
 
 #[derive(Debug, Clone)]
 pub struct Case {
@@ -135,7 +135,7 @@ pub fn mib(b: u64) -> f64 {
     b as f64 / (1 << 20) as f64
 }
 
-pub fn run_grid(cases: &[Case]) -> Vec<(Case, Measured, u64)> {
+pub fn run_grid(cases: &[Case]) -> Vec<(Case, Measured, DevicePlan)> {
     assert!(mem::is_installed());
     let cfg = model_config();
     let mut out = Vec::new();
@@ -158,9 +158,9 @@ pub fn run_grid(cases: &[Case]) -> Vec<(Case, Measured, u64)> {
                 let m = measure(&mut model, c, zero, 11 + i as u64);
                 let predicted = plan::plan(&request(&cfg, c))
                     .expect("plan")
-                    .per_device[0]
-                    .peak_bytes;
-                print_row(c, &m, predicted);
+                    .per_device
+                    .remove(0);
+                print_row(c, &m, &predicted);
                 out.push((c.clone(), m, predicted));
             }
         }
@@ -168,27 +168,45 @@ pub fn run_grid(cases: &[Case]) -> Vec<(Case, Measured, u64)> {
     out
 }
 
-pub fn print_row(c: &Case, m: &Measured, predicted: u64) {
-    let err = 100.0 * (predicted as f64 - m.peak as f64) / m.peak as f64;
+/// The predicted peak of one phase.
+pub fn phase(d: &DevicePlan, p: Phase) -> u64 {
+    d.phases.iter().find(|x| x.phase == p).map(|x| x.bytes).unwrap_or(0)
+}
+
+/// Relative error of a prediction, in percent.
+pub fn err_pct(predicted: u64, measured: u64) -> f64 {
+    100.0 * (predicted as f64 - measured as f64) / measured.max(1) as f64
+}
+
+/// Prints one row of the accuracy table (MiB).
+pub fn print_row(c: &Case, m: &Measured, d: &DevicePlan) {
+    let bwd = m.bwd_peak.max(m.acc_peak);
     println!(
-        "{:<10} ckpt={:<5} lora={:<5} b={} t={:<3} acc={} | before {:>7.1} fwd {:>7.1} afterfwd {:>7.1} bwd {:>7.1} afterbwd {:>7.1} acc {:>7.1} opt {:>7.1} | measured {:>7.1} MiB predicted {:>7.1} MiB {:+5.2} % | {:.1} s",
+        "{:<10} {:<5} {:<5} {:>2} {:>4} {:>3} | fwd {:>7.1}/{:>7.1} bwd {:>7.1}/{:>7.1} opt {:>7.1}/{:>7.1} | peak {:>7.1} MiB measured, {:>7.1} predicted ({:<8}) {:+6.2} % | {:>5.1} s",
         c.precision.as_str(),
         c.checkpointing,
         c.lora,
         c.micro_batch,
         c.seq_len,
         c.accumulation,
-        mib(m.before),
         mib(m.fwd_peak),
-        mib(m.after_fwd),
-        mib(m.bwd_peak),
-        mib(m.after_bwd),
-        mib(m.acc_peak),
+        mib(phase(d, Phase::Forward)),
+        mib(bwd),
+        mib(phase(d, Phase::Backward)),
         mib(m.opt_peak),
+        mib(phase(d, Phase::OptimizerStep)),
         mib(m.peak),
-        mib(predicted),
-        err,
+        mib(d.peak_bytes),
+        d.peak_phase.to_string(),
+        err_pct(d.peak_bytes, m.peak),
         m.secs
+    );
+}
+
+/// The table's header.
+pub fn print_header() {
+    println!(
+        "precision  ckpt  lora   b  seq acc | phase peaks, measured/predicted (MiB)                      | step peak"
     );
 }
 
@@ -203,6 +221,8 @@ pub fn case(p: Precision, ckpt: bool, lora: bool, b: usize, t: usize) -> Case {
     }
 }
 
+/// The full grid: fp32 / bf16-mixed × checkpointing × LoRA × micro-batch 1/4 × seq 64/256,
+/// plus one gradient-accumulation step.
 pub fn grid() -> Vec<Case> {
     use Precision::{Bf16Mixed as B, Fp32 as F};
     let mut g = vec![
@@ -218,14 +238,26 @@ pub fn grid() -> Vec<Case> {
         case(B, false, false, 4, 64),
         case(B, false, true, 1, 256),
         case(B, true, true, 4, 64),
+        Case {
+            accumulation: 2,
+            ..case(F, false, false, 1, 64)
+        },
     ];
-    g.push(Case {
-        accumulation: 2,
-        ..case(F, false, false, 1, 64)
-    });
     if let Ok(filter) = std::env::var("PLAN_ACCURACY_FILTER") {
         g.retain(|c| format!("{c:?}").contains(&filter));
     }
     g
 }
 
+/// A subset that exercises every mechanism (optimizer-step peak, end-of-backward
+/// peak, checkpointing, frozen base, half precision) in about a minute and a half.
+pub fn quick_grid() -> Vec<Case> {
+    use Precision::{Bf16Mixed as B, Fp32 as F};
+    vec![
+        case(F, false, false, 1, 64),
+        case(F, false, false, 4, 64),
+        case(F, true, false, 4, 64),
+        case(F, false, true, 1, 256),
+        case(B, false, false, 4, 64),
+    ]
+}

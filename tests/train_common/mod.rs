@@ -19,15 +19,18 @@ pub fn alpaca() -> PathBuf {
 /// tiny-llama on alpaca_en_demo, fp32, seed 0, max_length 64, micro-batch 4, constant lr 1e-3,
 /// no evaluation or checkpoints unless a test turns them on.
 pub fn tiny_config(out: &Path, steps: u64) -> RunConfig {
-    let mut c = RunConfig::default();
-    c.output_dir = out.to_path_buf();
+    let mut c = RunConfig {
+        output_dir: out.to_path_buf(),
+        data: DataConfig {
+            format: Format::Alpaca,
+            max_length: 64,
+            seed: 0,
+            ..DataConfig::new(alpaca().display().to_string())
+        },
+        ..RunConfig::default()
+    };
     c.model.source = tiny_llama().display().to_string();
     c.model.init = InitMode::Pretrained;
-    let mut d = DataConfig::new(alpaca().display().to_string());
-    d.format = Format::Alpaca;
-    d.max_length = 64;
-    d.seed = 0;
-    c.data = d;
     c.training.micro_batch = 4;
     c.training.gradient_accumulation = 1;
     c.training.max_steps = Some(steps);
@@ -45,7 +48,11 @@ pub fn tiny_config(out: &Path, steps: u64) -> RunConfig {
 pub fn random_model_dir(dir: &Path, layers: usize, hidden: usize) -> PathBuf {
     let m = dir.join("model");
     std::fs::create_dir_all(&m).unwrap();
-    for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"] {
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ] {
         std::fs::copy(tiny_llama().join(f), m.join(f)).unwrap();
     }
     let config = serde_json::json!({
@@ -67,7 +74,11 @@ pub fn random_model_dir(dir: &Path, layers: usize, hidden: usize) -> PathBuf {
         "pad_token_id": 2,
         "initializer_range": 0.02
     });
-    std::fs::write(m.join("config.json"), serde_json::to_string_pretty(&config).unwrap()).unwrap();
+    std::fs::write(
+        m.join("config.json"),
+        serde_json::to_string_pretty(&config).unwrap(),
+    )
+    .unwrap();
     m
 }
 
@@ -96,7 +107,9 @@ pub fn compare_grads(
     assert_eq!(a.len(), b.len(), "different parameter sets");
     let mut worst = 0f64;
     for (name, ga) in a {
-        let gb = b.get(name).unwrap_or_else(|| panic!("no gradient for {name}"));
+        let gb = b
+            .get(name)
+            .unwrap_or_else(|| panic!("no gradient for {name}"));
         let d = max_abs_diff(ga, gb);
         assert!(d <= tol, "{name}: gradients differ by {d:e} (> {tol:e})");
         worst = worst.max(d);

@@ -19,31 +19,38 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     );
 
     theme::card(ui, |ui| {
-        egui::Grid::new("data-source").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
-            let r = theme::text_row(
-                ui,
-                "File, folder or hub id",
-                "Relative paths resolve against the run config's folder",
-                &mut s.dataset.path_input,
-                "data/train.jsonl or org/dataset",
-            );
-            if r.lost_focus() && ui.input(|i| i.key_pressed(egui::Key::Enter)) {
-                actions.push(Action::ScanDataset);
-            }
-            ui.label("");
-            ui.horizontal(|ui| {
-                if ui.button("Open").on_hover_text("Read the dataset and detect its format").clicked() {
+        egui::Grid::new("data-source")
+            .num_columns(2)
+            .spacing([12.0, 8.0])
+            .show(ui, |ui| {
+                let r = theme::text_row(
+                    ui,
+                    "File, folder or hub id",
+                    "Relative paths resolve against the run config's folder",
+                    &mut s.dataset.path_input,
+                    "data/train.jsonl or org/dataset",
+                );
+                if r.lost_focus() && ui.input(|i| i.key_pressed(egui::Key::Enter)) {
                     actions.push(Action::ScanDataset);
                 }
-                if ui.button("Browse file…").clicked() {
-                    actions.push(Action::Pick(PickTarget::DatasetFile));
-                }
-                if ui.button("Browse folder…").clicked() {
-                    actions.push(Action::Pick(PickTarget::DatasetFolder));
-                }
+                ui.label("");
+                ui.horizontal(|ui| {
+                    if ui
+                        .button("Open")
+                        .on_hover_text("Read the dataset and detect its format")
+                        .clicked()
+                    {
+                        actions.push(Action::ScanDataset);
+                    }
+                    if ui.button("Browse file…").clicked() {
+                        actions.push(Action::Pick(PickTarget::DatasetFile));
+                    }
+                    if ui.button("Browse folder…").clicked() {
+                        actions.push(Action::Pick(PickTarget::DatasetFolder));
+                    }
+                });
+                ui.end_row();
             });
-            ui.end_row();
-        });
         if !s.settings.recent_datasets.is_empty() {
             ui.horizontal_wrapped(|ui| {
                 ui.label(RichText::new("Recent:").weak());
@@ -82,7 +89,8 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             ui.label(
                 RichText::new(format!(
                     "detected format: {}   ·   files: {}",
-                    sum.detected.map_or("not recognised".to_string(), |f| f.name().to_string()),
+                    sum.detected
+                        .map_or("not recognised".to_string(), |f| f.name().to_string()),
                     sum.files.join(", ")
                 ))
                 .weak(),
@@ -140,13 +148,19 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                 ui.horizontal_wrapped(|ui| {
                     ui.label(RichText::new("Columns in the first row:").weak());
                     for c in &sum.columns {
-                        ui.label(RichText::new(c).monospace().background_color(ui.visuals().faint_bg_color));
+                        ui.label(
+                            RichText::new(c)
+                                .monospace()
+                                .background_color(ui.visuals().faint_bg_color),
+                        );
                     }
                 });
             }
             if !sum.first_row.is_empty() {
                 egui::CollapsingHeader::new("First row").show(ui, |ui| {
-                    ui.add(egui::Label::new(RichText::new(&sum.first_row).monospace().small()).wrap());
+                    ui.add(
+                        egui::Label::new(RichText::new(&sum.first_row).monospace().small()).wrap(),
+                    );
                 });
             }
         }
@@ -232,7 +246,13 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
 /// A text field for an optional column name; empty means the format's default.
 fn option_text_row(ui: &mut Ui, label: &str, default: &str, value: &mut Option<String>) {
     let mut text = value.clone().unwrap_or_default();
-    let r = theme::text_row(ui, label, &format!("Empty: the default column `{default}`"), &mut text, default);
+    let r = theme::text_row(
+        ui,
+        label,
+        &format!("Empty: the default column `{default}`"),
+        &mut text,
+        default,
+    );
     if r.changed() {
         *value = (!text.trim().is_empty()).then(|| text.trim().to_string());
     }

@@ -99,21 +99,31 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     }
 
     egui::CollapsingHeader::new("Memory per block").show(ui, |ui| {
-        egui::Grid::new("per-layer").num_columns(6).striped(true).show(ui, |ui| {
-            for h in ["block", "weights", "gradients", "optimizer", "activations", "total"] {
-                ui.label(RichText::new(h).weak());
-            }
-            ui.end_row();
-            for l in &plan.per_layer {
-                ui.label(&l.name);
-                ui.label(theme::bytes(l.weights_bytes + l.master_weights_bytes));
-                ui.label(theme::bytes(l.gradients_bytes));
-                ui.label(theme::bytes(l.optimizer_states_bytes));
-                ui.label(theme::bytes(l.activations_bytes));
-                ui.label(theme::bytes(l.total_bytes()));
+        egui::Grid::new("per-layer")
+            .num_columns(6)
+            .striped(true)
+            .show(ui, |ui| {
+                for h in [
+                    "block",
+                    "weights",
+                    "gradients",
+                    "optimizer",
+                    "activations",
+                    "total",
+                ] {
+                    ui.label(RichText::new(h).weak());
+                }
                 ui.end_row();
-            }
-        });
+                for l in &plan.per_layer {
+                    ui.label(&l.name);
+                    ui.label(theme::bytes(l.weights_bytes + l.master_weights_bytes));
+                    ui.label(theme::bytes(l.gradients_bytes));
+                    ui.label(theme::bytes(l.optimizer_states_bytes));
+                    ui.label(theme::bytes(l.activations_bytes));
+                    ui.label(theme::bytes(l.total_bytes()));
+                    ui.end_row();
+                }
+            });
     });
 }
 
@@ -125,50 +135,70 @@ fn device_list(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         });
         return;
     };
-    egui::Grid::new("devices").num_columns(6).spacing([16.0, 6.0]).striped(true).show(ui, |ui| {
-        for h in ["use", "device", "total", "free", "other processes", "load"] {
-            ui.label(RichText::new(h).weak());
-        }
-        ui.end_row();
-        for d in &inv.devices {
-            let label = match d.kind {
-                DeviceKind::Cpu => "cpu".to_string(),
-                DeviceKind::Cuda => format!("cuda:{}", d.cuda_ordinal.unwrap_or(d.index)),
-            };
-            let mut on = s.config.devices.devices.contains(&label);
-            let r = ui
-                .checkbox(&mut on, format!("{} ({label})", d.name))
-                .on_hover_text("Train on this device");
-            if r.changed() {
-                if on {
-                    s.config.devices.devices.push(label.clone());
-                    // The CPU and GPUs are not mixed in one run.
-                    let gpu = d.kind == DeviceKind::Cuda;
-                    s.config.devices.devices.retain(|l| (l == "cpu") != gpu || *l == label);
-                } else {
-                    s.config.devices.devices.retain(|l| *l != label);
-                }
-                if s.config.devices.devices.len() <= 1 {
-                    s.config.devices.strategy = "single".into();
-                }
+    egui::Grid::new("devices")
+        .num_columns(6)
+        .spacing([16.0, 6.0])
+        .striped(true)
+        .show(ui, |ui| {
+            for h in ["use", "device", "total", "free", "other processes", "load"] {
+                ui.label(RichText::new(h).weak());
             }
-            ui.label(match d.kind {
-                DeviceKind::Cpu => format!("{} cores", d.cores.unwrap_or(0)),
-                DeviceKind::Cuda => d.uuid.clone().unwrap_or_default(),
-            });
-            ui.label(theme::bytes(d.total_bytes));
-            ui.label(theme::bytes(d.free_bytes));
-            let others: Vec<String> = d
-                .processes
-                .iter()
-                .filter(|p| !p.is_self)
-                .map(|p| format!("pid {} ({})", p.pid, p.used_bytes.map_or("?".into(), theme::bytes)))
-                .collect();
-            ui.label(if others.is_empty() { "none".to_string() } else { others.join(", ") });
-            ui.label(d.utilization_percent.map_or("–".to_string(), |u| format!("{u} %")));
             ui.end_row();
-        }
-    });
+            for d in &inv.devices {
+                let label = match d.kind {
+                    DeviceKind::Cpu => "cpu".to_string(),
+                    DeviceKind::Cuda => format!("cuda:{}", d.cuda_ordinal.unwrap_or(d.index)),
+                };
+                let mut on = s.config.devices.devices.contains(&label);
+                let r = ui
+                    .checkbox(&mut on, format!("{} ({label})", d.name))
+                    .on_hover_text("Train on this device");
+                if r.changed() {
+                    if on {
+                        s.config.devices.devices.push(label.clone());
+                        // The CPU and GPUs are not mixed in one run.
+                        let gpu = d.kind == DeviceKind::Cuda;
+                        s.config
+                            .devices
+                            .devices
+                            .retain(|l| (l == "cpu") != gpu || *l == label);
+                    } else {
+                        s.config.devices.devices.retain(|l| *l != label);
+                    }
+                    if s.config.devices.devices.len() <= 1 {
+                        s.config.devices.strategy = "single".into();
+                    }
+                }
+                ui.label(match d.kind {
+                    DeviceKind::Cpu => format!("{} cores", d.cores.unwrap_or(0)),
+                    DeviceKind::Cuda => d.uuid.clone().unwrap_or_default(),
+                });
+                ui.label(theme::bytes(d.total_bytes));
+                ui.label(theme::bytes(d.free_bytes));
+                let others: Vec<String> = d
+                    .processes
+                    .iter()
+                    .filter(|p| !p.is_self)
+                    .map(|p| {
+                        format!(
+                            "pid {} ({})",
+                            p.pid,
+                            p.used_bytes.map_or("?".into(), theme::bytes)
+                        )
+                    })
+                    .collect();
+                ui.label(if others.is_empty() {
+                    "none".to_string()
+                } else {
+                    others.join(", ")
+                });
+                ui.label(
+                    d.utilization_percent
+                        .map_or("–".to_string(), |u| format!("{u} %")),
+                );
+                ui.end_row();
+            }
+        });
     for n in &inv.notes {
         theme::note(ui, n);
     }
@@ -256,7 +286,9 @@ fn device_bar(ui: &mut Ui, d: &DevicePlan) {
             .color(color),
         );
         if d.layers.end > d.layers.start {
-            ui.label(RichText::new(format!("layers {}–{}", d.layers.start, d.layers.end - 1)).weak());
+            ui.label(
+                RichText::new(format!("layers {}–{}", d.layers.start, d.layers.end - 1)).weak(),
+            );
         }
     });
     // The scale covers the capacity or the peak, whichever is larger, so an overflow shows.
@@ -272,7 +304,8 @@ fn device_bar(ui: &mut Ui, d: &DevicePlan) {
             continue;
         }
         let w = rect.width() * b as f32 / scale;
-        let seg = egui::Rect::from_min_size(egui::pos2(x, rect.top()), egui::vec2(w, rect.height()));
+        let seg =
+            egui::Rect::from_min_size(egui::pos2(x, rect.top()), egui::vec2(w, rect.height()));
         painter.rect_filled(seg, 0.0, color);
         if response.hover_pos().is_some_and(|p| seg.contains(p)) {
             hovered = Some((name, b));
@@ -281,7 +314,10 @@ fn device_bar(ui: &mut Ui, d: &DevicePlan) {
     }
     let cap_x = rect.left() + rect.width() * cap as f32 / scale;
     painter.line_segment(
-        [egui::pos2(cap_x, rect.top() - 2.0), egui::pos2(cap_x, rect.bottom() + 2.0)],
+        [
+            egui::pos2(cap_x, rect.top() - 2.0),
+            egui::pos2(cap_x, rect.bottom() + 2.0),
+        ],
         egui::Stroke::new(2.0, if d.fits { Color32::WHITE } else { theme::ERROR }),
     );
     let summary = components(d)
@@ -292,7 +328,11 @@ fn device_bar(ui: &mut Ui, d: &DevicePlan) {
         .join(", ");
     let name = d.device.name.clone();
     response.widget_info(|| {
-        egui::WidgetInfo::labeled(egui::Role::Label, true, format!("memory of {name}: {summary}"))
+        egui::WidgetInfo::labeled(
+            egui::Role::Label,
+            true,
+            format!("memory of {name}: {summary}"),
+        )
     });
     response.on_hover_ui(|ui| {
         if let Some((n, b)) = hovered {
@@ -330,7 +370,9 @@ pub fn fixes(ui: &mut Ui, plan: &Plan, actions: &mut Vec<Action>) {
     for (i, f) in plan.fixes.iter().enumerate() {
         ui.horizontal(|ui| {
             ui.label(RichText::new(format!("{}.", i + 1)).weak());
-            let r = ui.button("Apply").on_hover_text(format!("Apply: {}", f.description));
+            let r = ui
+                .button("Apply")
+                .on_hover_text(format!("Apply: {}", f.description));
             if r.clicked() {
                 actions.push(Action::ApplyChange(f.change.clone()));
             }
@@ -338,7 +380,11 @@ pub fn fixes(ui: &mut Ui, plan: &Plan, actions: &mut Vec<Action>) {
             if f.fits_alone {
                 ui.label(RichText::new("fits alone").color(theme::OK).small());
             }
-            ui.label(RichText::new(format!("speed ×{:.2}", f.relative_throughput)).small().weak());
+            ui.label(
+                RichText::new(format!("speed ×{:.2}", f.relative_throughput))
+                    .small()
+                    .weak(),
+            );
         });
     }
 }

@@ -118,28 +118,33 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         if s.export.config_path.is_empty() {
             s.export.config_path = s.default_config_path().display().to_string();
         }
-        egui::Grid::new("export-config").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
-            theme::text_row(
-                ui,
-                "Config file",
-                "Where the run config TOML is saved (paths inside are written absolute)",
-                &mut s.export.config_path,
-                "runs/my-run/run.toml",
-            );
-            ui.label("");
-            ui.horizontal(|ui| {
-                if ui.button("Save config").clicked() {
-                    actions.push(Action::SaveConfig(PathBuf::from(s.export.config_path.trim())));
-                }
-                if ui.button("Save as…").clicked() {
-                    actions.push(Action::Pick(PickTarget::ConfigSave));
-                }
-                if ui.button("Load config…").clicked() {
-                    actions.push(Action::Pick(PickTarget::ConfigOpen));
-                }
+        egui::Grid::new("export-config")
+            .num_columns(2)
+            .spacing([12.0, 8.0])
+            .show(ui, |ui| {
+                theme::text_row(
+                    ui,
+                    "Config file",
+                    "Where the run config TOML is saved (paths inside are written absolute)",
+                    &mut s.export.config_path,
+                    "runs/my-run/run.toml",
+                );
+                ui.label("");
+                ui.horizontal(|ui| {
+                    if ui.button("Save config").clicked() {
+                        actions.push(Action::SaveConfig(PathBuf::from(
+                            s.export.config_path.trim(),
+                        )));
+                    }
+                    if ui.button("Save as…").clicked() {
+                        actions.push(Action::Pick(PickTarget::ConfigSave));
+                    }
+                    if ui.button("Load config…").clicked() {
+                        actions.push(Action::Pick(PickTarget::ConfigOpen));
+                    }
+                });
+                ui.end_row();
             });
-            ui.end_row();
-        });
         if let Some(m) = &s.export.config_message {
             match m {
                 Ok(t) => ui.label(RichText::new(t).color(theme::OK)),
@@ -150,12 +155,18 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         let cmd = cli_command(&s.export.config_path);
         ui.label(RichText::new("Reproduce this run headless:").weak());
         ui.horizontal(|ui| {
-            ui.label(RichText::new(&cmd).monospace().background_color(ui.visuals().extreme_bg_color));
-            let r = ui
-                .button("Copy CLI command")
-                .on_hover_text("Saves the config to the path above and copies the command that trains it headless");
+            ui.label(
+                RichText::new(&cmd)
+                    .monospace()
+                    .background_color(ui.visuals().extreme_bg_color),
+            );
+            let r = ui.button("Copy CLI command").on_hover_text(
+                "Saves the config to the path above and copies the command that trains it headless",
+            );
             if r.clicked() {
-                actions.push(Action::SaveConfig(PathBuf::from(s.export.config_path.trim())));
+                actions.push(Action::SaveConfig(PathBuf::from(
+                    s.export.config_path.trim(),
+                )));
                 ui.ctx().copy_text(cmd.clone());
                 s.toast("saved the config and copied the command");
             }
@@ -177,7 +188,10 @@ mod tests {
 
     #[test]
     fn quotes_paths_with_spaces() {
-        assert_eq!(cli_command("/tmp/run.toml"), "tunestudio train --config /tmp/run.toml");
+        assert_eq!(
+            cli_command("/tmp/run.toml"),
+            "tunestudio train --config /tmp/run.toml"
+        );
         assert_eq!(
             cli_command("/tmp/my run/run.toml"),
             "tunestudio train --config '/tmp/my run/run.toml'"

@@ -59,7 +59,10 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                 ui.add(egui::Spinner::new());
                 let secs = started.elapsed().as_secs_f32();
                 match s.model.download_bytes {
-                    Some(b) if b > 0 => ui.label(format!("downloading… {} so far ({secs:.0} s)", theme::bytes(b))),
+                    Some(b) if b > 0 => ui.label(format!(
+                        "downloading… {} so far ({secs:.0} s)",
+                        theme::bytes(b)
+                    )),
                     _ => ui.label(format!("resolving the model… ({secs:.0} s)")),
                 };
             });
@@ -74,7 +77,11 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         ui.horizontal_wrapped(|ui| {
             let recent = s.settings.recent_models.clone();
             for m in recent.iter().take(8) {
-                if ui.button(short(m)).on_hover_text(format!("recent: {m}")).clicked() {
+                if ui
+                    .button(short(m))
+                    .on_hover_text(format!("recent: {m}"))
+                    .clicked()
+                {
                     s.model.source_input = m.clone();
                     actions.push(Action::LoadModel);
                 }
@@ -104,49 +111,81 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     theme::section(ui, "About this model");
     theme::card(ui, |ui| {
         let c = &info.config;
-        egui::Grid::new("model-info").num_columns(2).spacing([24.0, 6.0]).striped(true).show(ui, |ui| {
-            row(ui, "Folder", &info.dir.display().to_string());
-            row(ui, "Architecture", &format!("{:?} ({})", c.architecture, c.architecture.model_type()));
-            row(
-                ui,
-                "Parameters",
-                &format!("{} ({})", theme::params(info.parameters), theme::count(info.parameters)),
-            );
-            row(ui, "Checkpoint dtype", info.dtype.as_deref().unwrap_or("not stated"));
-            row(ui, "Vocabulary", &theme::count(c.vocab_size as u64));
-            row(ui, "Context length", &format!("{} tokens", theme::count(c.max_position_embeddings as u64)));
-            row(
-                ui,
-                "Shape",
-                &format!(
-                    "{} layers · hidden {} · MLP {} · {} heads ({} key/value) × {}",
-                    c.num_hidden_layers,
-                    c.hidden_size,
-                    c.intermediate_size,
-                    c.num_attention_heads,
-                    c.num_key_value_heads,
-                    c.head_dim
-                ),
-            );
-            row(
-                ui,
-                "Weights",
-                &if info.weight_files.is_empty() {
-                    "none in the folder — random initialisation only".to_string()
-                } else {
-                    format!("{} file(s), {}", info.weight_files.len(), theme::bytes(info.weight_bytes))
-                },
-            );
-            row(ui, "Tokenizer", if info.has_tokenizer { "tokenizer.json" } else { "missing" });
-            row(
-                ui,
-                "Chat template",
-                &match &info.chat_template {
-                    Some(origin) => format!("yes ({origin})"),
-                    None => "no — chat data uses the built-in ChatML fallback".into(),
-                },
-            );
-        });
+        egui::Grid::new("model-info")
+            .num_columns(2)
+            .spacing([24.0, 6.0])
+            .striped(true)
+            .show(ui, |ui| {
+                row(ui, "Folder", &info.dir.display().to_string());
+                row(
+                    ui,
+                    "Architecture",
+                    &format!("{:?} ({})", c.architecture, c.architecture.model_type()),
+                );
+                row(
+                    ui,
+                    "Parameters",
+                    &format!(
+                        "{} ({})",
+                        theme::params(info.parameters),
+                        theme::count(info.parameters)
+                    ),
+                );
+                row(
+                    ui,
+                    "Checkpoint dtype",
+                    info.dtype.as_deref().unwrap_or("not stated"),
+                );
+                row(ui, "Vocabulary", &theme::count(c.vocab_size as u64));
+                row(
+                    ui,
+                    "Context length",
+                    &format!("{} tokens", theme::count(c.max_position_embeddings as u64)),
+                );
+                row(
+                    ui,
+                    "Shape",
+                    &format!(
+                        "{} layers · hidden {} · MLP {} · {} heads ({} key/value) × {}",
+                        c.num_hidden_layers,
+                        c.hidden_size,
+                        c.intermediate_size,
+                        c.num_attention_heads,
+                        c.num_key_value_heads,
+                        c.head_dim
+                    ),
+                );
+                row(
+                    ui,
+                    "Weights",
+                    &if info.weight_files.is_empty() {
+                        "none in the folder — random initialisation only".to_string()
+                    } else {
+                        format!(
+                            "{} file(s), {}",
+                            info.weight_files.len(),
+                            theme::bytes(info.weight_bytes)
+                        )
+                    },
+                );
+                row(
+                    ui,
+                    "Tokenizer",
+                    if info.has_tokenizer {
+                        "tokenizer.json"
+                    } else {
+                        "missing"
+                    },
+                );
+                row(
+                    ui,
+                    "Chat template",
+                    &match &info.chat_template {
+                        Some(origin) => format!("yes ({origin})"),
+                        None => "no — chat data uses the built-in ChatML fallback".into(),
+                    },
+                );
+            });
     });
 }
 

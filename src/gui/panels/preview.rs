@@ -116,11 +116,20 @@ fn navigator(ui: &mut Ui, s: &mut AppState) {
         }
         let l = ui.label("First row");
         let max = total.saturating_sub(1);
-        ui.add(egui::DragValue::new(&mut s.preview.start_row).range(0..=max).speed(1.0))
-            .labelled_by(l.id)
-            .on_hover_text("Rows are shown in batches of the micro-batch size, padded as the collator pads them");
+        ui.add(
+            egui::DragValue::new(&mut s.preview.start_row)
+                .range(0..=max)
+                .speed(1.0),
+        )
+        .labelled_by(l.id)
+        .on_hover_text(
+            "Rows are shown in batches of the micro-batch size, padded as the collator pads them",
+        );
         let next = ui
-            .add_enabled(s.preview.start_row + batch < total, egui::Button::new("Next ▶"))
+            .add_enabled(
+                s.preview.start_row + batch < total,
+                egui::Button::new("Next ▶"),
+            )
             .on_hover_text("The next batch of rows");
         if next.clicked() {
             s.preview.start_row = (s.preview.start_row + batch).min(max);
@@ -156,14 +165,22 @@ fn legend(ui: &mut Ui, p: &DataPreview) {
         theme::legend_item(ui, theme::MASKED, &format!("masked: {}", counts[2]));
         theme::legend_item(ui, theme::PADDING, &format!("padding: {}", counts[3]));
         if counts[1] > 0 {
-            theme::legend_item(ui, theme::MISMATCH, &format!("label ≠ token: {}", counts[1]));
+            theme::legend_item(
+                ui,
+                theme::MISMATCH,
+                &format!("label ≠ token: {}", counts[1]),
+            );
         }
         ui.separator();
         ui.label(
             RichText::new(format!(
                 "format {} · {} · template: {}",
                 p.format.name(),
-                if p.completions_only { "completions only" } else { "every token trained" },
+                if p.completions_only {
+                    "completions only"
+                } else {
+                    "every token trained"
+                },
                 p.chat_template_origin.as_deref().unwrap_or("none")
             ))
             .small()
@@ -239,7 +256,9 @@ fn row_card(ui: &mut Ui, row: &RowPreview, highlighted: bool) {
                     ui.label(RichText::new("truncated").color(theme::WARNING));
                 }
                 if let Some(d) = row.dropped {
-                    ui.label(RichText::new(format!("dropped: {}", d.describe())).color(theme::ERROR));
+                    ui.label(
+                        RichText::new(format!("dropped: {}", d.describe())).color(theme::ERROR),
+                    );
                 }
             });
             ui.add_space(4.0);
@@ -250,7 +269,11 @@ fn row_card(ui: &mut Ui, row: &RowPreview, highlighted: bool) {
                 }
                 if row.tokens.len() > MAX_CHIPS_PER_ROW {
                     ui.label(
-                        RichText::new(format!("… {} more tokens", row.tokens.len() - MAX_CHIPS_PER_ROW)).weak(),
+                        RichText::new(format!(
+                            "… {} more tokens",
+                            row.tokens.len() - MAX_CHIPS_PER_ROW
+                        ))
+                        .weak(),
                     );
                 }
             });
@@ -296,11 +319,16 @@ fn chip(ui: &mut Ui, t: &TokenSpan) {
             _ => color.gamma_multiply(if response.hovered() { 1.0 } else { 0.75 }),
         };
         ui.painter().rect_filled(rect, 3.0, fill);
-        ui.painter().galley(rect.min + egui::vec2(4.0, 2.0), galley, text_color);
+        ui.painter()
+            .galley(rect.min + egui::vec2(4.0, 2.0), galley, text_color);
     }
     let class = class_name(t.class);
     response.widget_info(|| {
-        egui::WidgetInfo::labeled(egui::Role::Label, true, format!("token {text} ({class}, id {})", t.id))
+        egui::WidgetInfo::labeled(
+            egui::Role::Label,
+            true,
+            format!("token {text} ({class}, id {})", t.id),
+        )
     });
     response.on_hover_ui(|ui| {
         egui::Grid::new("chip-tip").num_columns(2).show(ui, |ui| {
@@ -342,7 +370,11 @@ fn histogram(ui: &mut Ui, p: &DataPreview) {
             Bar::new(start + w / 2.0, c as f64)
                 .width(w * 0.92)
                 .fill(if over { theme::WARNING } else { theme::ACCENT })
-                .name(format!("{}–{} tokens", start as usize, (start + w) as usize - 1))
+                .name(format!(
+                    "{}–{} tokens",
+                    start as usize,
+                    (start + w) as usize - 1
+                ))
         })
         .collect();
     let truncated = p.stats.num_truncated;
@@ -356,9 +388,12 @@ fn histogram(ui: &mut Ui, p: &DataPreview) {
         .show(ui, |plot| {
             plot.bar_chart(BarChart::new("rows", bars));
             plot.vline(
-                VLine::new(format!("max_length {} ({truncated} truncated)", h.cutoff), h.cutoff as f64)
-                    .color(theme::ERROR)
-                    .width(2.0),
+                VLine::new(
+                    format!("max_length {} ({truncated} truncated)", h.cutoff),
+                    h.cutoff as f64,
+                )
+                .color(theme::ERROR)
+                .width(2.0),
             );
         });
     ui.label(
@@ -375,59 +410,85 @@ fn histogram(ui: &mut Ui, p: &DataPreview) {
 
 fn stats(ui: &mut Ui, p: &DataPreview) {
     let st = &p.stats;
-    egui::Grid::new("preview-stats").num_columns(2).spacing([16.0, 4.0]).striped(true).show(ui, |ui| {
-        let mut row = |k: &str, v: String| {
-            ui.label(RichText::new(k).weak());
-            ui.label(v);
-            ui.end_row();
-        };
-        row(
-            "rows",
-            format!(
-                "{} ({} train / {} validation){}",
-                theme::count(p.num_rows as u64),
-                theme::count(p.num_train_rows as u64),
-                theme::count(p.num_validation_rows as u64),
-                if p.full_scan { "" } else { " — shown rows only" }
-            ),
-        );
-        row("samples kept", format!("{} ({} dropped)", theme::count(st.num_samples as u64), st.num_dropped));
-        row(
-            "tokens",
-            format!(
-                "{} total · {} trained ({:.1} %)",
-                theme::count(st.total_tokens as u64),
-                theme::count(st.trained_tokens as u64),
-                100.0 * st.trained_fraction
-            ),
-        );
-        row(
-            "length",
-            format!("mean {:.0} · median {} · max {}", st.mean_length, st.median_length, st.max_length_seen),
-        );
-        row(
-            "padding waste",
-            format!(
-                "{:.1} % at batch {} ({:.1} % grouped by length)",
-                100.0 * st.padding_waste,
-                st.batch_size,
-                100.0 * st.padding_waste_grouped
-            ),
-        );
-        row(
-            "packing",
-            format!(
-                "{} sequences of {} ({:.1} % full)",
-                theme::count(st.packed_sequences as u64),
-                p.max_length,
-                100.0 * st.packing_efficiency
-            ),
-        );
-        row(
-            "pad token",
-            format!("id {}{}", p.pad_id, if p.pad_is_fallback { " (EOS fallback)" } else { "" }),
-        );
-    });
+    egui::Grid::new("preview-stats")
+        .num_columns(2)
+        .spacing([16.0, 4.0])
+        .striped(true)
+        .show(ui, |ui| {
+            let mut row = |k: &str, v: String| {
+                ui.label(RichText::new(k).weak());
+                ui.label(v);
+                ui.end_row();
+            };
+            row(
+                "rows",
+                format!(
+                    "{} ({} train / {} validation){}",
+                    theme::count(p.num_rows as u64),
+                    theme::count(p.num_train_rows as u64),
+                    theme::count(p.num_validation_rows as u64),
+                    if p.full_scan {
+                        ""
+                    } else {
+                        " — shown rows only"
+                    }
+                ),
+            );
+            row(
+                "samples kept",
+                format!(
+                    "{} ({} dropped)",
+                    theme::count(st.num_samples as u64),
+                    st.num_dropped
+                ),
+            );
+            row(
+                "tokens",
+                format!(
+                    "{} total · {} trained ({:.1} %)",
+                    theme::count(st.total_tokens as u64),
+                    theme::count(st.trained_tokens as u64),
+                    100.0 * st.trained_fraction
+                ),
+            );
+            row(
+                "length",
+                format!(
+                    "mean {:.0} · median {} · max {}",
+                    st.mean_length, st.median_length, st.max_length_seen
+                ),
+            );
+            row(
+                "padding waste",
+                format!(
+                    "{:.1} % at batch {} ({:.1} % grouped by length)",
+                    100.0 * st.padding_waste,
+                    st.batch_size,
+                    100.0 * st.padding_waste_grouped
+                ),
+            );
+            row(
+                "packing",
+                format!(
+                    "{} sequences of {} ({:.1} % full)",
+                    theme::count(st.packed_sequences as u64),
+                    p.max_length,
+                    100.0 * st.packing_efficiency
+                ),
+            );
+            row(
+                "pad token",
+                format!(
+                    "id {}{}",
+                    p.pad_id,
+                    if p.pad_is_fallback {
+                        " (EOS fallback)"
+                    } else {
+                        ""
+                    }
+                ),
+            );
+        });
 }
 
 #[cfg(test)]

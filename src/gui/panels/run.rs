@@ -14,7 +14,11 @@ use crate::gui::theme;
 
 /// Draws the Run panel.
 pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
-    theme::heading(ui, "Run", "Train with the current settings and watch it live.");
+    theme::heading(
+        ui,
+        "Run",
+        "Train with the current settings and watch it live.",
+    );
     controls(ui, s, actions);
     ui.add_space(6.0);
     progress(ui, s);
@@ -23,10 +27,16 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         ui.add_space(6.0);
         theme::error_box(
             ui,
-            if err.out_of_memory { "Out of memory" } else { "The run stopped with an error" },
+            if err.out_of_memory {
+                "Out of memory"
+            } else {
+                "The run stopped with an error"
+            },
             &format!(
                 "{}{}\n\nWhat to do: {}",
-                err.step.map(|st| format!("At step {st}: ")).unwrap_or_default(),
+                err.step
+                    .map(|st| format!("At step {st}: "))
+                    .unwrap_or_default(),
                 err.message,
                 err.hint
             ),
@@ -71,20 +81,29 @@ fn controls(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     ui.horizontal(|ui| {
         let can_start = !s.run.is_active();
         let start = ui
-            .add_enabled(can_start, egui::Button::new(RichText::new("Start").strong()).min_size(egui::vec2(90.0, 30.0)))
+            .add_enabled(
+                can_start,
+                egui::Button::new(RichText::new("Start").strong()).min_size(egui::vec2(90.0, 30.0)),
+            )
             .on_hover_text("Train with the current settings (writes to the output folder)");
         if start.clicked() {
             actions.push(Action::Start);
         }
         match phase {
             RunPhase::Paused => {
-                if ui.add(egui::Button::new("Resume").min_size(egui::vec2(90.0, 30.0))).clicked() {
+                if ui
+                    .add(egui::Button::new("Resume").min_size(egui::vec2(90.0, 30.0)))
+                    .clicked()
+                {
                     actions.push(Action::Resume);
                 }
             }
             _ => {
                 let r = ui
-                    .add_enabled(phase == RunPhase::Running, egui::Button::new("Pause").min_size(egui::vec2(90.0, 30.0)))
+                    .add_enabled(
+                        phase == RunPhase::Running,
+                        egui::Button::new("Pause").min_size(egui::vec2(90.0, 30.0)),
+                    )
                     .on_hover_text("Pause after the current step");
                 if r.clicked() {
                     actions.push(Action::Pause);
@@ -92,8 +111,13 @@ fn controls(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             }
         }
         let r = ui
-            .add_enabled(s.run.is_active(), egui::Button::new("Stop").min_size(egui::vec2(90.0, 30.0)))
-            .on_hover_text("End the run after the current step (save a checkpoint first to keep it)");
+            .add_enabled(
+                s.run.is_active(),
+                egui::Button::new("Stop").min_size(egui::vec2(90.0, 30.0)),
+            )
+            .on_hover_text(
+                "End the run after the current step (save a checkpoint first to keep it)",
+            );
         if r.clicked() {
             actions.push(Action::Stop);
         }
@@ -123,9 +147,12 @@ fn controls(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     if let Some(plan) = &s.plan.plan {
         if !plan.fits() && !s.run.is_active() {
             ui.label(
-                RichText::new(format!("The memory plan says this will not fit: {}", plan.summary))
-                    .color(theme::WARNING)
-                    .small(),
+                RichText::new(format!(
+                    "The memory plan says this will not fit: {}",
+                    plan.summary
+                ))
+                .color(theme::WARNING)
+                .small(),
             );
         }
     }
@@ -134,7 +161,10 @@ fn controls(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
 fn progress(ui: &mut Ui, s: &AppState) {
     let r = &s.run;
     if r.phase == RunPhase::Idle {
-        theme::note(ui, "Press Start to train. The demo trains a tiny model in about a minute on a laptop CPU.");
+        theme::note(
+            ui,
+            "Press Start to train. The demo trains a tiny model in about a minute on a laptop CPU.",
+        );
         return;
     }
     let text = if r.total_steps > 0 {
@@ -142,15 +172,27 @@ fn progress(ui: &mut Ui, s: &AppState) {
     } else {
         r.status.clone()
     };
-    ui.add(egui::ProgressBar::new(r.progress()).text(text).desired_height(20.0));
+    ui.add(
+        egui::ProgressBar::new(r.progress())
+            .text(text)
+            .desired_height(20.0),
+    );
     ui.horizontal_wrapped(|ui| {
         let mut stat = |k: &str, v: String| {
             ui.label(RichText::new(k).weak());
             ui.label(RichText::new(v).strong());
             ui.add_space(12.0);
         };
-        stat("loss", r.loss.last().map_or("–".into(), |p| format!("{:.4}", p[1])));
-        stat("eval loss", r.eval_loss.last().map_or("–".into(), |p| format!("{:.4}", p[1])));
+        stat(
+            "loss",
+            r.loss.last().map_or("–".into(), |p| format!("{:.4}", p[1])),
+        );
+        stat(
+            "eval loss",
+            r.eval_loss
+                .last()
+                .map_or("–".into(), |p| format!("{:.4}", p[1])),
+        );
         stat("tokens/s", format!("{:.0}", r.tokens_per_sec));
         stat("elapsed", theme::duration(r.elapsed_secs));
         stat("ETA", r.eta_secs().map_or("–".into(), theme::duration));
@@ -158,7 +200,11 @@ fn progress(ui: &mut Ui, s: &AppState) {
         stat("trained tokens", theme::count(r.trained_tokens));
     });
     if let Some(dir) = &r.output_dir {
-        ui.label(RichText::new(format!("output: {}", dir.display())).small().weak());
+        ui.label(
+            RichText::new(format!("output: {}", dir.display()))
+                .small()
+                .weak(),
+        );
     }
 }
 
@@ -182,19 +228,30 @@ fn loss_chart(ui: &mut Ui, s: &mut AppState) {
         ui.label(RichText::new("Loss").size(15.0).strong());
         ui.add_space(20.0);
         let l = ui.label("Smoothing");
-        ui.add(egui::DragValue::new(&mut s.settings.smoothing).range(0.0..=0.99).speed(0.01))
-            .labelled_by(l.id)
-            .on_hover_text("Exponential moving average of the training loss (0 = raw)");
+        ui.add(
+            egui::DragValue::new(&mut s.settings.smoothing)
+                .range(0.0..=0.99)
+                .speed(0.01),
+        )
+        .labelled_by(l.id)
+        .on_hover_text("Exponential moving average of the training loss (0 = raw)");
     });
     let w = s.settings.smoothing as f64;
     let run = &s.run;
-    let overlays: Vec<(String, Vec<[f64; 2]>, Vec<[f64; 2]>)> = s
+    // (name, train loss, eval loss) of each overlaid run.
+    type Curves = (String, Vec<[f64; 2]>, Vec<[f64; 2]>);
+    let overlays: Vec<Curves> = s
         .history
         .overlay
         .iter()
         .filter_map(|&i| s.history.runs.get(i))
         .map(|h| {
-            let pts = |v: &[(u64, f64)]| v.iter().filter(|p| p.1.is_finite()).map(|&(x, y)| [x as f64, y]).collect();
+            let pts = |v: &[(u64, f64)]| {
+                v.iter()
+                    .filter(|p| p.1.is_finite())
+                    .map(|&(x, y)| [x as f64, y])
+                    .collect()
+            };
             (h.name(), pts(&h.curves.loss), pts(&h.curves.eval_loss))
         })
         .collect();
@@ -279,7 +336,14 @@ fn memory_chart(ui: &mut Ui, s: &AppState) {
             for (i, (device, series)) in mem.iter().enumerate() {
                 let c = theme::SERIES[i % theme::SERIES.len()];
                 if !series.used.is_empty() {
-                    plot.line(Line::new(format!("{device} used"), PlotPoints::from(series.used.clone())).color(c).width(2.0));
+                    plot.line(
+                        Line::new(
+                            format!("{device} used"),
+                            PlotPoints::from(series.used.clone()),
+                        )
+                        .color(c)
+                        .width(2.0),
+                    );
                 }
                 if let Some(p) = series.predicted_peak_bytes {
                     plot.hline(
@@ -289,7 +353,9 @@ fn memory_chart(ui: &mut Ui, s: &AppState) {
                     );
                 }
                 // A capacity far above the use would flatten the curves to the axis.
-                let top = series.peak_bytes.max(series.predicted_peak_bytes.unwrap_or(0));
+                let top = series
+                    .peak_bytes
+                    .max(series.predicted_peak_bytes.unwrap_or(0));
                 if let Some(t) = series.total_bytes.filter(|&t| t <= top.saturating_mul(4)) {
                     plot.hline(
                         HLine::new(format!("{device} capacity"), theme::gib(t))
@@ -309,7 +375,9 @@ fn memory_chart(ui: &mut Ui, s: &AppState) {
                 v.predicted_peak_bytes
                     .map(|p| format!(" (predicted {})", theme::bytes(p)))
                     .unwrap_or_default(),
-                v.total_bytes.map(|t| format!(" of {}", theme::bytes(t))).unwrap_or_default()
+                v.total_bytes
+                    .map(|t| format!(" of {}", theme::bytes(t)))
+                    .unwrap_or_default()
             )
         })
         .collect();
@@ -356,7 +424,11 @@ fn log(ui: &mut Ui, s: &AppState) {
 
 fn history(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     ui.horizontal(|ui| {
-        if ui.small_button("Refresh").on_hover_text("Re-read metrics.jsonl of known runs").clicked() {
+        if ui
+            .small_button("Refresh")
+            .on_hover_text("Re-read metrics.jsonl of known runs")
+            .clicked()
+        {
             actions.push(Action::RefreshHistory);
         }
         if ui.small_button("Add run folder…").clicked() {
@@ -367,14 +439,31 @@ fn history(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         }
     });
     if s.history.runs.is_empty() {
-        theme::note(ui, "No finished runs found yet (runs are read from their output folders' metrics.jsonl).");
+        theme::note(
+            ui,
+            "No finished runs found yet (runs are read from their output folders' metrics.jsonl).",
+        );
         return;
     }
-    ui.label(RichText::new("Tick runs to overlay their curves on the loss chart.").small().weak());
+    ui.label(
+        RichText::new("Tick runs to overlay their curves on the loss chart.")
+            .small()
+            .weak(),
+    );
     for (i, h) in s.history.runs.iter().enumerate() {
         let mut on = s.history.overlay.contains(&i);
-        let last = h.curves.loss.last().map(|p| format!("loss {:.4}", p.1)).unwrap_or_default();
-        let eval = h.curves.eval_loss.last().map(|p| format!(" · eval {:.4}", p.1)).unwrap_or_default();
+        let last = h
+            .curves
+            .loss
+            .last()
+            .map(|p| format!("loss {:.4}", p.1))
+            .unwrap_or_default();
+        let eval = h
+            .curves
+            .eval_loss
+            .last()
+            .map(|p| format!(" · eval {:.4}", p.1))
+            .unwrap_or_default();
         let status = match h.finished {
             Some(FinishReason::Completed) => "completed",
             Some(FinishReason::Stopped) => "stopped",
@@ -382,7 +471,14 @@ fn history(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             None => "unfinished",
         };
         let r = ui
-            .checkbox(&mut on, format!("{} — {} steps, {last}{eval}, {status}", h.name(), h.curves.loss.len()))
+            .checkbox(
+                &mut on,
+                format!(
+                    "{} — {} steps, {last}{eval}, {status}",
+                    h.name(),
+                    h.curves.loss.len()
+                ),
+            )
             .on_hover_text(h.dir.display().to_string());
         if r.changed() {
             if on {

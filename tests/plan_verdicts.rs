@@ -1,0 +1,372 @@
+//! Verdicts of the memory planner for real 7–8 B model shapes (no weights needed),
+//! auto-fit, errors, speed, and the `tunestudio plan` command line.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Instant;
+use tunestudio::model::ModelConfig;
+use tunestudio::plan::{
+    self, auto_fit, parse_devices, DeviceSpec, Phase, PlanError, PlanRequest, Precision, Strategy,
+    Verdict,
+};
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+fn config(name: &str) -> ModelConfig {
+    let path = tunestudio::paths::shared_dir()
+        .join("model-configs")
+        .join(name);
+    ModelConfig::from_file(&path).expect("model config")
+}
+
+/// The case this product exists for: DictaLM 2.0, fp32, micro-batch 1 × 4, seq 512,
+/// checkpointing, everything on GPU 0 of two 80 GiB GPUs.
+fn dictalm_request() -> PlanRequest {
+    PlanRequest {
+        model: config("dictalm2-7b.json"),
+        precision: Precision::Fp32,
+        micro_batch: 1,
+        gradient_accumulation: 4,
+        seq_len: 512,
+        activation_checkpointing: true,
+        lora: None,
+        strategy: Strategy::Single,
+        devices: parse_devices("2x80GiB").unwrap(),
+    }
+}
+
+fn gib(b: u64) -> f64 {
+    b as f64 / GIB
+}
+
+#[test]
+fn dictalm_fp32_single_gpu_is_out_of_memory_and_fixes_are_ranked() {
+    let req = dictalm_request();
+    let p = plan::plan(&req).unwrap();
+    assert_eq!(p.parameters, 7_251_169_280);
+    assert_eq!(p.verdict, Verdict::OutOfMemory);
+    assert_eq!(p.per_device.len(), 1, "single strategy uses GPU 0 only");
+    let d = &p.per_device[0];
+    assert_eq!(d.device.name, "GPU 0");
+    assert!(!d.fits);
+    // weights 27 + two gradient copies (accumulation) 54 + moments 54 GiB ≈ 135 GiB.
+    let peak = gib(d.peak_bytes);
+    assert!((125.0..150.0).contains(&peak), "peak {peak:.1} GiB");
+    assert!(gib(d.shortfall_bytes) > 40.0);
+    assert_eq!(d.first_oom_phase, Some(Phase::Forward), "weights + moments alone exceed 80 GiB");
+    assert!(p.summary.contains("GPU 0 is out of memory at the"), "{}", p.summary);
+    assert!(p.summary.contains("short by"), "{}", p.summary);
+    // Components add up to the peak.
+    let sum = d.weights_bytes
+        + d.master_weights_bytes
+        + d.gradients_bytes
+        + d.optimizer_states_bytes
+        + d.activations_bytes
+        + d.logits_and_loss_bytes
+        + d.temporaries_bytes
+        + d.overhead_bytes;
+    assert_eq!(sum, d.peak_bytes);
+    // Fixes: ranked, the best one fits on its own and is the layer split.
+    assert!(p.fixes.len() >= 3, "{:?}", p.fixes);
+    assert!(p.fixes[0].fits_alone, "{:?}", p.fixes[0]);
+    assert!(
+        p.fixes[0].description.contains("split the layers"),
+        "{}",
+        p.fixes[0].description
+    );
+    for w in p.fixes.windows(2) {
+        assert!(w[0].fits_alone >= w[1].fits_alone);
+    }
+    for f in &p.fixes {
+        println!("fix: {}", f.description);
+    }
+}
+
+#[test]
+fn dictalm_layer_split_fits_two_80gib_gpus() {
+    let mut req = dictalm_request();
+    req.strategy = Strategy::LayerSplit;
+    let p = plan::plan(&req).unwrap();
+    assert!(p.fits(), "{}", p.summary);
+    assert_eq!(p.per_device.len(), 2);
+    assert_eq!(p.per_device[0].layers.start, 0);
+    assert_eq!(p.per_device[1].layers.end, 32);
+    assert_eq!(p.per_device[0].layers.end, p.per_device[1].layers.start);
+    assert!(p.per_device[0].holds_embeddings && p.per_device[1].holds_head);
+    for d in &p.per_device {
+        let g = gib(d.peak_bytes);
+        // HF reference ≈ 67.5 GiB per GPU: fits, with little room.
+        assert!((60.0..78.0).contains(&g), "{}: {g:.1} GiB", d.device.name);
+    }
+    // Balanced: the two GPUs differ by less than one layer's worth.
+    let diff = gib(p.per_device[0].peak_bytes.abs_diff(p.per_device[1].peak_bytes));
+    assert!(diff < 4.0, "imbalance {diff:.1} GiB");
+}
+
+#[test]
+fn dictalm_pure_bf16_split_fits_comfortably() {
+    let mut req = dictalm_request();
+    req.strategy = Strategy::LayerSplit;
+    req.precision = Precision::Bf16;
+    let p = plan::plan(&req).unwrap();
+    assert_eq!(p.verdict, Verdict::Fits, "{}", p.summary);
+    for d in &p.per_device {
+        let g = gib(d.peak_bytes);
+        // HF (bf16 moments) ≈ 34 GiB; tunestudio keeps f32 moments: ≈ 45 GiB.
+        assert!((30.0..55.0).contains(&g), "{}: {g:.1} GiB", d.device.name);
+    }
+}
+
+#[test]
+fn dictalm_auto_fit_fits_both_gpus_and_keeps_the_effective_batch() {
+    let req = dictalm_request();
+    let t0 = Instant::now();
+    let fit = auto_fit(&req).unwrap();
+    println!("auto-fit in {:.1} ms", t0.elapsed().as_secs_f64() * 1e3);
+    assert!(fit.found);
+    assert_eq!(fit.request.effective_batch(), req.effective_batch());
+    assert_eq!(fit.plan.per_device.len(), 2, "both GPUs are used");
+    for d in &fit.plan.per_device {
+        assert!(d.fits && d.headroom_fraction() >= 0.05, "{}", fit.plan.summary);
+    }
+    assert!(fit.request.lora.is_none(), "LoRA is the last resort");
+    assert!(!fit.changes.is_empty());
+    for c in &fit.changes {
+        println!("change: {c}");
+        assert!(c.contains("GPU"), "each change names its effect: {c}");
+    }
+}
+
+#[test]
+fn llama_and_qwen_verdicts() {
+    for name in ["llama-3.1-8b.json", "qwen2.5-7b.json"] {
+        let mut req = dictalm_request();
+        req.model = config(name);
+        let p = plan::plan(&req).unwrap();
+        assert_eq!(p.verdict, Verdict::OutOfMemory, "{name}: {}", p.summary);
+        let fit = auto_fit(&req).unwrap();
+        assert!(fit.found, "{name}");
+        assert_eq!(fit.request.effective_batch(), 4);
+        assert!(fit.plan.fits());
+
+        // Pure bf16 with a layer split fits two 80 GiB GPUs.
+        req.strategy = Strategy::LayerSplit;
+        req.precision = Precision::Bf16;
+        let p = plan::plan(&req).unwrap();
+        assert!(p.fits(), "{name}: {}", p.summary);
+
+        // LoRA in bf16 fits a single 24 GiB GPU at seq 512.
+        req.strategy = Strategy::Single;
+        req.lora = Some(plan::LoraSpec::all_linear(16));
+        req.devices = parse_devices("24GiB").unwrap();
+        let p = plan::plan(&req).unwrap();
+        assert!(p.fits(), "{name}: {}", p.summary);
+        assert!(p.trainable_parameters < p.parameters / 50);
+    }
+}
+
+#[test]
+fn qwen_has_biases_and_llama_untied_head() {
+    let q = config("qwen2.5-7b.json");
+    let l = config("llama-3.1-8b.json");
+    assert_eq!(q.num_parameters(), 7_615_616_512);
+    assert_eq!(l.num_parameters(), 8_030_261_248);
+    let mut req = dictalm_request();
+    req.model = q;
+    assert_eq!(plan::plan(&req).unwrap().parameters, 7_615_616_512);
+    req.model = l;
+    assert_eq!(plan::plan(&req).unwrap().parameters, 8_030_261_248);
+}
+
+#[test]
+fn precision_ordering_is_physical() {
+    let mut req = dictalm_request();
+    req.strategy = Strategy::LayerSplit;
+    let peak = |p: Precision| {
+        let mut r = req.clone();
+        r.precision = p;
+        plan::plan(&r).unwrap().per_device[0].peak_bytes
+    };
+    assert!(peak(Precision::Bf16) < peak(Precision::Bf16Mixed));
+    assert!(peak(Precision::Bf16Mixed) <= peak(Precision::Fp32));
+    // Checkpointing and smaller sequences only ever help.
+    let mut r = req.clone();
+    r.activation_checkpointing = false;
+    assert!(plan::plan(&r).unwrap().per_device[0].peak_bytes > peak(Precision::Fp32));
+}
+
+#[test]
+fn clear_errors() {
+    // Unknown model type.
+    let err = ModelConfig::from_json_str(r#"{"model_type": "gpt2", "vocab_size": 10}"#, "gpt2.json")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("gpt2") && err.contains("llama"), "{err}");
+    // Zero devices.
+    let mut req = dictalm_request();
+    req.devices.clear();
+    assert!(matches!(plan::plan(&req), Err(PlanError::NoDevices)));
+    assert!(matches!(parse_devices(""), Err(PlanError::NoDevices)));
+    // A GPU smaller than the CUDA context.
+    req.devices = vec![DeviceSpec::cuda(0, 256 << 20)];
+    let err = plan::plan(&req).unwrap_err();
+    assert!(matches!(err, PlanError::DeviceTooSmall { .. }), "{err}");
+    assert!(err.to_string().contains("CUDA context"), "{err}");
+    // Zero micro-batch.
+    let mut req = dictalm_request();
+    req.micro_batch = 0;
+    let err = plan::plan(&req).unwrap_err().to_string();
+    assert!(err.contains("micro_batch"), "{err}");
+    // More devices than layers for a layer split.
+    let mut req = dictalm_request();
+    req.strategy = Strategy::LayerSplit;
+    req.devices = parse_devices("40x80GiB").unwrap();
+    assert!(plan::plan(&req).is_err());
+}
+
+#[test]
+fn planning_is_fast() {
+    let mut req = dictalm_request();
+    req.strategy = Strategy::LayerSplit;
+    let _ = plan::plan(&req).unwrap();
+    let n = 200;
+    let t0 = Instant::now();
+    for _ in 0..n {
+        std::hint::black_box(plan::plan(std::hint::black_box(&req)).unwrap());
+    }
+    let per_plan_ms = t0.elapsed().as_secs_f64() * 1e3 / n as f64;
+    // An out-of-memory plan also searches its fixes.
+    let oom = dictalm_request();
+    let t0 = Instant::now();
+    for _ in 0..20 {
+        std::hint::black_box(plan::plan(&oom).unwrap());
+    }
+    let oom_ms = t0.elapsed().as_secs_f64() * 1e3 / 20.0;
+    println!("plan: {per_plan_ms:.3} ms (fits), {oom_ms:.3} ms (out of memory, with fixes)");
+    assert!(per_plan_ms < 50.0 && oom_ms < 50.0);
+}
+
+#[test]
+fn layer_balance_uses_capacities() {
+    // A 40 GiB and an 80 GiB GPU: the bigger one takes more layers.
+    let mut req = dictalm_request();
+    req.precision = Precision::Bf16;
+    req.strategy = Strategy::LayerSplit;
+    req.devices = parse_devices("40GiB,80GiB").unwrap();
+    let p = plan::plan(&req).unwrap();
+    let l0 = p.per_device[0].layers.len();
+    let l1 = p.per_device[1].layers.len();
+    assert!(l1 > l0, "{l0} vs {l1}");
+    assert!(p.fits(), "{}", p.summary);
+}
+
+fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_tunestudio"))
+}
+
+fn shared_config(name: &str) -> String {
+    tunestudio::paths::shared_dir()
+        .join("model-configs")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+#[test]
+fn cli_prints_the_table_the_oom_and_the_fixes() {
+    let out = Command::new(bin())
+        .args(["plan", "--model-config"])
+        .arg(shared_config("dictalm2-7b.json"))
+        .args([
+            "--devices", "2x80GiB", "--precision", "fp32", "--micro-batch", "1", "--accumulation",
+            "4", "--seq-len", "512", "--checkpointing", "--strategy", "single",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    println!("{text}");
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("GPU 0 is out of memory at the"), "{text}");
+    assert!(text.contains("OUT OF MEMORY by"), "{text}");
+    assert!(text.contains("Fixes (best first):"), "{text}");
+    assert!(text.contains("1. split the layers"), "{text}");
+    assert!(text.contains("GPU 1") && text.contains("idle"), "{text}");
+
+    let out = Command::new(bin())
+        .args(["plan", "--model-config"])
+        .arg(shared_config("dictalm2-7b.json"))
+        .args([
+            "--devices", "2x80GiB", "--precision", "fp32", "--micro-batch", "1", "--accumulation",
+            "4", "--seq-len", "512", "--checkpointing", "--strategy", "single", "--auto-fit",
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    println!("{text}");
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("Auto-fit:"), "{text}");
+}
+
+#[test]
+fn cli_json_and_run_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = dir.path().join("run.toml");
+    std::fs::write(
+        &run,
+        format!(
+            r#"output_dir = "out"
+[model]
+source = "{}"
+[data]
+max_length = 512
+[training]
+precision = "bf16-mixed"
+micro_batch = 2
+gradient_accumulation = 2
+activation_checkpointing = true
+learning_rate = 1e-5
+[lora]
+enabled = true
+r = 16
+[devices]
+devices = ["cuda:0=24GiB"]
+strategy = "single"
+"#,
+            shared_config("qwen2.5-7b.json").replace('\\', "/")
+        ),
+    )
+    .unwrap();
+    let out = Command::new(bin())
+        .args(["plan", "--json", "--config"])
+        .arg(&run)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["request"]["precision"], "bf16-mixed");
+    assert_eq!(v["request"]["micro_batch"], 2);
+    assert_eq!(v["request"]["lora"]["r"], 16);
+    assert_ne!(v["plan"]["verdict"], "OutOfMemory");
+    let dev = &v["plan"]["per_device"][0];
+    assert_eq!(dev["device"]["name"], "GPU 0");
+    assert!(dev["peak_bytes"].as_u64().unwrap() < 24 << 30);
+
+    // Flags override the run config.
+    let out = Command::new(bin())
+        .args(["plan", "--json", "--precision", "fp32", "--config"])
+        .arg(&run)
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["request"]["precision"], "fp32");
+
+    // A bad device string is a clear error, not a panic.
+    let out = Command::new(bin())
+        .args(["plan", "--devices", "cuda:0", "--model-config"])
+        .arg(shared_config("qwen2.5-7b.json"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cuda:0=80GiB"), "{err}");
+}
