@@ -17,38 +17,144 @@ use tunestudio::plan::{DevicePlan, Phase};
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator::new();
 
+/// The counting allocator is process-wide: tests that measure must not overlap.
+static MEASURING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+    MEASURING.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn check(rows: &[(Case, Measured, DevicePlan)]) {
     let mut worst = 0f64;
     for (c, m, d) in rows {
         let e = err_pct(d.peak_bytes, m.peak);
         worst = worst.max(e.abs());
-        assert!(e.abs() <= 3.0, "{c:?}: predicted {} B, measured {} B ({e:+.2} %)", d.peak_bytes, m.peak);
+        assert!(
+            e.abs() <= 3.0,
+            "{c:?}: predicted {} B, measured {} B ({e:+.2} %)",
+            d.peak_bytes,
+            m.peak
+        );
         // The backward phase on its own too (it is the peak only for some configs).
         let bwd = m.bwd_peak.max(m.acc_peak);
         let eb = err_pct(phase(d, Phase::Backward), bwd);
-        assert!(eb.abs() <= 3.0, "{c:?}: backward phase predicted {} B, measured {bwd} B ({eb:+.2} %)", phase(d, Phase::Backward));
+        assert!(
+            eb.abs() <= 3.0,
+            "{c:?}: backward phase predicted {} B, measured {bwd} B ({eb:+.2} %)",
+            phase(d, Phase::Backward)
+        );
         let eo = err_pct(phase(d, Phase::OptimizerStep), m.opt_peak);
-        assert!(eo.abs() <= 3.0, "{c:?}: optimizer step predicted {} B, measured {} B ({eo:+.2} %)", phase(d, Phase::OptimizerStep), m.opt_peak);
+        assert!(
+            eo.abs() <= 3.0,
+            "{c:?}: optimizer step predicted {} B, measured {} B ({eo:+.2} %)",
+            phase(d, Phase::OptimizerStep),
+            m.opt_peak
+        );
     }
     println!("worst |peak error| {worst:.2} %");
 }
 
 #[test]
 fn planner_matches_measured_peaks() {
+    let _guard = exclusive();
     let t0 = Instant::now();
     harness::print_header();
     let rows = harness::run_grid(&harness::quick_grid());
-    println!("{} configs in {:.0} s", rows.len(), t0.elapsed().as_secs_f64());
+    println!(
+        "{} configs in {:.0} s",
+        rows.len(),
+        t0.elapsed().as_secs_f64()
+    );
     check(&rows);
 }
 
 #[test]
 #[ignore = "full 13-config grid, ~4.5 min: run with --ignored"]
 fn planner_matches_measured_peaks_full_grid() {
+    let _guard = exclusive();
     let t0 = Instant::now();
     harness::print_header();
     let rows = harness::run_grid(&harness::grid());
-    println!("{} configs in {:.0} s", rows.len(), t0.elapsed().as_secs_f64());
+    println!(
+        "{} configs in {:.0} s",
+        rows.len(),
+        t0.elapsed().as_secs_f64()
+    );
     assert!(rows.len() >= 12);
     check(&rows);
+}
+
+#[test]
+fn dry_run_measures_one_step_and_refuses_a_predicted_oom() {
+    let _guard = exclusive();
+    use candle_core::{DType, Device, Tensor};
+    use tunestudio::model::{AdamW, AdamWConfig, CausalLm, ModelConfig};
+    use tunestudio::plan::{
+        self, DeviceSpec, DryRunOutcome, MeasureMethod, PlanRequest, Precision, Strategy,
+    };
+
+    let base = harness::model_config();
+    let mut raw = base.raw.clone();
+    raw["num_hidden_layers"] = 2.into();
+    raw["vocab_size"] = 4096.into();
+    let cfg = ModelConfig::from_json_str(&raw.to_string(), "2-layer smollm").unwrap();
+    let mut req = PlanRequest {
+        model: cfg.clone(),
+        precision: Precision::Fp32,
+        micro_batch: 2,
+        gradient_accumulation: 1,
+        seq_len: 32,
+        activation_checkpointing: false,
+        lora: None,
+        strategy: Strategy::Single,
+        devices: vec![DeviceSpec::cpu(1 << 34)],
+    };
+    let model = CausalLm::random_init(&cfg, 1, DType::F32, &Device::Cpu).unwrap();
+    let mut opt = AdamW::new(model.params(), AdamWConfig::default(), false).unwrap();
+    let ids = Tensor::arange(0u32, 64, &Device::Cpu)
+        .unwrap()
+        .reshape((2, 32))
+        .unwrap();
+    let labels = ids.to_dtype(DType::I64).unwrap();
+    let p = plan::plan(&req).unwrap();
+    let report = plan::dry_run(&p, 0, || -> Result<(), tunestudio::model::ModelError> {
+        let loss = model.loss(&ids, None, &labels)?;
+        let grads = model.backward(&loss.sum)?;
+        drop(loss);
+        opt.step(&grads, 1e-4, 1.0 / 62.0)
+    });
+    println!("{}", report.summary);
+    assert!(report.ok(), "{}", report.summary);
+    assert_eq!(report.method, MeasureMethod::CountingAllocator);
+    let measured = report.measured_peak_bytes.unwrap();
+    // The heap also holds the test harness; the model's own share must be covered.
+    assert!(measured >= report.baseline_bytes.unwrap());
+    assert!(
+        report.relative_error.unwrap().abs() < 0.5,
+        "{}",
+        report.summary
+    );
+
+    // A device the plan says is too small: the step is not run.
+    req.devices = vec![DeviceSpec::cpu(1 << 20)];
+    let p = plan::plan(&req).unwrap();
+    let mut ran = false;
+    let report = plan::dry_run(&p, 0, || -> Result<(), String> {
+        ran = true;
+        Ok(())
+    });
+    assert!(!ran);
+    assert_eq!(report.outcome, DryRunOutcome::PredictedOutOfMemory);
+    assert!(report.summary.contains("short by"), "{}", report.summary);
+
+    // A failing step that reports running out of memory.
+    let p = plan::plan(&PlanRequest {
+        devices: vec![DeviceSpec::cpu(1 << 34)],
+        ..req
+    })
+    .unwrap();
+    let report = plan::dry_run(&p, 0, || -> Result<(), String> {
+        Err("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into())
+    });
+    assert!(matches!(report.outcome, DryRunOutcome::OutOfMemory { .. }));
 }

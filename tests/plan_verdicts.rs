@@ -53,8 +53,16 @@ fn dictalm_fp32_single_gpu_is_out_of_memory_and_fixes_are_ranked() {
     let peak = gib(d.peak_bytes);
     assert!((125.0..150.0).contains(&peak), "peak {peak:.1} GiB");
     assert!(gib(d.shortfall_bytes) > 40.0);
-    assert_eq!(d.first_oom_phase, Some(Phase::Forward), "weights + moments alone exceed 80 GiB");
-    assert!(p.summary.contains("GPU 0 is out of memory at the"), "{}", p.summary);
+    assert_eq!(
+        d.first_oom_phase,
+        Some(Phase::Forward),
+        "weights + moments alone exceed 80 GiB"
+    );
+    assert!(
+        p.summary.contains("GPU 0 is out of memory at the"),
+        "{}",
+        p.summary
+    );
     assert!(p.summary.contains("short by"), "{}", p.summary);
     // Components add up to the peak.
     let sum = d.weights_bytes
@@ -99,7 +107,9 @@ fn dictalm_layer_split_fits_two_80gib_gpus() {
         assert!((60.0..78.0).contains(&g), "{}: {g:.1} GiB", d.device.name);
     }
     // Balanced: the two GPUs differ by less than one layer's worth.
-    let diff = gib(p.per_device[0].peak_bytes.abs_diff(p.per_device[1].peak_bytes));
+    let diff = gib(p.per_device[0]
+        .peak_bytes
+        .abs_diff(p.per_device[1].peak_bytes));
     assert!(diff < 4.0, "imbalance {diff:.1} GiB");
 }
 
@@ -127,7 +137,11 @@ fn dictalm_auto_fit_fits_both_gpus_and_keeps_the_effective_batch() {
     assert_eq!(fit.request.effective_batch(), req.effective_batch());
     assert_eq!(fit.plan.per_device.len(), 2, "both GPUs are used");
     for d in &fit.plan.per_device {
-        assert!(d.fits && d.headroom_fraction() >= 0.05, "{}", fit.plan.summary);
+        assert!(
+            d.fits && d.headroom_fraction() >= 0.05,
+            "{}",
+            fit.plan.summary
+        );
     }
     assert!(fit.request.lora.is_none(), "LoRA is the last resort");
     assert!(!fit.changes.is_empty());
@@ -198,9 +212,10 @@ fn precision_ordering_is_physical() {
 #[test]
 fn clear_errors() {
     // Unknown model type.
-    let err = ModelConfig::from_json_str(r#"{"model_type": "gpt2", "vocab_size": 10}"#, "gpt2.json")
-        .unwrap_err()
-        .to_string();
+    let err =
+        ModelConfig::from_json_str(r#"{"model_type": "gpt2", "vocab_size": 10}"#, "gpt2.json")
+            .unwrap_err()
+            .to_string();
     assert!(err.contains("gpt2") && err.contains("llama"), "{err}");
     // Zero devices.
     let mut req = dictalm_request();
@@ -278,14 +293,30 @@ fn cli_prints_the_table_the_oom_and_the_fixes() {
         .args(["plan", "--model-config"])
         .arg(shared_config("dictalm2-7b.json"))
         .args([
-            "--devices", "2x80GiB", "--precision", "fp32", "--micro-batch", "1", "--accumulation",
-            "4", "--seq-len", "512", "--checkpointing", "--strategy", "single",
+            "--devices",
+            "2x80GiB",
+            "--precision",
+            "fp32",
+            "--micro-batch",
+            "1",
+            "--accumulation",
+            "4",
+            "--seq-len",
+            "512",
+            "--checkpointing",
+            "--strategy",
+            "single",
         ])
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     println!("{text}");
-    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(text.contains("GPU 0 is out of memory at the"), "{text}");
     assert!(text.contains("OUT OF MEMORY by"), "{text}");
     assert!(text.contains("Fixes (best first):"), "{text}");
@@ -296,14 +327,31 @@ fn cli_prints_the_table_the_oom_and_the_fixes() {
         .args(["plan", "--model-config"])
         .arg(shared_config("dictalm2-7b.json"))
         .args([
-            "--devices", "2x80GiB", "--precision", "fp32", "--micro-batch", "1", "--accumulation",
-            "4", "--seq-len", "512", "--checkpointing", "--strategy", "single", "--auto-fit",
+            "--devices",
+            "2x80GiB",
+            "--precision",
+            "fp32",
+            "--micro-batch",
+            "1",
+            "--accumulation",
+            "4",
+            "--seq-len",
+            "512",
+            "--checkpointing",
+            "--strategy",
+            "single",
+            "--auto-fit",
         ])
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     println!("{text}");
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(text.contains("Auto-fit:"), "{text}");
 }
 
@@ -341,7 +389,11 @@ strategy = "single"
         .arg(&run)
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["request"]["precision"], "bf16-mixed");
     assert_eq!(v["request"]["micro_batch"], 2);

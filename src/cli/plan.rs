@@ -9,8 +9,8 @@ use std::process::ExitCode;
 use std::time::Instant;
 use tunestudio::model::ModelConfig;
 use tunestudio::plan::{
-    self, format_bytes, parse_devices, AutoFit, DevicePlan, LoraSpec, Plan, PlanRequest,
-    Precision, RunConfigSettings, Strategy,
+    self, format_bytes, parse_devices, AutoFit, DevicePlan, LoraSpec, Plan, PlanRequest, Precision,
+    RunConfigSettings, Strategy,
 };
 
 /// Arguments of `tunestudio plan`.
@@ -300,7 +300,10 @@ fn device_row(d: &DevicePlan) -> Vec<String> {
             Some(ph) if ph != d.peak_phase => format!(", from the {ph}"),
             _ => String::new(),
         };
-        format!("OUT OF MEMORY by {}{first}", format_bytes(d.shortfall_bytes))
+        format!(
+            "OUT OF MEMORY by {}{first}",
+            format_bytes(d.shortfall_bytes)
+        )
     };
     vec![
         d.device.name.clone(),
@@ -345,7 +348,10 @@ fn print_auto_fit(f: &AutoFit) {
     if f.found {
         println!("Auto-fit: {}", f.request.settings_summary());
     } else {
-        println!("Auto-fit found nothing that fits; closest: {}", f.request.settings_summary());
+        println!(
+            "Auto-fit found nothing that fits; closest: {}",
+            f.request.settings_summary()
+        );
     }
     for c in &f.changes {
         println!("  - {c}");

@@ -35,6 +35,9 @@ impl TokenizerPaths {
     }
 }
 
+/// A token's `(start, end)` byte offsets in the text it came from.
+pub type ByteSpan = (usize, usize);
+
 /// The pad token the collator uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PadToken {
@@ -369,10 +372,7 @@ impl TokenizerBundle {
     }
 
     /// Tokenises without special tokens, with byte offsets into `text`.
-    pub fn encode_with_offsets(
-        &self,
-        text: &str,
-    ) -> Result<(Vec<u32>, Vec<(usize, usize)>), String> {
+    pub fn encode_with_offsets(&self, text: &str) -> Result<(Vec<u32>, Vec<ByteSpan>), String> {
         let enc = self
             .tokenizer
             .encode(text, false)
@@ -391,7 +391,7 @@ impl TokenizerBundle {
         &self,
         full: &str,
         full_ids: &[u32],
-        full_offsets: &[(usize, usize)],
+        full_offsets: &[ByteSpan],
         prefix: &str,
     ) -> Result<usize, String> {
         if self.prefix_shortcut && full.starts_with(prefix) && full_ids.len() == full_offsets.len()

@@ -519,9 +519,14 @@ impl CausalLm {
         self.dtype
     }
 
-    /// The device of the embeddings, final norm and head.
+    /// The device of the embeddings (and of everything when no layer split is set).
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// The device of the final norm and the head: the last layer's under a layer split.
+    pub fn head_device(&self) -> &Device {
+        self.layer_devices.last().unwrap_or(&self.device)
     }
 
     /// The active LoRA configuration, if an adapter is attached.
@@ -549,8 +554,8 @@ impl CausalLm {
         self.source = name.to_string();
     }
 
-    /// Places decoder layer i on `devices[i]` (pipeline split); embeddings, final norm
-    /// and head stay on the model's device. Call before creating the optimizer: the
+    /// Places decoder layer i on `devices[i]` (pipeline split); embeddings stay on the
+    /// model's device, the final norm and an untied head move to the last layer's. Call before creating the optimizer: the
     /// moved parameters are new Vars.
     pub fn set_layer_devices(&mut self, devices: &[Device]) -> Result<(), ModelError> {
         if devices.len() != self.config.num_hidden_layers {
@@ -560,11 +565,15 @@ impl CausalLm {
                 devices.len()
             )));
         }
+        // The final norm and an untied head follow the last layer, as with
+        // transformers' `device_map="auto"`; the planner counts them there too.
+        let last = devices.last().unwrap_or(&self.device).clone();
         for p in self.params.iter_mut() {
-            let Some(layer) = layer_of(&p.name) else {
-                continue;
+            let dev = match layer_of(&p.name) {
+                Some(layer) => &devices[layer],
+                None if p.name == "model.norm.weight" || p.name == "lm_head.weight" => &last,
+                None => continue,
             };
-            let dev = &devices[layer];
             if !p.var.device().same_device(dev) {
                 p.var = Var::from_tensor(&p.var.as_tensor().to_device(dev)?)?;
             }
@@ -648,6 +657,14 @@ impl CausalLm {
             "lm_head.weight"
         };
         let (lm_head, head_tr) = self.view(head_name)?;
+        // A tied head reads the embeddings from the first device; the copy is
+        // differentiable, so its gradient flows back to the embedding weight.
+        let head_device = self.head_device().clone();
+        let lm_head = if lm_head.device().same_device(&head_device) {
+            lm_head
+        } else {
+            lm_head.to_device(&head_device)?
+        };
         let mut layers = Vec::new();
         for l in 0..self.config.num_hidden_layers {
             let p = format!("model.layers.{l}");
@@ -793,8 +810,9 @@ impl CausalLm {
                 layer.forward(&h, &ctx)?
             };
         }
-        if !h.device().same_device(&self.device) {
-            h = h.to_device(&self.device)?;
+        let head_device = self.head_device();
+        if !h.device().same_device(head_device) {
+            h = h.to_device(head_device)?;
         }
         kernels::rms_norm(&h, &self.modules.norm, self.config.rms_norm_eps, self.fused)
     }

@@ -174,7 +174,9 @@ pub fn parse_devices(text: &str) -> Result<Vec<DeviceSpec>, PlanError> {
             out.push(DeviceSpec::cuda(ordinal, capacity));
             next_gpu = ordinal + 1;
         } else if let Some((count, size)) = lower.split_once('x').filter(|(c, _)| {
-            !c.is_empty() && c.chars().all(|ch| ch.is_ascii_digit() || ch.is_whitespace())
+            !c.is_empty()
+                && c.chars()
+                    .all(|ch| ch.is_ascii_digit() || ch.is_whitespace())
         }) {
             let count: usize = count
                 .trim()

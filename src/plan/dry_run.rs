@@ -203,7 +203,8 @@ pub fn dry_run<E: fmt::Display>(
                 );
                 report.outcome = DryRunOutcome::OutOfMemory { message };
             } else {
-                report.summary = format!("the dry run step failed on {}: {message}", dev.device.name);
+                report.summary =
+                    format!("the dry run step failed on {}: {message}", dev.device.name);
                 report.outcome = DryRunOutcome::Failed { message };
             }
         }
@@ -230,7 +231,9 @@ mod tests {
 
     #[test]
     fn recognises_oom_messages() {
-        assert!(is_oom("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")"));
+        assert!(is_oom(
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")"
+        ));
         assert!(is_oom("Cannot allocate memory (os error 12)"));
         assert!(!is_oom("shape mismatch in matmul"));
     }

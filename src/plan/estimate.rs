@@ -85,9 +85,19 @@ fn validate(req: &PlanRequest) -> Result<(), PlanError> {
     if let Some(l) = &req.lora {
         positive("lora.r", l.r)?;
         const KNOWN: [&str; 7] = [
-            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
         ];
-        if let Some(bad) = l.target_modules.iter().find(|m| !KNOWN.contains(&m.as_str())) {
+        if let Some(bad) = l
+            .target_modules
+            .iter()
+            .find(|m| !KNOWN.contains(&m.as_str()))
+        {
             return Err(PlanError::InvalidSetting {
                 setting: "lora.target_modules",
                 value: bad.clone(),
@@ -184,6 +194,7 @@ pub fn balance_layers(costs: &LayerCosts, req: &PlanRequest) -> Vec<Range<usize>
     let n_layers = req.model.num_hidden_layers;
     let n_dev = devices.len().clamp(1, n_layers.max(1));
     if n_dev == 1 {
+        #[allow(clippy::single_range_in_vec_init)] // one range per device: a Vec is right
         return vec![0..n_layers];
     }
     let layers = costs.decoder_layer_bytes();
@@ -330,7 +341,8 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
     let placed = placement(&costs, req);
     let n_used = placed.len();
     let mut per_device = Vec::with_capacity(n_used);
-    let tied_split = req.model.tie_word_embeddings && req.strategy == Strategy::LayerSplit && n_used > 1;
+    let tied_split =
+        req.model.tie_word_embeddings && req.strategy == Strategy::LayerSplit && n_used > 1;
     for (d, (layers, blocks)) in placed.into_iter().enumerate() {
         let device = req.devices[d].clone();
         let dp = device_timeline(&costs, &dims, req, &blocks, d == n_used - 1 && tied_split);

@@ -135,9 +135,8 @@ fn candidate_changes(req: &PlanRequest) -> Vec<Change> {
         }
     }
     for p in [Precision::Bf16Mixed, Precision::Bf16] {
-        if p != req.precision
-            && !(p == Precision::Bf16Mixed && req.precision == Precision::Fp16Mixed)
-        {
+        let fp16_already_mixed = p == Precision::Bf16Mixed && req.precision == Precision::Fp16Mixed;
+        if p != req.precision && !fp16_already_mixed {
             out.push(Change::Precision(p));
         }
     }
@@ -244,9 +243,8 @@ pub fn auto_fit(req: &PlanRequest) -> Result<AutoFit, PlanError> {
     }
     let mut precisions = vec![req.precision];
     for p in [Precision::Bf16Mixed, Precision::Bf16] {
-        if !precisions.contains(&p)
-            && !(p == Precision::Bf16Mixed && req.precision == Precision::Fp16Mixed)
-        {
+        let fp16_already_mixed = p == Precision::Bf16Mixed && req.precision == Precision::Fp16Mixed;
+        if !precisions.contains(&p) && !fp16_already_mixed {
             precisions.push(p);
         }
     }
@@ -409,7 +407,12 @@ fn explain_changes(from: &PlanRequest, from_plan: &Plan, to: &PlanRequest) -> Ve
     out
 }
 
-fn describe_step(change: &Change, cur: &PlanRequest, cur_plan: &Plan, next: &PlanRequest) -> String {
+fn describe_step(
+    change: &Change,
+    cur: &PlanRequest,
+    cur_plan: &Plan,
+    next: &PlanRequest,
+) -> String {
     let (name, before) = worst(cur_plan);
     let words = change.describe(cur);
     match plan_without_fixes(next) {

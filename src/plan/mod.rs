@@ -38,7 +38,9 @@ use std::str::FromStr;
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
     /// The request lists no device.
-    #[error("no devices to plan for: give at least one, e.g. --devices cpu:24GiB or --devices 2x80GiB")]
+    #[error(
+        "no devices to plan for: give at least one, e.g. --devices cpu:24GiB or --devices 2x80GiB"
+    )]
     NoDevices,
     /// A device string could not be parsed.
     #[error("cannot read device `{spec}`: {reason} (examples: `2x80GiB`, `80GB,80GB`, `cpu:24GiB`, `cuda:0=80GiB`)")]
@@ -224,7 +226,13 @@ impl LoraSpec {
         LoraSpec {
             r,
             target_modules: [
-                "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
             ]
             .iter()
             .map(|s| s.to_string())
@@ -292,7 +300,11 @@ impl PlanRequest {
             s.push_str(", checkpointing");
         }
         if let Some(l) = &self.lora {
-            s.push_str(&format!(", LoRA r={} on {}", l.r, l.target_modules.join("/")));
+            s.push_str(&format!(
+                ", LoRA r={} on {}",
+                l.r,
+                l.target_modules.join("/")
+            ));
         }
         s
     }
@@ -487,10 +499,9 @@ impl Change {
     /// The change in words ("bf16 mixed precision", "layer split over 2 GPUs").
     pub fn describe(&self, req: &PlanRequest) -> String {
         match self {
-            Change::Strategy(Strategy::LayerSplit) => format!(
-                "split the layers over the {} devices",
-                req.devices.len()
-            ),
+            Change::Strategy(Strategy::LayerSplit) => {
+                format!("split the layers over the {} devices", req.devices.len())
+            }
             Change::Strategy(Strategy::DataParallel) => {
                 let r = self.apply(req);
                 format!(
@@ -515,7 +526,11 @@ impl Change {
                 "micro-batch {} × accumulation {} (was {} × {})",
                 micro_batch, gradient_accumulation, req.micro_batch, req.gradient_accumulation
             ),
-            Change::Lora(l) => format!("LoRA r={} on {} (base frozen)", l.r, l.target_modules.join(", ")),
+            Change::Lora(l) => format!(
+                "LoRA r={} on {} (base frozen)",
+                l.r,
+                l.target_modules.join(", ")
+            ),
             Change::SeqLen(t) => format!("sequence length {} (was {})", t, req.seq_len),
         }
     }

@@ -40,7 +40,12 @@ pub struct ModelKeys {
 #[serde(default)]
 pub struct DataKeys {
     /// Tokens per row.
-    #[serde(alias = "seq_len", alias = "max_seq_len", alias = "cutoff_len", alias = "max_seq_length")]
+    #[serde(
+        alias = "seq_len",
+        alias = "max_seq_len",
+        alias = "cutoff_len",
+        alias = "max_seq_length"
+    )]
     pub max_length: Option<usize>,
 }
 

@@ -9,7 +9,9 @@ use rand::{Rng, SeedableRng};
 use std::time::Instant;
 use tunestudio::mem;
 use tunestudio::model::{AdamW, AdamWConfig, CausalLm, LoraConfig, ModelConfig};
-use tunestudio::plan::{self, DevicePlan, DeviceSpec, LoraSpec, Phase, PlanRequest, Precision, Strategy};
+use tunestudio::plan::{
+    self, DevicePlan, DeviceSpec, LoraSpec, Phase, PlanRequest, Precision, Strategy,
+};
 
 #[derive(Debug, Clone)]
 pub struct Case {
@@ -144,7 +146,9 @@ pub fn run_grid(cases: &[Case]) -> Vec<(Case, Measured, DevicePlan)> {
         for lora in [false, true] {
             let group: Vec<&Case> = cases
                 .iter()
-                .filter(|c| (c.precision.compute_bytes() == 4) == (dtype == DType::F32) && c.lora == lora)
+                .filter(|c| {
+                    (c.precision.compute_bytes() == 4) == (dtype == DType::F32) && c.lora == lora
+                })
                 .collect();
             if group.is_empty() {
                 continue;
@@ -170,7 +174,11 @@ pub fn run_grid(cases: &[Case]) -> Vec<(Case, Measured, DevicePlan)> {
 
 /// The predicted peak of one phase.
 pub fn phase(d: &DevicePlan, p: Phase) -> u64 {
-    d.phases.iter().find(|x| x.phase == p).map(|x| x.bytes).unwrap_or(0)
+    d.phases
+        .iter()
+        .find(|x| x.phase == p)
+        .map(|x| x.bytes)
+        .unwrap_or(0)
 }
 
 /// Relative error of a prediction, in percent.
