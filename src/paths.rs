@@ -10,7 +10,9 @@ pub fn shared_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("TUNESTUDIO_SHARED") {
         return PathBuf::from(dir);
     }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join("shared")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("shared")
 }
 
 /// The crate's bundled assets (demo model config, tokenizer, dataset).

@@ -324,6 +324,7 @@ fn bad_input_gives_clear_errors() {
 
     let g = Generator::load(&ModelSpec::new(&llama)).unwrap();
     let cancel = no_cancel();
+    #[allow(clippy::result_large_err)]
     let run = |p: &Prompt, s: &SamplingParams| g.generate(p, s, &cancel, &mut |_| true);
     let ok = Prompt::Completion("Hi".into());
     let err = run(&Prompt::Completion("  ".into()), &greedy(4)).unwrap_err();

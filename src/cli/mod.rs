@@ -60,5 +60,7 @@ fn run_gui() -> anyhow::Result<ExitCode> {
 
 #[cfg(not(feature = "gui"))]
 fn run_gui() -> anyhow::Result<ExitCode> {
-    anyhow::bail!("this build has no GUI (built without the `gui` feature); use a subcommand, see --help")
+    anyhow::bail!(
+        "this build has no GUI (built without the `gui` feature); use a subcommand, see --help"
+    )
 }

@@ -65,6 +65,8 @@ pub enum Action {
     AddRunDir(PathBuf),
     /// Open a file dialog.
     Pick(PickTarget),
+    /// Something for the Playground panel.
+    Playground(panels::playground::PgAction),
 }
 
 /// Options for the app that the command line or tests set.
@@ -715,6 +717,7 @@ impl StudioApp {
                     };
                     self.jobs.pick(target, start);
                 }
+                Action::Playground(a) => panels::playground::apply(&mut self.state, a, &self.ctx),
                 Action::AddRunDir(dir) => {
                     push_recent(&mut self.state.settings.run_dirs, dir);
                     self.actions.push(Action::RefreshHistory);
@@ -1013,6 +1016,7 @@ impl eframe::App for StudioApp {
             self.handle_job(out);
         }
         self.poll_trainer();
+        panels::playground::poll(&mut self.state);
         self.run_actions();
         self.schedule_jobs();
 
@@ -1051,6 +1055,9 @@ impl eframe::App for StudioApp {
                         Panel::Devices => panels::devices::show(ui, &mut self.state, &mut actions),
                         Panel::Run => panels::run::show(ui, &mut self.state, &mut actions),
                         Panel::Export => panels::export::show(ui, &mut self.state, &mut actions),
+                        Panel::Playground => {
+                            panels::playground::show(ui, &mut self.state, &mut actions)
+                        }
                     });
                 self.actions.extend(actions);
             });
@@ -1062,6 +1069,10 @@ impl eframe::App for StudioApp {
         // A spinner or a model download wants a steady repaint; everything else is event-driven.
         if self.state.model.loading.is_some() {
             self.ctx.request_repaint_after(Duration::from_millis(250));
+        }
+        // Generation threads have no waker: poll their streams while they run.
+        if self.state.playground.busy() {
+            self.ctx.request_repaint_after(Duration::from_millis(30));
         }
         self.drive_screenshot();
         self.state

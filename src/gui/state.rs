@@ -32,11 +32,13 @@ pub enum Panel {
     Run,
     /// Save adapters, models and the config.
     Export,
+    /// Compare two models' answers side by side.
+    Playground,
 }
 
 impl Panel {
     /// Every panel in navigation order.
-    pub const ALL: [Panel; 7] = [
+    pub const ALL: [Panel; 8] = [
         Panel::Model,
         Panel::Dataset,
         Panel::Preview,
@@ -44,6 +46,7 @@ impl Panel {
         Panel::Devices,
         Panel::Run,
         Panel::Export,
+        Panel::Playground,
     ];
 
     /// The navigation label.
@@ -56,6 +59,7 @@ impl Panel {
             Panel::Devices => "GPUs & memory",
             Panel::Run => "Run",
             Panel::Export => "Export",
+            Panel::Playground => "Playground",
         }
     }
 
@@ -70,6 +74,7 @@ impl Panel {
             "devices" | "gpus" | "memory" | "plan" => Panel::Devices,
             "run" => Panel::Run,
             "export" => Panel::Export,
+            "playground" | "chat" | "generate" => Panel::Playground,
             _ => return None,
         })
     }
@@ -799,6 +804,8 @@ pub struct AppState {
     pub history: HistoryState,
     /// Export panel.
     pub export: ExportState,
+    /// Playground panel.
+    pub playground: crate::gui::panels::playground::PlaygroundState,
     /// Frame-time statistics.
     pub frames: FrameStats,
     /// Show the frame-time debug line in the status bar.
@@ -824,6 +831,7 @@ impl AppState {
             run: RunState::default(),
             history: HistoryState::default(),
             export: ExportState::default(),
+            playground: Default::default(),
             frames: FrameStats::default(),
             show_debug: true,
             toast: None,

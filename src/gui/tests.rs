@@ -369,3 +369,195 @@ fn hebrew_text_renders_with_a_system_font() {
     });
     h.run();
 }
+
+/// Replaces the text of the field labelled `label` with `text`.
+fn type_into(h: &mut Harness<'static, StudioApp>, label: &str, text: &str) {
+    h.get_by_label(label).focus();
+    h.step();
+    h.key_press_modifiers(egui::Modifiers::COMMAND, egui::Key::A);
+    h.step();
+    h.get_by_label(label).type_text(text);
+    h.step();
+}
+
+#[test]
+fn playground_streams_both_sides_cancels_and_reports_errors() {
+    use super::panels::playground::SideSource;
+    use tunestudio::infer::StopReason;
+
+    let out = tempfile::tempdir().expect("tempdir");
+    let fixtures = tunestudio::paths::shared_dir().join("fixtures");
+    let base = fixtures.join("tiny-llama").display().to_string();
+    let adapter = fixtures.join("tiny-llama-lora").display().to_string();
+    let mut h = harness(Panel::Model, out.path());
+    h.step();
+    click_nav(&mut h, Panel::Playground);
+
+    // Left: the base model; right: the base with the LoRA adapter.
+    for i in 0..2 {
+        h.state_mut().state.playground.sides[i].source = SideSource::Folder;
+    }
+    h.step();
+    type_into(&mut h, "Left model", &base);
+    type_into(&mut h, "Right model", &base);
+    type_into(&mut h, "Right adapter", &adapter);
+    h.get_by_label("Load Left").click();
+    h.step();
+    h.get_by_label("Load Right").click();
+    wait_for(&mut h, "both sides to load", Duration::from_secs(60), |a| {
+        a.state
+            .playground
+            .sides
+            .iter()
+            .all(|s| s.loading.is_none() && (s.generator.is_some() || s.load_error.is_some()))
+    });
+    for s in &h.state().state.playground.sides {
+        assert!(s.load_error.is_none(), "load failed: {:?}", s.load_error);
+    }
+    assert_eq!(h.query_all_by_label_contains("loaded: ").count(), 2);
+    assert!(h.state().state.playground.sides[1]
+        .loaded_name
+        .contains("tiny-llama-lora"));
+
+    // An empty prompt is refused with a message, not a crash.
+    h.get_by_label("Generate").click();
+    h.step();
+    h.step();
+    let err = h.state().state.playground.error.clone().unwrap_or_default();
+    assert!(err.contains("empty"), "error: {err}");
+    assert!(h.query_by_label_contains("the prompt is empty").is_some());
+
+    // Max new tokens 0 is refused too.
+    type_into(&mut h, "Prompt", "Once upon a time");
+    h.state_mut().state.playground.params.max_new_tokens = 0;
+    h.get_by_label("Generate").click();
+    h.step();
+    h.step();
+    let err = h.state().state.playground.error.clone().unwrap_or_default();
+    assert!(err.contains("max_new_tokens"), "error: {err}");
+
+    // Greedy, a few tokens: both sides stream and finish.
+    {
+        let p = &mut h.state_mut().state.playground.params;
+        p.max_new_tokens = 8;
+        p.temperature = 0.0;
+        p.stop_on_eos = false;
+    }
+    h.get_by_label("Generate").click();
+    wait_for(&mut h, "both answers", Duration::from_secs(60), |a| {
+        let pg = &a.state.playground;
+        !pg.generating() && pg.sides.iter().all(|s| s.output.stop_reason.is_some())
+    });
+    let pg = &h.state().state.playground;
+    assert!(pg.error.is_none(), "{:?}", pg.error);
+    for s in &pg.sides {
+        assert_eq!(s.output.tokens, 8, "{:?}", s.output);
+        assert_eq!(s.output.stop_reason, Some(StopReason::MaxTokens));
+        assert!(s.output.tokens_per_sec.is_some_and(|r| r > 0.0));
+    }
+    println!(
+        "left: {:?}\nright: {:?}",
+        pg.sides[0].output.text, pg.sides[1].output.text
+    );
+    assert!(h.query_all_by_label_contains("tok/s").count() >= 2);
+
+    // Export the comparison.
+    let export = out.path().join("cmp.jsonl");
+    h.state_mut().state.playground.export_path = export.display().to_string();
+    h.get_by_label("Export comparison").click();
+    h.step();
+    h.step();
+    let text = std::fs::read_to_string(&export).expect("export written");
+    let row: serde_json::Value =
+        serde_json::from_str(text.lines().next().expect("one line")).expect("json");
+    assert_eq!(row["prompt"], "Once upon a time");
+    assert_eq!(row["settings"]["max_new_tokens"], 8);
+    assert_eq!(
+        row["left"].as_str(),
+        Some(h.state().state.playground.sides[0].output.text.as_str())
+    );
+
+    // A long generation: Cancel stops both sides.
+    h.state_mut().state.playground.params.max_new_tokens = 100_000;
+    h.get_by_label("Generate").click();
+    wait_for(
+        &mut h,
+        "the stream to start",
+        Duration::from_secs(30),
+        |a| a.state.playground.generating(),
+    );
+    h.get_by_label("Cancel").click();
+    wait_for(&mut h, "the cancel", Duration::from_secs(30), |a| {
+        !a.state.playground.generating()
+    });
+    for s in &h.state().state.playground.sides {
+        assert_eq!(
+            s.output.stop_reason,
+            Some(StopReason::Cancelled),
+            "{:?}",
+            s.output
+        );
+    }
+
+    // An adapter trained for another base model is refused with a message.
+    let mistral = fixtures.join("tiny-mistral").display().to_string();
+    type_into(&mut h, "Left model", &mistral);
+    type_into(&mut h, "Left adapter", &adapter);
+    h.get_by_label("Load Left").click();
+    wait_for(&mut h, "the adapter error", Duration::from_secs(60), |a| {
+        let s = &a.state.playground.sides[0];
+        s.loading.is_none() && s.load_error.is_some()
+    });
+    let err = h.state().state.playground.sides[0]
+        .load_error
+        .clone()
+        .unwrap_or_default();
+    assert!(err.contains("tiny-llama"), "error: {err}");
+    assert!(h
+        .query_by_label_contains("Left could not be loaded")
+        .is_some());
+}
+
+#[test]
+fn playground_loads_the_demo_run_model() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let mut h = harness(Panel::Playground, out.path());
+    h.get_by_label("Load Left").click();
+    wait_for(&mut h, "the demo model", Duration::from_secs(60), |a| {
+        let s = &a.state.playground.sides[0];
+        s.loading.is_none() && (s.generator.is_some() || s.load_error.is_some())
+    });
+    let s = &h.state().state.playground.sides[0];
+    assert!(s.load_error.is_none(), "{:?}", s.load_error);
+    // The right side defaults to the run's latest checkpoint; there is none yet.
+    h.get_by_label("Load Right").click();
+    wait_for(
+        &mut h,
+        "the checkpoint error",
+        Duration::from_secs(10),
+        |a| a.state.playground.sides[1].load_error.is_some(),
+    );
+    assert!(h.query_by_label_contains("no checkpoint").is_some());
+    h.state_mut().state.playground.params.max_new_tokens = 4;
+    type_into(&mut h, "Prompt", "Hello");
+    h.get_by_label("Generate").click();
+    wait_for(&mut h, "the answer", Duration::from_secs(60), |a| {
+        let s = &a.state.playground.sides[0];
+        s.handle.is_none() && (s.output.stop_reason.is_some() || s.output.error.is_some())
+    });
+    let s = &h.state().state.playground.sides[0];
+    assert!(s.output.error.is_none(), "{:?}", s.output.error);
+    assert!(s.output.tokens > 0);
+
+    // A prompt list runs in batch and fills the comparison table.
+    h.state_mut().state.playground.batch_prompts = vec!["One".into(), "Two".into()];
+    h.step();
+    h.get_by_label("Run batch").click();
+    wait_for(&mut h, "the batch", Duration::from_secs(60), |a| {
+        a.state.playground.batch_next.is_none() && a.state.playground.batch_rows.len() == 2
+    });
+    let rows = &h.state().state.playground.batch_rows;
+    assert_eq!(rows[1].prompt, "Two");
+    assert!(!rows[0].left.is_empty() && !rows[0].left.starts_with("error"));
+    assert!(h.query_by_label_contains("Batch prompt").is_some());
+}

@@ -256,16 +256,3 @@ pub fn grid() -> Vec<Case> {
     }
     g
 }
-
-/// A subset that exercises every mechanism (optimizer-step peak, end-of-backward
-/// peak, checkpointing, frozen base, half precision) in about a minute and a half.
-pub fn quick_grid() -> Vec<Case> {
-    use Precision::{Bf16Mixed as B, Fp32 as F};
-    vec![
-        case(F, false, false, 1, 64),
-        case(F, false, false, 4, 64),
-        case(F, true, false, 4, 64),
-        case(F, false, true, 1, 256),
-        case(B, false, false, 4, 64),
-    ]
-}
