@@ -486,17 +486,7 @@ impl StudioApp {
     /// Applies a planner request's settings to the run config.
     fn apply_request(&mut self, req: &PlanRequest) {
         let c = &mut self.state.config;
-        if let Some(p) = [
-            train::Precision::Fp32,
-            train::Precision::Bf16Mixed,
-            train::Precision::Bf16,
-            train::Precision::Fp16Mixed,
-        ]
-        .into_iter()
-        .find(|p| p.name() == req.precision.as_str())
-        {
-            c.training.precision = p;
-        }
+        c.training.precision = req.precision;
         c.training.micro_batch = req.micro_batch;
         c.training.gradient_accumulation = req.gradient_accumulation;
         c.data.max_length = req.seq_len;

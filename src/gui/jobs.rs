@@ -513,11 +513,7 @@ pub fn plan_request(
     devices: Vec<DeviceSpec>,
 ) -> Result<PlanRequest, String> {
     let t = &config.training;
-    let precision: plan::Precision = t
-        .precision
-        .name()
-        .parse()
-        .map_err(|e: plan::PlanError| e.to_string())?;
+    let precision = t.precision;
     let strategy: plan::Strategy = config
         .devices
         .strategy

@@ -91,75 +91,15 @@ pub enum PlanError {
     },
 }
 
-/// Numeric precision of training, as `[training] precision` spells it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub enum Precision {
-    /// Everything in f32.
-    #[serde(rename = "fp32")]
-    Fp32,
-    /// bf16 weights for compute, f32 master weights, bf16 gradients, f32 moments.
-    #[serde(rename = "bf16-mixed")]
-    Bf16Mixed,
-    /// bf16 weights and gradients, f32 moments, no master copy.
-    #[serde(rename = "bf16")]
-    Bf16,
-    /// Like bf16-mixed with IEEE half and a loss scale.
-    #[serde(rename = "fp16-mixed")]
-    Fp16Mixed,
-}
+/// Numeric precision of training: the run config's own type.
+pub use crate::train::Precision;
 
-impl Precision {
-    /// Every mode, in the order the UI lists them.
-    pub const ALL: [Precision; 4] = [
-        Precision::Fp32,
-        Precision::Bf16Mixed,
-        Precision::Bf16,
-        Precision::Fp16Mixed,
-    ];
-
-    /// The run-config spelling.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Precision::Fp32 => "fp32",
-            Precision::Bf16Mixed => "bf16-mixed",
-            Precision::Bf16 => "bf16",
-            Precision::Fp16Mixed => "fp16-mixed",
-        }
-    }
-
-    /// Bytes of one element of the compute weights, activations and gradients.
-    pub fn compute_bytes(&self) -> u64 {
-        match self {
-            Precision::Fp32 => 4,
-            _ => 2,
-        }
-    }
-
-    /// Whether the optimizer keeps f32 master weights of the trainable parameters.
-    pub fn has_master_weights(&self) -> bool {
-        matches!(self, Precision::Bf16Mixed | Precision::Fp16Mixed)
-    }
-}
-
-impl fmt::Display for Precision {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for Precision {
-    type Err = PlanError;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.trim().to_ascii_lowercase().replace('_', "-").as_str() {
-            "fp32" | "f32" | "float32" => Ok(Precision::Fp32),
-            "bf16-mixed" | "mixed-bf16" => Ok(Precision::Bf16Mixed),
-            "bf16" | "bfloat16" => Ok(Precision::Bf16),
-            "fp16-mixed" | "f16-mixed" | "mixed-fp16" | "fp16" | "f16" => Ok(Precision::Fp16Mixed),
-            _ => Err(PlanError::InvalidSetting {
-                setting: "training.precision",
-                value: s.to_string(),
-                fix: "use fp32, bf16-mixed, bf16 or fp16-mixed".into(),
-            }),
+impl From<crate::train::UnknownPrecision> for PlanError {
+    fn from(e: crate::train::UnknownPrecision) -> Self {
+        PlanError::InvalidSetting {
+            setting: "training.precision",
+            value: e.0,
+            fix: "use fp32, bf16-mixed, bf16 or fp16-mixed".into(),
         }
     }
 }

@@ -133,11 +133,7 @@ impl StepDims {
             act_bytes: act,
             weight_bytes: act,
             grad_bytes: act,
-            master_bytes: if req.precision.has_master_weights() {
-                4
-            } else {
-                0
-            },
+            master_bytes: if req.precision.master_weights() { 4 } else { 0 },
             optimizer_bytes: 8,
             precision: req.precision,
             checkpointing: req.activation_checkpointing,

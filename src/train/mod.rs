@@ -32,7 +32,7 @@ pub use error::{ConfigError, ConfigProblem, Phase, TrainError};
 pub use events::{Command, Event, FinishReason};
 pub use export::{export_adapter, export_full, export_merged};
 pub use metrics::{read_metrics, MetricsWriter, RunCurves, METRICS_FILE};
-pub use precision::{LossScaler, Precision};
+pub use precision::{LossScaler, Precision, UnknownPrecision};
 pub use schedule::{LrSchedule, ScheduleKind};
 pub use step::{EvalResult, StepGradients, StepOutcome, TrainingRun};
 pub use trainer::{Trainer, TrainerHandle, TrainerOptions, Waker};

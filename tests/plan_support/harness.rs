@@ -191,7 +191,7 @@ pub fn print_row(c: &Case, m: &Measured, d: &DevicePlan) {
     let bwd = m.bwd_peak.max(m.acc_peak);
     println!(
         "{:<10} {:<5} {:<5} {:>2} {:>4} {:>3} | fwd {:>7.1}/{:>7.1} bwd {:>7.1}/{:>7.1} opt {:>7.1}/{:>7.1} | peak {:>7.1} MiB measured, {:>7.1} predicted ({:<8}) {:+6.2} % | {:>5.1} s",
-        c.precision.as_str(),
+        c.precision.name(),
         c.checkpointing,
         c.lora,
         c.micro_batch,
