@@ -28,6 +28,9 @@ fn cpu_secs() -> f64 {
     (tick(11) + tick(12)) / 100.0
 }
 
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> anyhow::Result<()> {
     let shared = shared_dir();
     let t0 = Instant::now();
