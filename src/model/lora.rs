@@ -10,6 +10,18 @@ use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 use std::path::Path;
 
+/// Every linear layer of a Llama / Mistral / Qwen2 decoder layer, by the short name
+/// LoRA `target_modules` use.
+pub const LINEAR_MODULES: [&str; 7] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
+
 /// A LoRA configuration (PEFT's `r`, `lora_alpha`, `lora_dropout`, `target_modules`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct LoraConfig {

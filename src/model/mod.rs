@@ -31,5 +31,6 @@ pub use decoder::{rope_inv_freq, CausalLm, LossOutput, IGNORE_INDEX, LOSS_CHUNK_
 pub use error::ModelError;
 pub use gradients::{Gradients, NamedParam};
 pub use hub::{resolve_model, resolve_model_in, HubOptions, ModelFiles};
+pub use lora::LINEAR_MODULES;
 pub use lora::{parse_adapter_config, LoraConfig};
 pub use save::dtype_name;

@@ -84,15 +84,7 @@ fn validate(req: &PlanRequest) -> Result<(), PlanError> {
     positive("data.max_length (sequence length)", req.seq_len)?;
     if let Some(l) = &req.lora {
         positive("lora.r", l.r)?;
-        const KNOWN: [&str; 7] = [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ];
+        const KNOWN: [&str; 7] = crate::model::LINEAR_MODULES;
         if let Some(bad) = l
             .target_modules
             .iter()

@@ -165,18 +165,10 @@ impl LoraSpec {
     pub fn all_linear(r: usize) -> Self {
         LoraSpec {
             r,
-            target_modules: [
-                "q_proj",
-                "k_proj",
-                "v_proj",
-                "o_proj",
-                "gate_proj",
-                "up_proj",
-                "down_proj",
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect(),
+            target_modules: crate::model::LINEAR_MODULES
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
         }
     }
 }

@@ -218,18 +218,10 @@ impl Default for LoraSection {
             r: 8,
             alpha: 16.0,
             dropout: 0.0,
-            target_modules: [
-                "q_proj",
-                "k_proj",
-                "v_proj",
-                "o_proj",
-                "gate_proj",
-                "up_proj",
-                "down_proj",
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect(),
+            target_modules: crate::model::LINEAR_MODULES
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
         }
     }
 }

@@ -9,15 +9,7 @@ use crate::gui::jobs::PickTarget;
 use crate::gui::state::AppState;
 use crate::gui::theme;
 
-const LORA_MODULES: [&str; 7] = [
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-];
+const LORA_MODULES: [&str; 7] = tunestudio::model::LINEAR_MODULES;
 
 /// Draws the Training panel.
 pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
