@@ -10,6 +10,7 @@ use super::error::ModelError;
 use super::gradients::{Gradients, NamedParam};
 use super::hub::ModelFiles;
 use super::lora::LoraConfig;
+use super::native_layer::{self, NativeCtx};
 use super::weights::Checkpoint;
 use super::{checkpoint, kernels};
 use candle_core::{DType, Device, Tensor, Var};
@@ -18,7 +19,7 @@ use rayon::prelude::*;
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Labels with this value are ignored by the loss (transformers' `ignore_index`).
 pub const IGNORE_INDEX: i64 = -100;
@@ -86,6 +87,8 @@ pub(crate) struct Ctx {
     pub dropout_seed: Option<u64>,
     /// Use the fused kernels of [`super::ops`] rather than the composite reference ops.
     pub fused: bool,
+    /// The tables native layers read, built by the first one.
+    pub native: OnceLock<Arc<NativeCtx>>,
 }
 
 /// One decoder layer's weights.
@@ -132,6 +135,8 @@ pub struct CausalLm {
     pub(crate) layer_devices: Vec<Device>,
     pub(crate) checkpointing: bool,
     pub(crate) fused: bool,
+    /// Run qualifying layers as one native op (see [`native_layer`]).
+    pub(crate) native_layers: bool,
     pub(crate) lora: Option<LoraConfig>,
     pub(crate) modules: Modules,
     /// Parameter gradients produced inside checkpointed layers' backward passes.
@@ -430,6 +435,7 @@ impl CausalLm {
             layer_devices,
             checkpointing: false,
             fused: kernels::FUSED_DEFAULT,
+            native_layers: true,
             lora: None,
             side_grads: Arc::new(Mutex::new(HashMap::new())),
             forward_counter: AtomicU64::new(0),
@@ -547,6 +553,26 @@ impl CausalLm {
     /// Use the fused kernels (default) or the composite reference ops (for parity tests).
     pub fn set_fused_ops(&mut self, on: bool) {
         self.fused = on && kernels::FUSED_AVAILABLE;
+    }
+
+    /// Runs each decoder layer that qualifies (CPU, f32, fused ops on, every weight of the
+    /// layer trained: full fine-tuning) as one native op with a hand-written backward instead
+    /// of a graph of candle ops. On by default; off gives the graph path, which is the
+    /// reference the native op is tested against.
+    pub fn set_native_layers(&mut self, on: bool) {
+        self.native_layers = on;
+    }
+
+    /// How many decoder layers the next training forward pass runs natively.
+    pub fn native_layer_count(&self) -> usize {
+        if !self.native_layers || !self.fused || self.dtype != DType::F32 {
+            return 0;
+        }
+        self.modules
+            .layers
+            .iter()
+            .filter(|l| l.device.is_cpu() && native_layer::layer_qualifies(l))
+            .count()
     }
 
     /// Sets the name saved as `base_model_name_or_path` in adapters.
@@ -782,6 +808,7 @@ impl CausalLm {
                 sliding_mask,
                 dropout_seed,
                 fused: self.fused,
+                native: OnceLock::new(),
             }))
         };
         let mut ctxs: Vec<(Device, Arc<Ctx>)> =
@@ -804,7 +831,23 @@ impl CausalLm {
             if !h.device().same_device(&layer.device) {
                 h = h.to_device(&layer.device)?;
             }
-            h = if self.checkpointing && layer.device.is_cpu() {
+            h = if self.native_layers && native_layer::applies(layer, &ctx, &h) {
+                let nc = match ctx.native.get() {
+                    Some(nc) => nc.clone(),
+                    None => {
+                        let nc = native_layer::native_ctx(&ctx)?;
+                        let _ = ctx.native.set(nc.clone());
+                        nc
+                    }
+                };
+                native_layer::native_layer(
+                    layer,
+                    &nc,
+                    &h,
+                    &self.side_grads,
+                    train && !self.checkpointing,
+                )?
+            } else if self.checkpointing && layer.device.is_cpu() {
                 checkpoint::checkpointed_layer(layer, &ctx, &h, &self.side_grads)?
             } else {
                 layer.forward(&h, &ctx)?

@@ -68,6 +68,28 @@ pub(crate) fn sgemm(
     lhs: MatRef<'_>,
     rhs: MatRef<'_>,
 ) -> Result<()> {
+    sgemm_on(
+        dst,
+        dst_row_stride,
+        dst_col_stride,
+        accumulate,
+        lhs,
+        rhs,
+        true,
+    )
+}
+
+/// [`sgemm`] on the calling thread only when `parallel` is false (for many small products
+/// that are already spread over rayon's pool, such as one attention head per task).
+pub(crate) fn sgemm_on(
+    dst: &mut [f32],
+    dst_row_stride: usize,
+    dst_col_stride: usize,
+    accumulate: bool,
+    lhs: MatRef<'_>,
+    rhs: MatRef<'_>,
+    parallel: bool,
+) -> Result<()> {
     let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
     if rhs.rows != k {
         bail!("gemm: inner dimensions differ ({m}x{k} @ {}x{n})", rhs.rows);
@@ -96,7 +118,7 @@ pub(crate) fn sgemm(
         return Ok(());
     }
     let threads = rayon::current_num_threads();
-    let parallelism = if threads > 1 {
+    let parallelism = if parallel && threads > 1 {
         gemm::Parallelism::Rayon(threads)
     } else {
         gemm::Parallelism::None

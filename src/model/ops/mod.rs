@@ -15,10 +15,10 @@
 pub mod composite;
 mod cross_entropy;
 mod frozen_linear;
-mod matmul;
-mod rms_norm;
+pub(crate) mod matmul;
+pub(crate) mod rms_norm;
 mod rope;
-mod silu_mul;
+pub(crate) mod silu_mul;
 mod softmax;
 
 pub use cross_entropy::{cross_entropy_rows, linear_cross_entropy, IGNORE_INDEX};

@@ -97,7 +97,7 @@ impl CustomOp2 for RmsNorm {
     }
 }
 
-fn forward<T: Elem>(x: &[T], w: &[f32], eps: f32) -> Vec<T> {
+pub(crate) fn forward<T: Elem>(x: &[T], w: &[f32], eps: f32) -> Vec<T> {
     let h = w.len();
     let mut out = vec![T::ZERO; x.len()];
     if h == 0 {
@@ -120,7 +120,7 @@ fn forward<T: Elem>(x: &[T], w: &[f32], eps: f32) -> Vec<T> {
 }
 
 /// Returns (grad_x in T, grad_w in f32).
-fn backward<T: Elem>(x: &[T], g: &[T], w: &[f32], eps: f32) -> (Vec<T>, Vec<f32>) {
+pub(crate) fn backward<T: Elem>(x: &[T], g: &[T], w: &[f32], eps: f32) -> (Vec<T>, Vec<f32>) {
     let h = w.len();
     let mut gx = vec![T::ZERO; x.len()];
     if h == 0 {

@@ -42,7 +42,7 @@ fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + fast_exp(-x))
 }
 
-fn forward<T: Elem>(gate: &[T], up: &[T]) -> Vec<T> {
+pub(crate) fn forward<T: Elem>(gate: &[T], up: &[T]) -> Vec<T> {
     let mut out = vec![T::ZERO; gate.len()];
     out.par_chunks_mut(CHUNK)
         .zip(gate.par_chunks(CHUNK))
@@ -57,7 +57,7 @@ fn forward<T: Elem>(gate: &[T], up: &[T]) -> Vec<T> {
 }
 
 /// Returns (grad_gate, grad_up).
-fn backward<T: Elem>(gate: &[T], up: &[T], grad: &[T]) -> (Vec<T>, Vec<T>) {
+pub(crate) fn backward<T: Elem>(gate: &[T], up: &[T], grad: &[T]) -> (Vec<T>, Vec<T>) {
     let mut d_gate = vec![T::ZERO; gate.len()];
     let mut d_up = vec![T::ZERO; gate.len()];
     d_gate

@@ -1,0 +1,742 @@
+//! One decoder layer as a single CPU op with a hand-written backward (f32, every weight of the
+//! layer trained).
+//!
+//! Through candle's autograd a layer's backward allocates a zero tensor and a sum for every
+//! gradient edge (weights included), copies the transposed weight gradients of `x @ wᵀ` into
+//! contiguous ones, and runs a few dozen small element-wise ops on candle's pool; the profile of
+//! the SmolLM2-135M step put about a third of the step there (memset, memmove and
+//! `binary_map_vec_par` next to gemm). Here every matmul goes to `gemm` with the strides it
+//! needs (weights are read in place, attention heads are strided views of the projections), each
+//! weight gradient is written once, into the buffer the optimizer reads, and the element-wise
+//! work is the fused kernels of [`super::ops`].
+//!
+//! The graph path in `decoder.rs` stays the reference and covers what this op does not: LoRA,
+//! frozen weights, dropout, half precision and GPUs. The fixture parity tests (logits, loss,
+//! every gradient, AdamW steps) run through this op, and `tests/model_native_layer.rs` compares
+//! it with the graph path on every architecture.
+
+use super::decoder::{lock, Ctx, Layer, Linear};
+use super::ops::matmul::{sgemm, sgemm_on, MatRef};
+use super::ops::{
+    contiguous_slice, exp_shift_sum_in_place, min_rows_per_task, rms_norm, row_max, silu_mul,
+    tensor_to_f32_vec,
+};
+use candle_core::{
+    bail, CpuStorage, CustomOp2, DType, Device, Layout, Result, Shape, Storage, Tensor,
+};
+use rayon::prelude::*;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// Parameter gradients produced outside candle's graph, by HF name (merged by
+/// [`super::CausalLm::backward`]).
+pub(crate) type SideGrads = Arc<Mutex<HashMap<String, Tensor>>>;
+
+const OP: &str = "native decoder layer";
+
+/// What every native layer of one forward pass reads: rope tables and masks as `f32`.
+pub(crate) struct NativeCtx {
+    /// `[t, head_dim]`.
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    /// `[mask_rows, t, t]` additive masks (`mask_rows` is 1 or the batch size).
+    mask: Vec<f32>,
+    sliding_mask: Option<Vec<f32>>,
+    mask_rows: usize,
+}
+
+impl NativeCtx {
+    fn new(ctx: &Ctx) -> Result<Self> {
+        let mask_rows = ctx.mask.dims().first().copied().unwrap_or(1);
+        Ok(Self {
+            cos: tensor_to_f32_vec(&ctx.cos, OP)?,
+            sin: tensor_to_f32_vec(&ctx.sin, OP)?,
+            mask: tensor_to_f32_vec(&ctx.mask, OP)?,
+            sliding_mask: match &ctx.sliding_mask {
+                Some(m) => Some(tensor_to_f32_vec(m, OP)?),
+                None => None,
+            },
+            mask_rows,
+        })
+    }
+
+    fn mask_for(&self, layer: &Layer) -> &[f32] {
+        match (&self.sliding_mask, layer.sliding) {
+            (Some(m), true) => m,
+            _ => &self.mask,
+        }
+    }
+}
+
+fn linears(layer: &Layer) -> [&Linear; 7] {
+    [
+        &layer.q,
+        &layer.k,
+        &layer.v,
+        &layer.o,
+        &layer.gate,
+        &layer.up,
+        &layer.down,
+    ]
+}
+
+fn dense_f32(t: &Tensor) -> bool {
+    t.dtype() == DType::F32 && t.device().is_cpu() && t.is_contiguous()
+}
+
+/// The HF name of a trainable tensor of `layer` (None when it is frozen).
+fn name_of<'a>(layer: &'a Layer, t: &Tensor) -> Option<&'a str> {
+    layer
+        .trainable
+        .iter()
+        .find(|(_, v)| v.id() == t.id())
+        .map(|(n, _)| n.as_str())
+}
+
+/// Whether `layer` can run on `h` as one native op: CPU, f32, fused kernels on, every weight
+/// and norm of the layer trainable, no adapters and no dropout.
+pub(crate) fn applies(layer: &Layer, ctx: &Ctx, h: &Tensor) -> bool {
+    if !ctx.fused
+        || ctx.dropout_seed.is_some()
+        || !h.device().is_cpu()
+        || h.dtype() != DType::F32
+        || h.rank() != 3
+    {
+        return false;
+    }
+    layer_qualifies(layer)
+}
+
+/// Whether every weight, bias and norm of `layer` is a trainable dense `f32` CPU tensor
+/// without adapters.
+pub(crate) fn layer_qualifies(layer: &Layer) -> bool {
+    let mut tensors = vec![&layer.input_norm, &layer.post_norm];
+    for l in linears(layer) {
+        if l.frozen || l.lora.is_some() {
+            return false;
+        }
+        tensors.push(&l.w);
+        tensors.extend(l.b.as_ref());
+    }
+    tensors
+        .iter()
+        .all(|t| dense_f32(t) && name_of(layer, t).is_some())
+}
+
+/// Sizes of one layer call.
+#[derive(Clone, Copy)]
+struct Dims {
+    b: usize,
+    t: usize,
+    /// Tokens (`b × t`).
+    n: usize,
+    hidden: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    eps: f32,
+}
+
+impl Dims {
+    fn q_dim(&self) -> usize {
+        self.heads * self.head_dim
+    }
+    fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+}
+
+/// A linear layer's weights as slices: `w` is `[out, in]` row-major.
+struct Lin<'a> {
+    w: &'a [f32],
+    b: Option<&'a [f32]>,
+    out: usize,
+    inp: usize,
+}
+
+impl Lin<'_> {
+    fn w_mat(&self) -> MatRef<'_> {
+        MatRef::row_major(self.w, self.out, self.inp)
+    }
+
+    /// `x @ wᵀ (+ b)` for `n` rows.
+    fn forward(&self, x: &[f32], n: usize) -> Result<Vec<f32>> {
+        let mut y = vec![0f32; n * self.out];
+        sgemm(
+            &mut y,
+            self.out,
+            1,
+            false,
+            MatRef::row_major(x, n, self.inp),
+            self.w_mat().t(),
+        )?;
+        if let Some(b) = self.b {
+            y.par_chunks_mut(min_rows_per_task(self.out) * self.out)
+                .for_each(|rows| {
+                    for row in rows.chunks_exact_mut(self.out) {
+                        for (y, b) in row.iter_mut().zip(b) {
+                            *y += b;
+                        }
+                    }
+                });
+        }
+        Ok(y)
+    }
+
+    /// Gradients of `y = x wᵀ + b` given `dy`: returns `(dw, db)` and writes (or with
+    /// `accumulate`, adds) `dy @ w` into `dx`.
+    fn backward(
+        &self,
+        dy: &[f32],
+        x: &[f32],
+        n: usize,
+        dx: &mut [f32],
+        accumulate: bool,
+    ) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
+        let mut dw = vec![0f32; self.out * self.inp];
+        sgemm(
+            &mut dw,
+            self.inp,
+            1,
+            false,
+            MatRef::row_major(dy, n, self.out).t(),
+            MatRef::row_major(x, n, self.inp),
+        )?;
+        sgemm(
+            dx,
+            self.inp,
+            1,
+            accumulate,
+            MatRef::row_major(dy, n, self.out),
+            self.w_mat(),
+        )?;
+        let db = self.b.map(|_| {
+            let mut s = vec![0f32; self.out];
+            for row in dy.chunks_exact(self.out) {
+                for (s, v) in s.iter_mut().zip(row) {
+                    *s += v;
+                }
+            }
+            s
+        });
+        Ok((dw, db))
+    }
+}
+
+/// The layer's parameters as slices (storages read-locked while they are in use).
+struct Params<'a> {
+    norm_in: &'a [f32],
+    norm_post: &'a [f32],
+    /// q, k, v, o, gate, up, down.
+    lin: [Lin<'a>; 7],
+}
+
+fn with_params<R>(layer: &Layer, f: impl FnOnce(&Params<'_>) -> Result<R>) -> Result<R> {
+    let lins = linears(layer);
+    let mut tensors = vec![&layer.input_norm, &layer.post_norm];
+    tensors.extend(lins.iter().map(|l| &l.w));
+    tensors.extend(lins.iter().filter_map(|l| l.b.as_ref()));
+    let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
+    let mut slices = Vec::with_capacity(guards.len());
+    for (storage, layout) in &guards {
+        let Storage::Cpu(cpu) = &**storage else {
+            bail!("{OP}: runs on the CPU only (internal error: use the graph path)")
+        };
+        slices.push(contiguous_slice::<f32>(cpu, layout, OP)?);
+    }
+    let mut biases = slices[9..].iter();
+    let mut lin = Vec::with_capacity(7);
+    for (i, l) in lins.iter().enumerate() {
+        let (out, inp) = l.w.dims2()?;
+        let b = match l.b {
+            Some(_) => biases.next().copied(),
+            None => None,
+        };
+        lin.push(Lin {
+            w: slices[2 + i],
+            b,
+            out,
+            inp,
+        });
+    }
+    let Ok(lin) = <[Lin<'_>; 7]>::try_from(lin) else {
+        bail!("{OP}: expected seven linear layers")
+    };
+    f(&Params {
+        norm_in: slices[0],
+        norm_post: slices[1],
+        lin,
+    })
+}
+
+/// What forward keeps for backward.
+struct Saved {
+    /// Input-norm output `[n, hidden]`.
+    x1: Vec<f32>,
+    /// Rotated queries `[n, heads·head_dim]`, rotated keys and values `[n, kv_heads·head_dim]`.
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// Attention probabilities `[b, heads, t, t]`.
+    probs: Vec<f32>,
+    /// Attention output before `o_proj` `[n, heads·head_dim]`.
+    o: Vec<f32>,
+    /// Residual stream after attention, and its post-norm output `[n, hidden]`.
+    h2: Vec<f32>,
+    x2: Vec<f32>,
+    /// Gate and up projections `[n, intermediate]`.
+    g: Vec<f32>,
+    u: Vec<f32>,
+}
+
+/// Rotates (or, with `backward`, un-rotates) every head of token-major rows `[n, heads, d]`.
+fn rope_rows(
+    x: &mut [f32],
+    heads: usize,
+    d: usize,
+    t: usize,
+    cos: &[f32],
+    sin: &[f32],
+    backward: bool,
+) {
+    let half = d / 2;
+    let width = heads * d;
+    if width == 0 {
+        return;
+    }
+    x.par_chunks_mut(width)
+        .with_min_len(min_rows_per_task(width))
+        .enumerate()
+        .for_each(|(row, xr)| {
+            let pos = row % t;
+            let (c, s) = (&cos[pos * d..(pos + 1) * d], &sin[pos * d..(pos + 1) * d]);
+            let (c1, c2) = c.split_at(half);
+            let (s1, s2) = s.split_at(half);
+            for head in xr.chunks_exact_mut(d) {
+                let (x1, x2) = head.split_at_mut(half);
+                for j in 0..half {
+                    let (a, b) = (x1[j], x2[j]);
+                    if backward {
+                        x1[j] = a * c1[j] + b * s2[j];
+                        x2[j] = b * c2[j] - a * s1[j];
+                    } else {
+                        x1[j] = a * c1[j] - b * s1[j];
+                        x2[j] = b * c2[j] + a * s2[j];
+                    }
+                }
+            }
+        });
+}
+
+/// A head's `[t, head_dim]` view inside token-major rows of width `width`.
+fn head_view<'a>(data: &'a [f32], d: &Dims, batch: usize, col: usize, width: usize) -> MatRef<'a> {
+    MatRef {
+        data: &data[batch * d.t * width + col..],
+        rows: d.t,
+        cols: d.head_dim,
+        row_stride: width,
+        col_stride: 1,
+    }
+}
+
+/// Softmax attention of every (batch, head): returns probabilities `[b, heads, t, t]` and the
+/// output `[n, heads·head_dim]`.
+fn attention_forward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    d: &Dims,
+    mask: &[f32],
+    mask_rows: usize,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let (t, hd) = (d.t, d.head_dim);
+    let (qd, kvd) = (d.q_dim(), d.kv_dim());
+    let rep = d.heads / d.kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut probs = vec![0f32; d.b * d.heads * t * t];
+    let outs: Vec<Vec<f32>> = probs
+        .par_chunks_mut(t * t)
+        .enumerate()
+        .map(|(bh, p)| -> Result<Vec<f32>> {
+            let (bi, hi) = (bh / d.heads, bh % d.heads);
+            let kvh = hi / rep;
+            let qh = head_view(q, d, bi, hi * hd, qd);
+            let kh = head_view(k, d, bi, kvh * hd, kvd);
+            let vh = head_view(v, d, bi, kvh * hd, kvd);
+            sgemm_on(p, t, 1, false, qh, kh.t(), false)?;
+            let m = &mask[(if mask_rows == 1 { 0 } else { bi }) * t * t..][..t * t];
+            for (row, mrow) in p.chunks_exact_mut(t).zip(m.chunks_exact(t)) {
+                for (s, m) in row.iter_mut().zip(mrow) {
+                    *s = *s * scale + m;
+                }
+                let max = row_max(row);
+                if max == f32::NEG_INFINITY {
+                    row.fill(0.0);
+                    continue;
+                }
+                let inv = 1.0 / exp_shift_sum_in_place(row, max);
+                for s in row.iter_mut() {
+                    *s *= inv;
+                }
+            }
+            let mut oh = vec![0f32; t * hd];
+            sgemm_on(&mut oh, hd, 1, false, MatRef::row_major(p, t, t), vh, false)?;
+            Ok(oh)
+        })
+        .collect::<Result<_>>()?;
+    let mut o = vec![0f32; d.n * qd];
+    for (bh, oh) in outs.iter().enumerate() {
+        let (bi, hi) = (bh / d.heads, bh % d.heads);
+        for (i, src) in oh.chunks_exact(hd).enumerate() {
+            let at = (bi * t + i) * qd + hi * hd;
+            o[at..at + hd].copy_from_slice(src);
+        }
+    }
+    Ok((probs, o))
+}
+
+/// Gradients of [`attention_forward`] w.r.t. the rotated queries, keys and values.
+fn attention_backward(s: &Saved, d_o: &[f32], d: &Dims) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    let (t, hd) = (d.t, d.head_dim);
+    let (qd, kvd) = (d.q_dim(), d.kv_dim());
+    let rep = d.heads / d.kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    // Per (batch, head): dq of the head and its contributions to dk and dv of its kv head.
+    let parts: Vec<[Vec<f32>; 3]> = (0..d.b * d.heads)
+        .into_par_iter()
+        .map(|bh| -> Result<[Vec<f32>; 3]> {
+            let (bi, hi) = (bh / d.heads, bh % d.heads);
+            let kvh = hi / rep;
+            let p = &s.probs[bh * t * t..][..t * t];
+            let doh = head_view(d_o, d, bi, hi * hd, qd);
+            let qh = head_view(&s.q, d, bi, hi * hd, qd);
+            let kh = head_view(&s.k, d, bi, kvh * hd, kvd);
+            let vh = head_view(&s.v, d, bi, kvh * hd, kvd);
+            let pm = MatRef::row_major(p, t, t);
+            let mut dp = vec![0f32; t * t];
+            sgemm_on(&mut dp, t, 1, false, doh, vh.t(), false)?;
+            let mut dv = vec![0f32; t * hd];
+            sgemm_on(&mut dv, hd, 1, false, pm.t(), doh, false)?;
+            // Softmax backward, then the 1/√d scaling of the scores.
+            for (dr, pr) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
+                let dot: f32 = dr.iter().zip(pr).map(|(a, b)| a * b).sum();
+                for (g, &y) in dr.iter_mut().zip(pr) {
+                    *g = y * (*g - dot) * scale;
+                }
+            }
+            let ds = MatRef::row_major(&dp, t, t);
+            let mut dq = vec![0f32; t * hd];
+            sgemm_on(&mut dq, hd, 1, false, ds, kh, false)?;
+            let mut dk = vec![0f32; t * hd];
+            sgemm_on(&mut dk, hd, 1, false, ds.t(), qh, false)?;
+            Ok([dq, dk, dv])
+        })
+        .collect::<Result<_>>()?;
+    let mut dq = vec![0f32; d.n * qd];
+    let mut dk = vec![0f32; d.n * kvd];
+    let mut dv = vec![0f32; d.n * kvd];
+    for (bh, [pq, pk, pv]) in parts.iter().enumerate() {
+        let (bi, hi) = (bh / d.heads, bh % d.heads);
+        let kvh = hi / rep;
+        for i in 0..t {
+            let row = bi * t + i;
+            let src = i * hd..(i + 1) * hd;
+            let qa = row * qd + hi * hd;
+            dq[qa..qa + hd].copy_from_slice(&pq[src.clone()]);
+            let ka = row * kvd + kvh * hd;
+            for ((k, v), (a, b)) in dk[ka..ka + hd]
+                .iter_mut()
+                .zip(&mut dv[ka..ka + hd])
+                .zip(pk[src.clone()].iter().zip(&pv[src]))
+            {
+                *k += a;
+                *v += b;
+            }
+        }
+    }
+    Ok((dq, dk, dv))
+}
+
+fn add_into(dst: &mut [f32], src: &[f32]) {
+    dst.par_chunks_mut(1 << 16)
+        .zip(src.par_chunks(1 << 16))
+        .for_each(|(d, s)| {
+            for (d, s) in d.iter_mut().zip(s) {
+                *d += s;
+            }
+        });
+}
+
+/// The layer's forward pass on `h` `[n, hidden]`: returns the output and what backward needs.
+fn forward(
+    p: &Params<'_>,
+    d: &Dims,
+    h: &[f32],
+    nc: &NativeCtx,
+    mask: &[f32],
+) -> Result<(Vec<f32>, Saved)> {
+    let [lq, lk, lv, lo, lg, lu, ld] = &p.lin;
+    let n = d.n;
+    let x1 = rms_norm::forward::<f32>(h, p.norm_in, d.eps);
+    let mut q = lq.forward(&x1, n)?;
+    let mut k = lk.forward(&x1, n)?;
+    let v = lv.forward(&x1, n)?;
+    rope_rows(&mut q, d.heads, d.head_dim, d.t, &nc.cos, &nc.sin, false);
+    rope_rows(&mut k, d.kv_heads, d.head_dim, d.t, &nc.cos, &nc.sin, false);
+    let (probs, o) = attention_forward(&q, &k, &v, d, mask, nc.mask_rows)?;
+    let mut h2 = lo.forward(&o, n)?;
+    add_into(&mut h2, h);
+    let x2 = rms_norm::forward::<f32>(&h2, p.norm_post, d.eps);
+    let g = lg.forward(&x2, n)?;
+    let u = lu.forward(&x2, n)?;
+    let a = silu_mul::forward::<f32>(&g, &u);
+    let mut out = ld.forward(&a, n)?;
+    add_into(&mut out, &h2);
+    Ok((
+        out,
+        Saved {
+            x1,
+            q,
+            k,
+            v,
+            probs,
+            o,
+            h2,
+            x2,
+            g,
+            u,
+        },
+    ))
+}
+
+/// A parameter gradient on its way to the side table.
+struct ParamGrad {
+    /// Index into `[norm_in, norm_post, q.w, …, down.w]`, or 9 + i for the bias of linear i.
+    slot: usize,
+    grad: Vec<f32>,
+}
+
+/// The layer's backward pass: returns the input gradient and every parameter gradient.
+fn backward(
+    p: &Params<'_>,
+    d: &Dims,
+    h: &[f32],
+    s: &Saved,
+    dout: &[f32],
+    nc: &NativeCtx,
+) -> Result<(Vec<f32>, Vec<ParamGrad>)> {
+    let [lq, lk, lv, lo, lg, lu, ld] = &p.lin;
+    let n = d.n;
+    let mut grads = Vec::with_capacity(18);
+    let mut push = |slot: usize, (dw, db): (Vec<f32>, Option<Vec<f32>>)| {
+        grads.push(ParamGrad { slot, grad: dw });
+        if let Some(db) = db {
+            grads.push(ParamGrad {
+                slot: 9 + slot - 2,
+                grad: db,
+            });
+        }
+    };
+    // MLP: out = h2 + down(silu(gate(x2)) * up(x2)).
+    let a = silu_mul::forward::<f32>(&s.g, &s.u);
+    let mut da = vec![0f32; n * ld.inp];
+    push(8, ld.backward(dout, &a, n, &mut da, false)?);
+    drop(a);
+    let (dg, du) = silu_mul::backward::<f32>(&s.g, &s.u, &da);
+    drop(da);
+    let mut dx2 = vec![0f32; n * d.hidden];
+    push(6, lg.backward(&dg, &s.x2, n, &mut dx2, false)?);
+    push(7, lu.backward(&du, &s.x2, n, &mut dx2, true)?);
+    drop((dg, du));
+    let (mut dh2, dw_post) = rms_norm::backward::<f32>(&s.h2, &dx2, p.norm_post, d.eps);
+    push(1, (dw_post, None));
+    add_into(&mut dh2, dout);
+    // Attention: h2 = h + o_proj(attention(rope(q(x1)), rope(k(x1)), v(x1))).
+    let mut d_o = vec![0f32; n * lo.inp];
+    push(5, lo.backward(&dh2, &s.o, n, &mut d_o, false)?);
+    let (mut dq, mut dk, dv) = attention_backward(s, &d_o, d)?;
+    drop(d_o);
+    rope_rows(&mut dq, d.heads, d.head_dim, d.t, &nc.cos, &nc.sin, true);
+    rope_rows(&mut dk, d.kv_heads, d.head_dim, d.t, &nc.cos, &nc.sin, true);
+    let mut dx1 = vec![0f32; n * d.hidden];
+    push(2, lq.backward(&dq, &s.x1, n, &mut dx1, false)?);
+    push(3, lk.backward(&dk, &s.x1, n, &mut dx1, true)?);
+    push(4, lv.backward(&dv, &s.x1, n, &mut dx1, true)?);
+    let (mut dh, dw_in) = rms_norm::backward::<f32>(h, &dx1, p.norm_in, d.eps);
+    push(0, (dw_in, None));
+    add_into(&mut dh, &dh2);
+    Ok((dh, grads))
+}
+
+/// The decoder layer op: forward ran before the op was applied; backward runs the native
+/// backward (recomputing forward first when activations were not kept).
+struct NativeLayerOp {
+    layer: Arc<Layer>,
+    nc: Arc<NativeCtx>,
+    dims: Dims,
+    /// The forward output; `cpu_fwd` hands it over once.
+    out: Mutex<Option<Vec<f32>>>,
+    /// Activations for backward (None under activation checkpointing: recomputed).
+    saved: Mutex<Option<Saved>>,
+    side: SideGrads,
+}
+
+/// Runs `layer` on `h` `[b, t, hidden]` as one native op. With `keep_activations` false
+/// (activation checkpointing) only the input stays alive and backward recomputes the layer.
+pub(crate) fn native_layer(
+    layer: &Arc<Layer>,
+    nc: &Arc<NativeCtx>,
+    h: &Tensor,
+    side: &SideGrads,
+    keep_activations: bool,
+) -> Result<Tensor> {
+    let (b, t, hidden) = h.dims3()?;
+    let dims = Dims {
+        b,
+        t,
+        n: b * t,
+        hidden,
+        heads: layer.num_heads,
+        kv_heads: layer.num_kv_heads,
+        head_dim: layer.head_dim,
+        eps: layer.eps as f32,
+    };
+    check_dims(layer, &dims)?;
+    let h = h.contiguous()?;
+    let (out, saved) = with_f32(&h, |hs| {
+        with_params(layer, |p| forward(p, &dims, hs, nc, nc.mask_for(layer)))
+    })?;
+    let op = NativeLayerOp {
+        layer: layer.clone(),
+        nc: nc.clone(),
+        dims,
+        out: Mutex::new(Some(out)),
+        saved: Mutex::new(keep_activations.then_some(saved)),
+        side: side.clone(),
+    };
+    // The anchor (a zero Var) puts the node in the graph even when `h` carries no gradient.
+    h.apply_op2(layer.anchor.as_tensor(), op)
+}
+
+/// The per-forward-pass tables the native layers read.
+pub(crate) fn native_ctx(ctx: &Ctx) -> Result<Arc<NativeCtx>> {
+    Ok(Arc::new(NativeCtx::new(ctx)?))
+}
+
+fn check_dims(layer: &Layer, d: &Dims) -> Result<()> {
+    let want = [
+        (d.q_dim(), d.hidden),
+        (d.kv_dim(), d.hidden),
+        (d.kv_dim(), d.hidden),
+        (d.hidden, d.q_dim()),
+    ];
+    let inter = layer.gate.w.dim(0)?;
+    let want = [
+        want[0],
+        want[1],
+        want[2],
+        want[3],
+        (inter, d.hidden),
+        (inter, d.hidden),
+        (d.hidden, inter),
+    ];
+    for (l, (out, inp)) in linears(layer).iter().zip(want) {
+        if l.w.dims() != [out, inp] {
+            bail!(
+                "{OP}: weight of shape {:?} where [{out}, {inp}] was expected (config and weights disagree)",
+                l.w.dims()
+            );
+        }
+    }
+    if d.kv_heads == 0 || d.heads % d.kv_heads != 0 || d.head_dim % 2 != 0 {
+        bail!(
+            "{OP}: {} heads over {} kv heads of width {} cannot be grouped",
+            d.heads,
+            d.kv_heads,
+            d.head_dim
+        );
+    }
+    Ok(())
+}
+
+/// Runs `f` on the `f32` data of a contiguous CPU tensor.
+fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cpu(cpu) = &*storage else {
+        bail!("{OP}: runs on the CPU only (internal error: use the graph path)")
+    };
+    f(contiguous_slice::<f32>(cpu, layout, OP)?)
+}
+
+impl CustomOp2 for NativeLayerOp {
+    fn name(&self) -> &'static str {
+        "native-decoder-layer"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _s1: &CpuStorage,
+        l1: &Layout,
+        _s2: &CpuStorage,
+        _l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        match lock(&self.out).take() {
+            Some(out) => Ok((CpuStorage::F32(out), l1.shape().clone())),
+            None => bail!("{OP}: forward ran twice (internal error)"),
+        }
+    }
+
+    fn bwd(
+        &self,
+        arg: &Tensor,
+        _anchor: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let d = self.dims;
+        let layer = &self.layer;
+        let arg = arg.contiguous()?;
+        let grad = grad.to_dtype(DType::F32)?.contiguous()?;
+        let saved = lock(&self.saved).take();
+        let (dh, grads) = with_f32(&arg, |h| {
+            with_f32(&grad, |g| {
+                with_params(layer, |p| {
+                    let recomputed;
+                    let s = match &saved {
+                        Some(s) => s,
+                        None => {
+                            recomputed = forward(p, &d, h, &self.nc, self.nc.mask_for(layer))?.1;
+                            &recomputed
+                        }
+                    };
+                    backward(p, &d, h, s, g, &self.nc)
+                })
+            })
+        })?;
+        drop(saved);
+        let lins = linears(layer);
+        let mut side = lock(&self.side);
+        for ParamGrad { slot, grad } in grads {
+            let t = match slot {
+                0 => &layer.input_norm,
+                1 => &layer.post_norm,
+                2..=8 => &lins[slot - 2].w,
+                _ => match &lins[slot - 9].b {
+                    Some(b) => b,
+                    None => bail!("{OP}: bias gradient without a bias (internal error)"),
+                },
+            };
+            let Some(name) = name_of(layer, t) else {
+                bail!("{OP}: a parameter of the layer is not trainable (internal error)")
+            };
+            let g = Tensor::from_vec(grad, t.shape(), &Device::Cpu)?;
+            let g = match side.remove(name) {
+                Some(prev) => (prev + g)?,
+                None => g,
+            };
+            side.insert(name.to_string(), g);
+        }
+        let dh = Tensor::from_vec(dh, arg.shape(), arg.device())?;
+        Ok((Some(dh), None))
+    }
+}
