@@ -80,31 +80,43 @@ fn native_layers_match_the_graph_path_on_every_architecture() {
     }
 }
 
+/// Rows longer than the causal block (64 query rows), left padding in the second row, on the
+/// model with q/k/v biases and on the one with a sliding window.
 #[test]
-fn native_layers_handle_a_padded_batch_of_two() {
-    let case = "tiny-qwen2";
-    let grads_of = |native: bool| {
-        let mut model = CausalLm::load(&fixture(case), DType::F32, &Device::Cpu).unwrap();
-        model.set_native_layers(native);
-        let ids = Tensor::new(
-            &[[5u32, 9, 13, 17, 21, 25], [0, 0, 7, 11, 3, 2]],
-            &Device::Cpu,
-        )
-        .unwrap();
-        let mask = Tensor::new(&[[1u32, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]], &Device::Cpu).unwrap();
-        let labels = Tensor::new(
-            &[[5i64, 9, 13, 17, 21, 25], [-100, -100, -100, 11, 3, 2]],
-            &Device::Cpu,
-        )
-        .unwrap();
-        let loss = model.loss(&ids, Some(&mask), &labels).unwrap();
-        let grads = model.backward(&loss.sum).unwrap();
-        (loss.mean().unwrap(), grads, model.native_layer_count())
-    };
-    let graph = grads_of(false);
-    let native = grads_of(true);
-    assert_eq!(native.2, 2);
-    assert_same(case, "padded batch", &graph, &native);
+fn native_layers_handle_a_padded_batch_of_long_rows() {
+    let t = 150usize;
+    let pad = std::env::var("PAD")
+        .map(|v| v.parse().unwrap())
+        .unwrap_or(20usize);
+    let mut ids = Vec::new();
+    let mut mask = Vec::new();
+    let mut labels = Vec::new();
+    for row in 0..2usize {
+        for i in 0..t {
+            let padded = row == 1 && i < pad;
+            let id = ((i * 7919 + row * 104_729) % 5000) as u32 + 3;
+            ids.push(if padded { 0 } else { id });
+            mask.push(u32::from(!padded));
+            labels.push(if padded { -100i64 } else { id as i64 });
+        }
+    }
+    let dev = Device::Cpu;
+    let ids = Tensor::from_vec(ids, (2, t), &dev).unwrap();
+    let mask = Tensor::from_vec(mask, (2, t), &dev).unwrap();
+    let labels = Tensor::from_vec(labels, (2, t), &dev).unwrap();
+    for case in ["tiny-qwen2", "tiny-mistral"] {
+        let grads_of = |native: bool| {
+            let mut model = CausalLm::load(&fixture(case), DType::F32, &dev).unwrap();
+            model.set_native_layers(native);
+            let loss = model.loss(&ids, Some(&mask), &labels).unwrap();
+            let grads = model.backward(&loss.sum).unwrap();
+            (loss.mean().unwrap(), grads, model.native_layer_count())
+        };
+        let graph = grads_of(false);
+        let native = grads_of(true);
+        assert_eq!(native.2, 2);
+        assert_same(case, "padded batch of long rows", &graph, &native);
+    }
 }
 
 #[test]

@@ -8,9 +8,12 @@
 
 use super::error::ModelError;
 use super::gradients::{Gradients, NamedParam};
+use super::ops::contiguous_slice;
+use candle_core::{CpuStorage, InplaceOp2, Layout};
 use candle_core::{DType, Device, Tensor, Var};
 use rayon::prelude::*;
 use std::collections::HashMap;
+use std::sync::Mutex;
 
 /// AdamW hyper-parameters.
 #[derive(Debug, Clone, PartialEq)]
@@ -148,40 +151,43 @@ impl AdamW {
         let one_m_b1 = (1.0 - b1) as f32;
         let (b2f, one_m_b2) = (b2 as f32, (1.0 - b2) as f32);
         let mult = grad_multiplier as f32;
+        let coeffs = Coeffs {
+            step_size,
+            bc2_sqrt,
+            eps,
+            one_m_b1,
+            b2: b2f,
+            one_m_b2,
+            mult,
+        };
         for s in self.slots.iter_mut() {
             let Some(g) = grads.get(&s.name) else {
                 continue;
-            };
-            let g = to_f32_vec(g)?;
-            let has_master = s.master.is_some();
-            let mut p = match s.master.take() {
-                Some(m) => m,
-                None => to_f32_vec(s.var.as_tensor())?,
             };
             let decay = if s.decay {
                 (1.0 - lr * self.cfg.weight_decay) as f32
             } else {
                 1.0
             };
-            p.par_chunks_mut(CHUNK)
-                .zip(s.m.par_chunks_mut(CHUNK))
-                .zip(s.v.par_chunks_mut(CHUNK))
-                .zip(g.par_chunks(CHUNK))
-                .for_each(|(((p, m), v), g)| {
-                    for i in 0..p.len() {
-                        let gi = g[i] * mult;
-                        // torch: param.mul_(1 - lr*wd); exp_avg.lerp_(grad, 1-beta1);
-                        // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1-beta2);
-                        // denom = sqrt(exp_avg_sq)/sqrt(bc2) + eps; param.addcdiv_(exp_avg, denom, -lr/bc1)
-                        let pi = p[i] * decay;
-                        let mi = m[i] + one_m_b1 * (gi - m[i]);
-                        let vi = v[i] * b2f + one_m_b2 * gi * gi;
-                        let denom = vi.sqrt() / bc2_sqrt + eps;
-                        m[i] = mi;
-                        v[i] = vi;
-                        p[i] = pi - step_size * (mi / denom);
-                    }
-                });
+            // f32 parameters on the CPU are updated where they live: no copies of the
+            // parameter or the gradient (four weight-sized buffers per tensor otherwise).
+            if s.master.is_none() && in_place_ok(s.var.as_tensor(), g) {
+                let op = InPlaceUpdate {
+                    m: Mutex::new(&mut s.m),
+                    v: Mutex::new(&mut s.v),
+                    decay,
+                    c: coeffs,
+                };
+                s.var.as_tensor().inplace_op2(g, &op)?;
+                continue;
+            }
+            let g = to_f32_vec(g)?;
+            let has_master = s.master.is_some();
+            let mut p = match s.master.take() {
+                Some(m) => m,
+                None => to_f32_vec(s.var.as_tensor())?,
+            };
+            update(&mut p, &mut s.m, &mut s.v, &g, decay, coeffs);
             let shape = s.var.shape().clone();
             let device = s.var.device().clone();
             let dtype = s.var.dtype();
@@ -267,6 +273,92 @@ impl AdamW {
             }
         }
         self.steps = steps_taken;
+        Ok(())
+    }
+}
+
+/// The scalars of one AdamW step.
+#[derive(Clone, Copy)]
+struct Coeffs {
+    step_size: f32,
+    bc2_sqrt: f32,
+    eps: f32,
+    one_m_b1: f32,
+    b2: f32,
+    one_m_b2: f32,
+    mult: f32,
+}
+
+/// One AdamW update of `p` with moments `m`, `v` and gradient `g` (multithreaded).
+fn update(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32], decay: f32, c: Coeffs) {
+    p.par_chunks_mut(CHUNK)
+        .zip(m.par_chunks_mut(CHUNK))
+        .zip(v.par_chunks_mut(CHUNK))
+        .zip(g.par_chunks(CHUNK))
+        .for_each(|(((p, m), v), g)| {
+            for i in 0..p.len() {
+                let gi = g[i] * c.mult;
+                // torch: param.mul_(1 - lr*wd); exp_avg.lerp_(grad, 1-beta1);
+                // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1-beta2);
+                // denom = sqrt(exp_avg_sq)/sqrt(bc2) + eps; param.addcdiv_(exp_avg, denom, -lr/bc1)
+                let pi = p[i] * decay;
+                let mi = m[i] + c.one_m_b1 * (gi - m[i]);
+                let vi = v[i] * c.b2 + c.one_m_b2 * gi * gi;
+                let denom = vi.sqrt() / c.bc2_sqrt + c.eps;
+                m[i] = mi;
+                v[i] = vi;
+                p[i] = pi - c.step_size * (mi / denom);
+            }
+        });
+}
+
+/// Whether the parameter can be updated in its own storage: f32 on the CPU, contiguous, with
+/// an f32 CPU gradient of the same shape.
+fn in_place_ok(p: &Tensor, g: &Tensor) -> bool {
+    p.dtype() == DType::F32
+        && g.dtype() == DType::F32
+        && p.device().is_cpu()
+        && g.device().is_cpu()
+        && p.is_contiguous()
+        && g.is_contiguous()
+}
+
+/// The AdamW update as an in-place op on the parameter's storage, reading the gradient's.
+struct InPlaceUpdate<'a> {
+    m: Mutex<&'a mut Vec<f32>>,
+    v: Mutex<&'a mut Vec<f32>>,
+    decay: f32,
+    c: Coeffs,
+}
+
+impl InplaceOp2 for InPlaceUpdate<'_> {
+    fn name(&self) -> &'static str {
+        "adamw-update"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<()> {
+        let g = contiguous_slice::<f32>(s2, l2, "adamw")?;
+        let Some((start, end)) = l1.contiguous_offsets() else {
+            candle_core::bail!("adamw: the parameter is not contiguous (internal error)")
+        };
+        let CpuStorage::F32(p) = s1 else {
+            candle_core::bail!("adamw: the in-place update needs an f32 parameter (internal error)")
+        };
+        let Some(p) = p.get_mut(start..end) else {
+            candle_core::bail!("adamw: parameter layout out of bounds (internal error)")
+        };
+        let mut m = self.m.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v = self.v.lock().unwrap_or_else(|e| e.into_inner());
+        if g.len() != p.len() || m.len() != p.len() || v.len() != p.len() {
+            candle_core::bail!("adamw: parameter, gradient and moments differ in length");
+        }
+        update(p, &mut m, &mut v, g, self.decay, self.c);
         Ok(())
     }
 }
