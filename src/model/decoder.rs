@@ -139,7 +139,8 @@ pub struct CausalLm {
     pub(crate) native_layers: bool,
     pub(crate) lora: Option<LoraConfig>,
     pub(crate) modules: Modules,
-    /// Parameter gradients produced inside checkpointed layers' backward passes.
+    /// Parameter gradients produced outside candle's graph: by native layers and inside
+    /// checkpointed layers' backward passes.
     pub(crate) side_grads: Arc<Mutex<HashMap<String, Tensor>>>,
     pub(crate) forward_counter: AtomicU64,
     pub(crate) dropout_seed_base: u64,

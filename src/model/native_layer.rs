@@ -611,6 +611,7 @@ fn backward(
     push(7, lu.backward(&du, &s.x2, n, &mut dx2, true)?);
     drop((dg, du));
     let (mut dh2, dw_post) = rms_norm::backward::<f32>(&s.h2, &dx2, p.norm_post, d.eps);
+    drop(dx2);
     push(1, (dw_post, None));
     add_into(&mut dh2, dout);
     // Attention: h2 = h + o_proj(attention(rope(q(x1)), rope(k(x1)), v(x1))).
@@ -624,7 +625,9 @@ fn backward(
     push(2, lq.backward(&dq, &s.x1, n, &mut dx1, false)?);
     push(3, lk.backward(&dk, &s.x1, n, &mut dx1, true)?);
     push(4, lv.backward(&dv, &s.x1, n, &mut dx1, true)?);
+    drop((dq, dk, dv));
     let (mut dh, dw_in) = rms_norm::backward::<f32>(h, &dx1, p.norm_in, d.eps);
+    drop(dx1);
     push(0, (dw_in, None));
     add_into(&mut dh, &dh2);
     Ok((dh, grads))

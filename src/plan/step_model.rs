@@ -27,9 +27,13 @@
 //! * **Checkpointed layers** keep only their output; backward copies the input into
 //!   a fresh Var, recomputes the layer (its whole graph alive again for that layer),
 //!   back-propagates, and parks the parameter gradients in a side table.
-//! * **AdamW** is one fused pass per tensor, but converts the gradient and the
+//! * **AdamW** is one fused pass per tensor. f32 parameters on the CPU are updated in
+//!   their own storage (no scratch); otherwise it converts the gradient and the
 //!   parameter to f32 `Vec`s and builds the updated tensor, so its scratch is a few
 //!   copies of the largest trainable tensor.
+//! * **Native layers** (CPU, f32, full fine-tuning: `model::native_layer`) are one op
+//!   each: they keep a fixed set of activations, free them as soon as their backward
+//!   ends, and write each weight gradient once; none of the graph terms above apply.
 
 use super::{PlanRequest, Precision};
 use std::fmt;
@@ -106,6 +110,11 @@ pub struct StepDims {
     pub lora: Option<(u64, Vec<String>)>,
     /// Whether the embedding matrix is trained.
     pub embeddings_trainable: bool,
+    /// Decoder layers run as native ops (CPU, f32, full fine-tuning; see
+    /// `model::native_layer`) instead of graphs of candle ops.
+    pub native_layers: bool,
+    /// AdamW updates parameters in their own storage (f32 parameters on the CPU).
+    pub in_place_optimizer: bool,
 }
 
 impl StepDims {
@@ -114,6 +123,10 @@ impl StepDims {
         let m = &req.model;
         let act = req.precision.compute_bytes();
         let tokens = (req.micro_batch * req.seq_len) as u64;
+        let all_cpu = req
+            .used_devices()
+            .iter()
+            .all(|d| d.kind == super::DeviceKind::Cpu);
         StepDims {
             micro_batch: req.micro_batch as u64,
             seq_len: req.seq_len as u64,
@@ -142,6 +155,8 @@ impl StepDims {
                 .as_ref()
                 .map(|l| (l.r as u64, l.target_modules.clone())),
             embeddings_trainable: req.lora.is_none(),
+            native_layers: all_cpu && req.precision == Precision::Fp32 && req.lora.is_none(),
+            in_place_optimizer: all_cpu && req.precision == Precision::Fp32,
         }
     }
 
@@ -357,6 +372,60 @@ fn layer_residue(d: &StepDims) -> u64 {
     r
 }
 
+/// Bytes a native layer keeps for its backward (`Saved` in `model::native_layer`): the
+/// input-norm output, rotated q and k, v, the attention probabilities, the attention
+/// output, the residual after attention and its norm, gate and up.
+fn native_saved(d: &StepDims) -> u64 {
+    let (h, q, kv, i) = (d.hidden, d.q_dim, d.kv_dim, d.intermediate);
+    d.tokens * (3 * h + 2 * q + 2 * kv + 2 * i) * 4
+        + d.micro_batch * d.heads * d.seq_len * d.seq_len * 4
+}
+
+/// A native layer's terms: its saved activations are freed as soon as its backward ends,
+/// and its weight gradients are written once (no zero-then-add).
+fn native_layer_terms(d: &StepDims, own_grads: u64) -> BlockTerms {
+    let n = d.tokens;
+    let (h, q, kv, i) = (d.hidden, d.q_dim, d.kv_dim, d.intermediate);
+    let saved = native_saved(d);
+    let out = n * h * 4;
+    // Forward scratch: the per-head attention outputs before they are interleaved, or the
+    // SwiGLU product feeding down_proj.
+    let fwd_scratch = n * q.max(i) * 4;
+    // Backward moments (bytes above what was stored before the layer, own gradients
+    // included as they appear): SwiGLU backward (da, dgate, dup + down's gradient), the
+    // gate/up backward, the attention backward (per-head parts and the assembled dq, dk,
+    // dv next to dh2 and d_o), and the end (every own gradient, dh, dh2 and candle's
+    // zero-then-add of the input gradient).
+    let m1 = (3 * n * i + h * i) * 4;
+    let m2 = (2 * n * i + n * h) * 4 + 3 * h * i * 4;
+    let m3 = 3 * h * i * 4 + (h + h * q) * 4 + (2 * n * h + 5 * n * q + 2 * n * kv) * 4;
+    let m4 = own_grads + 3 * n * h * 4;
+    let bwd = m1.max(m2).max(m3).max(m4);
+    if d.checkpointing {
+        BlockTerms {
+            kept_bytes: out + NATIVE_LAYER_METADATA_BYTES,
+            forward_transient_bytes: saved + fwd_scratch,
+            // Backward recomputes the layer's forward first.
+            backward_transient_bytes: saved + bwd,
+            backward_grad_bytes: own_grads,
+            residue_bytes: 0,
+            freed_kept_bytes: 0,
+        }
+    } else {
+        BlockTerms {
+            kept_bytes: saved + out + NATIVE_LAYER_METADATA_BYTES,
+            forward_transient_bytes: fwd_scratch,
+            backward_transient_bytes: bwd,
+            backward_grad_bytes: own_grads,
+            residue_bytes: 0,
+            freed_kept_bytes: saved,
+        }
+    }
+}
+
+/// Per-layer bookkeeping of a native layer (op node, output tensor, saved `Vec` headers).
+const NATIVE_LAYER_METADATA_BYTES: u64 = 2_048;
+
 /// Memory terms of a block (see the module docs for why each exists).
 pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
     let n = d.tokens;
@@ -386,6 +455,9 @@ pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
                 residue_bytes: 0,
                 freed_kept_bytes: 0,
             }
+        }
+        BlockKind::Layer(_) if d.native_layers => {
+            native_layer_terms(d, block_parameters(d, kind).trainable * g)
         }
         BlockKind::Layer(_) => {
             let full_kept = layer_kept_full(d);
@@ -481,6 +553,9 @@ pub fn accumulate_transient_bytes(d: &StepDims, largest_trainable: u64) -> u64 {
 /// (the master copy is reused instead in mixed precision), and the updated tensor
 /// (plus its cast back to half precision).
 pub fn optimizer_transient_bytes(d: &StepDims, largest_trainable: u64) -> u64 {
+    if d.in_place_optimizer {
+        return 0;
+    }
     let per_elem = match d.precision {
         Precision::Fp32 => 4 + 4 + 4,
         Precision::Bf16Mixed | Precision::Fp16Mixed => 4 + 4 + 2,
