@@ -10,6 +10,7 @@
 use super::decoder::{lock, Ctx, Layer};
 use super::error::ModelError;
 use super::kernels::cpu_storage_of;
+use super::native_layer::add_side_grad;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, Var};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -77,11 +78,7 @@ impl CustomOp2 for CheckpointOp {
         let mut side = lock(&self.side);
         for (name, t) in &self.layer.trainable {
             if let Some(g) = grads.get(t) {
-                let g = match side.remove(name) {
-                    Some(prev) => (prev + g)?,
-                    None => g.clone(),
-                };
-                side.insert(name.clone(), g);
+                add_side_grad(&mut side, name, g.clone())?;
             }
         }
         Ok((grads.get(x.as_tensor()).cloned(), None))

@@ -32,6 +32,20 @@ use std::sync::{Arc, Mutex};
 /// [`super::CausalLm::backward`]).
 pub(crate) type SideGrads = Arc<Mutex<HashMap<String, Tensor>>>;
 
+/// Adds `g` to the side-table gradient of `name` (inserts it when there is none yet).
+pub(crate) fn add_side_grad(
+    side: &mut HashMap<String, Tensor>,
+    name: &str,
+    g: Tensor,
+) -> Result<()> {
+    let g = match side.remove(name) {
+        Some(prev) => (prev + g)?,
+        None => g,
+    };
+    side.insert(name.to_string(), g);
+    Ok(())
+}
+
 const OP: &str = "native decoder layer";
 
 /// What every native layer of one forward pass reads: rope tables and masks as `f32`.
@@ -795,11 +809,7 @@ impl CustomOp2 for NativeLayerOp {
                 bail!("{OP}: a parameter of the layer is not trainable (internal error)")
             };
             let g = Tensor::from_vec(grad, t.shape(), &Device::Cpu)?;
-            let g = match side.remove(name) {
-                Some(prev) => (prev + g)?,
-                None => g,
-            };
-            side.insert(name.to_string(), g);
+            add_side_grad(&mut side, name, g)?;
         }
         drop(side);
         let dh = Tensor::from_vec(dh, arg.shape(), arg.device())?;
