@@ -131,3 +131,31 @@ fn lora_and_half_precision_keep_the_graph_path() {
     let model = CausalLm::load(&fixture("tiny-llama"), DType::BF16, &Device::Cpu).unwrap();
     assert_eq!(model.native_layer_count(), 0, "bf16 runs through the graph");
 }
+
+/// Tokens that repeat within and across rows: the native embedding's backward adds each
+/// occurrence's gradient (into the tied lm-head's gradient on tiny-llama, into a fresh one on
+/// untied tiny-mistral) exactly as `index_select`'s backward does.
+#[test]
+fn repeated_tokens_accumulate_embedding_gradients() {
+    let (b, t) = (2usize, 40usize);
+    let ids: Vec<u32> = (0..b * t).map(|i| (i % 7) as u32 + 3).collect();
+    let labels: Vec<i64> = ids.iter().map(|&i| i as i64).collect();
+    let dev = Device::Cpu;
+    let ids = Tensor::from_vec(ids, (b, t), &dev).unwrap();
+    let labels = Tensor::from_vec(labels, (b, t), &dev).unwrap();
+    for case in ["tiny-llama", "tiny-mistral"] {
+        let grads_of = |native: bool| {
+            let mut model = CausalLm::load(&fixture(case), DType::F32, &dev).unwrap();
+            model.set_native_layers(native);
+            let loss = model.loss(&ids, None, &labels).unwrap();
+            let grads = model.backward(&loss.sum).unwrap();
+            (loss.mean().unwrap(), grads, model.native_layer_count())
+        };
+        let graph = grads_of(false);
+        let native = grads_of(true);
+        assert_eq!(native.2, 2);
+        assert_same(case, "repeated tokens", &graph, &native);
+        let embed = native.1.get("model.embed_tokens.weight").unwrap();
+        assert!(max_abs(embed) > 0.0, "{case}: embedding gradient is zero");
+    }
+}

@@ -10,9 +10,14 @@ use super::error::ModelError;
 use super::gradients::{Gradients, NamedParam};
 use super::hub::ModelFiles;
 use super::lora::LoraConfig;
+use super::native_embedding;
 use super::native_layer::{self, NativeCtx};
+use super::ops;
 use super::weights::Checkpoint;
 use super::{checkpoint, kernels};
+
+/// The HF name of the token embeddings (also the tied lm-head).
+const EMBED_NAME: &str = "model.embed_tokens.weight";
 use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
@@ -815,11 +820,18 @@ impl CausalLm {
         let mut ctxs: Vec<(Device, Arc<Ctx>)> =
             vec![(self.device.clone(), make_ctx(&self.device)?)];
         let hidden = self.config.hidden_size;
-        let mut h = self
-            .modules
-            .embed
-            .index_select(&ids.flatten_all()?, 0)?
-            .reshape((b, t, hidden))?;
+        let flat_ids = ids.flatten_all()?;
+        let mut h = if train && self.native_embedding() {
+            native_embedding::embedding(
+                &self.modules.embed,
+                flat_ids.to_vec1::<u32>()?,
+                EMBED_NAME,
+                &self.side_grads,
+            )?
+        } else {
+            self.modules.embed.index_select(&flat_ids, 0)?
+        }
+        .reshape((b, t, hidden))?;
         for layer in &self.modules.layers {
             let ctx = match ctxs.iter().find(|(d, _)| d.same_device(&layer.device)) {
                 Some((_, c)) => c.clone(),
@@ -873,6 +885,41 @@ impl CausalLm {
         let h2 = h.reshape((b * t, hidden))?;
         let logits = self.head_matmul(&h2)?.to_dtype(DType::F32)?;
         Ok(logits.reshape((b, t, self.config.vocab_size))?)
+    }
+
+    /// Whether training looks tokens up with the native embedding op (its gradient goes to
+    /// the side table): native layers on, fused kernels, trainable dense f32 CPU embeddings.
+    fn native_embedding(&self) -> bool {
+        self.native_layers
+            && self.fused
+            && self.param(EMBED_NAME).is_some_and(|p| p.trainable)
+            && native_embedding::applies(&self.modules.embed)
+    }
+
+    /// Where the fused loss sends the lm-head gradient instead of candle's store, under the same
+    /// conditions as the native embedding (a tied head shares its side-table entry, so the
+    /// embedding's backward adds into it in place).
+    pub(crate) fn head_grad_sink(&self) -> Option<ops::WeightGradSink> {
+        let name = if self.config.tie_word_embeddings {
+            EMBED_NAME
+        } else {
+            "lm_head.weight"
+        };
+        let param = self.param(name)?;
+        let head = &self.modules.lm_head;
+        let usable = self.native_layers
+            && self.fused
+            && param.trainable
+            && head.id() == param.var.as_tensor().id()
+            && native_embedding::applies(head);
+        if !usable {
+            return None;
+        }
+        let side = self.side_grads.clone();
+        let name = name.to_string();
+        Some(Box::new(move |g: Tensor| {
+            native_layer::add_side_grad(&mut lock(&side), &name, g)
+        }))
     }
 
     /// `[n, hidden] @ lm_head^T` → `[n, vocab]` in the model dtype.

@@ -97,8 +97,13 @@ pub(crate) fn causal_lm_loss(
     let n = keep.len();
     if model.fused && shifted.device().is_cpu() {
         // The fused op skips ignored rows itself and recomputes chunk logits in backward.
-        let (sum, _) =
-            ops::linear_cross_entropy(&shifted, &model.modules.lm_head, &flat, LOSS_CHUNK_TOKENS)?;
+        let (sum, _) = ops::linear_cross_entropy_with_sink(
+            &shifted,
+            &model.modules.lm_head,
+            &flat,
+            LOSS_CHUNK_TOKENS,
+            model.head_grad_sink(),
+        )?;
         return Ok(LossOutput { sum, num_tokens: n });
     }
     let device = hidden.device();

@@ -19,6 +19,7 @@ pub mod hub;
 mod kernels;
 pub mod lora;
 pub mod loss;
+mod native_embedding;
 mod native_layer;
 pub mod ops;
 pub mod reference_ops;

@@ -16,7 +16,7 @@
 //! it with the graph path on every architecture.
 
 use super::decoder::{lock, Ctx, Layer, Linear};
-use super::ops::matmul::{sgemm, sgemm_on, MatRef};
+use super::ops::matmul::{sgemm, sgemm_new, sgemm_on, MatRef};
 use super::ops::{
     contiguous_slice, exp_shift_sum_in_place, min_rows_per_task, rms_norm, row_max, silu_mul,
     tensor_to_f32_vec,
@@ -175,15 +175,7 @@ impl Lin<'_> {
 
     /// `x @ wᵀ (+ b)` for `n` rows.
     fn forward(&self, x: &[f32], n: usize) -> Result<Vec<f32>> {
-        let mut y = vec![0f32; n * self.out];
-        sgemm(
-            &mut y,
-            self.out,
-            1,
-            false,
-            MatRef::row_major(x, n, self.inp),
-            self.w_mat().t(),
-        )?;
+        let mut y = sgemm_new(MatRef::row_major(x, n, self.inp), self.w_mat().t())?;
         if let Some(b) = self.b {
             y.par_chunks_mut(min_rows_per_task(self.out) * self.out)
                 .for_each(|rows| {
@@ -197,33 +189,24 @@ impl Lin<'_> {
         Ok(y)
     }
 
-    /// Gradients of `y = x wᵀ + b` given `dy`: returns `(dw, db)` and writes (or with
-    /// `accumulate`, adds) `dy @ w` into `dx`.
+    /// Gradients of `y = x wᵀ + b` given `dy`: returns `(dw, db)`; `dy @ w` is added into
+    /// `dx`, or becomes `dx` when it is still `None`.
     fn backward(
         &self,
         dy: &[f32],
         x: &[f32],
         n: usize,
-        dx: &mut [f32],
-        accumulate: bool,
+        dx: &mut Option<Vec<f32>>,
     ) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
-        let mut dw = vec![0f32; self.out * self.inp];
-        sgemm(
-            &mut dw,
-            self.inp,
-            1,
-            false,
+        let dw = sgemm_new(
             MatRef::row_major(dy, n, self.out).t(),
             MatRef::row_major(x, n, self.inp),
         )?;
-        sgemm(
-            dx,
-            self.inp,
-            1,
-            accumulate,
-            MatRef::row_major(dy, n, self.out),
-            self.w_mat(),
-        )?;
+        let dy_m = MatRef::row_major(dy, n, self.out);
+        match dx {
+            Some(dx) => sgemm(dx, self.inp, 1, true, dy_m, self.w_mat())?,
+            None => *dx = Some(sgemm_new(dy_m, self.w_mat())?),
+        }
         let db = self.b.map(|_| {
             let mut s = vec![0f32; self.out];
             for row in dy.chunks_exact(self.out) {
@@ -235,6 +218,13 @@ impl Lin<'_> {
         });
         Ok((dw, db))
     }
+}
+
+/// The input gradient a chain of [`Lin::backward`] calls produced.
+fn input_grad(dx: Option<Vec<f32>>) -> Result<Vec<f32>> {
+    dx.ok_or_else(|| {
+        candle_core::Error::Msg(format!("{OP}: input gradient missing (internal error)"))
+    })
 }
 
 /// The layer's parameters as slices (storages read-locked while they are in use).
@@ -615,33 +605,30 @@ fn backward(
     };
     // MLP: out = h2 + down(silu(gate(x2)) * up(x2)).
     let a = silu_mul::forward::<f32>(&s.g, &s.u);
-    let mut da = vec![0f32; n * ld.inp];
-    push(8, ld.backward(dout, &a, n, &mut da, false)?);
+    let mut da = None;
+    push(8, ld.backward(dout, &a, n, &mut da)?);
     drop(a);
-    let (dg, du) = silu_mul::backward::<f32>(&s.g, &s.u, &da);
-    drop(da);
-    let mut dx2 = vec![0f32; n * d.hidden];
-    push(6, lg.backward(&dg, &s.x2, n, &mut dx2, false)?);
-    push(7, lu.backward(&du, &s.x2, n, &mut dx2, true)?);
+    let (dg, du) = silu_mul::backward::<f32>(&s.g, &s.u, &input_grad(da)?);
+    let mut dx2 = None;
+    push(6, lg.backward(&dg, &s.x2, n, &mut dx2)?);
+    push(7, lu.backward(&du, &s.x2, n, &mut dx2)?);
     drop((dg, du));
-    let (mut dh2, dw_post) = rms_norm::backward::<f32>(&s.h2, &dx2, p.norm_post, d.eps);
-    drop(dx2);
+    let (mut dh2, dw_post) =
+        rms_norm::backward::<f32>(&s.h2, &input_grad(dx2)?, p.norm_post, d.eps);
     push(1, (dw_post, None));
     add_into(&mut dh2, dout);
     // Attention: h2 = h + o_proj(attention(rope(q(x1)), rope(k(x1)), v(x1))).
-    let mut d_o = vec![0f32; n * lo.inp];
-    push(5, lo.backward(&dh2, &s.o, n, &mut d_o, false)?);
-    let (mut dq, mut dk, dv) = attention_backward(s, &d_o, d)?;
-    drop(d_o);
+    let mut d_o = None;
+    push(5, lo.backward(&dh2, &s.o, n, &mut d_o)?);
+    let (mut dq, mut dk, dv) = attention_backward(s, &input_grad(d_o)?, d)?;
     rope_rows(&mut dq, d.heads, d.head_dim, d.t, &nc.cos, &nc.sin, true);
     rope_rows(&mut dk, d.kv_heads, d.head_dim, d.t, &nc.cos, &nc.sin, true);
-    let mut dx1 = vec![0f32; n * d.hidden];
-    push(2, lq.backward(&dq, &s.x1, n, &mut dx1, false)?);
-    push(3, lk.backward(&dk, &s.x1, n, &mut dx1, true)?);
-    push(4, lv.backward(&dv, &s.x1, n, &mut dx1, true)?);
+    let mut dx1 = None;
+    push(2, lq.backward(&dq, &s.x1, n, &mut dx1)?);
+    push(3, lk.backward(&dk, &s.x1, n, &mut dx1)?);
+    push(4, lv.backward(&dv, &s.x1, n, &mut dx1)?);
     drop((dq, dk, dv));
-    let (mut dh, dw_in) = rms_norm::backward::<f32>(h, &dx1, p.norm_in, d.eps);
-    drop(dx1);
+    let (mut dh, dw_in) = rms_norm::backward::<f32>(h, &input_grad(dx1)?, p.norm_in, d.eps);
     push(0, (dw_in, None));
     add_into(&mut dh, &dh2);
     Ok((dh, grads))

@@ -21,9 +21,11 @@
 //!   transpose node is processed, where the shadowed (still alive) gradient plus a
 //!   second zero-then-add make it **five weight-sized buffers** at the peak.
 //! * **The loss is one fused op** (`linear_cross_entropy`): it keeps the per-row
-//!   log-sum-exp and the probabilities of the last chunk of ≤ 1024 rows (the
-//!   logits buffer's full capacity), recomputes other chunks in backward, and
-//!   returns an f32 `lm_head` gradient that candle again adds into a zero tensor.
+//!   log-sum-exp and the probabilities of the last chunk of ≤ 1024 rows,
+//!   recomputes other chunks in backward, and
+//!   returns an f32 `lm_head` gradient that candle again adds into a zero tensor
+//!   (with native layers it goes to the side table instead, and the embedding lookup
+//!   adds its rows into it in place).
 //! * **Checkpointed layers** keep only their output; backward copies the input into
 //!   a fresh Var, recomputes the layer (its whole graph alive again for that layer),
 //!   back-propagates, and parks the parameter gradients in a side table.
@@ -445,6 +447,15 @@ pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
                 };
             }
             let e = v * h * g;
+            if d.native_layers {
+                // The native lookup adds its rows into the side-table gradient in place:
+                // tied, into the head's gradient; untied, into one fresh zeroed matrix.
+                return BlockTerms {
+                    kept_bytes: kept,
+                    backward_grad_bytes: if d.tied { 0 } else { e },
+                    ..BlockTerms::default()
+                };
+            }
             BlockTerms {
                 kept_bytes: kept,
                 forward_transient_bytes: 0,
@@ -503,21 +514,27 @@ pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
                 kept += rows * h * 4 + v * h * 4;
             }
             // Loss op state: labels (i64) and active rows (usize) copies, per-row
-            // log-sum-exp and loss (f32), and the last chunk's probabilities (the
-            // logits buffer keeps its full capacity).
-            kept += rows * (8 + 8 + 4 + 4) + chunk * v * 4;
-            let last_chunk = chunk * v * 4;
+            // log-sum-exp and loss (f32), and the last chunk's probabilities (each
+            // chunk's logits are a buffer of exactly its rows).
+            let last_rows = if rows == 0 {
+                0
+            } else {
+                rows - (rows.div_ceil(chunk) - 1) * chunk
+            };
+            let last_chunk = last_rows * v * 4;
+            kept += rows * (8 + 8 + 4 + 4) + last_chunk;
             // Backward of the fused loss: while it runs, its f32 weight and hidden
             // gradients next to the cached last chunk (kept); once it returns the chunk
-            // is gone and candle adds each gradient into a zero tensor (three
-            // weight-sized f32 buffers at once).
+            // is gone and candle adds each gradient it receives into a zero tensor. With
+            // native layers the weight gradient goes to the side table instead (one
+            // weight-sized buffer, not three).
             let in_op = v * h * 4 + rows * h * 4 + rows * 8 + chunk * h * 4;
-            let f32_head = in_op.max((3 * v * h * 4 + 2 * rows * h * 4).saturating_sub(last_chunk));
-            let multi_chunk_extra = if rows > LOSS_CHUNK_ROWS && rows % LOSS_CHUNK_ROWS != 0 {
-                LOSS_CHUNK_ROWS * v * 4
-            } else {
-                0
-            };
+            let weight_bufs = if d.native_layers { 1 } else { 3 };
+            let f32_head =
+                in_op.max((weight_bufs * v * h * 4 + 2 * rows * h * 4).saturating_sub(last_chunk));
+            // Earlier chunks are recomputed in full-size buffers once the cached last one is
+            // consumed.
+            let multi_chunk_extra = (chunk - last_rows) * v * 4;
             // Half precision: the f32 gradients flow back through the casts
             // (f32 sum + half cast + zero + sum), after the chunk is freed.
             let cast_back = if a != 4 {

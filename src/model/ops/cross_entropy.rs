@@ -1,7 +1,7 @@
 //! Cross-entropy losses with backward: on logits (`cross_entropy_rows`) and fused with the lm-head
 //! projection so the full `[n, vocab]` logits never exist at once (`linear_cross_entropy`).
 
-use super::matmul::{sgemm, MatRef};
+use super::matmul::{sgemm, sgemm_new, MatRef};
 use super::{
     composite, contiguous_slice, cpu_storage_to_tensor, dispatch_float, exp_shift_sum,
     exp_shift_sum_in_place, fast_exp, min_rows_per_task, row_max, use_fused, with_cpu, Elem,
@@ -199,6 +199,24 @@ pub fn linear_cross_entropy(
     labels: &[i64],
     chunk_rows: usize,
 ) -> Result<(Tensor, Tensor)> {
+    linear_cross_entropy_with_sink(hidden, weight, labels, chunk_rows, None)
+}
+
+/// Receives the weight gradient of [`linear_cross_entropy_with_sink`] instead of candle's
+/// gradient store (the model adds it to its side table of parameter gradients).
+pub(crate) type WeightGradSink = Box<dyn Fn(Tensor) -> Result<()> + Send + Sync>;
+
+/// [`linear_cross_entropy`]; with a `sink`, the fused CPU kernel hands the weight gradient to
+/// it and reports none to the graph, which saves the store's zero-fill-then-add of a
+/// `vocab × hidden` matrix. The sink is only used when the weight is an `f32` row-major
+/// `[v, h]` tensor (the parameter itself); otherwise the gradient flows as usual.
+pub(crate) fn linear_cross_entropy_with_sink(
+    hidden: &Tensor,
+    weight: &Tensor,
+    labels: &[i64],
+    chunk_rows: usize,
+    sink: Option<WeightGradSink>,
+) -> Result<(Tensor, Tensor)> {
     let (n, h) = hidden.dims2().map_err(|_| {
         candle_core::Error::Msg(format!(
             "linear_cross_entropy: hidden must be [rows, hidden_size], got shape {:?}; flatten batch and time first",
@@ -232,6 +250,7 @@ pub fn linear_cross_entropy(
     {
         return composite::linear_cross_entropy(hidden, weight, labels, chunk_rows);
     }
+    let sink = sink.filter(|_| weight.dtype() == DType::F32 && weight.is_contiguous());
     let hidden = hidden.to_dtype(DType::F32)?.contiguous()?;
     let mut weight = weight.to_dtype(DType::F32)?;
     // A contiguous [v, h] or a transposed view of a contiguous [h, v] are used in place.
@@ -245,6 +264,7 @@ pub fn linear_cross_entropy(
             active,
             chunk_rows,
             saved: Mutex::new(None),
+            sink,
         },
     )?;
     let sum = per_row.sum_all()?;
@@ -265,6 +285,8 @@ struct LinearCrossEntropy {
     active: Vec<usize>,
     chunk_rows: usize,
     saved: Mutex<Option<Saved>>,
+    /// Where the weight gradient goes instead of the graph (see `linear_cross_entropy_with_sink`).
+    sink: Option<WeightGradSink>,
 }
 
 /// The `[v, h]` weight as a strided view (contiguous or transposed-contiguous storage).
@@ -313,23 +335,9 @@ impl LinearCrossEntropy {
         buf
     }
 
-    /// `logits[c, v] = hidden_chunk @ W^T` into `logits`.
-    fn chunk_logits(
-        hc: &[f32],
-        c: usize,
-        h: usize,
-        w: MatRef<'_>,
-        logits: &mut [f32],
-    ) -> Result<()> {
-        let v = w.rows;
-        sgemm(
-            &mut logits[..c * v],
-            v,
-            1,
-            false,
-            MatRef::row_major(hc, c, h),
-            w.t(),
-        )
+    /// `logits[c, v] = hidden_chunk @ W^T` as a new buffer.
+    fn chunk_logits(hc: &[f32], c: usize, h: usize, w: MatRef<'_>) -> Result<Vec<f32>> {
+        sgemm_new(MatRef::row_major(hc, c, h), w.t())
     }
 }
 
@@ -354,13 +362,12 @@ impl CustomOp2 for LinearCrossEntropy {
         let mut last_chunk = None;
         if !self.active.is_empty() && v > 0 {
             let c_max = self.chunk_rows.min(self.active.len());
-            let mut logits = vec![0f32; c_max * v];
             let mut hbuf = Vec::new();
             let n_chunks = self.active.len().div_ceil(c_max);
             for (ci, rows) in self.active.chunks(c_max).enumerate() {
                 let c = rows.len();
                 let hc = Self::chunk_hidden(hidden, rows, h, &mut hbuf);
-                Self::chunk_logits(hc, c, h, w, &mut logits)?;
+                let mut logits = Self::chunk_logits(hc, c, h, w)?;
                 let keep = ci + 1 == n_chunks;
                 // Per row: lse, loss; for the kept chunk turn the logits into probabilities.
                 let results: Vec<(f32, f32)> = logits[..c * v]
@@ -390,8 +397,7 @@ impl CustomOp2 for LinearCrossEntropy {
                     loss[r] = lo;
                 }
                 if keep {
-                    logits.truncate(c * v);
-                    last_chunk = Some((ci * c_max, std::mem::take(&mut logits)));
+                    last_chunk = Some((ci * c_max, logits));
                 }
             }
         }
@@ -426,7 +432,8 @@ impl CustomOp2 for LinearCrossEntropy {
         // [h, v] parameter gets a contiguous gradient after the transpose backward.
         let w_transposed = weight_t.stride()[0] == 1 && v > 1;
         let mut grad_h = vec![0f32; n * h];
-        let mut grad_w = vec![0f32; v * h];
+        // Written by the first chunk's product (zeroed only when no row counts).
+        let mut grad_w: Option<Vec<f32>> = None;
         let (gw_rs, gw_cs) = if w_transposed { (1, v) } else { (h, 1) };
         with_cpu(hidden_t, "linear_cross_entropy", |hs, hl| {
             with_cpu(weight_t, "linear_cross_entropy", |ws, wl| {
@@ -436,10 +443,8 @@ impl CustomOp2 for LinearCrossEntropy {
                     return Ok(());
                 }
                 let c_max = self.chunk_rows.min(self.active.len());
-                let mut logits = Vec::new();
                 let mut hbuf = Vec::new();
                 let mut gh_chunk = vec![0f32; c_max * h];
-                let mut first = true;
                 let starts: Vec<usize> = (0..self.active.len()).step_by(c_max).collect();
                 // Last chunk first: it may still be cached from forward.
                 for &start in starts.iter().rev() {
@@ -453,13 +458,7 @@ impl CustomOp2 for LinearCrossEntropy {
                     let have_probs = cached.is_some();
                     let mut probs = match cached {
                         Some(p) => p,
-                        None => {
-                            if logits.len() < c * v {
-                                logits = vec![0f32; c_max * v];
-                            }
-                            Self::chunk_logits(hc, c, h, w, &mut logits)?;
-                            std::mem::take(&mut logits)
-                        }
+                        None => Self::chunk_logits(hc, c, h, w)?,
                     };
                     // d = g_r * (softmax - onehot(label)), in place.
                     probs[..c * v]
@@ -488,18 +487,15 @@ impl CustomOp2 for LinearCrossEntropy {
                         grad_h[r * h..(r + 1) * h].copy_from_slice(&gh_chunk[i * h..(i + 1) * h]);
                     }
                     // grad_W (+)= d^T @ hidden_chunk
-                    sgemm(
-                        &mut grad_w,
-                        gw_rs,
-                        gw_cs,
-                        !first,
-                        d.t(),
-                        MatRef::row_major(hc, c, h),
-                    )?;
-                    first = false;
-                    // Reuse the buffer for the next (recomputed) chunk.
-                    if logits.len() < probs.len() {
-                        logits = probs;
+                    let hm = MatRef::row_major(hc, c, h);
+                    match grad_w.as_mut() {
+                        Some(gw) => sgemm(gw, gw_rs, gw_cs, true, d.t(), hm)?,
+                        None if w_transposed => {
+                            let mut gw = vec![0f32; v * h];
+                            sgemm(&mut gw, gw_rs, gw_cs, false, d.t(), hm)?;
+                            grad_w = Some(gw);
+                        }
+                        None => grad_w = Some(sgemm_new(d.t(), hm)?),
                     }
                 }
                 Ok(())
@@ -507,11 +503,16 @@ impl CustomOp2 for LinearCrossEntropy {
         })?;
         let dev = hidden_t.device();
         let gh = Tensor::from_vec(grad_h, (n, h), dev)?;
+        let grad_w = grad_w.unwrap_or_else(|| vec![0f32; v * h]);
         let gw = if w_transposed {
             Tensor::from_vec(grad_w, (h, v), dev)?.t()?
         } else {
             Tensor::from_vec(grad_w, (v, h), dev)?
         };
+        if let (Some(sink), false) = (&self.sink, w_transposed) {
+            sink(gw)?;
+            return Ok((Some(gh), None));
+        }
         Ok((Some(gh), Some(gw)))
     }
 }

@@ -22,6 +22,7 @@ pub(crate) mod silu_mul;
 mod softmax;
 
 pub use cross_entropy::{cross_entropy_rows, linear_cross_entropy, IGNORE_INDEX};
+pub(crate) use cross_entropy::{linear_cross_entropy_with_sink, WeightGradSink};
 pub use frozen_linear::frozen_linear;
 pub use rms_norm::rms_norm;
 pub use rope::rope;
