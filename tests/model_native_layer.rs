@@ -32,6 +32,21 @@ fn run(case: &str, native: bool, checkpointing: bool) -> (f64, Gradients, usize)
     (loss.mean().unwrap(), grads, model.native_layer_count())
 }
 
+/// Loss, gradients and native layer count of one step of `case` on the given batch.
+fn run_on(
+    case: &str,
+    native: bool,
+    ids: &Tensor,
+    mask: Option<&Tensor>,
+    labels: &Tensor,
+) -> (f64, Gradients, usize) {
+    let mut model = CausalLm::load(&fixture(case), DType::F32, &Device::Cpu).unwrap();
+    model.set_native_layers(native);
+    let loss = model.loss(ids, mask, labels).unwrap();
+    let grads = model.backward(&loss.sum).unwrap();
+    (loss.mean().unwrap(), grads, model.native_layer_count())
+}
+
 fn max_abs(t: &Tensor) -> f32 {
     t.abs()
         .unwrap()
@@ -105,15 +120,8 @@ fn native_layers_handle_a_padded_batch_of_long_rows() {
     let mask = Tensor::from_vec(mask, (2, t), &dev).unwrap();
     let labels = Tensor::from_vec(labels, (2, t), &dev).unwrap();
     for case in ["tiny-qwen2", "tiny-mistral"] {
-        let grads_of = |native: bool| {
-            let mut model = CausalLm::load(&fixture(case), DType::F32, &dev).unwrap();
-            model.set_native_layers(native);
-            let loss = model.loss(&ids, Some(&mask), &labels).unwrap();
-            let grads = model.backward(&loss.sum).unwrap();
-            (loss.mean().unwrap(), grads, model.native_layer_count())
-        };
-        let graph = grads_of(false);
-        let native = grads_of(true);
+        let graph = run_on(case, false, &ids, Some(&mask), &labels);
+        let native = run_on(case, true, &ids, Some(&mask), &labels);
         assert_eq!(native.2, 2);
         assert_same(case, "padded batch of long rows", &graph, &native);
     }
@@ -144,15 +152,8 @@ fn repeated_tokens_accumulate_embedding_gradients() {
     let ids = Tensor::from_vec(ids, (b, t), &dev).unwrap();
     let labels = Tensor::from_vec(labels, (b, t), &dev).unwrap();
     for case in ["tiny-llama", "tiny-mistral"] {
-        let grads_of = |native: bool| {
-            let mut model = CausalLm::load(&fixture(case), DType::F32, &dev).unwrap();
-            model.set_native_layers(native);
-            let loss = model.loss(&ids, None, &labels).unwrap();
-            let grads = model.backward(&loss.sum).unwrap();
-            (loss.mean().unwrap(), grads, model.native_layer_count())
-        };
-        let graph = grads_of(false);
-        let native = grads_of(true);
+        let graph = run_on(case, false, &ids, None, &labels);
+        let native = run_on(case, true, &ids, None, &labels);
         assert_eq!(native.2, 2);
         assert_same(case, "repeated tokens", &graph, &native);
         let embed = native.1.get("model.embed_tokens.weight").unwrap();

@@ -15,9 +15,6 @@ use super::native_layer::{self, NativeCtx};
 use super::ops;
 use super::weights::Checkpoint;
 use super::{checkpoint, kernels};
-
-/// The HF name of the token embeddings (also the tied lm-head).
-const EMBED_NAME: &str = "model.embed_tokens.weight";
 use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
@@ -25,6 +22,9 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
+
+/// The HF name of the token embeddings (also the tied lm-head).
+const EMBED_NAME: &str = "model.embed_tokens.weight";
 
 /// Labels with this value are ignored by the loss (transformers' `ignore_index`).
 pub const IGNORE_INDEX: i64 = -100;
@@ -679,16 +679,20 @@ impl CausalLm {
         })
     }
 
-    /// Rebuilds the forward-pass views after parameters, trainability or devices changed.
-    pub(crate) fn rebuild(&mut self) -> Result<(), ModelError> {
-        let (embed, _) = self.view("model.embed_tokens.weight")?;
-        let (norm, _) = self.view("model.norm.weight")?;
-        let head_name = if self.config.tie_word_embeddings {
-            "model.embed_tokens.weight"
+    /// The parameter the lm-head reads: the embeddings when they are tied.
+    fn head_param_name(&self) -> &'static str {
+        if self.config.tie_word_embeddings {
+            EMBED_NAME
         } else {
             "lm_head.weight"
-        };
-        let (lm_head, head_tr) = self.view(head_name)?;
+        }
+    }
+
+    /// Rebuilds the forward-pass views after parameters, trainability or devices changed.
+    pub(crate) fn rebuild(&mut self) -> Result<(), ModelError> {
+        let (embed, _) = self.view(EMBED_NAME)?;
+        let (norm, _) = self.view("model.norm.weight")?;
+        let (lm_head, head_tr) = self.view(self.head_param_name())?;
         // A tied head reads the embeddings from the first device; the copy is
         // differentiable, so its gradient flows back to the embedding weight.
         let head_device = self.head_device().clone();
@@ -900,11 +904,7 @@ impl CausalLm {
     /// conditions as the native embedding (a tied head shares its side-table entry, so the
     /// embedding's backward adds into it in place).
     pub(crate) fn head_grad_sink(&self) -> Option<ops::WeightGradSink> {
-        let name = if self.config.tie_word_embeddings {
-            EMBED_NAME
-        } else {
-            "lm_head.weight"
-        };
+        let name = self.head_param_name();
         let param = self.param(name)?;
         let head = &self.modules.lm_head;
         let usable = self.native_layers
