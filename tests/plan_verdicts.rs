@@ -287,9 +287,9 @@ fn shared_config(name: &str) -> String {
         .to_string()
 }
 
-#[test]
-fn cli_prints_the_table_the_oom_and_the_fixes() {
-    let out = Command::new(bin())
+/// `tunestudio plan` for DictaLM 2.0 in fp32 on one of two 80 GiB GPUs (the story's OOM), plus `extra`.
+fn plan_dictalm_fp32_on_one_gpu(extra: &[&str]) -> std::process::Output {
+    Command::new(bin())
         .args(["plan", "--model-config"])
         .arg(shared_config("dictalm2-7b.json"))
         .args([
@@ -307,8 +307,14 @@ fn cli_prints_the_table_the_oom_and_the_fixes() {
             "--strategy",
             "single",
         ])
+        .args(extra)
         .output()
-        .unwrap();
+        .unwrap()
+}
+
+#[test]
+fn cli_prints_the_table_the_oom_and_the_fixes() {
+    let out = plan_dictalm_fp32_on_one_gpu(&[]);
     let text = String::from_utf8_lossy(&out.stdout);
     println!("{text}");
     assert_eq!(
@@ -323,27 +329,7 @@ fn cli_prints_the_table_the_oom_and_the_fixes() {
     assert!(text.contains("1. split the layers"), "{text}");
     assert!(text.contains("GPU 1") && text.contains("idle"), "{text}");
 
-    let out = Command::new(bin())
-        .args(["plan", "--model-config"])
-        .arg(shared_config("dictalm2-7b.json"))
-        .args([
-            "--devices",
-            "2x80GiB",
-            "--precision",
-            "fp32",
-            "--micro-batch",
-            "1",
-            "--accumulation",
-            "4",
-            "--seq-len",
-            "512",
-            "--checkpointing",
-            "--strategy",
-            "single",
-            "--auto-fit",
-        ])
-        .output()
-        .unwrap();
+    let out = plan_dictalm_fp32_on_one_gpu(&["--auto-fit"]);
     let text = String::from_utf8_lossy(&out.stdout);
     println!("{text}");
     assert_eq!(

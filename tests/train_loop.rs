@@ -123,6 +123,24 @@ fn half_precision_tracks_fp32() {
 
 /// A loss scale far beyond f16's range overflows the gradients: the step is skipped (weights
 /// untouched, still finite), the scale halves, and training goes on.
+/// Every parameter's values, as f32.
+fn param_values(run: &TrainingRun) -> Vec<Vec<f32>> {
+    run.model()
+        .params()
+        .iter()
+        .map(|p| {
+            p.var
+                .as_tensor()
+                .to_dtype(candle_core::DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        })
+        .collect()
+}
+
 #[test]
 fn fp16_overflow_skips_the_step() {
     let tmp = tempfile::tempdir().unwrap();
@@ -131,40 +149,12 @@ fn fp16_overflow_skips_the_step() {
     c.training.initial_loss_scale = 1e30;
     c.training.micro_batch = 2;
     let mut run = TrainingRun::new(c).unwrap();
-    let before: Vec<Vec<f32>> = run
-        .model()
-        .params()
-        .iter()
-        .map(|p| {
-            p.var
-                .as_tensor()
-                .to_dtype(candle_core::DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap()
-        })
-        .collect();
+    let before = param_values(&run);
     let o = run.step().unwrap();
     assert!(o.skipped, "the overflowing step was applied");
     assert_eq!(o.loss_scale, Some(5e29));
     assert!(o.loss.is_finite());
-    let after: Vec<Vec<f32>> = run
-        .model()
-        .params()
-        .iter()
-        .map(|p| {
-            p.var
-                .as_tensor()
-                .to_dtype(candle_core::DType::F32)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap()
-        })
-        .collect();
+    let after = param_values(&run);
     assert_eq!(before, after, "a skipped step changed the weights");
     assert!(after.iter().flatten().all(|x| x.is_finite()));
     assert_eq!(run.loss_scaler().unwrap().skipped_steps, 1);
