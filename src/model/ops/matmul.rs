@@ -218,3 +218,99 @@ unsafe fn gemm_unchecked(
         parallelism,
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A deterministic pseudo-random matrix in [-1, 1).
+    fn filled(len: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..len)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    /// `lhs @ rhs` in f64, element by element.
+    fn reference(lhs: MatRef<'_>, rhs: MatRef<'_>) -> Vec<f64> {
+        let mut out = vec![0f64; lhs.rows * rhs.cols];
+        for i in 0..lhs.rows {
+            for p in 0..lhs.cols {
+                let a = lhs.data[i * lhs.row_stride + p * lhs.col_stride] as f64;
+                for j in 0..rhs.cols {
+                    out[i * rhs.cols + j] +=
+                        a * rhs.data[p * rhs.row_stride + j * rhs.col_stride] as f64;
+                }
+            }
+        }
+        out
+    }
+
+    fn assert_close(got: &[f32], want: &[f64], k: usize, what: &str) {
+        // Inputs in [-1, 1): the f32 error of a length-k dot product grows about like sqrt(k).
+        let tol = 1e-5 * (k as f64).sqrt() * 4.0;
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (*g as f64 - w).abs() <= tol,
+                "{what}: element {i} is {g}, expected {w} (tolerance {tol})"
+            );
+        }
+    }
+
+    /// The products of a training step (activations × weights, their transposes for the
+    /// gradients) and ragged shapes that end in partial micro-tiles, through whichever kernel
+    /// the gemm crate picks on this CPU at run time.
+    #[test]
+    fn products_match_a_reference_in_every_layout() {
+        let shapes = [(256, 576, 1536), (37, 129, 251), (5, 3, 300), (17, 1000, 9)];
+        for (seed, &(m, k, n)) in shapes.iter().enumerate() {
+            let a = filled(m * k, seed as u64 + 1);
+            let b = filled(k * n, seed as u64 + 100);
+            // Row-major and transposed storage of the same logical matrices.
+            let a_t: Vec<f32> = (0..k * m).map(|idx| a[(idx % m) * k + idx / m]).collect();
+            let b_t: Vec<f32> = (0..n * k).map(|idx| b[(idx % k) * n + idx / k]).collect();
+            let lhs_views = [
+                MatRef::row_major(&a, m, k),
+                MatRef::row_major(&a_t, k, m).t(),
+            ];
+            let rhs_views = [
+                MatRef::row_major(&b, k, n),
+                MatRef::row_major(&b_t, n, k).t(),
+            ];
+            let want = reference(lhs_views[0], rhs_views[0]);
+            for (li, lhs) in lhs_views.iter().enumerate() {
+                for (ri, rhs) in rhs_views.iter().enumerate() {
+                    let what = format!("{m}x{k}x{n}, layout {li}{ri}");
+                    let fresh = sgemm_new(*lhs, *rhs).unwrap();
+                    assert_close(&fresh, &want, k, &format!("new {what}"));
+
+                    // Accumulating adds onto what is there.
+                    let mut acc = vec![0.5f32; m * n];
+                    sgemm(&mut acc, n, 1, true, *lhs, *rhs).unwrap();
+                    let shifted: Vec<f64> = want.iter().map(|w| w + 0.5).collect();
+                    assert_close(&acc, &shifted, k, &format!("accumulate {what}"));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn mismatched_or_out_of_bounds_views_are_errors() {
+        let a = vec![1f32; 6];
+        let b = vec![1f32; 6];
+        assert!(sgemm_new(MatRef::row_major(&a, 2, 3), MatRef::row_major(&b, 2, 3)).is_err());
+        let short = MatRef {
+            data: &a,
+            rows: 3,
+            cols: 3,
+            row_stride: 3,
+            col_stride: 1,
+        };
+        assert!(sgemm_new(short, MatRef::row_major(&b, 3, 2)).is_err());
+    }
+}
