@@ -191,6 +191,18 @@ unsafe fn gemm_unchecked(
         return;
     }
     let threads = rayon::current_num_threads();
+    if parallel && threads > 1 && split_ok(m, k, n, threads) {
+        split_across_threads(
+            dst,
+            dst_row_stride,
+            dst_col_stride,
+            accumulate,
+            lhs,
+            rhs,
+            threads,
+        );
+        return;
+    }
     let parallelism = if parallel && threads > 1 {
         gemm::Parallelism::Rayon(threads)
     } else {
@@ -217,6 +229,95 @@ unsafe fn gemm_unchecked(
         false,
         parallelism,
     );
+}
+
+/// Columns or rows per thread are rounded to this many (a multiple of every SIMD width gemm uses).
+const SPLIT_ALIGN: usize = 16;
+
+/// Whether [`split_across_threads`] takes the product rather than gemm's own threading.
+fn split_ok(m: usize, k: usize, n: usize, threads: usize) -> bool {
+    // Below this gemm itself stays on one thread (its threading threshold is 48·48·256).
+    m * n * k >= 48 * 48 * 256 && m.max(n) >= 2 * SPLIT_ALIGN * threads
+}
+
+/// A raw pointer that may cross to another rayon worker: each part writes its own block.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: the parts write disjoint blocks of the destination (see `split_across_threads`).
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    /// The pointer (a method, so closures capture the whole `Send` wrapper, not its field).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// One single-threaded gemm per thread, each on a contiguous block of the destination's columns
+/// (or rows, when there are more rows than columns).
+///
+/// For the products of a training step at 256 tokens this beat gemm's own rayon scheme: with its
+/// AVX-512 kernels, in a micro-benchmark of one step's layer products, 0.67 → 0.57 s (the forward
+/// products 0.26 → 0.20 s), and 1.06–1.12 → 1.00–1.04 s per step in interleaved runs.
+///
+/// # Safety
+/// As [`gemm_unchecked`].
+unsafe fn split_across_threads(
+    dst: *mut f32,
+    dst_row_stride: usize,
+    dst_col_stride: usize,
+    accumulate: bool,
+    lhs: MatRef<'_>,
+    rhs: MatRef<'_>,
+    threads: usize,
+) {
+    use rayon::prelude::*;
+    let (m, n) = (lhs.rows, rhs.cols);
+    let split_cols = n >= m;
+    let len = if split_cols { n } else { m };
+    let per_part = len.div_ceil(threads).div_ceil(SPLIT_ALIGN) * SPLIT_ALIGN;
+    let parts = len.div_ceil(per_part);
+    let dst = SendPtr(dst);
+    (0..parts).into_par_iter().for_each(|part| {
+        let start = part * per_part;
+        let count = per_part.min(len - start);
+        // SAFETY: the block starts inside the checked destination view, and the views below
+        // are sub-views of checked inputs; blocks of different parts do not overlap.
+        unsafe {
+            if split_cols {
+                let rhs_part = MatRef {
+                    data: &rhs.data[start * rhs.col_stride..],
+                    cols: count,
+                    ..rhs
+                };
+                gemm_unchecked(
+                    dst.get().add(start * dst_col_stride),
+                    dst_row_stride,
+                    dst_col_stride,
+                    accumulate,
+                    lhs,
+                    rhs_part,
+                    false,
+                );
+            } else {
+                let lhs_part = MatRef {
+                    data: &lhs.data[start * lhs.row_stride..],
+                    rows: count,
+                    ..lhs
+                };
+                gemm_unchecked(
+                    dst.get().add(start * dst_row_stride),
+                    dst_row_stride,
+                    dst_col_stride,
+                    accumulate,
+                    lhs_part,
+                    rhs,
+                    false,
+                );
+            }
+        }
+    });
 }
 
 #[cfg(test)]
@@ -267,7 +368,23 @@ mod tests {
     /// the gemm crate picks on this CPU at run time.
     #[test]
     fn products_match_a_reference_in_every_layout() {
-        let shapes = [(256, 576, 1536), (37, 129, 251), (5, 3, 300), (17, 1000, 9)];
+        // Two threads, as on the bench machines, so the products split across threads (by
+        // columns, or by rows for the tall one) as well as running whole.
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        pool.install(check_products_against_reference);
+    }
+
+    fn check_products_against_reference() {
+        let shapes = [
+            (256, 576, 1536),
+            (37, 129, 251),
+            (300, 200, 40),
+            (5, 3, 300),
+            (17, 1000, 9),
+        ];
         for (seed, &(m, k, n)) in shapes.iter().enumerate() {
             let a = filled(m * k, seed as u64 + 1);
             let b = filled(k * n, seed as u64 + 100);
