@@ -8,7 +8,10 @@ use std::path::PathBuf;
 /// crate root (where CI lays it out).
 pub fn shared_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("TUNESTUDIO_SHARED") {
-        return PathBuf::from(dir);
+        // Made absolute against the current folder now, so paths built from it stay valid for
+        // child processes and code that changes folder later.
+        let dir = PathBuf::from(dir);
+        return std::path::absolute(&dir).unwrap_or(dir);
     }
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("..")
