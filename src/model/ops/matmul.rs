@@ -234,10 +234,17 @@ unsafe fn gemm_unchecked(
 /// Columns or rows per thread are rounded to this many (a multiple of every SIMD width gemm uses).
 const SPLIT_ALIGN: usize = 16;
 
+/// The widest pool that splits products itself.
+const MAX_SPLIT_THREADS: usize = 4;
+
 /// Whether [`split_across_threads`] takes the product rather than gemm's own threading.
 fn split_ok(m: usize, k: usize, n: usize, threads: usize) -> bool {
-    // Below this gemm itself stays on one thread (its threading threshold is 48·48·256).
-    m * n * k >= 48 * 48 * 256 && m.max(n) >= 2 * SPLIT_ALIGN * threads
+    // Below this gemm itself stays on one thread (its threading threshold is 48·48·256). The gain
+    // was measured on 2 threads; with many threads each block would re-pack the whole shared
+    // operand, so wider pools keep gemm's own scheme.
+    threads <= MAX_SPLIT_THREADS
+        && m * n * k >= 48 * 48 * 256
+        && m.max(n) >= 2 * SPLIT_ALIGN * threads
 }
 
 /// A raw pointer that may cross to another rayon worker: each part writes its own block.
