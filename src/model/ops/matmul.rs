@@ -289,41 +289,35 @@ unsafe fn split_across_threads(
     (0..parts).into_par_iter().for_each(|part| {
         let start = part * per_part;
         let count = per_part.min(len - start);
-        // SAFETY: the block starts inside the checked destination view, and the views below
-        // are sub-views of checked inputs; blocks of different parts do not overlap.
+        // Sub-views of the checked inputs: a block of the rhs's columns, or of the lhs's rows.
+        let (dst_offset, lhs_part, rhs_part) = if split_cols {
+            let cols = MatRef {
+                data: &rhs.data[start * rhs.col_stride..],
+                cols: count,
+                ..rhs
+            };
+            (start * dst_col_stride, lhs, cols)
+        } else {
+            let rows = MatRef {
+                data: &lhs.data[start * lhs.row_stride..],
+                rows: count,
+                ..lhs
+            };
+            (start * dst_row_stride, rows, rhs)
+        };
+        // SAFETY: the block starts inside the checked destination view and blocks of different
+        // parts do not overlap.
         unsafe {
-            if split_cols {
-                let rhs_part = MatRef {
-                    data: &rhs.data[start * rhs.col_stride..],
-                    cols: count,
-                    ..rhs
-                };
-                gemm_unchecked(
-                    dst.get().add(start * dst_col_stride),
-                    dst_row_stride,
-                    dst_col_stride,
-                    accumulate,
-                    lhs,
-                    rhs_part,
-                    false,
-                );
-            } else {
-                let lhs_part = MatRef {
-                    data: &lhs.data[start * lhs.row_stride..],
-                    rows: count,
-                    ..lhs
-                };
-                gemm_unchecked(
-                    dst.get().add(start * dst_row_stride),
-                    dst_row_stride,
-                    dst_col_stride,
-                    accumulate,
-                    lhs_part,
-                    rhs,
-                    false,
-                );
-            }
-        }
+            gemm_unchecked(
+                dst.get().add(dst_offset),
+                dst_row_stride,
+                dst_col_stride,
+                accumulate,
+                lhs_part,
+                rhs_part,
+                false,
+            )
+        };
     });
 }
 
