@@ -39,6 +39,8 @@ fi
 ts_tps=(); ts_rss=(); pt_tps=(); pt_rss=(); ratios=()
 for round in $(seq 1 "$ROUNDS"); do
   out=$("$BIN" bench --model-config "$CONFIG" --seq-len 256 --batch 1 --steps "$STEPS" --threads "$THREADS" 2>/dev/null)
+  # The kernels gemm picked on this CPU decide most of tunestudio's figure: say which.
+  [ "$round" = 1 ] && echo "tunestudio matmul SIMD: $(echo "$out" | awk -F'  +' '/^matmul SIMD/ {print $2}')"
   tps=$(echo "$out" | awk '/^tokens\/s / {print $2}')
   rss=$(echo "$out" | awk '/^peak RSS/ {print $3 * 1e9}')
   ts_tps+=("$tps"); ts_rss+=("$rss")

@@ -1,6 +1,7 @@
 //! Timing of the fused ops against their composite (plain candle) versions at SmolLM2-135M shapes
-//! (seq 256, batch 1). Ignored by default; run with
-//! `cargo test --release --test ops_bench -- --ignored --nocapture`.
+//! (seq 256, batch 1). Those timings are ignored by default; run them with
+//! `cargo test --release --test ops_bench -- --ignored --nocapture`. The `tunestudio bench`
+//! command itself is checked on a tiny model in every run.
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use std::time::Instant;
@@ -172,4 +173,49 @@ fn bench_softmax_only() -> Result<()> {
     )?;
     println!("softmax fwd {fwd:.2} ms, fwd+bwd+glue {all:.2} ms, glue only {glue:.2} ms");
     Ok(())
+}
+
+/// `tunestudio bench` on a tiny model: the user's way of timing a shape on their machine. It
+/// must finish and print every figure it promises, with a loss near ln(vocab) for random weights.
+#[test]
+fn bench_command_reports_its_figures_on_a_tiny_model() {
+    let config = tunestudio::paths::shared_dir().join("fixtures/tiny-llama/config.json");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tunestudio"))
+        .args(["bench", "--seq-len", "16", "--steps", "2", "--threads", "1"])
+        .arg("--model-config")
+        .arg(&config)
+        .output()
+        .expect("tunestudio runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "bench failed: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let field = |name: &str| -> String {
+        stdout
+            .lines()
+            .find_map(|l| l.split_once("  ").filter(|(label, _)| *label == name))
+            .map(|(_, value)| value)
+            .unwrap_or_else(|| panic!("no `{name}` line in:\n{stdout}"))
+            .trim()
+            .to_string()
+    };
+    for name in ["step (median)", "forward/backward/optimizer", "peak RSS"] {
+        field(name);
+    }
+    assert!(["AVX-512", "AVX2 + FMA", "SSE2", "NEON", "scalar"]
+        .contains(&field("matmul SIMD").as_str()));
+    assert_eq!(field("tokens/step"), "16");
+    let tokens_per_sec: f64 = field("tokens/s").parse().unwrap();
+    assert!(tokens_per_sec > 0.0);
+    let vocab = tunestudio::model::ModelConfig::from_file(&config)
+        .unwrap()
+        .vocab_size as f64;
+    let loss: f64 = field("last loss").parse().unwrap();
+    assert!(
+        (loss - vocab.ln()).abs() < 1.0,
+        "loss {loss} vs ln(vocab) {}",
+        vocab.ln()
+    );
 }

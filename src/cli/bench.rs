@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use tunestudio::model::{run_training_bench, BenchConfig};
+use tunestudio::model::{matmul_simd, run_training_bench, BenchConfig};
 
 /// Arguments of `tunestudio bench`.
 #[derive(Debug, clap::Args)]
@@ -62,6 +62,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let r = run_training_bench(&cfg)?;
     println!("parameters        {}", r.num_parameters);
     println!("threads           {}", r.threads);
+    println!("matmul SIMD       {}", matmul_simd());
     println!("tokens/step       {}", r.tokens_per_step);
     println!(
         "step (median)     {:.3} s   [{}]",

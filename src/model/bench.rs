@@ -100,6 +100,30 @@ pub fn peak_rss_bytes() -> Option<u64> {
     Some(kb * 1024)
 }
 
+/// The widest SIMD instruction set gemm's f32 kernels use on this CPU (chosen at run time), so
+/// that figures from different machines can be told apart.
+pub fn matmul_simd() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return "AVX-512";
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            return "AVX2 + FMA";
+        }
+        "SSE2"
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        "NEON"
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        "scalar"
+    }
+}
+
 /// Runs the benchmark described by `cfg`.
 pub fn run_training_bench(cfg: &BenchConfig) -> Result<BenchReport, ModelError> {
     if cfg.seq_len < 2 || cfg.batch == 0 || cfg.steps == 0 {
