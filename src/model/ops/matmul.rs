@@ -283,12 +283,19 @@ unsafe fn split_across_threads(
     let (m, n) = (lhs.rows, rhs.cols);
     let split_cols = n >= m;
     let len = if split_cols { n } else { m };
-    let per_part = len.div_ceil(threads).div_ceil(SPLIT_ALIGN) * SPLIT_ALIGN;
-    let parts = len.div_ceil(per_part);
+    // Even blocks with inner boundaries rounded up to SPLIT_ALIGN: with `len ≥ 2·SPLIT_ALIGN·threads`
+    // (see `split_ok`) every block is at least SPLIT_ALIGN wide.
+    let bound = |part: usize| {
+        if part == threads {
+            len
+        } else {
+            (len * part / threads).next_multiple_of(SPLIT_ALIGN)
+        }
+    };
     let dst = SendPtr(dst);
-    (0..parts).into_par_iter().for_each(|part| {
-        let start = part * per_part;
-        let count = per_part.min(len - start);
+    (0..threads).into_par_iter().for_each(|part| {
+        let (start, end) = (bound(part), bound(part + 1));
+        let count = end - start;
         // Sub-views of the checked inputs: a block of the rhs's columns, or of the lhs's rows.
         let (dst_offset, lhs_part, rhs_part) = if split_cols {
             let cols = MatRef {
@@ -375,17 +382,28 @@ mod tests {
             .num_threads(2)
             .build()
             .unwrap();
-        pool.install(check_products_against_reference);
+        pool.install(|| {
+            check_products_against_reference(&[
+                (256, 576, 1536),
+                (37, 129, 251),
+                (300, 200, 40),
+                (5, 3, 300),
+                (17, 1000, 9),
+            ])
+        });
     }
 
-    fn check_products_against_reference() {
-        let shapes = [
-            (256, 576, 1536),
-            (37, 129, 251),
-            (300, 200, 40),
-            (5, 3, 300),
-            (17, 1000, 9),
-        ];
+    #[test]
+    fn uneven_splits_cover_every_column_and_row() {
+        // 97 columns (or rows) over 3 threads: blocks with boundaries rounded to 16.
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        pool.install(|| check_products_against_reference(&[(40, 300, 97), (97, 300, 40)]));
+    }
+
+    fn check_products_against_reference(shapes: &[(usize, usize, usize)]) {
         for (seed, &(m, k, n)) in shapes.iter().enumerate() {
             let a = filled(m * k, seed as u64 + 1);
             let b = filled(k * n, seed as u64 + 100);
