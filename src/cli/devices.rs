@@ -115,6 +115,7 @@ fn run_check(args: &DevicesArgs) -> anyhow::Result<ExitCode> {
                 CheckStatus::Passed => "PASS",
                 CheckStatus::Failed => "FAIL",
                 CheckStatus::Skipped => "SKIP",
+                CheckStatus::Informational => "INFO",
             };
             println!(
                 "[{status}] {:<15} {:>6.2}s  {}",

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
-use tunestudio::model::{AdamW, AdamWConfig, CausalLm, LoraConfig, ModelError};
+use tunestudio::model::{AdamW, AdamWConfig, CausalLm, LoraConfig, ModelError, OpsMode};
 
 fn fixture(case: &str) -> std::path::PathBuf {
     tunestudio::paths::shared_dir().join("fixtures").join(case)
@@ -25,8 +25,9 @@ fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
     max_abs(&(a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap()).unwrap())
 }
 
-fn lora_model(fused: bool) -> CausalLm {
+fn lora_model(fused: bool, mode: OpsMode) -> CausalLm {
     let mut model = CausalLm::load(&fixture("tiny-llama"), DType::F32, &Device::Cpu).unwrap();
+    model.set_ops_mode(mode);
     model.set_fused_ops(fused);
     let cfg = model.load_adapter(&fixture("tiny-llama-lora")).unwrap();
     assert_eq!(cfg.r, 4);
@@ -37,13 +38,13 @@ fn lora_model(fused: bool) -> CausalLm {
     model
 }
 
-fn check_against_peft(fused: bool) {
+fn check_against_peft(fused: bool, mode: OpsMode) {
     let r = candle_core::safetensors::load(
         fixture("tiny-llama-lora").join("reference.safetensors"),
         &Device::Cpu,
     )
     .unwrap();
-    let model = lora_model(fused);
+    let model = lora_model(fused, mode);
     let (ids, mask, labels) = (&r["input_ids"], &r["attention_mask"], &r["labels"]);
     let logits = model.logits(ids, Some(mask)).unwrap();
     let d = max_diff(&logits.narrow(2, 0, 256).unwrap(), &r["logits_first256"]);
@@ -79,17 +80,22 @@ fn check_against_peft(fused: bool) {
 
 #[test]
 fn peft_adapter_matches_reference() {
-    check_against_peft(true);
+    check_against_peft(true, OpsMode::Native);
 }
 
 #[test]
 fn peft_adapter_matches_reference_with_composite_ops() {
-    check_against_peft(false);
+    check_against_peft(false, OpsMode::Native);
+}
+
+#[test]
+fn peft_adapter_matches_reference_with_generic_ops() {
+    check_against_peft(true, OpsMode::Generic);
 }
 
 #[test]
 fn adapter_save_round_trips_in_peft_layout() {
-    let model = lora_model(true);
+    let model = lora_model(true, OpsMode::Native);
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("adapter");
     model.save_adapter(&out).unwrap();
@@ -139,7 +145,7 @@ fn merge_lora_keeps_logits() {
         &Device::Cpu,
     )
     .unwrap();
-    let mut model = lora_model(true);
+    let mut model = lora_model(true, OpsMode::Native);
     let before = model
         .logits(&r["input_ids"], Some(&r["attention_mask"]))
         .unwrap();

@@ -1,7 +1,7 @@
 //! Lints (pre-tokenised label bugs at error level and the CLI's exit code),
 //! collation of prepared samples, and the `tunestudio preview` binary.
 
-mod data_support;
+use crate::data_support;
 
 use data_support::{dataset, tiny_llama, tiny_llama_dir, write_parquet, Col};
 use std::path::{Path, PathBuf};

@@ -1,6 +1,6 @@
 //! The background trainer thread: event order, pause, stop, errors, metrics.jsonl.
 
-mod train_common;
+use crate::train_common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -1,7 +1,7 @@
 //! Every shared dataset loads with the right format and row count, and is
 //! labelled as its format demands; folders, hub caches, splits, packing.
 
-mod data_support;
+use crate::data_support;
 
 use data_support::{dataset, tiny_llama, write_parquet, Col};
 use tunestudio::data::{

@@ -44,11 +44,13 @@ fn gpu_check_script_passes_in_cpu_mode() {
         "layer-split",
         "data-parallel",
         "memory-sampler",
-        "memory-grid",
         "throughput",
     ] {
         assert_eq!(status(name), "passed", "{name}:\n{stdout}");
     }
+    // The binary measures the CPU by process RSS (no counting allocator): figures only.
+    // The exact comparison is `tests/plan_accuracy.rs::memory_grid_check_is_exact_within_5_percent`.
+    assert_eq!(status("memory-grid"), "informational", "\n{stdout}");
     // NCCL needs a GPU: skipped on the CPU, never failed.
     assert_eq!(status("nccl"), "skipped");
     let devices: serde_json::Value =

@@ -2,7 +2,7 @@
 //! the total token count, precision modes track fp32, fp16 overflow skips a step, and a
 //! tokenizer/model vocabulary mismatch is a clear error.
 
-mod train_common;
+use crate::train_common;
 
 use train_common::*;
 use tunestudio::train::{Precision, TrainError, TrainingRun};

@@ -1,7 +1,7 @@
 //! LoRA training (with dropout) resumes exactly, trains only the adapters, and exports as a
 //! PEFT adapter and as a merged model; a full fine-tune exports as a model folder.
 
-mod train_common;
+use crate::train_common;
 
 use candle_core::{DType, Device, Tensor};
 use train_common::*;

@@ -68,8 +68,8 @@ int nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *count,
   *count = n; return 0; }
 "#;
 
-/// Compiles the fake NVML into `dir`; `None` when no C compiler is installed.
-fn build_fake_nvml(dir: &Path) -> Option<PathBuf> {
+/// Compiles the fake NVML into `dir` with the system C compiler.
+fn build_fake_nvml(dir: &Path) -> PathBuf {
     let src = dir.join("fake_nvml.c");
     let lib = dir.join("libnvidia-ml.so.1");
     std::fs::write(&src, FAKE_NVML).unwrap();
@@ -78,18 +78,19 @@ fn build_fake_nvml(dir: &Path) -> Option<PathBuf> {
         .arg(&lib)
         .arg(&src)
         .status()
-        .ok()?;
+        .expect("run `cc` to build the fake NVML (install gcc)");
     assert!(status.success(), "cc failed to build the fake NVML");
-    Some(lib)
+    lib
 }
 
 #[test]
+#[cfg_attr(
+    tunestudio_missing_cc,
+    ignore = "no C compiler (`cc`) to build the fake NVML (install gcc)"
+)]
 fn nvml_bindings_read_a_drivers_answers() {
     let dir = tempfile::tempdir().unwrap();
-    let Some(lib) = build_fake_nvml(dir.path()) else {
-        eprintln!("skipped: no C compiler (`cc`) to build the fake NVML");
-        return;
-    };
+    let lib = build_fake_nvml(dir.path());
     let inv = discover_with(&DiscoveryOptions {
         nvml_library: Some(lib.clone()),
         skip_gpus: false,

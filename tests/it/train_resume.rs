@@ -2,7 +2,7 @@
 //! `tunestudio train` process — and resumed from its checkpoint continues with the
 //! uninterrupted run's losses within 1e-6.
 
-mod train_common;
+use crate::train_common;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

@@ -1,18 +1,19 @@
 //! The studio in a real window: runs the binary under Xvfb (Mesa llvmpipe for
 //! OpenGL) in screenshot mode — it starts, loads the demo, renders the preview,
-//! saves a PNG through the viewport screenshot request, and exits. Skips (with a
-//! message) where `xvfb-run` is not installed.
+//! saves a PNG through the viewport screenshot request, and exits. Reported as
+//! ignored where `xvfb-run` is not installed (see `build.rs`); under `CI=true` it
+//! runs, and fails without it.
 #![cfg(feature = "gui")]
 
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 #[test]
+#[cfg_attr(
+    tunestudio_missing_xvfb,
+    ignore = "xvfb-run is not installed (apt-get install xvfb xauth)"
+)]
 fn studio_renders_a_real_window_and_saves_a_screenshot() {
-    if Command::new("xvfb-run").arg("--help").output().is_err() {
-        println!("skipped: xvfb-run is not installed");
-        return;
-    }
     let dir = tempfile::tempdir().expect("tempdir");
     let png = dir.path().join("preview.png");
     let mut child = Command::new("xvfb-run")
@@ -27,7 +28,7 @@ fn studio_renders_a_real_window_and_saves_a_screenshot() {
         .env("TUNESTUDIO_SCREENSHOT_PANEL", "preview")
         .env("TUNESTUDIO_OUTPUT_DIR", dir.path().join("run"))
         .spawn()
-        .expect("start xvfb-run");
+        .expect("start xvfb-run (is xvfb installed? apt-get install xvfb xauth)");
     let start = Instant::now();
     let status = loop {
         if let Some(s) = child.try_wait().expect("wait") {

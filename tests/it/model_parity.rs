@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
-use tunestudio::model::{AdamW, AdamWConfig, CausalLm};
+use tunestudio::model::{AdamW, AdamWConfig, CausalLm, OpsMode};
 
 fn fixture(case: &str) -> std::path::PathBuf {
     tunestudio::paths::shared_dir().join("fixtures").join(case)
@@ -34,9 +34,12 @@ fn scalar(t: &Tensor) -> f32 {
     t.flatten_all().unwrap().to_vec1::<f32>().unwrap()[0]
 }
 
-fn check_case(case: &str, fused: bool) {
+/// `fused` false: the composite reference ops; `mode` Generic: the device-generic ops (what a
+/// GPU runs), forced on the CPU.
+fn check_case(case: &str, fused: bool, mode: OpsMode) {
     let r = reference(case);
     let mut model = CausalLm::load(&fixture(case), DType::F32, &Device::Cpu).unwrap();
+    model.set_ops_mode(mode);
     model.set_fused_ops(fused);
     let ids = &r["input_ids"];
     let mask = &r["attention_mask"];
@@ -166,22 +169,31 @@ fn check_case(case: &str, fused: bool) {
 
 #[test]
 fn tiny_llama_matches_transformers() {
-    check_case("tiny-llama", true);
+    check_case("tiny-llama", true, OpsMode::Native);
 }
 
 #[test]
 fn tiny_mistral_matches_transformers() {
-    check_case("tiny-mistral", true);
+    check_case("tiny-mistral", true, OpsMode::Native);
 }
 
 #[test]
 fn tiny_qwen2_matches_transformers() {
-    check_case("tiny-qwen2", true);
+    check_case("tiny-qwen2", true, OpsMode::Native);
 }
 
 #[test]
 fn composite_reference_ops_match_transformers() {
-    check_case("tiny-llama", false);
-    check_case("tiny-mistral", false);
-    check_case("tiny-qwen2", false);
+    check_case("tiny-llama", false, OpsMode::Native);
+    check_case("tiny-mistral", false, OpsMode::Native);
+    check_case("tiny-qwen2", false, OpsMode::Native);
+}
+
+/// The device-generic ops (what a GPU runs) against transformers, to the same tolerances,
+/// AdamW's five steps included.
+#[test]
+fn generic_ops_match_transformers() {
+    check_case("tiny-llama", true, OpsMode::Generic);
+    check_case("tiny-mistral", true, OpsMode::Generic);
+    check_case("tiny-qwen2", true, OpsMode::Generic);
 }

@@ -1,6 +1,6 @@
 //! Reader errors name the file, line and fix; nothing panics on arbitrary bytes.
 
-mod data_support;
+use crate::data_support;
 
 use data_support::{tiny_llama, write_parquet, Col};
 use proptest::prelude::*;

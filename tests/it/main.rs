@@ -1,0 +1,32 @@
+//! The integration tests, one binary (one link of candle, tokenizers and the GUI stack instead of one per
+//! file). Tests that need a process of their own — a counting global allocator, environment variables —
+//! are separate binaries beside this folder (`tests/*.rs`).
+
+mod data_support;
+#[path = "../train_common/mod.rs"]
+mod train_common;
+
+mod cli_start;
+mod data_datasets;
+mod data_lints;
+mod data_readers;
+mod data_template_parity;
+mod devices_discovery;
+mod devices_gpu_check;
+mod devices_strategies;
+mod gui_window;
+mod infer_generate;
+mod model_generic;
+mod model_io;
+mod model_lora;
+mod model_native_layer;
+mod model_parity;
+mod model_train;
+mod ops_bench;
+mod ops_grad;
+mod plan_verdicts;
+mod train_config;
+mod train_loop;
+mod train_lora;
+mod train_resume;
+mod train_thread;
