@@ -54,8 +54,31 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 
 #[cfg(feature = "gui")]
 fn run_gui() -> anyhow::Result<ExitCode> {
+    if let Some(missing) = missing_display() {
+        eprintln!("{missing}");
+        return Ok(ExitCode::from(2));
+    }
     crate::gui::run_native()?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// On Linux and the BSDs the studio needs an X11 or Wayland display; without one winit
+/// panics deep inside its event loop. Says so in one line, with the headless way out.
+#[cfg(feature = "gui")]
+fn missing_display() -> Option<String> {
+    if cfg!(any(target_os = "windows", target_os = "macos")) {
+        return None;
+    }
+    let set = |name: &str| std::env::var_os(name).is_some_and(|v| !v.is_empty());
+    if set("DISPLAY") || set("WAYLAND_DISPLAY") {
+        return None;
+    }
+    Some(
+        "no display: the studio needs X11 or Wayland (DISPLAY / WAYLAND_DISPLAY are unset); \
+         on a server use the headless commands: tunestudio train | plan | preview | devices | \
+         generate | bench (see --help)"
+            .to_string(),
+    )
 }
 
 #[cfg(not(feature = "gui"))]
