@@ -62,8 +62,9 @@ Steps (default: wheels links stub build):
   bundle     copy a stripped, xz-compressed binary + tiny fixtures into \$BUNDLE_DIR
              for scripts/gpu-check.sh on a GPU machine (must stay under 64 MiB)
   env        print the environment the build uses (source-able), then exit
-  check      type-check the cuda/nccl code only (cargo check into \$TARGET_DIR-check) with a
-             stand-in nvcc that writes empty kernels: minutes instead of ~19, nothing runnable
+  check      type-check the cuda/nccl code (cargo check into \$TARGET_DIR-check): the headless
+             binary, then the studio with every test/example target; a stand-in nvcc writes
+             empty kernels, so minutes instead of ~19, nothing runnable (CI runs this)
 
 Options:
   --no-nccl          build with \`cuda\` only (default: cuda + nccl)
@@ -282,10 +283,15 @@ FAKE
   chmod +x "$fake_dir/nvcc"
   local feats="cuda"
   [[ $WITH_NCCL -eq 1 ]] && feats="cuda,nccl"
-  log "cargo check --no-default-features --features $feats --target-dir ${TARGET_DIR}-check (stand-in nvcc)"
+  # Two builds cover every cfg: the headless server binary (no GUI), and the studio
+  # with every test, example and bench target (CUDA-only test code included).
+  log "cargo check --no-default-features --features $feats --lib --bins (headless, stand-in nvcc)"
   (cd "$REPO_DIR" && NVCC="$fake_dir/nvcc" PATH="$fake_dir:$PATH" \
     cargo check --no-default-features --features "$feats" --target-dir "${TARGET_DIR}-check" --lib --bins)
-  log "the cuda/nccl code type-checks"
+  log "cargo check --features $feats --all-targets (studio, tests, examples; stand-in nvcc)"
+  (cd "$REPO_DIR" && NVCC="$fake_dir/nvcc" PATH="$fake_dir:$PATH" \
+    cargo check --features "$feats" --target-dir "${TARGET_DIR}-check" --all-targets)
+  log "the cuda/nccl code type-checks (headless and studio, all targets)"
 }
 
 for step in "${STEPS[@]}"; do
