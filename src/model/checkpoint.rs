@@ -61,6 +61,22 @@ impl CustomOp2 for CheckpointOp {
         }
     }
 
+    // The same hand-over on a GPU: the layer ran with tensor ops on the device already.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _s1: &candle_core::CudaStorage,
+        _l1: &Layout,
+        _s2: &candle_core::CudaStorage,
+        _l2: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        let out = lock(&self.out).take();
+        match out {
+            Some(t) => super::ops::generic::hand_over_cuda(&t),
+            None => candle_core::bail!("layer-checkpoint: forward ran twice (internal error)"),
+        }
+    }
+
     fn bwd(
         &self,
         arg: &Tensor,

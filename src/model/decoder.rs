@@ -13,6 +13,7 @@ use super::lora::LoraConfig;
 use super::native_embedding;
 use super::native_layer::{self, NativeCtx};
 use super::ops;
+use super::ops_mode::OpsMode;
 use super::weights::Checkpoint;
 use super::{checkpoint, kernels};
 use candle_core::{DType, Device, Tensor, Var};
@@ -90,8 +91,8 @@ pub(crate) struct Ctx {
     /// `Some(seed)` when LoRA dropout is active (training); the same seed recomputes the
     /// same masks in checkpointed layers.
     pub dropout_seed: Option<u64>,
-    /// Use the fused kernels of [`super::ops`] rather than the composite reference ops.
-    pub fused: bool,
+    /// Which implementation runs each building block.
+    pub ops: kernels::OpsKind,
     /// The tables native layers read, built by the first one.
     pub native: OnceLock<Arc<NativeCtx>>,
 }
@@ -139,7 +140,9 @@ pub struct CausalLm {
     pub(crate) device: Device,
     pub(crate) layer_devices: Vec<Device>,
     pub(crate) checkpointing: bool,
-    pub(crate) fused: bool,
+    /// Which implementation runs each building block (native CPU kernels, device-generic
+    /// ops, or the composite reference).
+    pub(crate) ops: kernels::OpsKind,
     /// Run qualifying layers as one native op (see [`native_layer`]).
     pub(crate) native_layers: bool,
     pub(crate) lora: Option<LoraConfig>,
@@ -299,7 +302,7 @@ impl Linear {
     /// `x`: `[n, in]` → `[n, out]`.
     pub(crate) fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor, ModelError> {
         let mut y = if self.frozen {
-            kernels::frozen_linear(x, &self.w, ctx.fused)?
+            kernels::frozen_linear(x, &self.w, ctx.ops)?
         } else {
             x.matmul(&self.w.t()?)?
         };
@@ -343,8 +346,8 @@ impl Layer {
             .reshape((b, t, nkv, hd))?
             .transpose(1, 2)?
             .contiguous()?;
-        let q = kernels::rope(&q.contiguous()?, &ctx.cos, &ctx.sin, ctx.fused)?;
-        let k = kernels::rope(&k.contiguous()?, &ctx.cos, &ctx.sin, ctx.fused)?;
+        let q = kernels::rope(&q.contiguous()?, &ctx.cos, &ctx.sin, ctx.ops)?;
+        let k = kernels::rope(&k.contiguous()?, &ctx.cos, &ctx.sin, ctx.ops)?;
         // Grouped-query attention without repeating k/v: the `rep` query heads sharing a kv
         // head are stacked along the time axis ([b, nkv, rep*t, hd]), which is q's memory
         // order already, so one batched matmul per kv head does the work.
@@ -359,7 +362,7 @@ impl Layer {
                 (Some(m), true) => m,
                 _ => &ctx.mask,
             })?;
-        let probs = kernels::softmax_last_dim(&scores, ctx.fused)?
+        let probs = kernels::softmax_last_dim(&scores, ctx.ops)?
             .to_dtype(x.dtype())?
             .reshape((b, nkv, rep * t, t))?;
         let o = probs.matmul(&v)?; // [b, nkv, rep*t, hd] == [b, nh, t, hd]
@@ -375,15 +378,15 @@ impl Layer {
         let x2 = x.reshape((b * t, hidden))?;
         let g = self.gate.forward(&x2, ctx)?;
         let u = self.up.forward(&x2, ctx)?;
-        let a = kernels::silu_mul(&g, &u, ctx.fused)?;
+        let a = kernels::silu_mul(&g, &u, ctx.ops)?;
         Ok(self.down.forward(&a, ctx)?.reshape((b, t, hidden))?)
     }
 
     /// One decoder layer: pre-norm attention and MLP blocks with residuals.
     pub(crate) fn forward(&self, h: &Tensor, ctx: &Ctx) -> Result<Tensor, ModelError> {
-        let x = kernels::rms_norm(h, &self.input_norm, self.eps, ctx.fused)?;
+        let x = kernels::rms_norm(h, &self.input_norm, self.eps, ctx.ops)?;
         let h = (h + self.attention(&x, ctx)?)?;
-        let x = kernels::rms_norm(&h, &self.post_norm, self.eps, ctx.fused)?;
+        let x = kernels::rms_norm(&h, &self.post_norm, self.eps, ctx.ops)?;
         Ok((&h + self.mlp(&x, ctx)?)?)
     }
 }
@@ -440,7 +443,7 @@ impl CausalLm {
             device: device.clone(),
             layer_devices,
             checkpointing: false,
-            fused: kernels::FUSED_DEFAULT,
+            ops: kernels::OpsKind::Fused,
             native_layers: true,
             lora: None,
             side_grads: Arc::new(Mutex::new(HashMap::new())),
@@ -448,6 +451,7 @@ impl CausalLm {
             dropout_seed_base: 0x5EED,
             source,
         };
+        model.set_ops_mode(OpsMode::from_env()?);
         model.rebuild()?;
         Ok(model)
     }
@@ -557,8 +561,36 @@ impl CausalLm {
     }
 
     /// Use the fused kernels (default) or the composite reference ops (for parity tests).
+    /// Turning them on keeps the device-generic path when that was chosen.
     pub fn set_fused_ops(&mut self, on: bool) {
-        self.fused = on && kernels::FUSED_AVAILABLE;
+        self.ops = match (on && kernels::FUSED_AVAILABLE, self.ops) {
+            (false, _) => kernels::OpsKind::Reference,
+            (true, kernels::OpsKind::Generic) => kernels::OpsKind::Generic,
+            (true, _) => kernels::OpsKind::Fused,
+        };
+    }
+
+    /// Chooses the training-ops path: [`OpsMode::Generic`] runs the device-generic ops (what a
+    /// GPU runs) on every device, the CPU included; `Auto`/`Native` the CPU native kernels where
+    /// tensors are on the CPU. Models start in the mode `TUNESTUDIO_OPS` names.
+    pub fn set_ops_mode(&mut self, mode: OpsMode) {
+        self.ops = match mode {
+            OpsMode::Generic => kernels::OpsKind::Generic,
+            OpsMode::Auto | OpsMode::Native => kernels::OpsKind::Fused,
+        };
+    }
+
+    /// The training-ops path in use (`Generic` also while the reference ops are forced).
+    pub fn ops_mode(&self) -> OpsMode {
+        match self.ops {
+            kernels::OpsKind::Generic => OpsMode::Generic,
+            _ => OpsMode::Auto,
+        }
+    }
+
+    /// Whether the CPU native kernels (fused ops, native layers, side-table gradients) may run.
+    fn native_kernels(&self) -> bool {
+        self.ops == kernels::OpsKind::Fused
     }
 
     /// Runs each decoder layer that qualifies (CPU, f32, fused ops on, every weight of the
@@ -571,7 +603,7 @@ impl CausalLm {
 
     /// How many decoder layers the next training forward pass runs natively.
     pub fn native_layer_count(&self) -> usize {
-        if !self.native_layers || !self.fused || self.dtype != DType::F32 {
+        if !self.native_layers || !self.native_kernels() || self.dtype != DType::F32 {
             return 0;
         }
         self.modules
@@ -817,7 +849,7 @@ impl CausalLm {
                 mask,
                 sliding_mask,
                 dropout_seed,
-                fused: self.fused,
+                ops: self.ops,
                 native: OnceLock::new(),
             }))
         };
@@ -848,7 +880,10 @@ impl CausalLm {
             if !h.device().same_device(&layer.device) {
                 h = h.to_device(&layer.device)?;
             }
-            h = if self.native_layers && native_layer::applies(layer, &ctx, &h) {
+            h = if self.native_layers
+                && self.native_kernels()
+                && native_layer::applies(layer, &ctx, &h)
+            {
                 let nc = match ctx.native.get() {
                     Some(nc) => nc.clone(),
                     None => {
@@ -864,7 +899,7 @@ impl CausalLm {
                     &self.side_grads,
                     train && !self.checkpointing,
                 )?
-            } else if self.checkpointing && layer.device.is_cpu() {
+            } else if self.checkpointing {
                 checkpoint::checkpointed_layer(layer, &ctx, &h, &self.side_grads)?
             } else {
                 layer.forward(&h, &ctx)?
@@ -874,7 +909,7 @@ impl CausalLm {
         if !h.device().same_device(head_device) {
             h = h.to_device(head_device)?;
         }
-        kernels::rms_norm(&h, &self.modules.norm, self.config.rms_norm_eps, self.fused)
+        kernels::rms_norm(&h, &self.modules.norm, self.config.rms_norm_eps, self.ops)
     }
 
     /// Full logits `[b, t, vocab]` in f32 (for tests and generation; training uses
@@ -895,7 +930,7 @@ impl CausalLm {
     /// the side table): native layers on, fused kernels, trainable dense f32 CPU embeddings.
     fn native_embedding(&self) -> bool {
         self.native_layers
-            && self.fused
+            && self.native_kernels()
             && self.param(EMBED_NAME).is_some_and(|p| p.trainable)
             && native_embedding::applies(&self.modules.embed)
     }
@@ -908,7 +943,7 @@ impl CausalLm {
         let param = self.param(name)?;
         let head = &self.modules.lm_head;
         let usable = self.native_layers
-            && self.fused
+            && self.native_kernels()
             && param.trainable
             && head.id() == param.var.as_tensor().id()
             && native_embedding::applies(head);
@@ -925,7 +960,7 @@ impl CausalLm {
     /// `[n, hidden] @ lm_head^T` → `[n, vocab]` in the model dtype.
     pub(crate) fn head_matmul(&self, h2: &Tensor) -> Result<Tensor, ModelError> {
         if self.modules.lm_head_frozen {
-            kernels::frozen_linear(h2, &self.modules.lm_head, self.fused)
+            kernels::frozen_linear(h2, &self.modules.lm_head, self.ops)
         } else {
             Ok(h2.matmul(&self.modules.lm_head.t()?)?)
         }

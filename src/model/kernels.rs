@@ -1,91 +1,89 @@
-//! Routes each building block to the fused kernels of [`super::ops`] or to the composite
-//! reference ops of [`super::reference_ops`], and implements the frozen-weight matmul.
+//! Routes each building block to the CPU fused kernels of [`super::ops`], to the device-generic
+//! ops of [`super::ops::generic`] (what a GPU runs), or to the composite reference ops of
+//! [`super::reference_ops`], and implements the frozen-weight matmul.
 
 use super::error::ModelError;
 use super::ops;
+use super::ops::generic;
 use super::reference_ops as r;
-use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, Shape, Storage, Tensor};
 
 /// Whether the fused kernels exist in this build.
 pub(crate) const FUSED_AVAILABLE: bool = true;
-/// Whether new models use them.
-pub(crate) const FUSED_DEFAULT: bool = FUSED_AVAILABLE;
+
+/// Which implementation of the decoder's building blocks a model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum OpsKind {
+    /// The CPU fused kernels where the tensor is on the CPU; the generic ops elsewhere.
+    Fused,
+    /// The device-generic ops on every device (`TUNESTUDIO_OPS=generic`).
+    Generic,
+    /// The composite reference ops (parity tests; they keep more intermediates alive).
+    Reference,
+}
+
+impl OpsKind {
+    /// The implementation that runs on `x`'s device.
+    fn on(self, x: &Tensor) -> OpsKind {
+        match self {
+            OpsKind::Fused if !x.device().is_cpu() => OpsKind::Generic,
+            other => other,
+        }
+    }
+}
 
 pub(crate) fn rms_norm(
     x: &Tensor,
     w: &Tensor,
     eps: f64,
-    fused: bool,
+    kind: OpsKind,
 ) -> Result<Tensor, ModelError> {
-    if fused {
-        Ok(ops::rms_norm(x, w, eps)?)
-    } else {
-        Ok(r::rms_norm(x, w, eps)?)
-    }
+    Ok(match kind.on(x) {
+        OpsKind::Fused => ops::rms_norm(x, w, eps)?,
+        OpsKind::Generic => generic::rms_norm(x, w, eps)?,
+        OpsKind::Reference => r::rms_norm(x, w, eps)?,
+    })
 }
 
 pub(crate) fn rope(
     x: &Tensor,
     cos: &Tensor,
     sin: &Tensor,
-    fused: bool,
+    kind: OpsKind,
 ) -> Result<Tensor, ModelError> {
-    if fused {
-        Ok(ops::rope(x, cos, sin)?)
-    } else {
-        Ok(r::rope(x, cos, sin)?)
-    }
+    Ok(match kind.on(x) {
+        OpsKind::Fused => ops::rope(x, cos, sin)?,
+        OpsKind::Generic => generic::rope(x, cos, sin)?,
+        OpsKind::Reference => r::rope(x, cos, sin)?,
+    })
 }
 
-pub(crate) fn softmax_last_dim(x: &Tensor, fused: bool) -> Result<Tensor, ModelError> {
-    if fused {
-        Ok(ops::softmax_last_dim(x)?)
-    } else {
-        Ok(r::softmax_last_dim(x)?)
-    }
+pub(crate) fn softmax_last_dim(x: &Tensor, kind: OpsKind) -> Result<Tensor, ModelError> {
+    Ok(match kind.on(x) {
+        OpsKind::Fused => ops::softmax_last_dim(x)?,
+        OpsKind::Generic => generic::softmax_last_dim(x)?,
+        OpsKind::Reference => r::softmax_last_dim(x)?,
+    })
 }
 
-pub(crate) fn silu_mul(g: &Tensor, u: &Tensor, fused: bool) -> Result<Tensor, ModelError> {
-    if fused {
-        Ok(ops::silu_mul(g, u)?)
-    } else {
-        Ok(r::silu_mul(g, u)?)
-    }
+pub(crate) fn silu_mul(g: &Tensor, u: &Tensor, kind: OpsKind) -> Result<Tensor, ModelError> {
+    Ok(match kind.on(g) {
+        OpsKind::Fused => ops::silu_mul(g, u)?,
+        OpsKind::Generic => generic::silu_mul(g, u)?,
+        OpsKind::Reference => r::silu_mul(g, u)?,
+    })
 }
 
-/// `x @ w^T` for a frozen `w` (`[out, in]`): the backward pass computes the gradient of
-/// `x` only. (candle's own matmul backward always computes both operands' gradients,
-/// which for a frozen weight is a wasted matmul and a weight-sized buffer.)
-pub(crate) fn frozen_linear(x: &Tensor, w: &Tensor, fused: bool) -> Result<Tensor, ModelError> {
-    if fused {
-        return Ok(ops::frozen_linear(x, w, None)?);
-    }
-    if !x.device().is_cpu() {
-        // Off the CPU the custom op has no kernel; a detached weight still blocks the
-        // parameter update (its gradient is computed and dropped).
-        return Ok(x.matmul(&w.detach().t()?)?);
-    }
-    // The custom op reads its input as one contiguous block.
-    Ok(x.contiguous()?.apply_op1(FrozenLinear { w: w.detach() })?)
-}
-
-struct FrozenLinear {
-    w: Tensor,
-}
-
-/// A tensor holding a copy of the data a storage/layout pair describes.
-pub(crate) fn tensor_from_cpu(s: &CpuStorage, l: &Layout) -> candle_core::Result<Tensor> {
-    let dev = candle_core::Device::Cpu;
-    let dims = l.shape().dims().to_vec();
-    let Some((start, end)) = l.contiguous_offsets() else {
-        candle_core::bail!("expected a contiguous input (internal error: call .contiguous() first)")
-    };
-    match s {
-        CpuStorage::F32(v) => Tensor::from_slice(&v[start..end], dims, &dev),
-        CpuStorage::BF16(v) => Tensor::from_slice(&v[start..end], dims, &dev),
-        CpuStorage::F16(v) => Tensor::from_slice(&v[start..end], dims, &dev),
-        CpuStorage::F64(v) => Tensor::from_slice(&v[start..end], dims, &dev),
-        _ => candle_core::bail!("unsupported dtype for a frozen/checkpointed op"),
+/// `x @ w^T` for a frozen `w` (`[out, in]`): the backward pass computes the gradient of `x`
+/// only. (candle's own matmul backward always computes both operands' gradients, which for a
+/// frozen weight is a wasted matmul and a weight-sized buffer.)
+pub(crate) fn frozen_linear(x: &Tensor, w: &Tensor, kind: OpsKind) -> Result<Tensor, ModelError> {
+    match kind.on(x) {
+        OpsKind::Fused => Ok(ops::frozen_linear(x, w, None)?),
+        OpsKind::Generic => Ok(generic::frozen_linear(x, w)?),
+        // The reference: candle's matmul on a detached weight (its gradient is computed and
+        // dropped; the parameter is not updated).
+        OpsKind::Reference => Ok(x.matmul(&w.detach().t()?)?),
     }
 }
 
@@ -110,27 +108,6 @@ pub(crate) fn cpu_storage_of(t: &Tensor) -> candle_core::Result<(CpuStorage, Sha
             Ok((out, layout.shape().clone()))
         }
         _ => candle_core::bail!("expected a CPU tensor"),
-    }
-}
-
-impl CustomOp1 for FrozenLinear {
-    fn name(&self) -> &'static str {
-        "frozen-linear"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let x = tensor_from_cpu(s, l)?;
-        let y = x.matmul(&self.w.t()?)?;
-        cpu_storage_of(&y)
-    }
-
-    fn bwd(
-        &self,
-        _arg: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> candle_core::Result<Option<Tensor>> {
-        Ok(Some(grad.matmul(&self.w)?))
     }
 }
 

@@ -3,10 +3,11 @@
 //!
 //! What is kept: the final hidden states of the non-ignored positions (`[n, hidden]`)
 //! and, per chunk of [`LOSS_CHUNK_TOKENS`] rows, whatever the cross-entropy op needs
-//! for its backward pass. With the fused `linear_cross_entropy` kernel that is only the
-//! chunk's per-row log-sum-exp (the logits are recomputed in backward); with the
-//! composite reference ops each chunk's f32 logits stay in the graph until backward, so
-//! chunking bounds the size of one allocation but not the total.
+//! for its backward pass. With the fused CPU `linear_cross_entropy` kernel and with its
+//! device-generic twin (`ops::generic`, what a GPU runs) that is only the chunk's per-row
+//! log-sum-exp (the logits are recomputed in backward); with the composite reference ops
+//! each chunk's f32 logits stay in the graph until backward, so chunking bounds the size
+//! of one allocation but not the total.
 
 use super::decoder::{CausalLm, IGNORE_INDEX, LOSS_CHUNK_TOKENS};
 use super::error::ModelError;
@@ -95,7 +96,7 @@ pub(crate) fn causal_lm_loss(
     }
     let shifted = hidden.narrow(1, 0, t - 1)?.reshape((b * (t - 1), h))?;
     let n = keep.len();
-    if model.fused && shifted.device().is_cpu() {
+    if model.ops == kernels::OpsKind::Fused && shifted.device().is_cpu() {
         // The fused op skips ignored rows itself and recomputes chunk logits in backward.
         let (sum, _) = ops::linear_cross_entropy_with_sink(
             &shifted,
@@ -116,6 +117,17 @@ pub(crate) fn causal_lm_loss(
         shifted.index_select(&Tensor::from_vec(keep, n, device)?, 0)?
     };
     let targets = Tensor::from_vec(targets, n, device)?;
+    if model.ops != kernels::OpsKind::Reference {
+        // Device-generic: one log-sum-exp per row kept, chunk logits recomputed in backward.
+        let sum = ops::generic::linear_cross_entropy(
+            &rows,
+            &model.modules.lm_head,
+            &targets,
+            LOSS_CHUNK_TOKENS,
+            !model.modules.lm_head_frozen,
+        )?;
+        return Ok(LossOutput { sum, num_tokens: n });
+    }
     let sum = chunked_ce(model, &rows, &targets)?.sum_all()?;
     Ok(LossOutput {
         sum: sum.to_dtype(DType::F32)?,

@@ -110,7 +110,7 @@ fn name_of<'a>(layer: &'a Layer, t: &Tensor) -> Option<&'a str> {
 /// Whether `layer` can run on `h` as one native op: CPU, f32, fused kernels on, every weight
 /// and norm of the layer trainable, no adapters and no dropout.
 pub(crate) fn applies(layer: &Layer, ctx: &Ctx, h: &Tensor) -> bool {
-    if !ctx.fused
+    if ctx.ops != super::kernels::OpsKind::Fused
         || ctx.dropout_seed.is_some()
         || !h.device().is_cpu()
         || h.dtype() != DType::F32

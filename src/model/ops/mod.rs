@@ -15,6 +15,7 @@
 pub mod composite;
 mod cross_entropy;
 mod frozen_linear;
+pub(crate) mod generic;
 pub(crate) mod matmul;
 pub(crate) mod rms_norm;
 mod rope;
