@@ -5,12 +5,16 @@
 #
 #   1. discovery            `tunestudio devices` (table + JSON)
 #   2. device checks        `tunestudio devices --check`: parity with transformers'
-#                           reference loss/gradients in fp32 and bf16, a layer split over
+#                           reference loss/gradients in fp32 and bf16, and in fp32 through
+#                           the device-generic ops with activation checkpointing (the GPU's
+#                           checkpointing, generic loss and frozen linear), a layer split over
 #                           2 logical devices on the one GPU, data parallel over 2 logical
 #                           devices, NCCL all-reduce, the memory sampler, predicted vs
 #                           measured memory over the planner's grid, tokens/s of the
 #                           SmolLM2-135M shape in bf16
-#   3. PyTorch reference    the same training step in PyTorch (if installed) → speed ratio
+#   3. generic-path bench   `tunestudio bench --ops generic` beside `--ops native` on the
+#                           CPU (the bench runs on the CPU): what the generic ops cost
+#   4. PyTorch reference    the same training step in PyTorch (if installed) → speed ratio
 #
 # `--cpu` runs the same steps on the CPU (tiny shapes), so this script is tested
 # on machines without a GPU. Results go to $OUT (or ./gpu-check-out).
@@ -136,10 +140,18 @@ for s in r["steps"]:
 EOF
 log "device checks: $([[ $check_rc -eq 0 ]] && echo passed || echo FAILED) (exit $check_rc)"
 
-# --- 3. PyTorch reference step ------------------------------------------------
+# --- 3. generic-path speed beside native (CPU bench: the ratio the generic ops cost) ----
+log "step 3: tunestudio bench --ops native | generic (CPU)"
+for ops in native generic; do
+  "$BIN" bench --ops "$ops" --model-config "$SHARED/fixtures/tiny-llama/config.json" \
+    --seq-len 64 --steps 3 >"$OUT_DIR/bench-$ops.txt" 2>&1 || log "bench --ops $ops failed"
+  grep -E '^(ops|step \(median\)|tokens/s|last loss)' "$OUT_DIR/bench-$ops.txt"
+done
+
+# --- 4. PyTorch reference step ------------------------------------------------
 torch_rc=0
 if [[ $RUN_TORCH -eq 1 ]] && command -v python3 >/dev/null && python3 -c 'import torch' 2>/dev/null; then
-  log "step 3: PyTorch run of the same step"
+  log "step 4: PyTorch run of the same step"
   if [[ $MODE == gpu ]]; then
     torch_args=(--config "$SHARED/model-configs/smollm2-135m.json" --device cuda --dtype bf16 --batch 8 --seq 512 --steps 10)
   else
@@ -226,7 +238,7 @@ EOF
     log "PyTorch step failed (exit $torch_rc); see above"
   fi
 else
-  log "step 3: skipped (PyTorch is not installed here, or --no-torch)"
+  log "step 4: skipped (PyTorch is not installed here, or --no-torch)"
 fi
 
 log "done in ${SECONDS}s; results in $OUT_DIR"

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use tunestudio::model::{matmul_simd, run_training_bench, BenchConfig};
+use tunestudio::model::{matmul_simd, run_training_bench, BenchConfig, OpsMode};
 
 /// Arguments of `tunestudio bench`.
 #[derive(Debug, clap::Args)]
@@ -29,6 +29,10 @@ pub struct BenchArgs {
     /// Recompute decoder layers in backward (activation checkpointing).
     #[arg(long)]
     pub checkpointing: bool,
+    /// Training ops: `native` (CPU kernels), `generic` (the device-generic ops a GPU runs) or
+    /// `auto`. Default: `TUNESTUDIO_OPS`, else auto.
+    #[arg(long)]
+    pub ops: Option<String>,
 }
 
 /// Runs `tunestudio bench`.
@@ -39,6 +43,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         "f16" | "float16" => candle_core::DType::F16,
         other => anyhow::bail!("--dtype {other} is not supported; use f32, bf16 or f16"),
     };
+    let ops = match &args.ops {
+        Some(o) => o.parse::<OpsMode>()?,
+        None => OpsMode::from_env()?,
+    };
     let mut cfg = BenchConfig {
         seq_len: args.seq_len,
         batch: args.batch,
@@ -46,6 +54,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         dtype,
         threads: args.threads,
         activation_checkpointing: args.checkpointing,
+        ops,
         ..BenchConfig::default()
     };
     if let Some(p) = args.model_config {
@@ -63,6 +72,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     println!("parameters        {}", r.num_parameters);
     println!("threads           {}", r.threads);
     println!("matmul SIMD       {}", matmul_simd());
+    println!("ops               {}", cfg.ops);
     println!("tokens/step       {}", r.tokens_per_step);
     println!(
         "step (median)     {:.3} s   [{}]",

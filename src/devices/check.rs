@@ -102,10 +102,11 @@ impl CheckReport {
 pub const MEMORY_GRID_TOLERANCE: f64 = 0.05;
 
 /// The step names, in order.
-pub const STEPS: [&str; 9] = [
+pub const STEPS: [&str; 10] = [
     "discovery",
     "parity-fp32",
     "parity-bf16",
+    "parity-generic",
     "layer-split",
     "data-parallel",
     "nccl",
@@ -163,8 +164,9 @@ pub fn run_checks(options: &CheckOptions) -> CheckReport {
 fn run_step(name: &str, o: &CheckOptions) -> Result<Outcome, DevicesError> {
     match name {
         "discovery" => Ok(step_discovery(o)),
-        "parity-fp32" => step_parity(o, DType::F32),
-        "parity-bf16" => step_parity(o, DType::BF16),
+        "parity-fp32" => step_parity(o, DType::F32, false),
+        "parity-bf16" => step_parity(o, DType::BF16, false),
+        "parity-generic" => step_parity(o, DType::F32, true),
         "layer-split" => step_layer_split(o),
         "data-parallel" => step_data_parallel(o),
         "nccl" => step_nccl(o),
@@ -346,10 +348,17 @@ fn max_grad_rel_diff(a: &Gradients, b: &Gradients) -> Result<(f64, String, usize
     Ok(worst)
 }
 
-fn step_parity(o: &CheckOptions, dtype: DType) -> Result<Outcome, DevicesError> {
+/// Loss and gradients of the fixture batch against transformers'. `generic`: the device-generic
+/// ops (forced on the CPU; what CUDA runs anyway) with activation checkpointing on, so the
+/// GPU's checkpointing and generic loss are held to the same reference.
+fn step_parity(o: &CheckOptions, dtype: DType, generic: bool) -> Result<Outcome, DevicesError> {
     let device = main_device(o.mode)?;
     let (batch, reference) = load_reference(&o.fixture_dir)?;
-    let model = CausalLm::load(&o.fixture_dir, dtype, &device)?;
+    let mut model = CausalLm::load(&o.fixture_dir, dtype, &device)?;
+    if generic {
+        model.set_ops_mode(crate::model::OpsMode::Generic);
+        model.set_activation_checkpointing(true);
+    }
     let (loss, grads) = loss_and_mean_grads(&model, &batch.to_device(&device)?)?;
     let ref_loss = reference
         .get("loss")
@@ -387,8 +396,9 @@ fn step_parity(o: &CheckOptions, dtype: DType) -> Result<Outcome, DevicesError> 
         compared += 1;
     }
     let detail = format!(
-        "{dtype:?} on {}: loss {loss:.6} vs reference {ref_loss:.6} (rel {loss_rel:.2e}, tol {loss_tol:.0e}); \
+        "{dtype:?}{} on {}: loss {loss:.6} vs reference {ref_loss:.6} (rel {loss_rel:.2e}, tol {loss_tol:.0e}); \
          {compared} gradients: worst rel diff {worst_rel:.2e} ({worst_name}), min cosine {worst_cos:.5}",
+        if generic { " generic ops + checkpointing" } else { "" },
         if o.mode == CheckMode::Cpu { "cpu" } else { "cuda:0" }
     );
     Ok(

@@ -47,14 +47,92 @@ impl Default for AdamWConfig {
     }
 }
 
+/// Where the optimizer keeps its moments (and master weights).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StatePlacement {
+    /// On each parameter's device: host vectors updated in place for CPU parameters (the
+    /// native fast path), device tensors for every other device.
+    #[default]
+    Auto,
+    /// Device tensors on every parameter's device, updated with tensor ops: the code a GPU
+    /// runs, also on the CPU (`TUNESTUDIO_OPS=generic`).
+    Device,
+    /// Host RAM whatever the parameter's device (ZeRO-Offload's idea): frees 8–12 bytes per
+    /// parameter on the GPU for a host↔device copy of each gradient and parameter per step.
+    Host,
+}
+
+/// One parameter's moments and optional fp32 master copy.
+enum State {
+    /// f32 vectors in host RAM.
+    Host {
+        m: Vec<f32>,
+        v: Vec<f32>,
+        master: Option<Vec<f32>>,
+    },
+    /// f32 tensors on the parameter's device.
+    Device {
+        m: Tensor,
+        v: Tensor,
+        master: Option<Tensor>,
+    },
+}
+
 struct Slot {
     name: String,
     var: Var,
     decay: bool,
-    m: Vec<f32>,
-    v: Vec<f32>,
-    /// fp32 copy of a half-precision parameter (the update is applied here first).
-    master: Option<Vec<f32>>,
+    state: State,
+}
+
+impl Slot {
+    fn has_master(&self) -> bool {
+        match &self.state {
+            State::Host { master, .. } => master.is_some(),
+            State::Device { master, .. } => master.is_some(),
+        }
+    }
+
+    /// Moves the state to `placement` (a no-op when it is there already).
+    fn place(&mut self, placement: StatePlacement) -> Result<(), ModelError> {
+        let on_device = match placement {
+            StatePlacement::Host => false,
+            StatePlacement::Device => true,
+            StatePlacement::Auto => !self.var.device().is_cpu(),
+        };
+        let dims = self.var.dims().to_vec();
+        let device = self.var.device().clone();
+        self.state = match (
+            std::mem::replace(&mut self.state, State::empty()),
+            on_device,
+        ) {
+            (State::Host { m, v, master }, true) => {
+                let t = |x: Vec<f32>| Tensor::from_vec(x, dims.as_slice(), &device);
+                State::Device {
+                    m: t(m)?,
+                    v: t(v)?,
+                    master: master.map(t).transpose()?,
+                }
+            }
+            (State::Device { m, v, master }, false) => State::Host {
+                m: to_f32_vec(&m)?,
+                v: to_f32_vec(&v)?,
+                master: master.as_ref().map(to_f32_vec).transpose()?,
+            },
+            (same, _) => same,
+        };
+        Ok(())
+    }
+}
+
+impl State {
+    fn empty() -> Self {
+        State::Host {
+            m: Vec::new(),
+            v: Vec::new(),
+            master: None,
+        }
+    }
 }
 
 /// The optimizer: one state slot per trainable parameter.
@@ -62,6 +140,7 @@ pub struct AdamW {
     cfg: AdamWConfig,
     slots: Vec<Slot>,
     steps: u64,
+    placement: StatePlacement,
 }
 
 /// Elements per rayon task in the update.
@@ -94,20 +173,40 @@ impl AdamW {
             } else {
                 None
             };
-            slots.push(Slot {
+            let mut slot = Slot {
                 name: p.name.clone(),
                 var: p.var.clone(),
                 decay: p.weight_decay || cfg.decay_norms_and_biases,
-                m: vec![0.0; n],
-                v: vec![0.0; n],
-                master,
-            });
+                state: State::Host {
+                    m: vec![0.0; n],
+                    v: vec![0.0; n],
+                    master,
+                },
+            };
+            slot.place(StatePlacement::Auto)?;
+            slots.push(slot);
         }
         Ok(Self {
             cfg,
             slots,
             steps: 0,
+            placement: StatePlacement::Auto,
         })
+    }
+
+    /// Moves every parameter's state to `placement` (see [`StatePlacement`]); later steps,
+    /// checkpoints and resumes keep it there.
+    pub fn set_state_placement(&mut self, placement: StatePlacement) -> Result<(), ModelError> {
+        for s in &mut self.slots {
+            s.place(placement)?;
+        }
+        self.placement = placement;
+        Ok(())
+    }
+
+    /// Where the state lives.
+    pub fn state_placement(&self) -> StatePlacement {
+        self.placement
     }
 
     /// The hyper-parameters.
@@ -169,32 +268,13 @@ impl AdamW {
             } else {
                 1.0
             };
-            // f32 parameters on the CPU are updated where they live: no copies of the
-            // parameter or the gradient (four weight-sized buffers per tensor otherwise).
-            if s.master.is_none() && in_place_ok(s.var.as_tensor(), g) {
-                let op = InPlaceUpdate {
-                    m: Mutex::new(&mut s.m),
-                    v: Mutex::new(&mut s.v),
-                    decay,
-                    c: coeffs,
-                };
-                s.var.as_tensor().inplace_op2(g, &op)?;
-                continue;
-            }
-            let g = to_f32_vec(g)?;
-            let has_master = s.master.is_some();
-            let mut p = match s.master.take() {
-                Some(m) => m,
-                None => to_f32_vec(s.var.as_tensor())?,
-            };
-            update(&mut p, &mut s.m, &mut s.v, &g, decay, coeffs)?;
-            let shape = s.var.shape().clone();
-            let device = s.var.device().clone();
-            let dtype = s.var.dtype();
-            let new = Tensor::from_slice(&p, shape, &device)?.to_dtype(dtype)?;
-            s.var.set(&new)?;
-            if has_master {
-                s.master = Some(p);
+            match &mut s.state {
+                State::Device { m, v, master } => {
+                    device_update(&s.var, m, v, master, g, decay, coeffs)?;
+                }
+                State::Host { m, v, master } => {
+                    host_update(&s.var, m, v, master, g, decay, coeffs)?;
+                }
             }
         }
         Ok(())
@@ -211,19 +291,24 @@ impl AdamW {
         let mut out = HashMap::new();
         for s in &self.slots {
             let shape = s.var.shape().clone();
-            out.insert(
-                format!("exp_avg.{}", s.name),
-                Tensor::from_slice(&s.m, shape.clone(), &Device::Cpu)?,
-            );
-            out.insert(
-                format!("exp_avg_sq.{}", s.name),
-                Tensor::from_slice(&s.v, shape.clone(), &Device::Cpu)?,
-            );
-            if let Some(m) = &s.master {
-                out.insert(
-                    format!("master.{}", s.name),
-                    Tensor::from_slice(m, shape, &Device::Cpu)?,
-                );
+            let host = |x: &[f32]| Tensor::from_slice(x, shape.clone(), &Device::Cpu);
+            let (m, v, master) = match &s.state {
+                State::Host { m, v, master } => {
+                    (host(m)?, host(v)?, master.as_deref().map(host).transpose()?)
+                }
+                State::Device { m, v, master } => (
+                    m.to_device(&Device::Cpu)?,
+                    v.to_device(&Device::Cpu)?,
+                    master
+                        .as_ref()
+                        .map(|t| t.to_device(&Device::Cpu))
+                        .transpose()?,
+                ),
+            };
+            out.insert(format!("exp_avg.{}", s.name), m);
+            out.insert(format!("exp_avg_sq.{}", s.name), v);
+            if let Some(m) = master {
+                out.insert(format!("master.{}", s.name), m);
             }
         }
         Ok(out)
@@ -253,7 +338,7 @@ impl AdamW {
             let dims = s.var.dims().to_vec();
             let m = fetch(&format!("exp_avg.{}", s.name), &dims)?;
             let v = fetch(&format!("exp_avg_sq.{}", s.name), &dims)?;
-            let master = if s.master.is_some() {
+            let master = if s.has_master() {
                 let key = format!("master.{}", s.name);
                 if t.contains_key(&key) {
                     Some(fetch(&key, &dims)?)
@@ -266,15 +351,80 @@ impl AdamW {
             staged.push((m, v, master));
         }
         for (s, (m, v, master)) in self.slots.iter_mut().zip(staged) {
-            s.m = m;
-            s.v = v;
-            if master.is_some() {
-                s.master = master;
-            }
+            s.state = State::Host { m, v, master };
+            s.place(self.placement)?;
         }
         self.steps = steps_taken;
         Ok(())
     }
+}
+
+/// The update of a parameter whose state is in host RAM: in place for an f32 CPU parameter,
+/// else through host copies of the parameter and gradient (the offload path).
+fn host_update(
+    var: &Var,
+    m: &mut Vec<f32>,
+    v: &mut Vec<f32>,
+    master: &mut Option<Vec<f32>>,
+    g: &Tensor,
+    decay: f32,
+    c: Coeffs,
+) -> Result<(), ModelError> {
+    // f32 parameters on the CPU are updated where they live: no copies of the parameter or
+    // the gradient (four weight-sized buffers per tensor otherwise).
+    if master.is_none() && in_place_ok(var.as_tensor(), g) {
+        let op = InPlaceUpdate {
+            m: Mutex::new(m),
+            v: Mutex::new(v),
+            decay,
+            c,
+        };
+        var.as_tensor().inplace_op2(g, &op)?;
+        return Ok(());
+    }
+    let g = to_f32_vec(g)?;
+    let has_master = master.is_some();
+    let mut p = match master.take() {
+        Some(p) => p,
+        None => to_f32_vec(var.as_tensor())?,
+    };
+    update(&mut p, m, v, &g, decay, c)?;
+    let new = Tensor::from_slice(&p, var.shape().clone(), var.device())?.to_dtype(var.dtype())?;
+    var.set(&new)?;
+    if has_master {
+        *master = Some(p);
+    }
+    Ok(())
+}
+
+/// The same update with tensor ops on the parameter's device (f32 arithmetic in torch's
+/// order), for state kept there: what a GPU runs.
+fn device_update(
+    var: &Var,
+    m: &mut Tensor,
+    v: &mut Tensor,
+    master: &mut Option<Tensor>,
+    g: &Tensor,
+    decay: f32,
+    c: Coeffs,
+) -> Result<(), ModelError> {
+    let g = (g.to_device(var.device())?.to_dtype(DType::F32)? * c.mult as f64)?;
+    let p = match master.as_ref() {
+        Some(p) => p.clone(),
+        None => var.as_tensor().to_dtype(DType::F32)?,
+    };
+    let p = (p * decay as f64)?;
+    let new_m = (&*m + ((&g - &*m)? * c.one_m_b1 as f64)?)?;
+    let new_v = ((&*v * c.b2 as f64)? + ((&g * &g)? * c.one_m_b2 as f64)?)?;
+    let denom = ((new_v.sqrt()? / c.bc2_sqrt as f64)? + c.eps as f64)?;
+    let p = (p - ((&new_m / denom)? * c.step_size as f64)?)?;
+    var.set(&p.to_dtype(var.dtype())?)?;
+    if master.is_some() {
+        *master = Some(p);
+    }
+    *m = new_m;
+    *v = new_v;
+    Ok(())
 }
 
 /// The scalars of one AdamW step.

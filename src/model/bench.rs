@@ -1,10 +1,11 @@
 //! The training benchmark: random-initialised model, random tokens, full AdamW steps,
 //! timed phase by phase.
 
-use super::adamw::{AdamW, AdamWConfig};
+use super::adamw::{AdamW, AdamWConfig, StatePlacement};
 use super::config::ModelConfig;
 use super::decoder::CausalLm;
 use super::error::ModelError;
+use super::ops_mode::OpsMode;
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 use std::path::PathBuf;
@@ -29,6 +30,8 @@ pub struct BenchConfig {
     pub activation_checkpointing: bool,
     /// Seed of weights and tokens.
     pub seed: u64,
+    /// The training-ops path: native CPU kernels or the device-generic ops a GPU runs.
+    pub ops: OpsMode,
 }
 
 impl Default for BenchConfig {
@@ -45,6 +48,7 @@ impl Default for BenchConfig {
             threads: None,
             activation_checkpointing: false,
             seed: 0,
+            ops: OpsMode::Auto,
         }
     }
 }
@@ -148,7 +152,11 @@ fn run_inner(cfg: &BenchConfig, threads: usize) -> Result<BenchReport, ModelErro
     let device = Device::Cpu;
     let mut model = CausalLm::random_init(&config, cfg.seed, cfg.dtype, &device)?;
     model.set_activation_checkpointing(cfg.activation_checkpointing);
+    model.set_ops_mode(cfg.ops);
     let mut opt = AdamW::new(model.params(), AdamWConfig::default(), false)?;
+    if cfg.ops == OpsMode::Generic {
+        opt.set_state_placement(StatePlacement::Device)?;
+    }
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed ^ 0xB0BA);
     let n_tok = cfg.batch * cfg.seq_len;
     let mut step_secs = Vec::new();

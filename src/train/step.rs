@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::model::{AdamW, AdamWConfig, CausalLm, Gradients};
+use crate::model::{AdamW, AdamWConfig, CausalLm, Gradients, OpsMode, StatePlacement};
 
 use super::checkpoint::{self, TrainerState};
 use super::config::{InitMode, RunConfig};
@@ -295,11 +295,20 @@ impl TrainingRun {
             weight_decay: t.weight_decay,
             decay_norms_and_biases: t.decay_norms_and_biases,
         };
-        let optimizer = AdamW::new(model.params(), adam_cfg, t.precision.master_weights())
+        let mut optimizer = AdamW::new(model.params(), adam_cfg, t.precision.master_weights())
             .map_err(|cause| TrainError::Model {
                 context: "cannot create the optimizer".into(),
                 cause,
             })?;
+        if model.ops_mode() == OpsMode::Generic {
+            // The GPU's optimizer code: state as device tensors, updated with tensor ops.
+            optimizer
+                .set_state_placement(StatePlacement::Device)
+                .map_err(|cause| TrainError::Model {
+                    context: "cannot place the optimizer state".into(),
+                    cause,
+                })?;
+        }
         let scaler = t
             .precision
             .uses_loss_scaling()

@@ -41,6 +41,7 @@ fn gpu_check_script_passes_in_cpu_mode() {
         "discovery",
         "parity-fp32",
         "parity-bf16",
+        "parity-generic",
         "layer-split",
         "data-parallel",
         "memory-sampler",

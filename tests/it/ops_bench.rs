@@ -179,9 +179,21 @@ fn bench_softmax_only() -> Result<()> {
 /// must finish and print every figure it promises, with a loss near ln(vocab) for random weights.
 #[test]
 fn bench_command_reports_its_figures_on_a_tiny_model() {
+    let native = bench_figures("native");
+    let generic = bench_figures("generic");
+    // The same seeded steps through the GPU's code path: the same losses.
+    assert!(
+        (native - generic).abs() < 1e-4,
+        "last loss native {native} vs generic {generic}"
+    );
+}
+
+/// Runs `tunestudio bench --ops OPS` on tiny-llama, checks every figure, returns the last loss.
+fn bench_figures(ops: &str) -> f64 {
     let config = tunestudio::paths::shared_dir().join("fixtures/tiny-llama/config.json");
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tunestudio"))
         .args(["bench", "--seq-len", "16", "--steps", "2", "--threads", "1"])
+        .args(["--ops", ops])
         .arg("--model-config")
         .arg(&config)
         .output()
@@ -206,6 +218,7 @@ fn bench_command_reports_its_figures_on_a_tiny_model() {
     }
     assert!(["AVX-512", "AVX2 + FMA", "SSE2", "NEON", "scalar"]
         .contains(&field("matmul SIMD").as_str()));
+    assert_eq!(field("ops"), ops);
     assert_eq!(field("tokens/step"), "16");
     let tokens_per_sec: f64 = field("tokens/s").parse().unwrap();
     assert!(tokens_per_sec > 0.0);
@@ -218,4 +231,5 @@ fn bench_command_reports_its_figures_on_a_tiny_model() {
         "loss {loss} vs ln(vocab) {}",
         vocab.ln()
     );
+    loss
 }
