@@ -580,7 +580,7 @@ impl CausalLm {
         };
     }
 
-    /// The training-ops path in use (`Generic` also while the reference ops are forced).
+    /// The training-ops path in use (`Auto` also while the composite reference ops are forced).
     pub fn ops_mode(&self) -> OpsMode {
         match self.ops {
             kernels::OpsKind::Generic => OpsMode::Generic,

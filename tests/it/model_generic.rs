@@ -1,6 +1,7 @@
 //! The device-generic ops path (what a GPU runs) against the CPU native path, on the CPU:
 //! the same loss and gradients, gradients only where wanted.
 
+use crate::train_common::max_abs_diff;
 use candle_core::{DType, Device, Tensor};
 use tunestudio::model::{CausalLm, Gradients, LoraConfig, OpsMode};
 
@@ -17,19 +18,6 @@ fn batch(case: &str) -> (Tensor, Tensor, Tensor) {
         r["attention_mask"].clone(),
         r["labels"].clone(),
     )
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 /// Mean loss and gradients of one batch in `mode`, with `prepare` applied to the model.
@@ -60,7 +48,7 @@ fn assert_same(case: &str, a: &(f64, Gradients), b: &(f64, Gradients), tol: f32)
     assert_eq!(a.1.len(), b.1.len(), "{case}: gradient count");
     for name in a.1.names() {
         let (x, y) = (a.1.get(name).unwrap(), b.1.get(name).unwrap());
-        let d = max_diff(x, y);
+        let d = max_abs_diff(x, y) as f32;
         assert!(d <= tol, "{case}: gradient of {name} differs by {d}");
     }
 }
