@@ -1,10 +1,10 @@
 //! Device strategies on CPU logical devices: a layer split and data parallel
 //! must reproduce the one-device step, and the bytes placed on each device
 //! must be the planner's.
+use crate::support::fixture;
 
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
-use std::path::PathBuf;
 use tunestudio::devices::parallel::{data_parallel_step, Batch, HostReducer};
 use tunestudio::devices::strategy::{stage_costs, stage_costs_from_params};
 use tunestudio::devices::{
@@ -12,10 +12,6 @@ use tunestudio::devices::{
 };
 use tunestudio::model::{CausalLm, Gradients};
 use tunestudio::plan::{self, DeviceSpec, PlanRequest, Precision};
-
-fn fixture(name: &str) -> PathBuf {
-    tunestudio::paths::shared_dir().join("fixtures").join(name)
-}
 
 fn reference_batch(name: &str) -> Batch {
     let r: HashMap<String, Tensor> =

@@ -1,9 +1,9 @@
 //! Generation engine checks on the tiny fixture models: cached decoding equals full-sequence
 //! decoding, adapters equal their merged model, seeds reproduce, bad input is refused
 //! clearly, cancellation stops the stream and UTF-8 streams whole characters.
+use crate::support::{fixture, max_diff};
 
 use candle_core::{DType, Device, IndexOp, Tensor};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use tunestudio::data::{ChatMessage, TokenizerBundle};
@@ -12,10 +12,6 @@ use tunestudio::infer::{
     InferError, InferModel, ModelSpec, Prompt, SamplingParams, StopReason,
 };
 use tunestudio::model::{CausalLm, ModelConfig};
-
-fn fixture(name: &str) -> PathBuf {
-    tunestudio::paths::shared_dir().join("fixtures").join(name)
-}
 
 const MODELS: [&str; 3] = ["tiny-llama", "tiny-mistral", "tiny-qwen2"];
 
@@ -40,19 +36,6 @@ fn reference_ids(model: &str, row: usize) -> Vec<u32> {
         .filter(|(_, &m)| m != 0)
         .map(|(&i, _)| i as u32)
         .collect()
-}
-
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 fn no_cancel() -> AtomicBool {
@@ -107,7 +90,7 @@ fn prefill_and_chunked_logits_match_the_training_model() {
 
         let mut cache = engine.new_cache(ids.len());
         let got = engine.forward_all(&ids, &mut cache).unwrap();
-        let d = max_abs_diff(&got, &want);
+        let d = max_diff(&got, &want);
         assert!(d < 1e-4, "{name}: prefill logits differ by {d}");
         assert_eq!(cache.len(), ids.len());
 
@@ -115,7 +98,7 @@ fn prefill_and_chunked_logits_match_the_training_model() {
         let mut cache = engine.new_cache(4);
         let last = engine.forward(&ids, &mut cache).unwrap();
         let last = Tensor::new(last.as_slice(), &Device::Cpu).unwrap();
-        let d = max_abs_diff(&last, &want.i(ids.len() - 1).unwrap());
+        let d = max_diff(&last, &want.i(ids.len() - 1).unwrap());
         assert!(d < 1e-4, "{name}: first-step logits differ by {d}");
 
         // Uneven chunks through a small cache: blocks of queries after cached positions
@@ -126,7 +109,7 @@ fn prefill_and_chunked_logits_match_the_training_model() {
             rows.push(engine.forward_all(chunk, &mut cache).unwrap());
         }
         let got = Tensor::cat(&rows, 0).unwrap();
-        let d = max_abs_diff(&got, &want);
+        let d = max_diff(&got, &want);
         assert!(d < 1e-4, "{name}: chunked logits differ by {d}");
     }
 }
@@ -176,7 +159,7 @@ fn adapter_generation_equals_merged_model() {
     let want = merged_lm.logits(&input, None).unwrap().squeeze(0).unwrap();
     let mut cache = unmerged.model().new_cache(ids.len());
     let got = unmerged.model().forward_all(&ids, &mut cache).unwrap();
-    let d = max_abs_diff(&got, &want);
+    let d = max_diff(&got, &want);
     assert!(
         d < 1e-4,
         "unmerged adapter logits differ from merged by {d}"
@@ -199,7 +182,7 @@ fn adapter_generation_equals_merged_model() {
     let mut cache = base.model().new_cache(ids.len());
     let base_logits = base.model().forward_all(&ids, &mut cache).unwrap();
     assert!(
-        max_abs_diff(&base_logits, &want) > 1e-3,
+        max_diff(&base_logits, &want) > 1e-3,
         "the adapter had no effect"
     );
 }

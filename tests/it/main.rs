@@ -3,6 +3,7 @@
 //! are separate binaries beside this folder (`tests/*.rs`).
 
 mod data_support;
+mod support;
 #[path = "../train_common/mod.rs"]
 mod train_common;
 

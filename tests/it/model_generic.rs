@@ -1,13 +1,10 @@
 //! The device-generic ops path (what a GPU runs) against the CPU native path, on the CPU:
 //! the same loss and gradients, gradients only where wanted.
+use crate::support::fixture;
 
 use crate::train_common::max_abs_diff;
 use candle_core::{DType, Device, Tensor};
 use tunestudio::model::{CausalLm, Gradients, LoraConfig, OpsMode};
-
-fn fixture(case: &str) -> std::path::PathBuf {
-    tunestudio::paths::shared_dir().join("fixtures").join(case)
-}
 
 fn batch(case: &str) -> (Tensor, Tensor, Tensor) {
     let r =

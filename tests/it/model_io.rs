@@ -1,15 +1,12 @@
 //! Loading and saving: configs of every supported style, sharded and bf16 checkpoints,
 //! the HF cache layout, and typed errors for bad folders.
+use crate::support::{fixture, max_diff};
 
 use candle_core::{DType, Device, Tensor};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use tunestudio::model::{
     resolve_model_in, rope_inv_freq, Architecture, CausalLm, HubOptions, ModelConfig, ModelError,
 };
-
-fn fixture(case: &str) -> PathBuf {
-    tunestudio::paths::shared_dir().join("fixtures").join(case)
-}
 
 fn shared_config(name: &str) -> ModelConfig {
     ModelConfig::from_file(
@@ -18,19 +15,6 @@ fn shared_config(name: &str) -> ModelConfig {
             .join(name),
     )
     .unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap())
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 fn copy_dir(from: &Path, to: &Path) {

@@ -1,29 +1,10 @@
 //! LoRA: the PEFT fixture adapter reproduces PEFT's loss, logits and gradients; adapters
 //! round-trip through save/load in PEFT's layout; merging folds them into the weights.
+use crate::support::{fixture, max_abs, max_diff};
 
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
 use tunestudio::model::{AdamW, AdamWConfig, CausalLm, LoraConfig, ModelError, OpsMode};
-
-fn fixture(case: &str) -> std::path::PathBuf {
-    tunestudio::paths::shared_dir().join("fixtures").join(case)
-}
-
-fn max_abs(t: &Tensor) -> f32 {
-    t.abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims());
-    max_abs(&(a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap()).unwrap())
-}
 
 fn lora_model(fused: bool, mode: OpsMode) -> CausalLm {
     let mut model = CausalLm::load(&fixture("tiny-llama"), DType::F32, &Device::Cpu).unwrap();

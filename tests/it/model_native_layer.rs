@@ -2,14 +2,11 @@
 //! the graph of candle ops it replaces: same loss and same gradient for every parameter, on
 //! every fixture architecture (GQA, Mistral's sliding window, Qwen2's q/k/v biases), with
 //! padding, a batch of two rows, and activation checkpointing.
+use crate::support::{fixture, max_abs};
 
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
 use tunestudio::model::{CausalLm, Gradients};
-
-fn fixture(case: &str) -> std::path::PathBuf {
-    tunestudio::paths::shared_dir().join("fixtures").join(case)
-}
 
 fn inputs(case: &str) -> (Tensor, Tensor, Tensor) {
     let r: HashMap<String, Tensor> =
@@ -45,17 +42,6 @@ fn run_on(
     let loss = model.loss(ids, mask, labels).unwrap();
     let grads = model.backward(&loss.sum).unwrap();
     (loss.mean().unwrap(), grads, model.native_layer_count())
-}
-
-fn max_abs(t: &Tensor) -> f32 {
-    t.abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 fn assert_same(case: &str, what: &str, a: &(f64, Gradients, usize), b: &(f64, Gradients, usize)) {

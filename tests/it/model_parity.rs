@@ -1,33 +1,14 @@
 //! Parity with Hugging Face transformers on the tiny fixtures: logits, per-token loss,
 //! gradients of every parameter and five AdamW steps.
+use crate::support::{fixture, max_abs, max_diff};
 
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
 use tunestudio::model::{AdamW, AdamWConfig, CausalLm, OpsMode, StatePlacement};
 
-fn fixture(case: &str) -> std::path::PathBuf {
-    tunestudio::paths::shared_dir().join("fixtures").join(case)
-}
-
 fn reference(case: &str) -> HashMap<String, Tensor> {
     candle_core::safetensors::load(fixture(case).join("reference.safetensors"), &Device::Cpu)
         .expect("reference.safetensors of the fixture")
-}
-
-fn max_abs(t: &Tensor) -> f32 {
-    t.abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims(), "shapes differ");
-    max_abs(&(a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap()).unwrap())
 }
 
 fn scalar(t: &Tensor) -> f32 {

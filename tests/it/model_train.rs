@@ -1,5 +1,6 @@
 //! Training machinery: activation checkpointing, missing-gradient detection, AdamW groups,
 //! master weights and state round trips, bf16, layer placement.
+use crate::support::{fixture, max_diff};
 
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
@@ -7,29 +8,9 @@ use tunestudio::model::{
     AdamW, AdamWConfig, CausalLm, Gradients, LoraConfig, ModelConfig, ModelError,
 };
 
-fn fixture(case: &str) -> std::path::PathBuf {
-    tunestudio::paths::shared_dir().join("fixtures").join(case)
-}
-
 fn reference(case: &str) -> HashMap<String, Tensor> {
     candle_core::safetensors::load(fixture(case).join("reference.safetensors"), &Device::Cpu)
         .unwrap()
-}
-
-fn max_abs(t: &Tensor) -> f32 {
-    t.abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
-}
-
-fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    assert_eq!(a.dims(), b.dims());
-    max_abs(&(a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap()).unwrap())
 }
 
 fn grads_of(model: &CausalLm, r: &HashMap<String, Tensor>) -> Gradients {

@@ -1,5 +1,6 @@
 //! The fused training ops (`tunestudio::model::ops`) against composite references built from
 //! plain differentiable candle ops, plus finite differences and edge cases.
+use crate::support::max_abs;
 
 use candle_core::{backprop::GradStore, DType, Device, Result, Tensor, Var, D};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -15,19 +16,6 @@ fn randn(rng: &mut StdRng, shape: &[usize], scale: f32) -> Tensor {
         })
         .collect();
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-}
-
-fn max_abs(t: &Tensor) -> f32 {
-    t.to_dtype(DType::F32)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 /// max |a - b| <= tol * max(1, max |b|)
