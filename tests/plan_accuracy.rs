@@ -93,6 +93,7 @@ fn dry_run_measures_one_step_and_refuses_a_predicted_oom() {
         lora: None,
         strategy: Strategy::Single,
         devices: vec![DeviceSpec::cpu(1 << 34)],
+        ops: tunestudio::model::OpsMode::Auto,
     };
     let model = CausalLm::random_init(&cfg, 1, DType::F32, &Device::Cpu).unwrap();
     let mut opt = AdamW::new(model.params(), AdamWConfig::default(), false).unwrap();
@@ -171,4 +172,32 @@ fn memory_grid_check_is_exact_within_5_percent() {
     );
     let worst = step.metrics["worst_relative_error"];
     assert!(worst.abs() <= 0.05, "worst error {worst}");
+}
+
+/// The device-generic path (what a GPU runs; `TUNESTUDIO_OPS=generic` here): the planner
+/// models its loss, its graphs of ops and its tensor-op AdamW within 3 % too. The whole
+/// 13-config grid: `TUNESTUDIO_OPS=generic cargo run --release --example plan_accuracy`.
+#[test]
+fn planner_matches_measured_peaks_on_the_generic_path() {
+    use tunestudio::plan::Precision::{Bf16Mixed as B, Fp32 as F};
+    /// Unsets the variable however the test ends, so later tests run the default path.
+    struct GenericOps;
+    impl Drop for GenericOps {
+        fn drop(&mut self) {
+            std::env::remove_var(tunestudio::model::OPS_ENV);
+        }
+    }
+    let _guard = exclusive();
+    std::env::set_var(tunestudio::model::OPS_ENV, "generic");
+    let _unset = GenericOps;
+    let cases = [
+        harness::case(F, false, false, 1, 256),
+        harness::case(F, true, false, 4, 64),
+        harness::case(F, false, true, 1, 256),
+        harness::case(B, false, true, 1, 256),
+    ];
+    harness::print_header();
+    let rows = harness::run_grid(&cases);
+    assert_eq!(rows.len(), cases.len());
+    check(&rows);
 }

@@ -50,6 +50,10 @@ pub struct PlanArgs {
     /// single, layer-split or data-parallel.
     #[arg(long)]
     pub strategy: Option<String>,
+    /// The ops path the run will take: auto, native or generic (the GPU's code, forced on the
+    /// CPU). Default: `TUNESTUDIO_OPS`, else auto.
+    #[arg(long)]
+    pub ops: Option<String>,
     /// Search for settings that fit every device with ≥ 5 % headroom (same effective batch).
     #[arg(long)]
     pub auto_fit: bool,
@@ -157,6 +161,7 @@ fn build_request(args: &PlanArgs) -> anyhow::Result<PlanRequest> {
                 Some(d) => d,
                 None => parse_devices("cpu")?,
             },
+            ops: tunestudio::model::OpsMode::from_env()?,
         }
     };
     if let Some(p) = &args.precision {
@@ -176,6 +181,9 @@ fn build_request(args: &PlanArgs) -> anyhow::Result<PlanRequest> {
     }
     if let Some(s) = &args.strategy {
         req.strategy = s.parse()?;
+    }
+    if let Some(o) = &args.ops {
+        req.ops = o.parse()?;
     }
     if let Some(r) = args.lora_r {
         let mut spec = LoraSpec::all_linear(r);

@@ -754,6 +754,7 @@ fn step_memory_grid(o: &CheckOptions) -> Result<Outcome, DevicesError> {
             lora: None,
             strategy: Strategy::Single,
             devices: vec![spec.clone()],
+            ops: crate::model::OpsMode::from_env().unwrap_or_default(),
         };
         let the_plan =
             plan::plan(&req).map_err(|e| DevicesError::Input(format!("planner: {e}")))?;

@@ -534,6 +534,7 @@ pub fn plan_request(
         lora,
         strategy,
         devices,
+        ops: tunestudio::model::OpsMode::from_env().unwrap_or_default(),
     })
 }
 

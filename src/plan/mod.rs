@@ -29,7 +29,7 @@ pub use estimate::{balance_layers, layer_costs, plan, LayerCosts};
 pub use fit::{auto_fit, relative_throughput, AutoFit};
 pub use run_config::{model_config_path, request_from_run_config, RunConfigSettings};
 
-use crate::model::ModelConfig;
+use crate::model::{ModelConfig, OpsMode};
 use std::fmt;
 use std::ops::Range;
 use std::str::FromStr;
@@ -194,6 +194,9 @@ pub struct PlanRequest {
     pub strategy: Strategy,
     /// The devices, in order (layer split puts the embeddings on the first).
     pub devices: Vec<DeviceSpec>,
+    /// The training-ops path the trainer will run (`TUNESTUDIO_OPS`): under `Generic` a CPU
+    /// runs the GPU's code, so the plan models graphs of ops instead of the native layers.
+    pub ops: OpsMode,
 }
 
 impl PlanRequest {

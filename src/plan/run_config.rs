@@ -184,5 +184,6 @@ pub fn request_from_run_config(
         lora,
         strategy,
         devices,
+        ops: crate::model::OpsMode::from_env().unwrap_or_default(),
     })
 }

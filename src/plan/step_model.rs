@@ -117,6 +117,9 @@ pub struct StepDims {
     pub native_layers: bool,
     /// AdamW updates parameters in their own storage (f32 parameters on the CPU).
     pub in_place_optimizer: bool,
+    /// The device-generic ops run (`model::ops::generic`: any GPU, or `TUNESTUDIO_OPS=generic`):
+    /// the loss is the generic chunked op and AdamW's state is updated with tensor ops.
+    pub generic_ops: bool,
 }
 
 impl StepDims {
@@ -125,10 +128,14 @@ impl StepDims {
         let m = &req.model;
         let act = req.precision.compute_bytes();
         let tokens = (req.micro_batch * req.seq_len) as u64;
-        let all_cpu = req
-            .used_devices()
-            .iter()
-            .all(|d| d.kind == super::DeviceKind::Cpu);
+        // The CPU's native kernels run only on the CPU, and not when the generic ops
+        // (the GPU's code) are forced there; everywhere else the generic ops run.
+        let generic_ops = req.ops == crate::model::OpsMode::Generic
+            || req
+                .used_devices()
+                .iter()
+                .any(|d| d.kind != super::DeviceKind::Cpu);
+        let all_cpu = !generic_ops;
         StepDims {
             micro_batch: req.micro_batch as u64,
             seq_len: req.seq_len as u64,
@@ -159,6 +166,7 @@ impl StepDims {
             embeddings_trainable: req.lora.is_none(),
             native_layers: all_cpu && req.precision == Precision::Fp32 && req.lora.is_none(),
             in_place_optimizer: all_cpu && req.precision == Precision::Fp32,
+            generic_ops,
         }
     }
 
@@ -501,6 +509,7 @@ pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
                 }
             }
         }
+        BlockKind::Head if d.generic_ops => generic_head_terms(d),
         BlockKind::Head => {
             let rows = d.micro_batch * d.seq_len.saturating_sub(1);
             let chunk = rows.min(LOSS_CHUNK_ROWS);
@@ -559,6 +568,46 @@ pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
     }
 }
 
+/// The head on the generic path (`ops::generic::linear_cross_entropy`): between forward and
+/// backward the loss keeps one log-sum-exp (and label) per row; each chunk's `[rows × vocab]`
+/// f32 logits exist only inside the op.
+fn generic_head_terms(d: &StepDims) -> BlockTerms {
+    let n = d.tokens;
+    let (a, g, h, v) = (d.act_bytes, d.grad_bytes, d.hidden, d.vocab);
+    let rows = d.micro_batch * d.seq_len.saturating_sub(1);
+    let chunk = rows.min(LOSS_CHUNK_ROWS);
+    let full = d.lora.is_none();
+    let mut kept = n * h * a + rows * (4 + 4); // final norm output; log-sum-exp, labels
+    if d.micro_batch > 1 {
+        // hidden[:, :-1] is not contiguous for b > 1: the reshape copies it.
+        kept += rows * h * a;
+    }
+    // Forward of a chunk: the logits, logits − max and their exp live until the
+    // log-sum-exp statement ends (f32; in half precision the matmul output is cast first).
+    let logits_f32 = chunk * v * 4;
+    let forward = (3 * logits_f32).max(chunk * v * (a + 4));
+    // Backward of a chunk: the same three while the probabilities are formed, then at most
+    // two (probabilities and their gradient). The rows' gradient is assembled from its
+    // chunks (a cat), and candle adds it into a zero tensor.
+    let rows_grad = rows * h * a;
+    // In half precision the chunk's matmul output lives until its f32 cast's statement ends.
+    let half_logits = if a == 4 { 0 } else { chunk * v * a };
+    let chunk_peak = 3 * logits_f32 + half_logits + rows_grad;
+    let rows_end = 3 * rows_grad;
+    // A trained head: its gradient per chunk (summed over chunks), then candle's zero-then-add
+    // into the store, three weight-sized buffers at once.
+    let weight = if full { 3 * v * h * g } else { 0 };
+    let head_grads = if full { (v * h + h) * g } else { 0 };
+    BlockTerms {
+        kept_bytes: kept,
+        forward_transient_bytes: forward,
+        backward_transient_bytes: chunk_peak.max(rows_end).max(weight + rows_grad),
+        backward_grad_bytes: head_grads,
+        residue_bytes: 0,
+        freed_kept_bytes: 0,
+    }
+}
+
 /// Scratch of `Gradients::accumulate`: `acc + g` allocates the sum before the old
 /// buffer is released, one tensor at a time.
 pub fn accumulate_transient_bytes(d: &StepDims, largest_trainable: u64) -> u64 {
@@ -572,6 +621,12 @@ pub fn accumulate_transient_bytes(d: &StepDims, largest_trainable: u64) -> u64 {
 pub fn optimizer_transient_bytes(d: &StepDims, largest_trainable: u64) -> u64 {
     if d.in_place_optimizer {
         return 0;
+    }
+    if d.generic_ops {
+        // `adamw::device_update` on the largest tensor: the scaled gradient, the decayed
+        // parameter, the new moments and up to two temporaries of one expression, all f32
+        // (measured 6.1 tensors on the SmolLM2 embedding with the counting allocator).
+        return largest_trainable * 6 * 4;
     }
     let per_elem = match d.precision {
         Precision::Fp32 => 4 + 4 + 4,

@@ -32,6 +32,7 @@ fn dictalm_request() -> PlanRequest {
         lora: None,
         strategy: Strategy::Single,
         devices: parse_devices("2x80GiB").unwrap(),
+        ops: tunestudio::model::OpsMode::Auto,
     }
 }
 
@@ -407,4 +408,33 @@ strategy = "single"
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("cuda:0=80GiB"), "{err}");
+}
+
+/// `--ops generic` plans the GPU's code path on the CPU: graphs of ops instead of the native
+/// layers, so the same fp32 full fine-tune keeps more activations; on a GPU the two agree
+/// (a GPU never runs the native layers).
+#[test]
+fn cli_plans_the_generic_ops_path() {
+    let peak = |devices: &str, ops: &str| -> u64 {
+        let out = Command::new(bin())
+            .args(["plan", "--json", "--model-config"])
+            .arg(shared_config("smollm2-135m.json"))
+            .args(["--devices", devices, "--seq-len", "256", "--ops", ops])
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+        v["plan"]["per_device"][0]["peak_bytes"].as_u64().unwrap()
+    };
+    let (native, generic) = (peak("cpu=64GiB", "native"), peak("cpu=64GiB", "generic"));
+    assert!(generic > native, "generic {generic} vs native {native}");
+    assert_eq!(peak("1x80GiB", "native"), peak("1x80GiB", "generic"));
+    let bad = Command::new(bin())
+        .args(["plan", "--model-config"])
+        .arg(shared_config("smollm2-135m.json"))
+        .args(["--ops", "gpu"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("auto, native or generic"));
 }

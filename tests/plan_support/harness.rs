@@ -77,6 +77,8 @@ pub fn request(cfg: &ModelConfig, c: &Case) -> PlanRequest {
         }),
         strategy: Strategy::Single,
         devices: vec![DeviceSpec::cpu(1 << 40)],
+        // The models below read TUNESTUDIO_OPS too, so the plan follows the same path.
+        ops: tunestudio::model::OpsMode::from_env().expect("TUNESTUDIO_OPS"),
     }
 }
 
@@ -87,6 +89,11 @@ pub fn measure(model: &mut CausalLm, c: &Case, zero: u64, seed: u64) -> Measured
     let vocab = model.config().vocab_size as u32;
     let master = matches!(c.precision, Precision::Bf16Mixed | Precision::Fp16Mixed);
     let mut opt = AdamW::new(model.params(), AdamWConfig::default(), master).expect("adamw");
+    if model.ops_mode() == tunestudio::model::OpsMode::Generic {
+        // As the trainer does: the GPU's optimizer code, state as tensors.
+        opt.set_state_placement(tunestudio::model::StatePlacement::Device)
+            .expect("state placement");
+    }
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let batches: Vec<(Tensor, Tensor)> = (0..c.accumulation)
         .map(|_| {

@@ -16,8 +16,8 @@
 
 use super::super::reference_ops as r;
 use crate::model::decoder::lock;
+use candle_core::Var;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
-use candle_core::{Var, D};
 use std::sync::Mutex;
 
 /// An op evaluated with tensor ops, with a backward in tensor ops.
@@ -307,19 +307,24 @@ impl TensorOp for LinearCrossEntropy {
         let Some(lse) = lock(&self.lse).take() else {
             bail!("generic-linear-cross-entropy: backward without forward (internal error)")
         };
-        let vocab = w.dim(0)?;
+        let grad = grad.to_dtype(DType::F32)?;
         let mut d_rows = Vec::new();
         let mut d_w: Option<Tensor> = None;
         for (start, len) in self.chunks(rows.dim(0)?) {
             // d loss / d logits = softmax − onehot(label), times the incoming scalar gradient.
-            let z = Self::logits(rows, w, start, len)?;
-            let p = z
+            // Each step replaces the previous `[len × vocab]` tensor, so at most two exist at
+            // once (the logits are gone once the probabilities exist).
+            let p = Self::logits(rows, w, start, len)?
                 .broadcast_sub(&lse.narrow(0, start, len)?.unsqueeze(1)?)?
                 .exp()?;
-            let labels = self.labels.narrow(0, start, len)?;
-            let onehot = one_hot(&labels, vocab, rows.device())?;
-            let dz = (p - onehot)?.broadcast_mul(&grad.to_dtype(DType::F32)?)?;
-            let dz = dz.to_dtype(w.dtype())?;
+            let labels = self.labels.narrow(0, start, len)?.unsqueeze(1)?;
+            let minus_one = Tensor::full(-1f32, (len, 1), rows.device())?;
+            let dz = p.scatter_add(&labels.contiguous()?, &minus_one, 1)?;
+            drop(p);
+            let scaled = dz.broadcast_mul(&grad)?;
+            drop(dz);
+            let dz = scaled.to_dtype(w.dtype())?;
+            drop(scaled);
             d_rows.push(dz.matmul(w)?);
             if self.w_grad {
                 let r = rows.narrow(0, start, len)?;
@@ -332,14 +337,6 @@ impl TensorOp for LinearCrossEntropy {
         }
         Ok(vec![Some(Tensor::cat(&d_rows, 0)?), d_w])
     }
-}
-
-/// `[n, vocab]` f32 with a 1 at each row's label.
-fn one_hot(labels: &Tensor, vocab: usize, device: &candle_core::Device) -> Result<Tensor> {
-    let n = labels.dim(0)?;
-    let ids = labels.to_dtype(DType::U32)?.unsqueeze(1)?;
-    let ones = Tensor::ones((n, 1), DType::F32, device)?;
-    Tensor::zeros((n, vocab), DType::F32, device)?.scatter_add(&ids.contiguous()?, &ones, D::Minus1)
 }
 
 /// The summed cross-entropy of every row of `rows @ wᵀ` (`rows`: `[n, hidden]`, `w`:
