@@ -90,6 +90,7 @@ fn dry_run_measures_one_step_and_refuses_a_predicted_oom() {
         gradient_accumulation: 1,
         seq_len: 32,
         activation_checkpointing: false,
+        optimizer_offload: false,
         lora: None,
         strategy: Strategy::Single,
         devices: vec![DeviceSpec::cpu(1 << 34)],

@@ -50,6 +50,9 @@ pub struct PlanArgs {
     /// single, layer-split or data-parallel.
     #[arg(long)]
     pub strategy: Option<String>,
+    /// Keep AdamW's state (and fp32 master weights) in host RAM instead of on the GPUs.
+    #[arg(long)]
+    pub optimizer_offload: bool,
     /// The ops path the run will take: auto, native or generic (the GPU's code, forced on the
     /// CPU). Default: `TUNESTUDIO_OPS`, else auto.
     #[arg(long)]
@@ -155,6 +158,7 @@ fn build_request(args: &PlanArgs) -> anyhow::Result<PlanRequest> {
             gradient_accumulation: 1,
             seq_len: 2048,
             activation_checkpointing: false,
+            optimizer_offload: false,
             lora: None,
             strategy: Strategy::Single,
             devices: match devices {
@@ -178,6 +182,9 @@ fn build_request(args: &PlanArgs) -> anyhow::Result<PlanRequest> {
     }
     if args.checkpointing {
         req.activation_checkpointing = true;
+    }
+    if args.optimizer_offload {
+        req.optimizer_offload = true;
     }
     if let Some(s) = &args.strategy {
         req.strategy = s.parse()?;
@@ -220,6 +227,7 @@ fn request_json(req: &PlanRequest) -> serde_json::Value {
         "gradient_accumulation": req.gradient_accumulation,
         "seq_len": req.seq_len,
         "activation_checkpointing": req.activation_checkpointing,
+        "optimizer_offload": req.optimizer_offload,
         "lora": req.lora,
         "strategy": req.strategy,
         "devices": req.devices,
@@ -265,6 +273,17 @@ fn print_plan(req: &PlanRequest, p: &Plan, per_layer: bool) {
         rows.push(r);
     }
     print_table(&rows);
+    if p.host_offload_bytes > 0 {
+        println!(
+            "Host RAM: {} of optimizer state (moments{}) offloaded from the GPUs",
+            format_bytes(p.host_offload_bytes),
+            if req.precision.master_weights() {
+                " and fp32 master weights"
+            } else {
+                ""
+            }
+        );
+    }
     println!();
     println!("Verdict: {} — {}", p.verdict, p.summary);
     if per_layer {

@@ -751,6 +751,7 @@ fn step_memory_grid(o: &CheckOptions) -> Result<Outcome, DevicesError> {
             gradient_accumulation: 1,
             seq_len: g.seq_len,
             activation_checkpointing: g.checkpointing,
+            optimizer_offload: false,
             lora: None,
             strategy: Strategy::Single,
             devices: vec![spec.clone()],

@@ -491,6 +491,11 @@ impl StudioApp {
         c.training.gradient_accumulation = req.gradient_accumulation;
         c.data.max_length = req.seq_len;
         c.training.activation_checkpointing = req.activation_checkpointing;
+        c.training.optimizer_offload = if req.optimizer_offload {
+            tunestudio::model::OptimizerOffload::Host
+        } else {
+            tunestudio::model::OptimizerOffload::None
+        };
         match &req.lora {
             Some(l) => {
                 c.lora.enabled = true;

@@ -531,6 +531,7 @@ pub fn plan_request(
         gradient_accumulation: t.gradient_accumulation.max(1),
         seq_len: config.data.max_length.max(1),
         activation_checkpointing: t.activation_checkpointing,
+        optimizer_offload: t.optimizer_offload == tunestudio::model::OptimizerOffload::Host,
         lora,
         strategy,
         devices,

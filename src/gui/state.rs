@@ -912,13 +912,14 @@ impl AppState {
     pub fn plan_key(&self) -> String {
         let t = &self.config.training;
         format!(
-            "{}|{}|{}|{}|{}|{}|{:?}|{}|{:?}|{:?}|{}",
+            "{}|{}|{}|{}|{}|{}|{:?}|{:?}|{}|{:?}|{:?}|{}",
             self.model.info.as_ref().map_or("", |i| i.source.as_str()),
             t.precision,
             t.micro_batch,
             t.gradient_accumulation,
             self.config.data.max_length,
             t.activation_checkpointing,
+            t.optimizer_offload,
             (
                 self.config.lora.enabled,
                 self.config.lora.r,

@@ -47,6 +47,19 @@ impl Default for AdamWConfig {
     }
 }
 
+/// `[training] optimizer_offload`: where a run keeps AdamW's state when its parameters are on a
+/// GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerOffload {
+    /// On the parameter's device (the default).
+    #[default]
+    None,
+    /// In host RAM (ZeRO-Offload's idea): 8 bytes per parameter (12 with fp32 master
+    /// weights) leave the GPU, for a host↔device copy of every gradient and parameter per step.
+    Host,
+}
+
 /// Where the optimizer keeps its moments (and master weights).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum StatePlacement {

@@ -27,7 +27,7 @@ pub mod reference_ops;
 pub mod save;
 pub mod weights;
 
-pub use adamw::{AdamW, AdamWConfig, StatePlacement};
+pub use adamw::{AdamW, AdamWConfig, OptimizerOffload, StatePlacement};
 pub use bench::{matmul_simd, run_training_bench, BenchConfig, BenchReport};
 pub use config::{Architecture, ModelConfig, RopeScaling};
 pub use decoder::{rope_inv_freq, CausalLm, LossOutput, IGNORE_INDEX, LOSS_CHUNK_TOKENS};

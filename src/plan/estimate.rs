@@ -396,6 +396,7 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
         trainable_parameters: costs.trainable_parameters,
         effective_batch: req.effective_batch(),
         settings: req.settings_summary(),
+        host_offload_bytes: costs.trainable_parameters * dims.host_state_bytes,
     })
 }
 

@@ -102,7 +102,15 @@ pub fn relative_throughput(req: &PlanRequest) -> f64 {
             }
         }
     };
-    1e12 * speed * efficiency * parallel / flops_per_token
+    // Offloaded optimizer state: every step copies each gradient to the host and each
+    // updated parameter back, and the update runs on the CPU (a coarse 0.7: ZeRO-Offload
+    // reports most of a GPU's throughput kept at large batches, less at small ones).
+    let offload = if req.optimizer_offload && kind != DeviceKind::Cpu {
+        0.7
+    } else {
+        1.0
+    };
+    1e12 * speed * efficiency * parallel * offload / flops_per_token
 }
 
 fn max_peak(p: &Plan) -> u64 {
@@ -159,6 +167,10 @@ fn candidate_changes(req: &PlanRequest) -> Vec<Change> {
     }
     if req.lora.is_none() {
         out.push(Change::Lora(LoraSpec::all_linear(AUTO_LORA_RANK)));
+    }
+    let on_gpu = req.used_devices().iter().any(|d| d.kind != DeviceKind::Cpu);
+    if on_gpu && !req.optimizer_offload {
+        out.push(Change::OptimizerOffload);
     }
     out
 }
@@ -353,6 +365,7 @@ fn count_changes(a: &PlanRequest, b: &PlanRequest) -> usize {
         + usize::from(a.activation_checkpointing != b.activation_checkpointing)
         + usize::from(a.micro_batch != b.micro_batch)
         + usize::from(a.lora != b.lora)
+        + usize::from(a.optimizer_offload != b.optimizer_offload)
 }
 
 /// Applies the differences from `from` to `to` one at a time, in the order of
@@ -370,6 +383,9 @@ fn explain_changes(from: &PlanRequest, from_plan: &Plan, to: &PlanRequest) -> Ve
     }
     if let (Some(l), None) = (&to.lora, &from.lora) {
         steps.push(Change::Lora(l.clone()));
+    }
+    if to.optimizer_offload && !from.optimizer_offload {
+        steps.push(Change::OptimizerOffload);
     }
     let mut cur = from.clone();
     let mut cur_plan = from_plan.clone();

@@ -188,6 +188,8 @@ pub struct PlanRequest {
     pub seq_len: usize,
     /// Recompute each layer in the backward pass instead of keeping its activations.
     pub activation_checkpointing: bool,
+    /// Keep AdamW's state (and fp32 master weights) in host RAM when training on GPUs.
+    pub optimizer_offload: bool,
     /// Train LoRA adapters on a frozen base instead of every weight.
     pub lora: Option<LoraSpec>,
     /// How the model is spread over `devices`.
@@ -233,6 +235,9 @@ impl PlanRequest {
         );
         if self.activation_checkpointing {
             s.push_str(", checkpointing");
+        }
+        if self.optimizer_offload {
+            s.push_str(", optimizer state in host RAM");
         }
         if let Some(l) = &self.lora {
             s.push_str(&format!(
@@ -399,6 +404,8 @@ pub enum Change {
     Lora(LoraSpec),
     /// Shorter sequences (changes what is trained: never chosen by auto-fit).
     SeqLen(usize),
+    /// Keep the optimizer's state in host RAM (GPU runs).
+    OptimizerOffload,
 }
 
 impl Change {
@@ -427,6 +434,7 @@ impl Change {
             }
             Change::Lora(l) => r.lora = Some(l.clone()),
             Change::SeqLen(t) => r.seq_len = *t,
+            Change::OptimizerOffload => r.optimizer_offload = true,
         }
         r
     }
@@ -467,6 +475,9 @@ impl Change {
                 l.target_modules.join(", ")
             ),
             Change::SeqLen(t) => format!("sequence length {} (was {})", t, req.seq_len),
+            Change::OptimizerOffload => {
+                "optimizer state in host RAM (training.optimizer_offload = \"host\")".into()
+            }
         }
     }
 }
@@ -507,6 +518,8 @@ pub struct Plan {
     pub effective_batch: usize,
     /// The settings planned, in words.
     pub settings: String,
+    /// Optimizer state and master weights kept in host RAM (optimizer offload on GPUs).
+    pub host_offload_bytes: u64,
 }
 
 impl Plan {

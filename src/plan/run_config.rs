@@ -64,6 +64,8 @@ pub struct TrainingKeys {
     /// Recompute layers in backward.
     #[serde(alias = "gradient_checkpointing", alias = "checkpointing")]
     pub activation_checkpointing: Option<bool>,
+    /// Where AdamW's state lives (`"none"` or `"host"`).
+    pub optimizer_offload: Option<crate::model::OptimizerOffload>,
 }
 
 /// `[lora]` keys.
@@ -181,6 +183,7 @@ pub fn request_from_run_config(
         gradient_accumulation: t.gradient_accumulation.unwrap_or(1),
         seq_len: settings.data.max_length.unwrap_or(2048),
         activation_checkpointing: t.activation_checkpointing.unwrap_or(false),
+        optimizer_offload: t.optimizer_offload == Some(crate::model::OptimizerOffload::Host),
         lora,
         strategy,
         devices,

@@ -102,8 +102,10 @@ pub struct StepDims {
     pub grad_bytes: u64,
     /// Bytes per trainable element of master weights (4 in mixed precision, else 0).
     pub master_bytes: u64,
-    /// Bytes per trainable element of AdamW moments (m and v in f32).
+    /// Bytes per trainable element of AdamW moments (m and v in f32) on the devices.
     pub optimizer_bytes: u64,
+    /// Bytes per trainable element of optimizer state (moments, master) offloaded to host RAM.
+    pub host_state_bytes: u64,
     /// Precision mode.
     pub precision: Precision,
     /// Activation checkpointing.
@@ -130,12 +132,16 @@ impl StepDims {
         let tokens = (req.micro_batch * req.seq_len) as u64;
         // The CPU's native kernels run only on the CPU, and not when the generic ops
         // (the GPU's code) are forced there; everywhere else the generic ops run.
-        let generic_ops = req.ops == crate::model::OpsMode::Generic
-            || req
-                .used_devices()
-                .iter()
-                .any(|d| d.kind != super::DeviceKind::Cpu);
+        let any_gpu = req
+            .used_devices()
+            .iter()
+            .any(|d| d.kind != super::DeviceKind::Cpu);
+        let generic_ops = req.ops == crate::model::OpsMode::Generic || any_gpu;
         let all_cpu = !generic_ops;
+        // Offloading moves the moments and master weights off the GPUs (on a CPU the host
+        // is the device: nothing moves).
+        let offloaded = req.optimizer_offload && any_gpu;
+        let master = if req.precision.master_weights() { 4 } else { 0 };
         StepDims {
             micro_batch: req.micro_batch as u64,
             seq_len: req.seq_len as u64,
@@ -155,8 +161,9 @@ impl StepDims {
             act_bytes: act,
             weight_bytes: act,
             grad_bytes: act,
-            master_bytes: if req.precision.master_weights() { 4 } else { 0 },
-            optimizer_bytes: 8,
+            master_bytes: if offloaded { 0 } else { master },
+            optimizer_bytes: if offloaded { 0 } else { 8 },
+            host_state_bytes: if offloaded { 8 + master } else { 0 },
             precision: req.precision,
             checkpointing: req.activation_checkpointing,
             lora: req
@@ -621,6 +628,13 @@ pub fn accumulate_transient_bytes(d: &StepDims, largest_trainable: u64) -> u64 {
 pub fn optimizer_transient_bytes(d: &StepDims, largest_trainable: u64) -> u64 {
     if d.in_place_optimizer {
         return 0;
+    }
+    if d.host_state_bytes > 0 {
+        // Offloaded (`adamw::host_update` off the CPU): the gradient and the parameter are
+        // read to the host (through an f32 copy for half precision) and the updated f32
+        // values come back as a new device tensor, cast to the parameter's dtype.
+        let cast = if d.act_bytes == 4 { 0 } else { d.weight_bytes };
+        return largest_trainable * (4 + cast);
     }
     if d.generic_ops {
         // `adamw::device_update` on the largest tensor: the scaled gradient, the decayed

@@ -6,6 +6,7 @@
 //! current directory.
 
 use crate::data::DataConfig;
+use crate::model::OptimizerOffload;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -153,6 +154,8 @@ pub struct TrainingSection {
     pub max_grad_norm: f64,
     /// Recompute each layer's activations in the backward pass (less memory, ~30 % more time).
     pub activation_checkpointing: bool,
+    /// Keep AdamW's state in host RAM instead of on the GPU (`"none"` or `"host"`).
+    pub optimizer_offload: OptimizerOffload,
     /// Seed of everything random: initialisation, data order, dropout.
     pub seed: u64,
     /// AdamW β₁.
@@ -184,6 +187,7 @@ impl Default for TrainingSection {
             weight_decay: 0.0,
             max_grad_norm: 1.0,
             activation_checkpointing: false,
+            optimizer_offload: OptimizerOffload::None,
             seed: 42,
             adam_beta1: 0.9,
             adam_beta2: 0.999,

@@ -14,7 +14,9 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::model::{AdamW, AdamWConfig, CausalLm, Gradients, OpsMode, StatePlacement};
+use crate::model::{
+    AdamW, AdamWConfig, CausalLm, Gradients, OpsMode, OptimizerOffload, StatePlacement,
+};
 
 use super::checkpoint::{self, TrainerState};
 use super::config::{InitMode, RunConfig};
@@ -300,10 +302,16 @@ impl TrainingRun {
                 context: "cannot create the optimizer".into(),
                 cause,
             })?;
-        if model.ops_mode() == OpsMode::Generic {
-            // The GPU's optimizer code: state as device tensors, updated with tensor ops.
+        // Offloading keeps the state in host RAM; the generic path (the GPU's code) keeps it
+        // as device tensors updated with tensor ops; otherwise where the parameter lives.
+        let placement = match (t.optimizer_offload, model.ops_mode()) {
+            (OptimizerOffload::Host, _) => Some(StatePlacement::Host),
+            (OptimizerOffload::None, OpsMode::Generic) => Some(StatePlacement::Device),
+            _ => None,
+        };
+        if let Some(placement) = placement {
             optimizer
-                .set_state_placement(StatePlacement::Device)
+                .set_state_placement(placement)
                 .map_err(|cause| TrainError::Model {
                     context: "cannot place the optimizer state".into(),
                     cause,

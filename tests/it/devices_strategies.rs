@@ -187,6 +187,7 @@ fn bytes_placed_per_logical_device_equal_the_planners() {
             gradient_accumulation: 1,
             seq_len: 24,
             activation_checkpointing: false,
+            optimizer_offload: false,
             lora: None,
             strategy: plan::Strategy::LayerSplit,
             devices: vec![DeviceSpec::cpu(1 << 30), DeviceSpec::cpu(1 << 30)],

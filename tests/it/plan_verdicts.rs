@@ -29,6 +29,7 @@ fn dictalm_request() -> PlanRequest {
         gradient_accumulation: 4,
         seq_len: 512,
         activation_checkpointing: true,
+        optimizer_offload: false,
         lora: None,
         strategy: Strategy::Single,
         devices: parse_devices("2x80GiB").unwrap(),
@@ -437,4 +438,45 @@ fn cli_plans_the_generic_ops_path() {
         .unwrap();
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("auto, native or generic"));
+}
+
+/// `--optimizer-offload` (training.optimizer_offload = "host"): AdamW's moments leave GPU 0
+/// for host RAM, the plan says so, and the fix list offers it where a GPU runs out.
+#[test]
+fn optimizer_offload_moves_the_moments_to_host_ram() {
+    let plan_of = |extra: &[&str]| -> serde_json::Value {
+        let out = plan_dictalm_fp32_on_one_gpu(&[&["--json"], extra].concat());
+        serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)))
+    };
+    let base = plan_of(&[]);
+    let offloaded = plan_of(&["--optimizer-offload"]);
+    let gpu0 = |v: &serde_json::Value, key: &str| v["plan"]["per_device"][0][key].as_u64().unwrap();
+    let moments = gpu0(&base, "optimizer_states_bytes");
+    assert!(moments as f64 / GIB > 50.0, "{moments}");
+    assert_eq!(gpu0(&offloaded, "optimizer_states_bytes"), 0);
+    assert_eq!(
+        offloaded["plan"]["host_offload_bytes"].as_u64(),
+        Some(moments)
+    );
+    let saved = gpu0(&base, "peak_bytes") - gpu0(&offloaded, "peak_bytes");
+    assert!(
+        saved as f64 / GIB > 50.0,
+        "offloading saved only {:.1} GiB",
+        saved as f64 / GIB
+    );
+    let fixes = base["plan"]["fixes"].as_array().unwrap();
+    assert!(
+        fixes
+            .iter()
+            .any(|f| f.to_string().contains("optimizer state in host RAM")),
+        "{fixes:?}"
+    );
+    let text =
+        String::from_utf8_lossy(&plan_dictalm_fp32_on_one_gpu(&["--optimizer-offload"]).stdout)
+            .to_string();
+    assert!(
+        text.contains("Host RAM: 54.0 GiB of optimizer state"),
+        "{text}"
+    );
 }

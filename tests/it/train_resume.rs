@@ -212,3 +212,32 @@ fn generic_ops_resume_exactly_through_the_cli() {
         }
     )));
 }
+
+/// `training.optimizer_offload = "host"` through `tunestudio train`: the state lives in host RAM
+/// (on a CPU run that is where the parameters are too), and the run is the default run.
+#[test]
+fn optimizer_offload_trains_like_the_default_through_the_cli() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |name: &str, offload: tunestudio::model::OptimizerOffload| {
+        let out = tmp.path().join(name);
+        let mut cfg = small_config(&out);
+        cfg.training.optimizer_offload = offload;
+        let cfg = cfg.with_absolute_paths();
+        let path = tmp.path().join(format!("{name}.toml"));
+        cfg.save(&path).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let status = std::process::Command::new(env!("CARGO_BIN_EXE_tunestudio"))
+            .args(["train", "--config"])
+            .arg(&path)
+            .stdout(std::process::Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success());
+        (recorded_losses(&out), text)
+    };
+    let (default, _) = run("default", tunestudio::model::OptimizerOffload::None);
+    let (offloaded, toml) = run("host", tunestudio::model::OptimizerOffload::Host);
+    assert!(toml.contains("optimizer_offload = \"host\""), "{toml}");
+    assert_eq!(offloaded.len(), 14);
+    assert_same(&default, &offloaded);
+}

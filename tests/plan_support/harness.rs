@@ -71,6 +71,7 @@ pub fn request(cfg: &ModelConfig, c: &Case) -> PlanRequest {
         gradient_accumulation: c.accumulation,
         seq_len: c.seq_len,
         activation_checkpointing: c.checkpointing,
+        optimizer_offload: false,
         lora: c.lora.then(|| LoraSpec {
             r: lora_cfg().r,
             target_modules: lora_cfg().target_modules,

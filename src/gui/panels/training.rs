@@ -107,6 +107,22 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                     &mut s.config.training.activation_checkpointing,
                     "recompute activations",
                 );
+                let mut offload =
+                    s.config.training.optimizer_offload == tunestudio::model::OptimizerOffload::Host;
+                theme::check_row(
+                    ui,
+                    "Optimizer state in host RAM",
+                    "Keep AdamW's moments (and fp32 master weights) in host RAM instead of on the GPU: \
+                     8–12 bytes per parameter leave the GPU, for a host↔device copy of every gradient and \
+                     parameter per step. No effect on a CPU run.",
+                    &mut offload,
+                    "offload",
+                );
+                s.config.training.optimizer_offload = if offload {
+                    tunestudio::model::OptimizerOffload::Host
+                } else {
+                    tunestudio::model::OptimizerOffload::None
+                };
             });
         });
 
