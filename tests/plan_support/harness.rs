@@ -146,8 +146,13 @@ pub fn mib(b: u64) -> f64 {
 }
 
 pub fn run_grid(cases: &[Case]) -> Vec<(Case, Measured, DevicePlan)> {
+    run_grid_with(&model_config(), cases)
+}
+
+/// [`run_grid`] on another model shape.
+pub fn run_grid_with(cfg: &ModelConfig, cases: &[Case]) -> Vec<(Case, Measured, DevicePlan)> {
     assert!(mem::is_installed());
-    let cfg = model_config();
+    let cfg = cfg.clone();
     let mut out = Vec::new();
     // Group by dtype and LoRA so each model is built once (LoRA freezes the base for good).
     for dtype in [DType::F32, DType::BF16] {
