@@ -24,6 +24,19 @@ fn exclusive() -> std::sync::MutexGuard<'static, ()> {
     MEASURING.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Sets `TUNESTUDIO_OPS=generic` (models and plans follow it) until the returned guard drops,
+/// however the test ends, so later tests run the default path. Take [`exclusive`] first.
+fn generic_ops() -> impl Drop {
+    struct Unset;
+    impl Drop for Unset {
+        fn drop(&mut self) {
+            std::env::remove_var(tunestudio::model::OPS_ENV);
+        }
+    }
+    std::env::set_var(tunestudio::model::OPS_ENV, "generic");
+    Unset
+}
+
 fn check(rows: &[(Case, Measured, DevicePlan)]) {
     let mut worst = 0f64;
     for (c, m, d) in rows {
@@ -181,16 +194,8 @@ fn memory_grid_check_is_exact_within_5_percent() {
 #[test]
 fn planner_matches_measured_peaks_on_the_generic_path() {
     use tunestudio::plan::Precision::{Bf16Mixed as B, Fp32 as F};
-    /// Unsets the variable however the test ends, so later tests run the default path.
-    struct GenericOps;
-    impl Drop for GenericOps {
-        fn drop(&mut self) {
-            std::env::remove_var(tunestudio::model::OPS_ENV);
-        }
-    }
     let _guard = exclusive();
-    std::env::set_var(tunestudio::model::OPS_ENV, "generic");
-    let _unset = GenericOps;
+    let _generic = generic_ops();
     let cases = [
         harness::case(F, false, false, 1, 256),
         harness::case(F, true, false, 1, 256),
@@ -220,15 +225,8 @@ fn planner_matches_measured_peaks_on_the_generic_path() {
 /// on a 2-layer model of SmolLM2's width, LoRA: the plan within 3 % of the measured peak.
 #[test]
 fn planner_matches_the_generic_loss_over_several_chunks() {
-    struct GenericOps;
-    impl Drop for GenericOps {
-        fn drop(&mut self) {
-            std::env::remove_var(tunestudio::model::OPS_ENV);
-        }
-    }
     let _guard = exclusive();
-    std::env::set_var(tunestudio::model::OPS_ENV, "generic");
-    let _unset = GenericOps;
+    let _generic = generic_ops();
     let mut raw = harness::model_config().raw.clone();
     raw["num_hidden_layers"] = 2.into();
     let cfg =
