@@ -2,9 +2,11 @@
 # tunestudio vs PyTorch + transformers, side by side on this machine, in one run:
 # the SmolLM2-135M shape (random init), fp32, seq 256, batch 1, AdamW, 2 threads.
 # Runs are interleaved (tunestudio, PyTorch, tunestudio, PyTorch, ...) so that drift
-# in the machine's speed hits both; prints tokens/s and peak RSS of each and the ratios.
+# in the machine's speed hits both; prints tokens/s and peak RSS of each and the ratios,
+# for gradient accumulation 1 and 4 (same effective batch on both sides: PyTorch
+# accumulates in `.grad`, tunestudio in one buffer per parameter).
 #
-#   scripts/bench-vs-torch.sh [ROUNDS=2] [STEPS=3]
+#   scripts/bench-vs-torch.sh [ROUNDS=2] [STEPS=3]     (ACCUMULATIONS="1 4" by default)
 #
 # PyTorch comes from PyPI into a venv (TUNESTUDIO_TORCH_VENV, default target/torch-venv).
 # If it cannot be installed the script says so and still runs tunestudio.
@@ -13,6 +15,7 @@ cd "$(dirname "$0")/.."
 
 ROUNDS="${1:-2}"
 STEPS="${2:-3}"
+ACCUMULATIONS="${ACCUMULATIONS:-1 4}"
 THREADS="${THREADS:-2}"
 SHARED="${TUNESTUDIO_SHARED:-$(cd .. && pwd)/shared}"
 CONFIG="$SHARED/model-configs/smollm2-135m.json"
@@ -36,36 +39,44 @@ else
   echo "PyTorch is not available here: running tunestudio alone (no ratios)."
 fi
 
-ts_tps=(); ts_rss=(); pt_tps=(); pt_rss=(); ratios=()
-for round in $(seq 1 "$ROUNDS"); do
-  out=$("$BIN" bench --model-config "$CONFIG" --seq-len 256 --batch 1 --steps "$STEPS" --threads "$THREADS" 2>/dev/null)
-  # The kernels gemm picked on this CPU decide most of tunestudio's figure: say which.
-  [ "$round" = 1 ] && echo "tunestudio matmul SIMD: $(echo "$out" | awk -F'  +' '/^matmul SIMD/ {print $2}')"
-  tps=$(echo "$out" | awk '/^tokens\/s / {print $2}')
-  rss=$(echo "$out" | awk '/^peak RSS/ {print $3 * 1e9}')
-  ts_tps+=("$tps"); ts_rss+=("$rss")
-  echo "round $round tunestudio: $tps tokens/s, peak RSS $(awk -v b="$rss" 'BEGIN {printf "%.2f GB", b/1e9}')"
-  if [ "$have_torch" = 1 ]; then
-    json=$("$VENV/bin/python" scripts/torch_step.py "$CONFIG" 256 1 "$STEPS" "$THREADS" 2>/dev/null | tail -n 1)
-    tps=$(echo "$json" | "$VENV/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["tokens_per_sec"])')
-    rss=$(echo "$json" | "$VENV/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["peak_rss_bytes"])')
-    pt_tps+=("$tps"); pt_rss+=("$rss")
-    ratios+=("$(awk -v a="${ts_tps[-1]}" -v b="$tps" 'BEGIN {print a/b}')")
-    echo "round $round PyTorch:    $(printf '%.1f' "$tps") tokens/s, peak RSS $(awk -v b="$rss" 'BEGIN {printf "%.2f GB", b/1e9}')   (round ratio $(printf '%.2f' "${ratios[-1]}")×)"
-  fi
-done
-
 median() { printf '%s\n' "$@" | sort -g | awk '{a[NR]=$1} END {if (NR%2) print a[(NR+1)/2]; else print (a[NR/2]+a[NR/2+1])/2}'; }
-ts_t=$(median "${ts_tps[@]}"); ts_r=$(median "${ts_rss[@]}")
-echo
-echo "median over $ROUNDS rounds ($STEPS steps each after a warm-up), seq 256, batch 1, fp32, $THREADS threads:"
-printf '  tunestudio  %7.1f tokens/s  peak RSS %.2f GB\n' "$ts_t" "$(awk -v b="$ts_r" 'BEGIN {print b/1e9}')"
-if [ "$have_torch" = 1 ]; then
-  pt_t=$(median "${pt_tps[@]}"); pt_r=$(median "${pt_rss[@]}")
-  printf '  PyTorch     %7.1f tokens/s  peak RSS %.2f GB\n' "$pt_t" "$(awk -v b="$pt_r" 'BEGIN {print b/1e9}')"
-  printf '  ratio       %7.2f× tokens/s (target ≥ 1.25)   %.2f× peak RSS (target ≤ 0.80)\n' \
-    "$(awk -v a="$ts_t" -v b="$pt_t" 'BEGIN {print a/b}')" "$(awk -v a="$ts_r" -v b="$pt_r" 'BEGIN {print a/b}')"
-  # Each round's pair ran back to back, so its ratio is the least exposed to drift.
-  printf '  round ratios: median %.2f×, range %.2f–%.2f× tokens/s\n' "$(median "${ratios[@]}")" \
-    "$(printf '%s\n' "${ratios[@]}" | sort -g | head -n 1)" "$(printf '%s\n' "${ratios[@]}" | sort -g | tail -n 1)"
-fi
+compare() {
+  ts_tps=(); ts_rss=(); pt_tps=(); pt_rss=(); ratios=()
+  for round in $(seq 1 "$ROUNDS"); do
+    out=$("$BIN" bench --model-config "$CONFIG" --seq-len 256 --batch 1 --accumulation "$ACC" --steps "$STEPS" --threads "$THREADS" 2>/dev/null)
+    # The kernels gemm picked on this CPU decide most of tunestudio's figure: say which.
+    [ "$round" = 1 ] && echo "tunestudio matmul SIMD: $(echo "$out" | awk -F'  +' '/^matmul SIMD/ {print $2}')"
+    tps=$(echo "$out" | awk '/^tokens\/s / {print $2}')
+    rss=$(echo "$out" | awk '/^peak RSS/ {print $3 * 1e9}')
+    ts_tps+=("$tps"); ts_rss+=("$rss")
+    echo "round $round tunestudio: $tps tokens/s, peak RSS $(awk -v b="$rss" 'BEGIN {printf "%.2f GB", b/1e9}')"
+    if [ "$have_torch" = 1 ]; then
+      json=$("$VENV/bin/python" scripts/torch_step.py "$CONFIG" 256 1 "$STEPS" "$THREADS" "$ACC" 2>/dev/null | tail -n 1)
+      tps=$(echo "$json" | "$VENV/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["tokens_per_sec"])')
+      rss=$(echo "$json" | "$VENV/bin/python" -c 'import json,sys; print(json.load(sys.stdin)["peak_rss_bytes"])')
+      pt_tps+=("$tps"); pt_rss+=("$rss")
+      ratios+=("$(awk -v a="${ts_tps[-1]}" -v b="$tps" 'BEGIN {print a/b}')")
+      echo "round $round PyTorch:    $(printf '%.1f' "$tps") tokens/s, peak RSS $(awk -v b="$rss" 'BEGIN {printf "%.2f GB", b/1e9}')   (round ratio $(printf '%.2f' "${ratios[-1]}")×)"
+    fi
+  done
+
+  ts_t=$(median "${ts_tps[@]}"); ts_r=$(median "${ts_rss[@]}")
+  echo
+  echo "accumulation $ACC: median over $ROUNDS rounds ($STEPS steps each after a warm-up), seq 256, micro-batch 1, fp32, $THREADS threads:"
+  printf '  tunestudio  %7.1f tokens/s  peak RSS %.2f GB\n' "$ts_t" "$(awk -v b="$ts_r" 'BEGIN {print b/1e9}')"
+  if [ "$have_torch" = 1 ]; then
+    pt_t=$(median "${pt_tps[@]}"); pt_r=$(median "${pt_rss[@]}")
+    printf '  PyTorch     %7.1f tokens/s  peak RSS %.2f GB\n' "$pt_t" "$(awk -v b="$pt_r" 'BEGIN {print b/1e9}')"
+    printf '  ratio       %7.2f× tokens/s (target ≥ 1.25)   %.2f× peak RSS (target ≤ 0.80)\n' \
+      "$(awk -v a="$ts_t" -v b="$pt_t" 'BEGIN {print a/b}')" "$(awk -v a="$ts_r" -v b="$pt_r" 'BEGIN {print a/b}')"
+    # Each round's pair ran back to back, so its ratio is the least exposed to drift.
+    printf '  round ratios: median %.2f×, range %.2f–%.2f× tokens/s\n' "$(median "${ratios[@]}")" \
+      "$(printf '%s\n' "${ratios[@]}" | sort -g | head -n 1)" "$(printf '%s\n' "${ratios[@]}" | sort -g | tail -n 1)"
+  fi
+}
+
+for ACC in $ACCUMULATIONS; do
+  echo
+  echo "== gradient accumulation $ACC =="
+  compare
+done

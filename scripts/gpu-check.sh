@@ -148,6 +148,74 @@ for ops in native generic; do
   grep -E '^(ops|step \(median\)|tokens/s|last loss)' "$OUT_DIR/bench-$ops.txt"
 done
 
+# --- 3b. several devices through `tunestudio train` -------------------------------
+# Data parallel and a layer split on two logical devices of one GPU (two streams), and on
+# two GPUs where there are two, must train like one device (same losses step by step).
+log "step 3b: data parallel and layer split through tunestudio train"
+multi_rc=0
+run_multi() { # name, micro_batch, strategy, devices (TOML array body)
+  local dir="$OUT_DIR/multi-$1"
+  rm -rf "$dir"; mkdir -p "$dir"
+  cat >"$dir/run.toml" <<TOML
+output_dir = "$dir/out"
+[model]
+source = "$SHARED/fixtures/tiny-llama"
+init = "pretrained"
+[data]
+path = "$SHARED/datasets/alpaca_en_demo.json"
+format = "alpaca"
+max_length = 64
+[training]
+micro_batch = $2
+gradient_accumulation = 2
+max_steps = 6
+learning_rate = 0.001
+[devices]
+strategy = "$3"
+devices = [$4]
+TOML
+  "$BIN" train --config "$dir/run.toml" >"$dir/train.log" 2>&1 || { log "train $1 failed:"; tail -n 5 "$dir/train.log"; multi_rc=1; }
+}
+if [[ $MODE == cpu ]]; then
+  dev0='"cpu:0"'; dev1='"cpu:1"'; one='"cpu"'; tol=1e-5
+else
+  dev0='"cuda:0"'; dev1='"cuda:0"'; one='"cuda:0"'; tol=2e-3
+fi
+rm -rf "$OUT_DIR"/multi-*
+run_multi one 4 single "$one"
+run_multi dp-streams 2 data-parallel "$dev0, $dev1"
+run_multi split-streams 4 layer-split "$dev0, $dev1"
+gpus=$(python3 -c 'import json,sys; print(sum(d["kind"]=="cuda" for d in json.load(open(sys.argv[1]))["devices"]))' "$OUT_DIR/devices.json" 2>/dev/null || echo 0)
+if [[ $MODE == gpu && $gpus -ge 2 ]]; then
+  run_multi dp-gpus 2 data-parallel '"cuda:0", "cuda:1"'
+  run_multi split-gpus 4 layer-split '"cuda:0", "cuda:1"'
+fi
+python3 - "$OUT_DIR" "$tol" <<'EOF' || multi_rc=1
+import json, sys, os, glob
+out, tol = sys.argv[1], float(sys.argv[2])
+def losses(name):
+    steps = {}
+    path = os.path.join(out, f"multi-{name}", "out", "metrics.jsonl")
+    if os.path.exists(path):
+        for line in open(path):
+            e = json.loads(line)
+            if e.get("event") == "step": steps[e["step"]] = e["loss"]
+    return steps
+ref = losses("one")
+bad = 0 if ref else 1
+for d in sorted(glob.glob(os.path.join(out, "multi-*"))):
+    name = os.path.basename(d)[len("multi-"):]
+    if name == "one": continue
+    got = losses(name)
+    worst = max(abs(got[s] - ref[s]) for s in ref) if ref and got.keys() == ref.keys() else float("inf")
+    ok = worst <= tol * max(1.0, max(abs(v) for v in ref.values()))
+    bad += not ok
+    print(f"[{'PASSED' if ok else 'FAILED':7}] {name:<14} {len(got)} steps, worst |loss - one device| = {worst:.2e}")
+sys.exit(1 if bad else 0)
+EOF
+log "several devices: $([[ $multi_rc -eq 0 ]] && echo passed || echo FAILED)"
+[[ $multi_rc -eq 0 ]] || check_rc=1
+
 # --- 4. PyTorch reference step ------------------------------------------------
 torch_rc=0
 if [[ $RUN_TORCH -eq 1 ]] && command -v python3 >/dev/null && python3 -c 'import torch' 2>/dev/null; then

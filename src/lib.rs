@@ -3,7 +3,8 @@
 //! The library is the whole engine with no GUI dependency: model loading and a
 //! training-ready decoder ([`model`]), datasets, chat templates and label masks
 //! ([`data`]), the background trainer ([`train`]), the memory planner ([`plan`]),
-//! device discovery and placement ([`devices`]) and generation ([`infer`]).
+//! device discovery and placement ([`devices`]), generation ([`infer`]) and the shaping of
+//! model text for display: right-to-left order and byte-split tokens ([`text`]).
 //! Data flows one way: run config → plan → trainer → events → UI.
 
 pub mod data;
@@ -13,4 +14,5 @@ pub mod mem;
 pub mod model;
 pub mod paths;
 pub mod plan;
+pub mod text;
 pub mod train;

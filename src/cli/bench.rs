@@ -17,6 +17,9 @@ pub struct BenchArgs {
     /// Sequences per step.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
+    /// Micro-batches accumulated per optimizer step (tokens/s counts all of them)
+    #[arg(long, default_value_t = 1)]
+    pub accumulation: usize,
     /// Timed steps (after one warm-up step).
     #[arg(long, default_value_t = 5)]
     pub steps: usize,
@@ -50,6 +53,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let mut cfg = BenchConfig {
         seq_len: args.seq_len,
         batch: args.batch,
+        accumulation: args.accumulation,
         steps: args.steps,
         dtype,
         threads: args.threads,

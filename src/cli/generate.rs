@@ -57,6 +57,10 @@ pub struct GenerateArgs {
     /// Attach the adapter even if its adapter_config.json names another base model.
     #[arg(long)]
     pub ignore_adapter_base: bool,
+    /// Output these token ids (comma-separated) instead of sampling, then sample on: a
+    /// script for tests of the streamed text.
+    #[arg(long, value_delimiter = ',', hide = true)]
+    pub force_tokens: Vec<u32>,
 }
 
 /// Runs `tunestudio generate`.
@@ -81,6 +85,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
         seed: args.seed,
         stop_strings: args.stop.clone(),
         stop_on_eos: true,
+        forced_tokens: args.force_tokens.clone(),
     };
     // Fail on bad settings before the (slow) model load.
     params.validate()?;
@@ -113,6 +118,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
             GenEvent::Started { prompt_tokens } => {
                 eprintln!("prompt: {prompt_tokens} tokens");
             }
+            // The generator releases whole characters only (a byte-split character is held
+            // back until its last token), so no chunk ends in U+FFFD.
             GenEvent::Token { text, .. } => {
                 if !text.is_empty() {
                     stdout.write_all(text.as_bytes())?;
@@ -121,6 +128,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
             }
             GenEvent::Done(out) => {
                 writeln!(stdout)?;
+                if out.cut_character {
+                    eprintln!("(the output ended inside a character; its bytes are not shown)");
+                }
                 eprintln!(
                     "{} tokens in {:.2} s: {:.1} tokens/s ({:.1} tokens/s after the first; prompt pass {:.2} s); stopped: {}",
                     out.tokens,

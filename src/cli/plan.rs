@@ -130,8 +130,9 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn build_request(args: &PlanArgs) -> anyhow::Result<PlanRequest> {
+    let gpu_capacity = tunestudio::devices::driver_gpu_capacity();
     let devices = match &args.devices {
-        Some(d) => Some(parse_devices(d)?),
+        Some(d) => Some(plan::parse_devices_with(d, &gpu_capacity)?),
         None => None,
     };
     let mut req = if let Some(path) = &args.config {
@@ -144,7 +145,7 @@ fn build_request(args: &PlanArgs) -> anyhow::Result<PlanRequest> {
         if let Some(m) = &args.model_config {
             settings.model.source = Some(m.clone());
         }
-        plan::request_from_run_config(&settings, base, devices)?
+        plan::request_from_run_config(&settings, base, devices, &gpu_capacity)?
     } else {
         let source = args.model_config.as_deref().context(
             "give the model: --model-config path/to/config.json (or a model folder), or --config run.toml",

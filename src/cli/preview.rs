@@ -11,8 +11,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use tunestudio::data::{
     preview_dataset, DataConfig, DataPreview, Format, PreviewOptions, RowSelection, RunConfigView,
-    Severity, TokenClass, TokenizerBundle,
+    Severity, TokenClass, TokenSpan, TokenizerBundle,
 };
+// Terminals apply bidi themselves, so the text stays in logical order; only spaces between
+// tokens separate them.
+use tunestudio::text::visible_keep_spaces as visible;
 
 /// Arguments of `tunestudio preview`.
 #[derive(Debug, clap::Args)]
@@ -141,19 +144,37 @@ impl Style {
     }
 }
 
-/// Makes whitespace and control characters visible.
-fn visible(s: &str) -> String {
-    let mut o = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '\n' => o.push_str("\\n"),
-            '\t' => o.push_str("\\t"),
-            '\r' => o.push_str("\\r"),
-            c if c.is_control() => o.push_str(&format!("\\u{{{:x}}}", c as u32)),
-            c => o.push(c),
-        }
+fn class_code(c: TokenClass) -> &'static str {
+    match c {
+        TokenClass::Trained => "32",
+        TokenClass::Masked => "31",
+        TokenClass::Mismatch => "1;35",
+        TokenClass::Padding => "2",
     }
-    o
+}
+
+/// `text(label, id)` for one token; for the tokens of a character split between them
+/// (byte-level BPE), the character once and each token's `label, id`, each in its class's
+/// colour: `כ(-100, 162 · -100, 245)`.
+fn group_body(st: &Style, text: &str, tokens: &[TokenSpan]) -> String {
+    let parts: Vec<String> = tokens
+        .iter()
+        .map(|t| {
+            let mut part = format!("{}, {}", t.label, t.id);
+            if t.weight != 0.0 && t.weight != 1.0 {
+                part.push_str(&format!(" w={}", t.weight));
+            }
+            st.paint(class_code(t.class), &part)
+        })
+        .collect();
+    let first = tokens.first().map_or(TokenClass::Masked, |t| t.class);
+    format!(
+        "{}{}{}{}",
+        st.paint(class_code(first), text),
+        st.paint(class_code(first), "("),
+        parts.join(" · "),
+        st.paint(class_code(first), ")")
+    )
 }
 
 fn render(
@@ -191,7 +212,7 @@ fn render(
     }
     writeln!(
         out,
-        "legend: {} {} {} {}  — each token is text(label, id)",
+        "legend: {} {} {} {}  — each token is text(label, id); a character split between tokens is text(label, id · label, id)",
         st.paint("32", "trained"),
         st.paint("31", "masked(-100)"),
         st.paint("1;35", "label≠token"),
@@ -214,20 +235,8 @@ fn render(
         }
         writeln!(out, "{}", st.paint("1", &head))?;
         let mut line = String::new();
-        for t in &r.tokens {
-            let body = format!("{}({}, {})", visible(&t.text), t.label, t.id);
-            let body = if t.weight != 0.0 && t.weight != 1.0 {
-                format!("{body}[w={}]", t.weight)
-            } else {
-                body
-            };
-            let code = match t.class {
-                TokenClass::Trained => "32",
-                TokenClass::Masked => "31",
-                TokenClass::Mismatch => "1;35",
-                TokenClass::Padding => "2",
-            };
-            line.push_str(&st.paint(code, &body));
+        for g in r.groups(r.tokens.len()) {
+            line.push_str(&group_body(&st, &visible(&g.text), &r.tokens[g.tokens]));
             line.push(' ');
         }
         writeln!(out, "{}", line.trim_end())?;

@@ -98,6 +98,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
                 train_rows,
                 eval_rows,
                 output_dir,
+                effective_batch,
+                ranks,
+                placement,
             } if !args.json => {
                 if let Some(p) = resumed_from {
                     say(
@@ -112,6 +115,18 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
                         output_dir.display()
                     ),
                 );
+                say(
+                    &bar,
+                    format!("effective batch {effective_batch} rows per step ({ranks} data-parallel rank(s))"),
+                );
+                if placement.len() > 1 {
+                    for d in placement {
+                        say(
+                            &bar,
+                            format!("  {}: layers {}..{}", d.device, d.start_layer, d.end_layer),
+                        );
+                    }
+                }
                 let b = if interactive {
                     ProgressBar::new(*total_steps)
                 } else {

@@ -9,6 +9,7 @@ use crate::data::prepare::{label_dataset, open_data, OpenedData, Pipeline};
 use crate::data::stats::{compute_stats, DataStats};
 use crate::data::tokenizer::{PadToken, TokenizerBundle};
 use crate::data::DataError;
+use crate::text::{group_tokens, TokenGroup};
 use serde::{Deserialize, Serialize};
 
 /// How a token takes part in training.
@@ -40,6 +41,26 @@ pub struct TokenSpan {
     pub class: TokenClass,
     /// Loss weight (1 trained, 0 masked, other values from `loss_weight`).
     pub weight: f32,
+    /// The bytes the token stands for: part of a character where byte-level BPE split
+    /// one (see [`RowPreview::groups`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub bytes: Vec<u8>,
+    /// A special token of the tokenizer (`<|im_end|>`): shown as one unit, never reordered
+    /// inside.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub special: bool,
+}
+
+impl TokenSpan {
+    /// The token's bytes, or its text where the tokenizer gave none (an id outside the
+    /// vocabulary in pre-tokenised data).
+    pub fn shown_bytes(&self) -> &[u8] {
+        if self.bytes.is_empty() {
+            self.text.as_bytes()
+        } else {
+            &self.bytes
+        }
+    }
 }
 
 /// Which split a row belongs to.
@@ -77,6 +98,16 @@ pub struct RowPreview {
     pub completion_truncated: bool,
     /// Why it is not trained on, if dropped.
     pub dropped: Option<DropReason>,
+}
+
+impl RowPreview {
+    /// The first `limit` tokens grouped into whole characters: a token holding part of a
+    /// character is shown with the tokens that complete it.
+    pub fn groups(&self, limit: usize) -> Vec<TokenGroup> {
+        let shown = &self.tokens[..limit.min(self.tokens.len())];
+        let bytes: Vec<&[u8]> = shown.iter().map(TokenSpan::shown_bytes).collect();
+        group_tokens(&bytes)
+    }
 }
 
 /// The whole preview.
@@ -237,6 +268,7 @@ pub fn row_previews(
 ) -> Vec<RowPreview> {
     let opts = CollateOptions::new(pad.id, max_length);
     let pad_text = tok.token_texts(&[pad.id]).pop().unwrap_or_default();
+    let pad_bytes = tok.token_bytes(&[pad.id]).pop().unwrap_or_default();
     let mut out = Vec::with_capacity(rows.len());
     for group in rows.chunks(batch_size.max(1)) {
         let longest = group
@@ -249,13 +281,14 @@ pub fn row_previews(
         for r in group {
             let s = &r.sample;
             let texts = tok.token_texts(&s.input_ids);
+            let bytes = tok.token_bytes(&s.input_ids);
             let mut tokens: Vec<TokenSpan> = s
                 .input_ids
                 .iter()
                 .zip(&s.labels)
-                .zip(texts)
+                .zip(texts.into_iter().zip(bytes))
                 .enumerate()
-                .map(|(i, ((&id, &label), text))| {
+                .map(|(i, ((&id, &label), (text, bytes)))| {
                     let class = if label == IGNORE_INDEX {
                         TokenClass::Masked
                     } else if label != id as i64 {
@@ -274,6 +307,8 @@ pub fn row_previews(
                         label,
                         class,
                         weight,
+                        bytes,
+                        special: tok.is_special(id),
                     }
                 })
                 .collect();
@@ -285,6 +320,8 @@ pub fn row_previews(
                         label: IGNORE_INDEX,
                         class: TokenClass::Padding,
                         weight: 0.0,
+                        bytes: pad_bytes.clone(),
+                        special: tok.is_special(pad.id),
                     });
                 }
             }

@@ -448,6 +448,12 @@ impl TokenizerBundle {
         self.tokenizer.decode(ids, false).unwrap_or_default()
     }
 
+    /// The bytes each of `ids` stands for (part of a UTF-8 character where byte-level BPE
+    /// split one; see [`crate::text::token_bytes`]).
+    pub fn token_bytes(&self, ids: &[u32]) -> Vec<Vec<u8>> {
+        crate::text::token_bytes(&self.tokenizer, ids)
+    }
+
     /// The text each token contributes, in order: a token completing a
     /// multi-byte character carries it, the tokens before it carry "".
     pub fn token_texts(&self, ids: &[u32]) -> Vec<String> {

@@ -117,6 +117,22 @@ impl DeviceInventory {
     pub fn gpu_by_cuda_ordinal(&self, ordinal: usize) -> Option<&DeviceInfo> {
         self.gpus().find(|d| d.cuda_ordinal == Some(ordinal))
     }
+
+    /// The memory of the GPU a run config calls `cuda:ordinal`, as the driver reports it.
+    /// Without CUDA ordinals (a build without CUDA, or CUDA failed) NVML's order stands in:
+    /// it is the PCI bus order, which is CUDA's with `CUDA_DEVICE_ORDER=PCI_BUS_ID` and on
+    /// servers of identical GPUs.
+    pub fn gpu_capacity_bytes(&self, ordinal: usize) -> Option<u64> {
+        let by_ordinal = self.gpu_by_cuda_ordinal(ordinal);
+        let any_ordinal = self.gpus().any(|d| d.cuda_ordinal.is_some());
+        by_ordinal
+            .or_else(|| {
+                (!any_ordinal)
+                    .then(|| self.gpus().find(|d| d.index == ordinal))
+                    .flatten()
+            })
+            .map(|d| d.total_bytes)
+    }
 }
 
 /// Where discovery looks.
@@ -132,6 +148,13 @@ pub struct DiscoveryOptions {
 /// Lists the CPU and every NVIDIA GPU; never fails (problems become notes).
 pub fn discover() -> DeviceInventory {
     discover_with(&DiscoveryOptions::default())
+}
+
+/// The planner's lookup for GPUs named without a size (`cuda:0`): their memory as
+/// NVML reports it, discovered once on first use (nothing is loaded for runs without one).
+pub fn driver_gpu_capacity() -> impl Fn(usize) -> Option<u64> {
+    let inventory = std::cell::OnceCell::new();
+    move |ordinal| inventory.get_or_init(discover).gpu_capacity_bytes(ordinal)
 }
 
 /// [`discover`] with explicit options.

@@ -5,7 +5,7 @@
 //!   run time ([`nvml`]), with live memory, utilisation and other processes;
 //!   CUDA ordinals matched to NVML devices by UUID.
 //! * [`placement`] — the balanced layer split (a pure function over per-layer
-//!   byte costs and device capacities).
+//!   byte costs and device capacities; the planner's, re-exported).
 //! * [`strategy`] — logical devices (N of them can share one physical CPU or
 //!   GPU, so every strategy is testable without a GPU), the three strategies
 //!   (single, layer split, data parallel) and the bytes each device holds.
@@ -24,13 +24,15 @@ pub mod cuda_pool;
 pub mod discovery;
 pub mod nvml;
 pub mod parallel;
-pub mod placement;
+/// The balanced layer split lives with the planner (it is pure and the planner is its first
+/// user); re-exported here because the trainer and the device checks place layers with it.
+pub use crate::plan::placement;
 pub mod sampler;
 pub mod strategy;
 
 pub use discovery::{
-    discover, discover_with, match_cuda_ordinals, DeviceInfo, DeviceInventory, DeviceKind,
-    DiscoveryOptions, GpuProcess,
+    discover, discover_with, driver_gpu_capacity, match_cuda_ordinals, DeviceInfo, DeviceInventory,
+    DeviceKind, DiscoveryOptions, GpuProcess,
 };
 pub use parallel::{
     data_parallel_step, split_batch, Batch, DataParallelOutput, GradientReducer, HostReducer,

@@ -345,6 +345,12 @@ impl Nvml {
         self.memory_of(handle)
     }
 
+    /// Processes with a compute context on GPU `index` and the memory each uses.
+    pub fn processes(&self, index: u32) -> Result<Vec<NvmlProcess>, NvmlError> {
+        let handle = self.handle(index)?;
+        self.processes_of(handle)
+    }
+
     fn handle(&self, index: u32) -> Result<DeviceHandle, NvmlError> {
         let mut handle: DeviceHandle = std::ptr::null_mut();
         // SAFETY: writes one handle.

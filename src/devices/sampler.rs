@@ -35,6 +35,10 @@ pub struct MemorySample {
     pub capacity_bytes: u64,
     /// Heap bytes counted by [`crate::mem`]'s allocator (CPU, when installed).
     pub allocator_bytes: Option<u64>,
+    /// GPU: the memory NVML attributes to this process, when it reports it (not inside
+    /// some containers); `used_bytes` stays the device-wide figure `nvidia-smi` shows.
+    #[serde(default)]
+    pub process_bytes: Option<u64>,
     /// Seconds since the sampler started.
     pub t_secs: f64,
 }
@@ -125,6 +129,20 @@ impl MemorySampler {
     where
         F: FnMut(MemorySample) + Send + 'static,
     {
+        Self::start_with_library(targets, interval, None, sink)
+    }
+
+    /// [`MemorySampler::start`] reading GPUs through the NVML library at `nvml_library`
+    /// (`None`: `$TUNESTUDIO_NVML_LIB`, then the driver's).
+    pub fn start_with_library<F>(
+        targets: Vec<SampleTarget>,
+        interval: Duration,
+        nvml_library: Option<std::path::PathBuf>,
+        sink: F,
+    ) -> Result<Self, DevicesError>
+    where
+        F: FnMut(MemorySample) + Send + 'static,
+    {
         let interval = interval.clamp(MIN_INTERVAL, MAX_INTERVAL);
         let (stop_tx, stop_rx) = crossbeam_channel::bounded::<()>(1);
         let needs_nvml = targets
@@ -134,7 +152,12 @@ impl MemorySampler {
             .name("tunestudio-mem-sampler".into())
             .spawn(move || {
                 let nvml = if needs_nvml {
-                    Nvml::open().ok().map(Arc::new)
+                    match &nvml_library {
+                        Some(path) => Nvml::open_path(path),
+                        None => Nvml::open(),
+                    }
+                    .ok()
+                    .map(Arc::new)
                 } else {
                     None
                 };
@@ -153,8 +176,18 @@ impl MemorySampler {
         targets: Vec<SampleTarget>,
         interval: Duration,
     ) -> Result<(Self, Receiver<MemorySample>), DevicesError> {
+        Self::with_channel_and_library(targets, interval, None)
+    }
+
+    /// [`MemorySampler::with_channel`] with an explicit NVML library (see
+    /// [`MemorySampler::start_with_library`]).
+    pub fn with_channel_and_library(
+        targets: Vec<SampleTarget>,
+        interval: Duration,
+        nvml_library: Option<std::path::PathBuf>,
+    ) -> Result<(Self, Receiver<MemorySample>), DevicesError> {
         let (tx, rx) = crossbeam_channel::unbounded();
-        let sampler = Self::start(targets, interval, move |s| {
+        let sampler = Self::start_with_library(targets, interval, nvml_library, move |s| {
             // The receiver may be gone (UI closed): keep running quietly until dropped.
             let _ = tx.send(s);
         })?;
@@ -226,6 +259,7 @@ fn sample(target: &SampleTarget, nvml: Option<&Nvml>, start: Instant) -> Option<
                 used_bytes,
                 capacity_bytes: *capacity_bytes,
                 allocator_bytes,
+                process_bytes: None,
                 t_secs,
             })
         }
@@ -234,13 +268,21 @@ fn sample(target: &SampleTarget, nvml: Option<&Nvml>, start: Instant) -> Option<
             label,
             nvml_index,
         } => {
-            let memory = nvml?.memory(*nvml_index).ok()?;
+            let nvml = nvml?;
+            let memory = nvml.memory(*nvml_index).ok()?;
+            let own_pid = std::process::id();
+            let process_bytes = nvml.processes(*nvml_index).ok().and_then(|ps| {
+                ps.into_iter()
+                    .find(|p| p.pid == own_pid)
+                    .and_then(|p| p.used_bytes)
+            });
             Some(MemorySample {
                 device_index: *device_index,
                 label: label.clone(),
                 used_bytes: memory.used_bytes,
                 capacity_bytes: memory.total_bytes,
                 allocator_bytes: None,
+                process_bytes,
                 t_secs,
             })
         }

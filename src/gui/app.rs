@@ -14,7 +14,7 @@ use tunestudio::train::{self, Command, RunConfig, Trainer};
 
 use super::jobs::{JobOutput, Jobs, PickTarget};
 use super::panels;
-use super::state::{push_recent, AppState, MemorySeries, Panel, RunPhase, RunState, Settings};
+use super::state::{push_recent, AppState, Panel, RunPhase, RunState, Settings};
 use super::theme;
 
 /// Storage key of [`Settings`].
@@ -84,6 +84,9 @@ pub struct StartOptions {
     pub output_dir: Option<PathBuf>,
     /// Open this run config instead of the last one / the demo.
     pub config: Option<PathBuf>,
+    /// The NVML library to read GPUs through (`None`: `$TUNESTUDIO_NVML_LIB`, then the
+    /// driver's); tests pass a fake one.
+    pub nvml_library: Option<PathBuf>,
 }
 
 impl StartOptions {
@@ -99,6 +102,8 @@ impl StartOptions {
             output_dir: var("TUNESTUDIO_OUTPUT_DIR").map(PathBuf::from),
             config: var("TUNESTUDIO_CONFIG").map(PathBuf::from),
             screenshot,
+            // `$TUNESTUDIO_NVML_LIB` is read where NVML is opened.
+            nvml_library: None,
         }
     }
 }
@@ -124,6 +129,8 @@ pub struct StudioApp {
     screenshot: Option<Screenshot>,
     /// Frames drawn.
     pub frame_count: u64,
+    /// See [`StartOptions::nvml_library`].
+    nvml_library: Option<PathBuf>,
 }
 
 /// The bundled demo config.
@@ -228,8 +235,9 @@ impl StudioApp {
                 saved: false,
             }),
             frame_count: 0,
+            nvml_library: opts.nvml_library,
         };
-        app.jobs.discover_devices();
+        app.jobs.discover_devices(app.nvml_library.clone());
         app.state.devices.loading = true;
         app.jobs.scan_hub_cache();
         app.actions.push(Action::LoadModel);
@@ -528,22 +536,27 @@ impl StudioApp {
             output_dir: Some(abs_out),
             ..RunState::default()
         };
-        // Predicted peaks and capacities per device, for the memory chart.
+        // Predicted peaks and capacities per device, for the memory chart: the trainer
+        // samples the CPU once (logical CPU devices share this process) and each GPU by
+        // `cuda:N`, so the plan's devices are keyed the same way.
         if let Some(plan) = &self.state.plan.plan {
-            for (label, dp) in config.devices.devices.iter().zip(plan.per_device.iter()) {
-                run.memory.insert(
-                    label.clone(),
-                    MemorySeries {
-                        predicted_peak_bytes: Some(dp.peak_bytes),
-                        total_bytes: Some(dp.device.capacity_bytes),
-                        ..MemorySeries::default()
-                    },
-                );
+            for (entry, dp) in config.devices.devices.iter().zip(plan.per_device.iter()) {
+                let name = entry.split('=').next().unwrap_or(entry).trim();
+                let label = if name.starts_with("cpu") { "cpu" } else { name };
+                let series = run.memory.entry(label.to_string()).or_default();
+                *series.predicted_peak_bytes.get_or_insert(0) += dp.peak_bytes;
+                if label != "cpu" || series.total_bytes.is_none() {
+                    series.total_bytes = Some(dp.device.capacity_bytes);
+                }
             }
         }
         let ctx = self.ctx.clone();
         let waker: train::Waker = Arc::new(move || ctx.request_repaint());
-        let handle = Trainer::spawn(config, Some(waker));
+        let options = train::TrainerOptions {
+            nvml_library: self.nvml_library.clone(),
+            ..train::TrainerOptions::default()
+        };
+        let handle = Trainer::spawn_with(config, options, Some(waker));
         if !handle.send(Command::Start) {
             run.status = "the trainer thread ended before it started".into();
         }
@@ -623,7 +636,7 @@ impl StudioApp {
                 }
                 Action::RefreshDevices => {
                     self.state.devices.loading = true;
-                    self.jobs.discover_devices();
+                    self.jobs.discover_devices(self.nvml_library.clone());
                 }
                 Action::Goto(p) => self.state.panel = p,
                 Action::JumpToRow(row) => {
@@ -778,6 +791,18 @@ impl StudioApp {
                 _ => ui.visuals().text_color(),
             };
             ui.label(RichText::new(text).small().color(color));
+            // Each GPU's memory as the run last measured it.
+            for (device, series) in r.memory.iter().filter(|(d, _)| d.starts_with("cuda")) {
+                let Some(used) = series.used.last().map(|p| p[1]) else {
+                    continue;
+                };
+                let total = series
+                    .total_bytes
+                    .map(|t| format!(" / {:.1}", theme::gib(t)))
+                    .unwrap_or_default();
+                ui.separator();
+                ui.label(RichText::new(format!("{device} {used:.1}{total} GiB")).small());
+            }
             let busy = self.jobs.in_flight();
             if busy > 0 {
                 ui.separator();
@@ -787,6 +812,11 @@ impl StudioApp {
                         .small()
                         .weak(),
                 );
+            }
+            // Said once, in one place: the first character drawn without a font names it.
+            if let Some(msg) = super::fonts::missing_font_message(ui.ctx()) {
+                ui.separator();
+                ui.label(RichText::new(msg).small().color(theme::WARNING));
             }
             if let Some((msg, at)) = &self.state.toast {
                 if at.elapsed() < Duration::from_secs(6) {

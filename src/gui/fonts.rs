@@ -1,7 +1,8 @@
 //! System fonts for scripts egui's built-in fonts lack (Hebrew, Arabic, CJK),
 //! so dataset text renders as written. Fonts are found by scanning the usual
 //! font folders once and loaded lazily, the first time a character needs one;
-//! with none installed, text falls back to egui's replacement glyph — no crash.
+//! with none installed, text falls back to egui's replacement glyph — no crash —
+//! and the [`FontNotice`] names the package to install (the status bar shows it).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -17,6 +18,11 @@ enum Script {
     Alphabetic,
     /// Chinese, Japanese, Korean.
     Cjk,
+}
+
+/// Hebrew, Arabic and their presentation forms: the right-to-left scripts datasets carry.
+fn is_hebrew_or_arabic(c: char) -> bool {
+    matches!(c as u32, 0x0590..=0x08FF | 0xFB1D..=0xFDFF | 0xFE70..=0xFEFF)
 }
 
 fn script_of(c: char) -> Script {
@@ -135,9 +141,54 @@ impl SystemFonts {
     }
 }
 
-/// Installs the system-font fallback on `ctx`. Returns what was found.
+/// The fonts text needed but this system lacks: set by the font fallback the first time
+/// such a character is drawn, read by the status bar.
+#[derive(Debug, Clone, Default)]
+pub struct FontNotice {
+    missing: Arc<Mutex<Vec<&'static str>>>,
+}
+
+impl FontNotice {
+    fn report(&self, what: &'static str) {
+        if let Ok(mut m) = self.missing.lock() {
+            if !m.contains(&what) {
+                m.push(what);
+            }
+        }
+    }
+
+    /// One line naming each missing font and its package, `None` while nothing is missing.
+    pub fn message(&self) -> Option<String> {
+        let m = self.missing.lock().ok()?;
+        (!m.is_empty()).then(|| m.join(" · "))
+    }
+}
+
+/// What the notice says when Hebrew or Arabic text has no font.
+const NO_ALPHABETIC_FONT: &str =
+    "no font for Hebrew/Arabic text: install fonts-dejavu-core (Debian/Ubuntu) or dejavu-sans-fonts (Fedora)";
+/// What the notice says when Chinese, Japanese or Korean text has no font.
+const NO_CJK_FONT: &str =
+    "no font for Chinese/Japanese/Korean text: install fonts-noto-cjk (Debian/Ubuntu) or google-noto-sans-cjk-fonts (Fedora)";
+
+/// Where the notice lives in the context's memory.
+fn notice_id() -> egui::Id {
+    egui::Id::unique("tunestudio-font-notice")
+}
+
+/// The line for the status bar when text was drawn without a font for its script: which
+/// font is missing and the package to install.
+pub fn missing_font_message(ctx: &egui::Context) -> Option<String> {
+    ctx.data(|d| d.get_temp::<FontNotice>(notice_id()))?
+        .message()
+}
+
+/// Installs the system-font fallback on `ctx`. Returns what was found; scripts drawn
+/// without a font are reported through [`missing_font_message`].
 pub fn install(ctx: &egui::Context) -> SystemFonts {
     let found = SystemFonts::scan();
+    let notice = FontNotice::default();
+    ctx.data_mut(|d| d.insert_temp(notice_id(), notice.clone()));
     // Hebrew and friends appear in most datasets: install that font up front (it is small)
     // so the first frame already has it.
     if let Some(path) = &found.alphabetic {
@@ -149,29 +200,38 @@ pub fn install(ctx: &egui::Context) -> SystemFonts {
             ));
         }
     }
-    // CJK fonts are large (10–20 MB): load one only when a CJK character shows up.
-    if let Some(path) = found.cjk.clone() {
-        let loaded: Arc<Mutex<bool>> = Arc::new(Mutex::new(false));
-        ctx.add_font_provider(Arc::new(
-            move |req: &FallbackRequest<'_>| -> Option<FontInsert> {
-                let c = req.cluster.chars().next()?;
-                if script_of(c) != Script::Cjk {
-                    return None;
-                }
-                let mut done = loaded.lock().ok()?;
-                if *done {
-                    return None;
-                }
-                let bytes = std::fs::read(&path).ok()?;
-                *done = true;
-                Some(FontInsert::new(
-                    "system-cjk",
-                    FontData::from_owned(bytes),
-                    fallback_families(),
-                ))
-            },
-        ));
-    }
+    // CJK fonts are large (10–20 MB): load one only when a CJK character shows up. egui asks
+    // once per character no installed font has, which is also when a missing font shows.
+    let cjk = found.cjk.clone();
+    let has_alphabetic = found.alphabetic.is_some();
+    let loaded: Arc<Mutex<bool>> = Arc::new(Mutex::new(false));
+    let reporter = notice.clone();
+    ctx.add_font_provider(Arc::new(
+        move |req: &FallbackRequest<'_>| -> Option<FontInsert> {
+            let c = req.cluster.chars().next()?;
+            if is_hebrew_or_arabic(c) && !has_alphabetic {
+                reporter.report(NO_ALPHABETIC_FONT);
+            }
+            if script_of(c) != Script::Cjk {
+                return None;
+            }
+            let Some(path) = &cjk else {
+                reporter.report(NO_CJK_FONT);
+                return None;
+            };
+            let mut done = loaded.lock().ok()?;
+            if *done {
+                return None;
+            }
+            let bytes = std::fs::read(path).ok()?;
+            *done = true;
+            Some(FontInsert::new(
+                "system-cjk",
+                FontData::from_owned(bytes),
+                fallback_families(),
+            ))
+        },
+    ));
     found
 }
 
@@ -213,5 +273,16 @@ mod tests {
             Some(PathBuf::from("/f/truetype/dejavu/DejaVuSans.ttf"))
         );
         assert_eq!(pick(&files, CJK_NAMES), None);
+    }
+
+    #[test]
+    fn notice_names_each_missing_font_once() {
+        let n = FontNotice::default();
+        assert_eq!(n.message(), None);
+        n.report(NO_CJK_FONT);
+        n.report(NO_CJK_FONT);
+        let m = n.message().unwrap_or_default();
+        assert_eq!(m.matches("fonts-noto-cjk").count(), 1, "{m}");
+        assert!(is_hebrew_or_arabic('ש') && is_hebrew_or_arabic('م') && !is_hebrew_or_arabic('a'));
     }
 }

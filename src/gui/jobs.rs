@@ -291,10 +291,16 @@ impl Jobs {
         });
     }
 
-    /// Discovers devices.
-    pub fn discover_devices(&self) {
-        self.spawn("devices", |_| {
-            Some(JobOutput::Devices(tunestudio::devices::discover()))
+    /// Discovers devices, reading GPUs through `nvml_library` (`None`: the driver's).
+    pub fn discover_devices(&self, nvml_library: Option<std::path::PathBuf>) {
+        self.spawn("devices", move |_| {
+            let options = tunestudio::devices::DiscoveryOptions {
+                nvml_library,
+                skip_gpus: false,
+            };
+            Some(JobOutput::Devices(tunestudio::devices::discover_with(
+                &options,
+            )))
         });
     }
 

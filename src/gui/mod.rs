@@ -16,6 +16,7 @@ pub mod fonts;
 pub mod jobs;
 pub mod panels;
 pub mod state;
+pub mod text;
 pub mod theme;
 
 #[cfg(test)]

@@ -302,6 +302,8 @@ pub struct MemorySeries {
     pub total_bytes: Option<u64>,
     /// The plan's predicted peak for this device.
     pub predicted_peak_bytes: Option<u64>,
+    /// Whose memory the line shows (a GPU without per-process figures shows the device's).
+    pub scope: tunestudio::train::MemoryScope,
 }
 
 /// The error that ended a run, with what to do about it.
@@ -441,6 +443,7 @@ impl RunState {
                 train_rows,
                 eval_rows,
                 output_dir,
+                ..
             } => {
                 self.phase = RunPhase::Running;
                 self.total_steps = total_steps;
@@ -512,8 +515,10 @@ impl RunState {
                 peak_bytes,
                 total_bytes,
                 step,
+                scope,
             } => {
                 let series = self.memory.entry(device).or_default();
+                series.scope = scope;
                 series
                     .used
                     .push([step as f64, crate::gui::theme::gib(used_bytes)]);

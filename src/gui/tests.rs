@@ -565,3 +565,293 @@ fn playground_loads_the_demo_run_model() {
     assert!(!rows[0].left.is_empty() && !rows[0].left.starts_with("error"));
     assert!(h.query_by_label_contains("Batch prompt").is_some());
 }
+
+/// The fake NVML of `tests/fake_nvml/` (two GPUs), compiled into `dir`.
+fn fake_nvml(dir: &Path) -> std::path::PathBuf {
+    let src = dir.join("fake_nvml.c");
+    let lib = dir.join("libnvidia-ml.so.1");
+    std::fs::write(&src, include_str!("../../tests/fake_nvml/fake_nvml.c")).expect("write");
+    let status = std::process::Command::new("cc")
+        .args(["-shared", "-fPIC", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .status()
+        .expect("run `cc` to build the fake NVML (install gcc)");
+    assert!(status.success(), "cc failed to build the fake NVML");
+    lib
+}
+
+#[test]
+#[cfg_attr(
+    tunestudio_missing_cc,
+    ignore = "no C compiler (`cc`) to build the fake NVML (install gcc)"
+)]
+fn the_memory_chart_draws_one_line_per_device_with_two_gpus() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let nvml = fake_nvml(out.path());
+    let opts = StartOptions {
+        fresh: true,
+        panel: Some(Panel::Run),
+        output_dir: Some(out.path().join("run")),
+        nvml_library: Some(nvml),
+        ..StartOptions::default()
+    };
+    let mut h = Harness::builder()
+        .with_size(egui::vec2(1360.0, 860.0))
+        .allow_missing_glyphs()
+        .build_eframe(move |cc| StudioApp::new(cc, opts));
+    wait_ready(&mut h);
+    assert_eq!(
+        h.state()
+            .state
+            .devices
+            .inventory
+            .as_ref()
+            .map(|i| i.gpus().count()),
+        Some(2)
+    );
+    h.get_by_label("Start").click();
+    wait_for(
+        &mut h,
+        "memory of every device",
+        Duration::from_secs(180),
+        |a| {
+            let m = &a.state.run.memory;
+            ["cpu", "cuda:0", "cuda:1"]
+                .iter()
+                .all(|d| m.get(*d).is_some_and(|s| !s.used.is_empty()))
+        },
+    );
+    let lines: Vec<&String> = h.state().state.run.memory.keys().collect();
+    assert_eq!(lines, ["cpu", "cuda:0", "cuda:1"]);
+    for device in ["cpu", "cuda:0", "cuda:1"] {
+        assert!(
+            h.query_by_label_contains(&format!("{device}: peak"))
+                .is_some(),
+            "no chart caption for {device}"
+        );
+    }
+    // The CPU line has the plan's prediction as its reference; every GPU a status-bar figure.
+    assert!(h.query_by_label_contains("(predicted").is_some());
+    assert!(h
+        .query_by_label_contains("cuda:1 0.0 / 140.4 GiB")
+        .is_some());
+    h.get_by_label("Stop").click();
+    wait_for(&mut h, "the stop", Duration::from_secs(60), |a| {
+        matches!(a.state.run.phase, RunPhase::Finished(_))
+    });
+}
+
+/// The app on the demo model's tokenizer (SmolLM2's byte-level BPE) and `data`, showing one
+/// row per batch in the Preview panel.
+fn harness_on_data(data: &Path, out: &Path) -> Harness<'static, StudioApp> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let demo = std::fs::read_to_string(root.join("assets/demo.toml")).expect("demo config");
+    let quoted = |p: &Path| format!("{:?}", p.display().to_string());
+    let config = demo
+        .replace(
+            "source = \"demo-model\"",
+            &format!("source = {}", quoted(&root.join("assets/demo-model"))),
+        )
+        .replace(
+            "path = \"demo-data.json\"",
+            &format!("path = {}", quoted(data)),
+        )
+        .replace("max_length = 128", "max_length = 512")
+        .replace("micro_batch = 4", "micro_batch = 1")
+        .replace("validation_ratio = 0.05", "validation_ratio = 0.0");
+    let path = out.join("run.toml");
+    std::fs::write(&path, config).expect("write run.toml");
+    let opts = StartOptions {
+        fresh: true,
+        panel: Some(Panel::Preview),
+        output_dir: Some(out.join("run")),
+        config: Some(path),
+        ..StartOptions::default()
+    };
+    Harness::builder()
+        .with_size(egui::vec2(1360.0, 860.0))
+        .allow_missing_glyphs()
+        .build_eframe(move |cc| StudioApp::new(cc, opts))
+}
+
+/// One token chip on screen, read from its accessible name.
+struct ChipNode {
+    /// The token's position in the row.
+    position: usize,
+    /// The characters the chip names (its whole group's, whitespace made visible).
+    text: String,
+    /// Which part of a split character the token is (`None`: a whole one).
+    part: Option<String>,
+    bounds: egui::Rect,
+}
+
+/// Every token chip on screen (`token TEXT[ part J/K] (CLASS, id N, position P)`).
+fn chip_nodes<S>(h: &Harness<'_, S>) -> Vec<ChipNode> {
+    h.root()
+        .children_recursive()
+        .filter_map(|n| {
+            let a = n.accesskit_node();
+            // egui names a Label through its value.
+            let label = a.label().or_else(|| a.value())?.to_string();
+            let body = label.strip_prefix("token ")?;
+            let (head, tail) = body.rsplit_once(" (")?;
+            let position = tail.rsplit_once("position ")?.1.trim_end_matches(')');
+            let (text, part) = match head.rsplit_once(" part ") {
+                Some((t, p)) if p.contains('/') => (t.to_string(), Some(p.to_string())),
+                _ => (head.to_string(), None),
+            };
+            let b = a.raw_bounds()?;
+            Some(ChipNode {
+                position: position.parse().ok()?,
+                text,
+                part,
+                bounds: egui::Rect::from_min_max(
+                    egui::pos2(b.x0 as f32, b.y0 as f32),
+                    egui::pos2(b.x1 as f32, b.y1 as f32),
+                ),
+            })
+        })
+        .collect()
+}
+
+/// Every glyph drawn in the last frame: (x, y of its row's top, character). The zero-width
+/// glyphs egui adds to keep one glyph per character (it emits one when a right-to-left
+/// cluster of a byte-split pair is shaped) are not drawn, so they are left out.
+fn drawn_glyphs<S>(h: &Harness<'_, S>) -> Vec<(f32, f32, char)> {
+    fn walk(shape: &egui::Shape, out: &mut Vec<(f32, f32, char)>) {
+        match shape {
+            egui::Shape::Vec(v) => v.iter().for_each(|s| walk(s, out)),
+            egui::Shape::Text(t) => {
+                for row in &t.galley.rows {
+                    for g in row.glyphs.iter().filter(|g| g.advance_width > 0.0) {
+                        out.push((t.pos.x + row.pos.x + g.pos.x, t.pos.y + row.pos.y, g.chr));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    for clipped in &h.output().shapes {
+        walk(&clipped.shape, &mut out);
+    }
+    out
+}
+
+/// A chip text that is a bare token id such as `<12960>`.
+fn is_bare_id(text: &str) -> bool {
+    text.strip_prefix('<')
+        .and_then(|t| t.strip_suffix('>'))
+        .is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()))
+}
+
+/// Waits for the preview of the first row, then checks that every token of it has a chip
+/// naming characters, never a bare id; returns the chips.
+fn preview_chips(
+    h: &mut Harness<'static, StudioApp>,
+) -> (tunestudio::data::RowPreview, Vec<ChipNode>) {
+    wait_for(h, "the preview", Duration::from_secs(90), |a| {
+        a.jobs.in_flight() == 0 && a.state.preview.preview.is_some()
+    });
+    let p = h.state().state.preview.preview.clone().expect("preview");
+    let row = p.rows[0].clone();
+    assert!(
+        row.groups(usize::MAX).iter().any(|g| g.is_split()),
+        "no character is split between tokens: the test proves nothing"
+    );
+    let chips = chip_nodes(h);
+    let mut positions: Vec<usize> = chips.iter().map(|c| c.position).collect();
+    positions.sort_unstable();
+    positions.dedup();
+    let all: Vec<usize> = (0..row.tokens.len()).collect();
+    assert_eq!(positions, all, "every token has a chip of its own");
+    for c in &chips {
+        assert!(
+            !c.text.is_empty() && !is_bare_id(&c.text),
+            "token {} is shown as {:?}",
+            c.position,
+            c.text
+        );
+    }
+    (row, chips)
+}
+
+#[test]
+#[cfg_attr(
+    tunestudio_missing_hebrew_font,
+    ignore = "no system font for Hebrew (apt-get install fonts-dejavu-core)"
+)]
+fn hebrew_row_reads_right_to_left_with_no_bare_ids() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/alpaca_he.json");
+    let mut h = harness_on_data(&data, out.path());
+    let (row, chips) = preview_chips(&mut h);
+
+    // The answer's groups, in logical order.
+    let answer = "שלום! אני מודל שפה שמדבר עברית.";
+    let groups = row.groups(usize::MAX);
+    let text: String = groups.iter().map(|g| g.text.as_str()).collect();
+    let at = text.find(answer).expect("the answer is in the row");
+    let mut offset = 0;
+    let mut answer_tokens = Vec::new();
+    for g in &groups {
+        let start = offset;
+        offset += g.text.len();
+        if start >= at && offset <= at + answer.len() {
+            answer_tokens.push(g.tokens.start);
+        }
+    }
+    assert!(answer_tokens.len() > 5, "{answer_tokens:?}");
+    let rect_of = |pos: usize| {
+        chips
+            .iter()
+            .find(|c| c.position == pos)
+            .map(|c| c.bounds)
+            .expect("chip of an answer token")
+    };
+    let rects: Vec<egui::Rect> = answer_tokens.iter().map(|&p| rect_of(p)).collect();
+    // One line (the answer is short), laid out right to left.
+    for w in rects.windows(2) {
+        assert!((w[0].center().y - w[1].center().y).abs() < 1.0, "{rects:?}");
+        assert!(
+            w[1].center().x < w[0].center().x,
+            "x does not decrease in logical order: {rects:?}"
+        );
+    }
+    // Read left to right, the drawn line is the sentence's visual form.
+    let line = rects.iter().fold(egui::Rect::NOTHING, |a, r| a.union(*r));
+    let mut glyphs: Vec<(f32, f32, char)> = drawn_glyphs(&h)
+        .into_iter()
+        .filter(|&(_, y, _)| y + 1.0 >= line.top() && y + 1.0 <= line.bottom())
+        .collect();
+    glyphs.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let drawn: String = glyphs.iter().map(|g| g.2).collect();
+    let expected = tunestudio::text::visible(&tunestudio::text::visual_order(answer));
+    println!("drawn:    {drawn}\nexpected: {expected}");
+    assert!(
+        drawn.contains(&expected),
+        "drawn {drawn:?}, expected {expected:?} in it"
+    );
+}
+
+#[test]
+fn chinese_row_shows_its_characters_not_ids() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let data = tunestudio::paths::shared_dir().join("datasets/alpaca_zh_demo.json");
+    let mut h = harness_on_data(&data, out.path());
+    let (row, mut chips) = preview_chips(&mut h);
+    // The chips' characters in logical order (a split character once) hold the instruction.
+    chips.sort_by_key(|c| c.position);
+    let named: String = chips
+        .iter()
+        .filter(|c| c.part.as_deref().is_none_or(|p| p.starts_with("1/")))
+        .map(|c| c.text.as_str())
+        .collect();
+    let instruction = "识别并解释给定列表中的两个科学理论：细胞理论和日心说。";
+    assert!(named.contains(instruction), "{named}");
+    assert!(row.text.as_deref().is_some_and(|t| t.contains(instruction)));
+    // And they are drawn (as tofu where no CJK font is installed).
+    let drawn: String = drawn_glyphs(&h).iter().map(|g| g.2).collect();
+    assert!(drawn.contains('识') && drawn.contains('说'), "{drawn}");
+}

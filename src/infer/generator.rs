@@ -118,7 +118,7 @@ pub struct GenerationOutput {
     pub token_ids: Vec<u32>,
     /// The text shown: exactly the concatenation of the streamed token texts (special
     /// tokens skipped, a stop string cut off; on cancel, text held back for a possible stop
-    /// string or an unfinished character is dropped).
+    /// string or an unfinished character is dropped, and so is a character the end cut).
     pub text: String,
     /// Tokens in the prompt.
     pub prompt_tokens: usize,
@@ -136,6 +136,9 @@ pub struct GenerationOutput {
     pub total_secs: f64,
     /// Why it ended.
     pub stop_reason: StopReason,
+    /// The output ended inside a character (`max_new_tokens` or the context cut it between
+    /// its byte tokens); its bytes are left out of `text` rather than shown as U+FFFD.
+    pub cut_character: bool,
 }
 
 /// One streamed token.
@@ -554,6 +557,7 @@ impl Generator {
             token_ids: generated,
             text,
             stop_reason,
+            cut_character: decoder.dropped_partial(),
         })
     }
 }

@@ -29,6 +29,10 @@ pub struct SamplingParams {
     /// Stop at the model's end-of-sequence tokens (turn off to generate exactly
     /// `max_new_tokens`, e.g. for benchmarks).
     pub stop_on_eos: bool,
+    /// Tokens output in this order instead of sampled ones, then sampling takes over
+    /// (empty: off). A script for tests and demonstrations: it forces an answer through
+    /// chosen tokens, e.g. single-byte tokens that split every CJK character.
+    pub forced_tokens: Vec<u32>,
 }
 
 impl Default for SamplingParams {
@@ -42,6 +46,7 @@ impl Default for SamplingParams {
             seed: 0,
             stop_strings: Vec::new(),
             stop_on_eos: true,
+            forced_tokens: Vec::new(),
         }
     }
 }
@@ -110,6 +115,8 @@ impl SamplingParams {
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
+    /// Tokens picked so far (the position in `forced_tokens`).
+    picked: usize,
     /// Scratch: (token, value) candidates.
     cand: Vec<(u32, f32)>,
 }
@@ -119,6 +126,7 @@ impl Sampler {
     pub fn new(params: &SamplingParams) -> Self {
         Self {
             rng: StdRng::seed_from_u64(params.seed),
+            picked: 0,
             params: params.clone(),
             cand: Vec::new(),
         }
@@ -128,6 +136,10 @@ impl Sampler {
     /// penalty), given every token so far (`context`: prompt + output) for the repetition
     /// penalty. `None` when no logit is finite.
     pub fn next_token(&mut self, logits: &mut [f32], context: &[u32]) -> Option<u32> {
+        self.picked += 1;
+        if let Some(&id) = self.params.forced_tokens.get(self.picked - 1) {
+            return Some(id);
+        }
         let p = &self.params;
         if p.repetition_penalty != 1.0 {
             let pen = p.repetition_penalty as f32;

@@ -14,6 +14,8 @@ pub struct IncrementalDecoder<F: Fn(&[u32]) -> String> {
     prefix_offset: usize,
     /// End of the text already released.
     read_offset: usize,
+    /// Whether [`IncrementalDecoder::flush`] dropped an incomplete character.
+    dropped_partial: bool,
 }
 
 impl<F: Fn(&[u32]) -> String> IncrementalDecoder<F> {
@@ -25,6 +27,7 @@ impl<F: Fn(&[u32]) -> String> IncrementalDecoder<F> {
             ids: context.to_vec(),
             prefix_offset: 0,
             read_offset: context.len(),
+            dropped_partial: false,
         }
     }
 
@@ -51,7 +54,9 @@ impl<F: Fn(&[u32]) -> String> IncrementalDecoder<F> {
         String::new()
     }
 
-    /// Releases whatever is still held (an incomplete character decodes to U+FFFD).
+    /// Releases whatever is still held, whole characters only: when the stream ends between
+    /// the tokens of one character (`max_new_tokens` cut it), those bytes would decode to
+    /// U+FFFD, so they are dropped and [`IncrementalDecoder::dropped_partial`] says so.
     pub fn flush(&mut self) -> String {
         if self.read_offset == self.ids.len() {
             return String::new();
@@ -61,7 +66,15 @@ impl<F: Fn(&[u32]) -> String> IncrementalDecoder<F> {
         let common = common_prefix_len(&prefix, &full);
         self.prefix_offset = self.read_offset;
         self.read_offset = self.ids.len();
-        full[common..].to_string()
+        let tail = &full[common..];
+        let whole = tail.trim_end_matches('\u{FFFD}');
+        self.dropped_partial |= whole.len() < tail.len();
+        whole.to_string()
+    }
+
+    /// Whether [`IncrementalDecoder::flush`] dropped the bytes of an incomplete character.
+    pub fn dropped_partial(&self) -> bool {
+        self.dropped_partial
     }
 }
 
@@ -169,6 +182,19 @@ mod tests {
         }
         out.push_str(&d.flush());
         assert_eq!(out, text);
+    }
+
+    #[test]
+    fn a_character_cut_at_the_end_is_dropped_not_shown_as_fffd() {
+        let mut d = IncrementalDecoder::new(bytes_decode, &[]);
+        let mut out = String::new();
+        // "ab" then the first two bytes of "你" (E4 BD A0).
+        for b in [b'a', b'b', 0xE4, 0xBD] {
+            out.push_str(&d.push(b as u32));
+        }
+        out.push_str(&d.flush());
+        assert_eq!(out, "ab");
+        assert!(d.dropped_partial());
     }
 
     #[test]

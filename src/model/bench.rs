@@ -18,8 +18,10 @@ pub struct BenchConfig {
     pub model_config: PathBuf,
     /// Tokens per sequence.
     pub seq_len: usize,
-    /// Sequences per step.
+    /// Sequences per micro-batch.
     pub batch: usize,
+    /// Micro-batches per optimizer step (their gradients summed in one buffer).
+    pub accumulation: usize,
     /// Timed steps (one untimed warm-up step runs first).
     pub steps: usize,
     /// Parameter dtype.
@@ -43,6 +45,7 @@ impl Default for BenchConfig {
                 .join("smollm2-135m.json"),
             seq_len: 256,
             batch: 1,
+            accumulation: 1,
             steps: 5,
             dtype: DType::F32,
             threads: None,
@@ -158,28 +161,38 @@ fn run_inner(cfg: &BenchConfig, threads: usize) -> Result<BenchReport, ModelErro
         opt.set_state_placement(StatePlacement::Device)?;
     }
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed ^ 0xB0BA);
-    let n_tok = cfg.batch * cfg.seq_len;
+    let accumulation = cfg.accumulation.max(1);
+    let n_tok = cfg.batch * cfg.seq_len * accumulation;
     let mut step_secs = Vec::new();
     let (mut fw, mut bw, mut op) = (Vec::new(), Vec::new(), Vec::new());
     let mut last_loss = 0.0;
     for step in 0..=cfg.steps {
-        let ids: Vec<u32> = (0..n_tok)
-            .map(|_| rng.gen_range(0..config.vocab_size as u32))
-            .collect();
-        let ids = Tensor::from_vec(ids, (cfg.batch, cfg.seq_len), &device)?;
-        let labels = ids.to_dtype(DType::I64)?;
+        let (mut forward_secs, mut backward_secs) = (0.0, 0.0);
+        let mut grads = crate::model::Gradients::new();
+        let mut tokens = 0;
         let t0 = Instant::now();
-        let loss = model.loss(&ids, None, &labels)?;
-        let t1 = Instant::now();
-        let grads = model.backward(&loss.sum)?;
+        for _ in 0..accumulation {
+            let ids: Vec<u32> = (0..cfg.batch * cfg.seq_len)
+                .map(|_| rng.gen_range(0..config.vocab_size as u32))
+                .collect();
+            let ids = Tensor::from_vec(ids, (cfg.batch, cfg.seq_len), &device)?;
+            let labels = ids.to_dtype(DType::I64)?;
+            let f0 = Instant::now();
+            let loss = model.loss(&ids, None, &labels)?;
+            let f1 = Instant::now();
+            model.backward_into(&loss.sum, &mut grads)?;
+            backward_secs += f1.elapsed().as_secs_f64();
+            forward_secs += (f1 - f0).as_secs_f64();
+            tokens += loss.num_tokens;
+            last_loss = loss.mean()?;
+        }
         let t2 = Instant::now();
-        opt.step(&grads, 1e-4, 1.0 / loss.num_tokens.max(1) as f64)?;
+        opt.step(&grads, 1e-4, 1.0 / tokens.max(1) as f64)?;
         drop(grads);
         let t3 = Instant::now();
-        last_loss = loss.mean()?;
         if step > 0 {
-            fw.push((t1 - t0).as_secs_f64());
-            bw.push((t2 - t1).as_secs_f64());
+            fw.push(forward_secs);
+            bw.push(backward_secs);
             op.push((t3 - t2).as_secs_f64());
             step_secs.push((t3 - t0).as_secs_f64());
         }

@@ -150,6 +150,9 @@ pub struct CausalLm {
     /// Parameter gradients produced outside candle's graph: by native layers and inside
     /// checkpointed layers' backward passes.
     pub(crate) side_grads: Arc<Mutex<HashMap<String, Tensor>>>,
+    /// Parameters whose gradient came (at least partly) through `side_grads` in the last
+    /// backward: an accumulated gradient is handed back there rather than to candle's store.
+    side_routed: Mutex<std::collections::HashSet<String>>,
     pub(crate) forward_counter: AtomicU64,
     pub(crate) dropout_seed_base: u64,
     /// What `base_model_name_or_path` says when an adapter is saved.
@@ -447,6 +450,7 @@ impl CausalLm {
             native_layers: true,
             lora: None,
             side_grads: Arc::new(Mutex::new(HashMap::new())),
+            side_routed: Mutex::new(Default::default()),
             forward_counter: AtomicU64::new(0),
             dropout_seed_base: 0x5EED,
             source,
@@ -994,14 +998,58 @@ impl CausalLm {
     /// or anything derived from it). Fails with [`ModelError::MissingGradient`] when a
     /// trainable parameter received none.
     pub fn backward(&self, loss: &Tensor) -> Result<Gradients, ModelError> {
-        lock(&self.side_grads).clear();
-        let store = loss.backward()?;
+        let mut grads = Gradients::new();
+        self.backward_into(loss, &mut grads)?;
+        Ok(grads)
+    }
+
+    /// Adds the gradients of `loss` into `acc` (gradient accumulation over micro-batches)
+    /// without ever holding two gradients of a parameter: each accumulated gradient is handed
+    /// to the backward pass itself — to the side table for parameters whose gradient the
+    /// native and checkpointed ops write there, through a [`ops::generic::gradient_tap`] to
+    /// candle's store for the rest — so every new contribution is summed into it as it is
+    /// produced, on any device. The peak is one gradient buffer per trainable parameter plus
+    /// one parameter's transient (measured in `tests/train_memory.rs`).
+    pub fn backward_into(&self, loss: &Tensor, acc: &mut Gradients) -> Result<(), ModelError> {
+        let routed = std::mem::take(&mut *lock(&self.side_routed));
+        let mut taps: Option<Tensor> = None;
+        {
+            let mut side = lock(&self.side_grads);
+            side.clear();
+            for (name, g) in std::mem::take(acc).into_pairs() {
+                let param = self.param(&name).filter(|p| p.trainable);
+                match param {
+                    Some(p) if !routed.contains(&name) => {
+                        let tap = ops::generic::gradient_tap(p.var.as_tensor(), g)?;
+                        taps = Some(match taps {
+                            None => tap,
+                            Some(sum) => (sum + tap)?,
+                        });
+                    }
+                    _ => {
+                        side.insert(name, g);
+                    }
+                }
+            }
+        }
+        // The taps hang off the root, so candle processes them before the loss's graph.
+        let root = match taps {
+            Some(t) => (loss.to_dtype(DType::F32)? + t)?,
+            None => loss.clone(),
+        };
+        let mut store = root.backward()?;
+        drop(root);
         let mut side = std::mem::take(&mut *lock(&self.side_grads));
-        let mut out = Gradients::new();
+        let mut now_routed = std::collections::HashSet::new();
         for p in self.params.iter().filter(|p| p.trainable) {
-            let g = match (store.get(p.var.as_tensor()), side.remove(&p.name)) {
+            let from_side = side.remove(&p.name);
+            if from_side.is_some() {
+                now_routed.insert(p.name.clone());
+            }
+            // Taken out of the store so a summed gradient never sits beside its parts.
+            let g = match (store.remove(p.var.as_tensor()), from_side) {
                 (Some(a), Some(b)) => (a + b)?,
-                (Some(a), None) => a.clone(),
+                (Some(a), None) => a,
                 (None, Some(b)) => b,
                 (None, None) => {
                     return Err(ModelError::MissingGradient {
@@ -1009,9 +1057,10 @@ impl CausalLm {
                     })
                 }
             };
-            out.insert(&p.name, g);
+            acc.insert(&p.name, g);
         }
-        Ok(out)
+        *lock(&self.side_routed) = now_routed;
+        Ok(())
     }
 
     /// Adds a parameter (LoRA factors) to the list.

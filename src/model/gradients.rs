@@ -100,6 +100,16 @@ impl Gradients {
             .filter_map(|n| self.map.get(n).map(|g| (n.as_str(), g)))
     }
 
+    /// The `(name, gradient)` pairs in model order, by value (so each can be moved on and
+    /// freed one at a time).
+    pub fn into_pairs(mut self) -> impl Iterator<Item = (String, Tensor)> {
+        let order = std::mem::take(&mut self.order);
+        order.into_iter().filter_map(move |n| {
+            let g = self.map.remove(&n)?;
+            Some((n, g))
+        })
+    }
+
     /// Number of gradients.
     pub fn len(&self) -> usize {
         self.order.len()

@@ -128,23 +128,53 @@ pub fn format_bytes(bytes: u64) -> String {
 /// * `cpu:24GiB` (or `cpu=24GiB`) — the host with 24 GiB; bare `cpu` — the host's total memory;
 /// * `cuda:1=40GiB` (or `cuda:1:40GiB`) — GPU 1 with 40 GiB.
 ///
-/// A bare `cuda:0` has no capacity the planner could know without the driver;
-/// device discovery ([`crate::devices`]) supplies real ones.
+/// * `cpu:1` (or `cpu:1=8GiB`) — logical CPU device 1 (several share the host; without a
+///   size each gets an equal share of its memory), as the trainer's `[devices]` lists them.
+///
+/// A bare `cuda:0` has no capacity the planner could know without the driver:
+/// [`parse_devices_with`] asks the caller (device discovery reads NVML).
 pub fn parse_devices(text: &str) -> Result<Vec<DeviceSpec>, PlanError> {
+    parse_devices_with(text, &|_| None)
+}
+
+/// [`parse_devices`] where `gpu_capacity(ordinal)` supplies the memory of a GPU
+/// named without a size (`cuda:0`); `None` makes that entry an error that says
+/// how to give the size.
+pub fn parse_devices_with(
+    text: &str,
+    gpu_capacity: &dyn Fn(usize) -> Option<u64>,
+) -> Result<Vec<DeviceSpec>, PlanError> {
     let mut out: Vec<DeviceSpec> = Vec::new();
     let mut next_gpu = 0usize;
-    for raw in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+    let entries: Vec<&str> = text
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    let logical_cpus = entries
+        .iter()
+        .filter(|e| logical_cpu_index(&e.to_ascii_lowercase()).is_some())
+        .count()
+        .max(1) as u64;
+    for raw in entries {
         let bad = |reason: String| PlanError::InvalidDevice {
             spec: raw.to_string(),
             reason,
         };
         let lower = raw.to_ascii_lowercase();
-        if let Some(rest) = lower.strip_prefix("cpu") {
+        let unknown_host = || bad("the host's memory size is unknown here; write cpu:24GiB".into());
+        if let Some((index, size)) = logical_cpu_index(&lower) {
+            let capacity = match size {
+                Some(size) => parse_bytes(size).map_err(|e| bad(e.to_string()))?,
+                None => host_memory_bytes().ok_or_else(unknown_host)? / logical_cpus,
+            };
+            let mut spec = DeviceSpec::cpu(capacity);
+            spec.name = format!("cpu:{index}");
+            out.push(spec);
+        } else if let Some(rest) = lower.strip_prefix("cpu") {
             let rest = rest.trim_start_matches([':', '=']).trim();
             let capacity = if rest.is_empty() {
-                host_memory_bytes().ok_or_else(|| {
-                    bad("the host's memory size is unknown here; write cpu:24GiB".into())
-                })?
+                host_memory_bytes().ok_or_else(unknown_host)?
             } else {
                 parse_bytes(rest).map_err(|e| bad(e.to_string()))?
             };
@@ -165,12 +195,14 @@ pub fn parse_devices(text: &str) -> Result<Vec<DeviceSpec>, PlanError> {
                     .parse::<usize>()
                     .map_err(|_| bad(format!("`{ord}` is not a GPU number")))?
             };
-            let size = size.ok_or_else(|| {
-                bad(format!(
-                    "the planner needs its memory size: write cuda:{ordinal}=80GiB, or let `tunestudio devices` discover it"
-                ))
-            })?;
-            let capacity = parse_bytes(size).map_err(|e| bad(e.to_string()))?;
+            let capacity = match size {
+                Some(size) => parse_bytes(size).map_err(|e| bad(e.to_string()))?,
+                None => gpu_capacity(ordinal).ok_or_else(|| {
+                    bad(format!(
+                        "no NVIDIA driver reports its memory here, so the planner needs the size: write cuda:{ordinal}=80GiB (see `tunestudio devices`)"
+                    ))
+                })?,
+            };
             out.push(DeviceSpec::cuda(ordinal, capacity));
             next_gpu = ordinal + 1;
         } else if let Some((count, size)) = lower.split_once('x').filter(|(c, _)| {
@@ -200,6 +232,20 @@ pub fn parse_devices(text: &str) -> Result<Vec<DeviceSpec>, PlanError> {
         return Err(PlanError::NoDevices);
     }
     Ok(out)
+}
+
+/// `cpu:N` or `cpu:N=SIZE` (a logical CPU device): its index and size text.
+fn logical_cpu_index(lower: &str) -> Option<(usize, Option<&str>)> {
+    let rest = lower.strip_prefix("cpu:")?;
+    let (index, size) = match rest.split_once('=') {
+        Some((i, s)) => (i, Some(s.trim())),
+        None => (rest, None),
+    };
+    let index = index.trim();
+    if index.is_empty() || !index.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some((index.parse().ok()?, size))
 }
 
 /// Total host memory from `/proc/meminfo` (`None` off Linux).
@@ -253,6 +299,12 @@ mod tests {
 
         let e = parse_devices("cuda:0").unwrap_err().to_string();
         assert!(e.contains("cuda:0=80GiB"), "{e}");
+        let d = parse_devices_with("cuda:1", &|o| (o == 1).then_some(40 << 30)).unwrap();
+        assert_eq!((d[0].ordinal, d[0].capacity_bytes), (Some(1), 40 << 30));
+        let d = parse_devices("cpu:0=8GiB,cpu:1=8GiB").unwrap();
+        assert_eq!(d[1].name, "cpu:1");
+        assert_eq!(d[1].capacity_bytes, 8 << 30);
+        assert_eq!(parse_devices("cpu:24GiB").unwrap()[0].name, "CPU");
         assert!(matches!(parse_devices(" , "), Err(PlanError::NoDevices)));
         assert!(parse_devices("0x80GiB").is_err());
         assert!(parse_devices("tpu").is_err());

@@ -139,20 +139,14 @@ pub fn layer_costs(req: &PlanRequest) -> LayerCosts {
         let params = step_model::block_parameters(&dims, kind);
         let grad_bytes = params.trainable * dims.grad_bytes;
         let terms = step_model::block_terms(&dims, kind);
-        // With accumulation the previous micro-batches' sum stays alive while the
-        // current micro-batch produces its own gradients (Gradients::accumulate adds
-        // them afterwards), so two gradient copies coexist at the end of backward.
-        let accumulated = if req.gradient_accumulation > 1 {
-            grad_bytes
-        } else {
-            0
-        };
+        // One gradient buffer per parameter: with accumulation each micro-batch's backward
+        // sums into it (`CausalLm::backward_into`), so no second copy ever exists.
         let memory = LayerMemory {
             name: kind.to_string(),
             parameters: params.total,
             weights_bytes: params.total * dims.weight_bytes + params.extra_weight_bytes,
             master_weights_bytes: params.trainable * dims.master_bytes,
-            gradients_bytes: grad_bytes + accumulated,
+            gradients_bytes: grad_bytes,
             optimizer_states_bytes: params.trainable * dims.optimizer_bytes,
             activations_bytes: terms.kept_bytes,
         };
@@ -173,33 +167,35 @@ pub fn layer_costs(req: &PlanRequest) -> LayerCosts {
 }
 
 /// Splits the decoder layers into one contiguous range per device so that the
-/// fullest device (relative to its usable capacity) is as empty as possible.
+/// fullest device (relative to its capacity) is as empty as possible — with
+/// [`super::placement::balance_layers_with_fixed`], the one split rule the
+/// trainer, the studio's bars and the device checks use too.
 ///
 /// Costs are the planner's per-layer memory at the end of backward (weights,
 /// master copy, gradients incl. the accumulation buffer, moments, kept
 /// activations), not parameter counts: activations and gradients differ per
 /// precision and checkpointing. The embeddings weigh on the first device, the
-/// final norm, `lm_head` and the loss on the last, and every CUDA device first
-/// pays its context.
+/// final norm, `lm_head` and the loss on the last, and every device pays its
+/// runtime overhead (CUDA context) and the largest in-layer transient once.
 pub fn balance_layers(costs: &LayerCosts, req: &PlanRequest) -> Vec<Range<usize>> {
-    let devices = &req.devices;
     let n_layers = req.model.num_hidden_layers;
-    let n_dev = devices.len().clamp(1, n_layers.max(1));
+    let n_dev = req.devices.len().clamp(1, n_layers.max(1));
     if n_dev == 1 {
         #[allow(clippy::single_range_in_vec_init)] // one range per device: a Vec is right
         return vec![0..n_layers];
     }
-    let layers = costs.decoder_layer_bytes();
-    let first_fixed = costs
-        .blocks
-        .first()
-        .map(|b| b.memory.total_bytes())
-        .unwrap_or(0);
     let last = costs.blocks.last();
-    let last_fixed = last
-        .map(|b| b.memory.total_bytes() + b.terms.transient_bytes())
-        .unwrap_or(0);
-    // The largest in-layer transient is paid once per device.
+    let stage = super::placement::StageCosts {
+        embeddings_bytes: costs
+            .blocks
+            .first()
+            .map(|b| b.memory.total_bytes())
+            .unwrap_or(0),
+        layer_bytes: costs.decoder_layer_bytes(),
+        head_bytes: last
+            .map(|b| b.memory.total_bytes() + b.terms.transient_bytes())
+            .unwrap_or(0),
+    };
     let layer_transient = costs
         .blocks
         .iter()
@@ -207,65 +203,17 @@ pub fn balance_layers(costs: &LayerCosts, req: &PlanRequest) -> Vec<Range<usize>
         .map(|b| b.terms.transient_bytes())
         .max()
         .unwrap_or(0);
-    let fixed: Vec<u64> = (0..n_dev)
-        .map(|d| {
-            let mut f = devices[d].overhead_bytes() + layer_transient;
-            if d == 0 {
-                f += first_fixed;
-            }
-            if d == n_dev - 1 {
-                f += last_fixed;
-            }
-            f
-        })
+    let devices = &req.devices[..n_dev];
+    let capacities: Vec<u64> = devices.iter().map(|d| d.capacity_bytes.max(1)).collect();
+    let fixed: Vec<u64> = devices
+        .iter()
+        .map(|d| d.overhead_bytes() + layer_transient)
         .collect();
-    let caps: Vec<f64> = (0..n_dev)
-        .map(|d| devices[d].capacity_bytes.max(1) as f64)
-        .collect();
-    // Greedy packing for a given maximum fill ratio; every device must get ≥ 1 layer.
-    let pack = |ratio: f64| -> Option<Vec<Range<usize>>> {
-        let mut out = Vec::with_capacity(n_dev);
-        let mut start = 0usize;
-        for d in 0..n_dev {
-            let remaining_devices = n_dev - d - 1;
-            let budget = ratio * caps[d];
-            let mut used = fixed[d] as f64;
-            let mut end = start;
-            if d == n_dev - 1 {
-                end = n_layers;
-                used += layers[start..end].iter().sum::<u64>() as f64;
-                if used > budget {
-                    return None;
-                }
-            } else {
-                while end < n_layers - remaining_devices
-                    && (end == start || used + layers[end] as f64 <= budget)
-                {
-                    used += layers[end] as f64;
-                    end += 1;
-                }
-                if used > budget {
-                    return None;
-                }
-            }
-            out.push(start..end);
-            start = end;
-        }
-        Some(out)
-    };
-    let (mut lo, mut hi) = (0.0f64, 1.0f64);
-    while pack(hi).is_none() && hi < 1e6 {
-        hi *= 2.0;
+    match super::placement::balance_layers_with_fixed(&stage, &capacities, &fixed) {
+        Ok(split) => split.ranges,
+        // Only without layers (validated away before): one device holds everything.
+        Err(_) => even_split(n_layers, n_dev),
     }
-    for _ in 0..50 {
-        let mid = 0.5 * (lo + hi);
-        if pack(mid).is_some() {
-            hi = mid;
-        } else {
-            lo = mid;
-        }
-    }
-    pack(hi).unwrap_or_else(|| even_split(n_layers, n_dev))
 }
 
 fn even_split(n_layers: usize, n_dev: usize) -> Vec<Range<usize>> {
@@ -277,6 +225,14 @@ fn even_split(n_layers: usize, n_dev: usize) -> Vec<Range<usize>> {
         start += len;
     }
     out
+}
+
+/// The decoder layers each device holds under the request's strategy (all of
+/// them on every device for single and data parallel): what the trainer places.
+pub fn layer_ranges(req: &PlanRequest) -> Result<Vec<Range<usize>>, PlanError> {
+    validate(req)?;
+    let costs = layer_costs(req);
+    Ok(placement(&costs, req).into_iter().map(|(r, _)| r).collect())
 }
 
 /// Which blocks (by index into `LayerCosts::blocks`) each used device holds.
@@ -532,6 +488,24 @@ fn device_timeline(
     // its own transient on top of what is stored.
     let mut bwd_best = base;
     bwd_best.activations = kept_total;
+    let largest_trainable = blocks
+        .iter()
+        .map(|b| b.largest_trainable_elems)
+        .max()
+        .unwrap_or(0);
+    // With accumulation the buffer is handed to the backward first (gradient taps):
+    // every gradient already exists, and each new contribution is summed into it.
+    let accumulating = req.gradient_accumulation > 1;
+    if accumulating {
+        let mut p = base;
+        p.activations = kept_total;
+        p.temporaries = step_model::gradient_tap_transient_bytes(dims, largest_trainable);
+        bwd_best = best_of(bwd_best, p);
+    }
+    let embeddings_largest = blocks
+        .iter()
+        .find(|b| matches!(b.kind, BlockKind::Embeddings))
+        .map_or(0, |b| b.largest_trainable_elems);
     let mut kept_live = kept_total;
     let mut grads = accumulated;
     let mut residue = 0u64;
@@ -545,8 +519,31 @@ fn device_timeline(
         } else {
             p.temporaries = residue + b.terms.backward_transient_bytes;
         }
+        if accumulating {
+            // The block's gradients are summed into the existing buffer (a tied head's into
+            // the embeddings').
+            match b.kind {
+                BlockKind::Head => {
+                    let elems = if dims.tied {
+                        embeddings_largest
+                    } else {
+                        b.largest_trainable_elems
+                    };
+                    p.logits = step_model::accumulated_head_transient(dims, p.logits, elems);
+                }
+                _ => {
+                    p.temporaries = step_model::accumulated_sum_temporaries(
+                        dims,
+                        p.temporaries,
+                        b.largest_trainable_elems,
+                    )
+                }
+            }
+        }
         bwd_best = best_of(bwd_best, p);
-        grads += b.terms.backward_grad_bytes;
+        if !accumulating {
+            grads += b.terms.backward_grad_bytes;
+        }
         residue += b.terms.residue_bytes;
         kept_live = kept_live.saturating_sub(b.terms.freed_kept_bytes);
     }
@@ -555,19 +552,6 @@ fn device_timeline(
     end.gradients = grads;
     end.temporaries = residue;
     bwd_best = best_of(bwd_best, end);
-    // After the loss is dropped: gradient accumulation adds the fresh gradients into
-    // the buffer one tensor at a time.
-    let largest_trainable = blocks
-        .iter()
-        .map(|b| b.largest_trainable_elems)
-        .max()
-        .unwrap_or(0);
-    if req.gradient_accumulation > 1 {
-        let mut p = base;
-        p.gradients = accumulated + fresh_total;
-        p.temporaries = step_model::accumulate_transient_bytes(dims, largest_trainable);
-        bwd_best = best_of(bwd_best, p);
-    }
 
     // Optimizer step: one gradient set (the accumulated one), moments, master weights,
     // and the update's per-tensor scratch.

@@ -20,12 +20,15 @@ mod device;
 mod dry_run;
 mod estimate;
 mod fit;
+pub mod placement;
 mod run_config;
 pub mod step_model;
 
-pub use device::{format_bytes, parse_bytes, parse_devices, DeviceKind, DeviceSpec};
+pub use device::{
+    format_bytes, parse_bytes, parse_devices, parse_devices_with, DeviceKind, DeviceSpec,
+};
 pub use dry_run::{dry_run, DryRunOutcome, DryRunReport, MeasureMethod};
-pub use estimate::{balance_layers, layer_costs, plan, LayerCosts};
+pub use estimate::{balance_layers, layer_costs, layer_ranges, plan, LayerCosts};
 pub use fit::{auto_fit, relative_throughput, AutoFit};
 pub use run_config::{model_config_path, request_from_run_config, RunConfigSettings};
 

@@ -5,7 +5,9 @@
 //! other key, and accepts common aliases, so a config that the trainer would
 //! reject for an unrelated reason can still be planned.
 
-use super::{parse_devices, DeviceSpec, LoraSpec, PlanError, PlanRequest, Precision, Strategy};
+use super::{
+    parse_devices_with, DeviceSpec, LoraSpec, PlanError, PlanRequest, Precision, Strategy,
+};
 use crate::model::ModelConfig;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -128,12 +130,14 @@ pub fn model_config_path(source: &str, base_dir: &Path) -> Result<PathBuf, PlanE
     Ok(crate::model::resolve_model(source)?.config)
 }
 
-/// Builds a plan request from a run config. `devices` overrides `[devices] devices`
-/// (bare `cuda:N` entries there carry no size; give `--devices` or `cuda:0=80GiB`).
+/// Builds a plan request from a run config. `devices` overrides `[devices] devices`;
+/// a bare `cuda:N` there is planned against `gpu_capacity(N)` (what the driver reports,
+/// see `crate::devices::DeviceInventory::gpu_capacity_bytes`), `cuda:N=80GiB` against its size.
 pub fn request_from_run_config(
     settings: &RunConfigSettings,
     base_dir: &Path,
     devices: Option<Vec<DeviceSpec>>,
+    gpu_capacity: &dyn Fn(usize) -> Option<u64>,
 ) -> Result<PlanRequest, PlanError> {
     let source = settings
         .model
@@ -162,7 +166,7 @@ pub fn request_from_run_config(
                 .devices
                 .clone()
                 .unwrap_or_else(|| vec!["cpu".to_string()]);
-            parse_devices(&list.join(","))?
+            parse_devices_with(&list.join(","), gpu_capacity)?
         }
     };
     // As in the trainer, `[lora]` only applies with `enabled = true`.

@@ -203,6 +203,12 @@ pub enum TrainError {
         /// Why.
         message: String,
     },
+    /// The model could not be placed on the run's devices (the planner's layer split failed).
+    #[error("cannot place the model on `[devices] devices`: {message}")]
+    Placement {
+        /// Why.
+        message: String,
+    },
     /// The step code panicked (a bug); the trainer thread survives.
     #[error("internal error during step {step}: {message}; please report it. The run can be resumed from the last checkpoint")]
     Panic {
@@ -235,6 +241,10 @@ impl TrainError {
             }
             TrainError::Io { .. } => "choose an output_dir you can write to with free space".into(),
             TrainError::Device { .. } => "train on `cpu`".into(),
+            TrainError::Placement { .. } => {
+                "check `[devices]` (`tunestudio plan --config` shows the split) or use fewer devices"
+                    .into()
+            }
             TrainError::Panic { .. } => "resume from the last checkpoint".into(),
         }
     }

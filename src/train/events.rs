@@ -26,6 +26,21 @@ pub mod float_or_null {
     }
 }
 
+/// Whose memory a [`Event::Memory`] reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryScope {
+    /// This process (CPU: its resident set or counted heap; GPU: what NVML attributes to it).
+    #[default]
+    Process,
+    /// Everything on the device (NVML's used memory, as `nvidia-smi` shows it).
+    Device,
+}
+
+fn one() -> usize {
+    1
+}
+
 /// What the front end asks the trainer thread to do.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -81,6 +96,15 @@ pub enum Event {
         eval_rows: usize,
         /// The output folder.
         output_dir: PathBuf,
+        /// Rows per optimizer step: micro-batch × gradient accumulation × data-parallel ranks.
+        #[serde(default)]
+        effective_batch: usize,
+        /// Data-parallel ranks (1 unless `strategy = "data-parallel"`).
+        #[serde(default = "one")]
+        ranks: usize,
+        /// The decoder layers each device holds (under a layer split, the planner's ranges).
+        #[serde(default)]
+        placement: Vec<super::placement::DeviceLayers>,
     },
     /// One optimizer step finished.
     Step {
@@ -135,6 +159,10 @@ pub enum Event {
         total_bytes: Option<u64>,
         /// Step when sampled.
         step: u64,
+        /// Whose memory the figures are: this process's, or the whole device's (a GPU whose
+        /// driver does not attribute memory to processes, e.g. inside some containers).
+        #[serde(default)]
+        scope: MemoryScope,
     },
     /// A checkpoint was written.
     CheckpointSaved {

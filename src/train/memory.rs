@@ -3,52 +3,125 @@
 //! CPU training reports the process: the counting allocator's bytes when a binary installed
 //! [`crate::mem::CountingAllocator`], otherwise the resident set (VmRSS / VmHWM).
 
-use super::config::RunConfig;
-use super::events::Event;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
 
-/// Samples memory once per step for every device of the run.
+use crossbeam_channel::Receiver;
+
+use super::config::RunConfig;
+use super::events::{Event, MemoryScope};
+use crate::devices::{MemorySample, MemorySampler, SampleTarget};
+
+/// How often GPUs are read between steps: a step's peak lasts milliseconds to seconds, and
+/// NVML calls are cheap at this rate (see [`crate::devices::sampler`]).
+const GPU_SAMPLE_INTERVAL: Duration = Duration::from_millis(250);
+
+/// Samples memory for every device of the run: the CPU (this process) once per step, and
+/// every GPU NVML lists through a background sampler, whose readings between two steps are
+/// folded into that step's event (last reading, and the highest as the peak).
 #[derive(Debug)]
 pub struct MemoryMonitor {
     devices: Vec<String>,
     total_bytes: Option<u64>,
+    gpus: Option<(MemorySampler, Receiver<MemorySample>)>,
+    gpu_peaks: BTreeMap<String, u64>,
 }
 
 impl MemoryMonitor {
-    /// A monitor for the run's `[devices]`.
-    pub fn new(config: &RunConfig) -> Self {
+    /// A monitor for the run's `[devices]`, reading GPUs through `nvml_library` (`None`:
+    /// `$TUNESTUDIO_NVML_LIB`, then the driver's). Every GPU of the machine is sampled, not
+    /// only the run's: what else occupies a GPU is what decides whether a run fits there.
+    pub fn new(config: &RunConfig, nvml_library: Option<PathBuf>) -> Self {
+        let inventory = crate::devices::discover_with(&crate::devices::DiscoveryOptions {
+            nvml_library: nvml_library.clone(),
+            skip_gpus: false,
+        });
+        let targets: Vec<SampleTarget> = inventory
+            .gpus()
+            .map(|g| SampleTarget::Gpu {
+                device_index: g.index,
+                label: format!("cuda:{}", g.cuda_ordinal.unwrap_or(g.index)),
+                nvml_index: g.index as u32,
+            })
+            .collect();
+        let gpus = (!targets.is_empty())
+            .then(|| {
+                MemorySampler::with_channel_and_library(targets, GPU_SAMPLE_INTERVAL, nvml_library)
+                    .ok()
+            })
+            .flatten();
         MemoryMonitor {
             devices: config.devices.devices.clone(),
             total_bytes: system_memory_bytes(),
+            gpus,
+            gpu_peaks: BTreeMap::new(),
         }
     }
 
     /// Memory events for the step just done (devices that cannot be measured are left out).
     pub fn sample(&mut self, step: u64) -> Vec<Event> {
         let mut out = Vec::new();
-        for d in &self.devices {
-            if d == "cpu" {
-                let (used, peak) = if crate::mem::is_installed() {
-                    (crate::mem::current_bytes(), crate::mem::peak_bytes())
-                } else {
-                    match (
-                        crate::mem::process_rss_bytes(),
-                        crate::mem::peak_rss_bytes(),
-                    ) {
-                        (Some(u), Some(p)) => (u, p),
-                        (Some(u), None) => (u, u),
-                        _ => continue,
-                    }
-                };
-                out.push(Event::Memory {
-                    device: d.clone(),
-                    used_bytes: used,
-                    peak_bytes: peak,
-                    total_bytes: self.total_bytes,
-                    step,
-                });
-            }
+        let on_cpu = self
+            .devices
+            .iter()
+            .any(|d| d == "cpu" || d.starts_with("cpu:"));
+        if on_cpu {
+            out.extend(self.cpu_event(step));
         }
+        out.extend(self.gpu_events(step));
         out
+    }
+
+    fn cpu_event(&self, step: u64) -> Option<Event> {
+        let (used, peak) = if crate::mem::is_installed() {
+            (crate::mem::current_bytes(), crate::mem::peak_bytes())
+        } else {
+            match (
+                crate::mem::process_rss_bytes(),
+                crate::mem::peak_rss_bytes(),
+            ) {
+                (Some(u), Some(p)) => (u, p),
+                (Some(u), None) => (u, u),
+                _ => return None,
+            }
+        };
+        Some(Event::Memory {
+            device: "cpu".into(),
+            used_bytes: used,
+            peak_bytes: peak,
+            total_bytes: self.total_bytes,
+            step,
+            scope: MemoryScope::Process,
+        })
+    }
+
+    /// One event per GPU read since the last step: this process's memory where NVML
+    /// attributes it, the device's otherwise.
+    fn gpu_events(&mut self, step: u64) -> Vec<Event> {
+        let Some((_, rx)) = &self.gpus else {
+            return Vec::new();
+        };
+        let mut last: BTreeMap<String, (u64, u64, MemoryScope)> = BTreeMap::new();
+        for s in rx.try_iter() {
+            let (used, scope) = match s.process_bytes {
+                Some(b) => (b, MemoryScope::Process),
+                None => (s.used_bytes, MemoryScope::Device),
+            };
+            let peak = self.gpu_peaks.entry(s.label.clone()).or_default();
+            *peak = (*peak).max(used);
+            last.insert(s.label, (used, s.capacity_bytes, scope));
+        }
+        last.into_iter()
+            .map(|(device, (used, total, scope))| Event::Memory {
+                peak_bytes: self.gpu_peaks.get(&device).copied().unwrap_or(used),
+                device,
+                used_bytes: used,
+                total_bytes: Some(total),
+                step,
+                scope,
+            })
+            .collect()
     }
 }
 
@@ -87,20 +160,31 @@ pub enum PlanCheck {
     },
 }
 
+/// The planner's request for a run config: the one adapter the pre-flight check, the
+/// trainer's layer split and `tunestudio plan --config` share (bare `cuda:N` entries are
+/// planned against the memory NVML reports).
+pub fn plan_request(
+    config: &RunConfig,
+) -> Result<crate::plan::PlanRequest, crate::plan::PlanError> {
+    let text = config
+        .to_toml_string()
+        .map_err(|e| crate::plan::PlanError::RunConfig {
+            origin: "run config".into(),
+            message: e.to_string(),
+        })?;
+    let settings = crate::plan::RunConfigSettings::from_toml_str(&text, "run config")?;
+    crate::plan::request_from_run_config(
+        &settings,
+        &config.base_dir,
+        None,
+        &crate::devices::driver_gpu_capacity(),
+    )
+}
+
 /// Asks [`crate::plan`] whether the run fits its devices.
 pub fn check_plan(config: &RunConfig) -> PlanCheck {
     use crate::plan::{DeviceKind, Verdict};
-    let text = match config.to_toml_string() {
-        Ok(t) => t,
-        Err(e) => {
-            return PlanCheck::Unavailable {
-                reason: e.to_string(),
-            }
-        }
-    };
-    let plan = crate::plan::RunConfigSettings::from_toml_str(&text, "run config")
-        .and_then(|s| crate::plan::request_from_run_config(&s, &config.base_dir, None))
-        .and_then(|req| crate::plan::plan(&req));
+    let plan = plan_request(config).and_then(|req| crate::plan::plan(&req));
     let plan = match plan {
         Ok(p) => p,
         Err(e) => {

@@ -16,6 +16,7 @@ pub mod export;
 pub mod loader;
 pub mod memory;
 pub mod metrics;
+pub mod placement;
 pub mod precision;
 pub mod samples;
 pub mod schedule;
@@ -29,9 +30,10 @@ pub use config::{
     ModelSection, RunConfig, TrainingSection,
 };
 pub use error::{ConfigError, ConfigProblem, Phase, TrainError};
-pub use events::{Command, Event, FinishReason};
+pub use events::{Command, Event, FinishReason, MemoryScope};
 pub use export::{export_adapter, export_full, export_merged};
 pub use metrics::{read_metrics, MetricsWriter, RunCurves, METRICS_FILE};
+pub use placement::{DeviceLayers, RunPlacement};
 pub use precision::{LossScaler, Precision, UnknownPrecision};
 pub use schedule::{LrSchedule, ScheduleKind};
 pub use step::{EvalResult, StepGradients, StepOutcome, TrainingRun};

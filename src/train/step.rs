@@ -86,9 +86,12 @@ pub struct StepGradients {
     pub loss: f64,
 }
 
-/// Gradients summed over the micro-batches of a step, before normalisation.
+/// Gradients summed over the micro-batches of a step (and, under data parallel, over the
+/// ranks), before normalisation.
 struct Accumulated {
-    grads: Option<Gradients>,
+    /// One set per rank (on that rank's devices), equal after the all-reduce; empty when
+    /// no micro-batch had a trained token.
+    grads: Vec<Gradients>,
     loss_sum: f64,
     tokens: u64,
     shapes: Vec<(usize, usize)>,
@@ -96,12 +99,22 @@ struct Accumulated {
     backward_factor: f64,
 }
 
+/// A data-parallel rank other than rank 0: its own model replica and optimizer, on its device.
+struct Replica {
+    model: CausalLm,
+    optimizer: AdamW,
+}
+
 /// A training run, driven synchronously.
 pub struct TrainingRun {
     config: RunConfig,
     device: Device,
+    placement: super::placement::RunPlacement,
+    /// Rank 0 (the only rank unless the strategy is data parallel).
     model: CausalLm,
     optimizer: AdamW,
+    /// Ranks 1.. under data parallel.
+    replicas: Vec<Replica>,
     splits: Splits,
     loader: DataLoader,
     schedule: LrSchedule,
@@ -204,6 +217,38 @@ pub fn build_model(config: &RunConfig, device: &Device) -> Result<(CausalLm, Pat
     Ok((model, dir))
 }
 
+/// AdamW for a model's trainable parameters, its state placed as the run asks:
+/// offloading keeps it in host RAM; the generic path (the GPU's code) keeps it as
+/// device tensors updated with tensor ops; otherwise where the parameter lives.
+fn build_optimizer(config: &RunConfig, model: &CausalLm) -> Result<AdamW, TrainError> {
+    let t = &config.training;
+    let adam_cfg = AdamWConfig {
+        lr: t.learning_rate,
+        beta1: t.adam_beta1,
+        beta2: t.adam_beta2,
+        eps: t.adam_epsilon,
+        weight_decay: t.weight_decay,
+        decay_norms_and_biases: t.decay_norms_and_biases,
+    };
+    let model_err = |context: &str| {
+        let context = context.to_string();
+        move |cause| TrainError::Model { context, cause }
+    };
+    let mut optimizer = AdamW::new(model.params(), adam_cfg, t.precision.master_weights())
+        .map_err(model_err("cannot create the optimizer"))?;
+    let placement = match (t.optimizer_offload, model.ops_mode()) {
+        (OptimizerOffload::Host, _) => Some(StatePlacement::Host),
+        (OptimizerOffload::None, OpsMode::Generic) => Some(StatePlacement::Device),
+        _ => None,
+    };
+    if let Some(placement) = placement {
+        optimizer
+            .set_state_placement(placement)
+            .map_err(model_err("cannot place the optimizer state"))?;
+    }
+    Ok(optimizer)
+}
+
 /// Whether a folder holds safetensors weights.
 fn has_weights(dir: &Path) -> bool {
     std::fs::read_dir(dir)
@@ -226,45 +271,30 @@ impl TrainingRun {
             }
             .into());
         }
-        let device_name = config
-            .devices
-            .devices
-            .first()
-            .cloned()
-            .unwrap_or_else(|| "cpu".into());
-        let device = parse_device(&device_name)?;
+        let placement = super::placement::RunPlacement::open(&config)?;
+        let device = placement.primary().clone();
         let (mut model, model_dir) = build_model(&config, &device)?;
-        let mut setup_warnings = Vec::new();
-        let names = &config.devices.devices;
-        match config.devices.strategy.as_str() {
-            "layer-split" if names.len() > 1 => {
-                // Contiguous, equal runs of layers per device (pipeline split); the
-                // embeddings and the head stay on the first device.
-                let devices = names
-                    .iter()
-                    .map(|n| parse_device(n))
-                    .collect::<Result<Vec<_>, _>>()?;
-                let layers = model.config().num_hidden_layers;
-                let per_layer: Vec<Device> = (0..layers)
-                    .map(|l| devices[l * devices.len() / layers.max(1)].clone())
-                    .collect();
-                model
-                    .set_layer_devices(&per_layer)
-                    .map_err(|cause| TrainError::Model {
-                        context: "cannot spread the layers over `[devices] devices`".into(),
-                        cause,
-                    })?;
-            }
-            "data-parallel" if names.len() > 1 => setup_warnings.push(format!(
-                "data-parallel training is not available in this trainer yet; training on `{device_name}` only"
-            )),
-            _ => {}
+        if let Some(per_layer) = placement.layer_devices(model.config().num_hidden_layers) {
+            model
+                .set_layer_devices(&per_layer)
+                .map_err(|cause| TrainError::Model {
+                    context: "cannot spread the layers over `[devices] devices`".into(),
+                    cause,
+                })?;
+        }
+        let mut replicas = Vec::new();
+        for d in placement.devices.iter().take(placement.ranks()).skip(1) {
+            let (replica, _) = build_model(&config, &d.candle)?;
+            let optimizer = build_optimizer(&config, &replica)?;
+            replicas.push(Replica {
+                model: replica,
+                optimizer,
+            });
         }
         let tokenizer = samples::load_tokenizer(&model_dir)?;
         samples::check_vocab(&tokenizer, &model_dir, model.config().vocab_size)?;
         let pad_id = tokenizer.pad().id;
-        let mut splits = samples::load_splits(&config, &tokenizer)?;
-        splits.warnings.extend(setup_warnings);
+        let splits = samples::load_splits(&config, &tokenizer)?;
         if splits.train.is_empty() {
             return Err(TrainError::EmptyDataset(format!(
                 "`{}` gave 0 training rows",
@@ -272,9 +302,10 @@ impl TrainingRun {
             )));
         }
         let t = &config.training;
+        // Under data parallel a micro-step draws `micro_batch` rows per rank.
         let loader = DataLoader::new(
             splits.train.iter().map(|s| s.len()).collect(),
-            t.micro_batch,
+            t.micro_batch * placement.ranks(),
             config.data.group_by_length,
             config.data.seed,
         );
@@ -289,43 +320,18 @@ impl TrainingRun {
             t.warmup_ratio,
             total_steps,
         );
-        let adam_cfg = AdamWConfig {
-            lr: t.learning_rate,
-            beta1: t.adam_beta1,
-            beta2: t.adam_beta2,
-            eps: t.adam_epsilon,
-            weight_decay: t.weight_decay,
-            decay_norms_and_biases: t.decay_norms_and_biases,
-        };
-        let mut optimizer = AdamW::new(model.params(), adam_cfg, t.precision.master_weights())
-            .map_err(|cause| TrainError::Model {
-                context: "cannot create the optimizer".into(),
-                cause,
-            })?;
-        // Offloading keeps the state in host RAM; the generic path (the GPU's code) keeps it
-        // as device tensors updated with tensor ops; otherwise where the parameter lives.
-        let placement = match (t.optimizer_offload, model.ops_mode()) {
-            (OptimizerOffload::Host, _) => Some(StatePlacement::Host),
-            (OptimizerOffload::None, OpsMode::Generic) => Some(StatePlacement::Device),
-            _ => None,
-        };
-        if let Some(placement) = placement {
-            optimizer
-                .set_state_placement(placement)
-                .map_err(|cause| TrainError::Model {
-                    context: "cannot place the optimizer state".into(),
-                    cause,
-                })?;
-        }
+        let optimizer = build_optimizer(&config, &model)?;
         let scaler = t
             .precision
             .uses_loss_scaling()
             .then(|| LossScaler::new(t.initial_loss_scale, t.loss_scale_growth_interval));
-        Ok(TrainingRun {
+        let mut run = TrainingRun {
             config,
             device,
+            placement,
             model,
             optimizer,
+            replicas,
             splits,
             loader,
             schedule,
@@ -341,7 +347,31 @@ impl TrainingRun {
             resumed_from: None,
             pad_id,
             model_dir,
-        })
+        };
+        run.sync_replicas()?;
+        Ok(run)
+    }
+
+    /// Copies rank 0's trainable weights into every replica. Replicas are built from the
+    /// same files and seeds, so this only guards against a nondeterministic initialiser,
+    /// and after a resume it is what puts the checkpoint on every rank.
+    fn sync_replicas(&mut self) -> Result<(), TrainError> {
+        for replica in &self.replicas {
+            for (mine, theirs) in self.model.params().iter().zip(replica.model.params()) {
+                if !mine.trainable {
+                    continue;
+                }
+                mine.var
+                    .as_tensor()
+                    .to_device(theirs.var.device())
+                    .and_then(|t| theirs.var.set(&t))
+                    .map_err(|cause| TrainError::Model {
+                        context: format!("cannot copy `{}` to a data-parallel replica", mine.name),
+                        cause: cause.into(),
+                    })?;
+            }
+        }
+        Ok(())
     }
 
     /// Prepares a run that continues from `checkpoint` (a `checkpoint-<step>` folder): the
@@ -397,8 +427,10 @@ impl TrainingRun {
                     p.var.dims()
                 )));
             }
+            // Under a layer split each parameter goes back to its own device.
             let t = t
                 .to_dtype(p.var.dtype())
+                .and_then(|t| t.to_device(p.var.device()))
                 .map_err(|e| ck_err(e.to_string()))?;
             p.var.set(&t).map_err(|e| ck_err(e.to_string()))?;
         }
@@ -406,6 +438,14 @@ impl TrainingRun {
         self.optimizer
             .load_state_tensors(&opt, state.optimizer_steps)
             .map_err(|e| ck_err(format!("optimizer state: {e}")))?;
+        // Every data-parallel rank continues from the same weights and moments.
+        for replica in &mut self.replicas {
+            replica
+                .optimizer
+                .load_state_tensors(&opt, state.optimizer_steps)
+                .map_err(|e| ck_err(format!("optimizer state: {e}")))?;
+        }
+        self.sync_replicas()?;
         self.step = state.step;
         self.loader.set_position(state.epoch, state.index_in_epoch);
         self.trained_tokens = state.trained_tokens;
@@ -437,9 +477,20 @@ impl TrainingRun {
         &mut self.model
     }
 
-    /// The device trained on.
+    /// The device trained on (rank 0's, the first stage's under a layer split).
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// The run's devices, strategy and layer split.
+    pub fn placement(&self) -> &super::placement::RunPlacement {
+        &self.placement
+    }
+
+    /// Rows per optimizer step: micro-batch × accumulation × data-parallel ranks.
+    pub fn effective_batch(&self) -> usize {
+        let t = &self.config.training;
+        t.micro_batch * t.gradient_accumulation * self.placement.ranks()
     }
 
     /// The model's folder (config, tokenizer).
@@ -550,12 +601,25 @@ impl TrainingRun {
         )
     }
 
-    /// Forward + backward over the micro-batches, summing gradients and token counts.
+    /// Every rank's model, rank 0 first.
+    fn rank_models(&self) -> Vec<&CausalLm> {
+        std::iter::once(&self.model)
+            .chain(self.replicas.iter().map(|r| &r.model))
+            .collect()
+    }
+
+    /// Forward + backward over the micro-batches, summing gradients and token counts, then
+    /// (data parallel) summing the gradients over the ranks.
     ///
     /// Without loss scaling each micro-batch's summed loss is back-propagated as is (the
     /// optimizer divides by the step's token count). With fp16 loss scaling the summed loss is
     /// multiplied by `loss_scale / step_tokens` instead, so the scale applies to the *mean*
     /// token loss as in torch's GradScaler (a scaled sum would overflow f16 far sooner).
+    ///
+    /// Data parallel: each micro-batch's rows are cut into one contiguous shard per rank,
+    /// each collated on its rank's device (padded to its own longest row, as a per-rank
+    /// collator would); the per-rank gradients of the loss *sums* are all-reduced once per
+    /// step, so dividing by the global token count gives the one-device gradient exactly.
     fn accumulate(
         &mut self,
         micro_batches: &[Vec<usize>],
@@ -564,71 +628,100 @@ impl TrainingRun {
         let step = self.step + 1;
         let settings = self.settings_summary();
         let max_length = self.config.data.max_length;
-        let mut batches = Vec::with_capacity(micro_batches.len());
+        let ranks = self.placement.ranks();
+        let mut batches: Vec<Vec<Option<samples::TensorBatch>>> =
+            Vec::with_capacity(micro_batches.len());
         for rows in micro_batches {
-            let picked: Vec<&Sample> = rows.iter().map(|&r| &self.splits.train[r]).collect();
-            let batch = samples::collate(&picked, self.pad_id, max_length, &self.device)
-                .map_err(|e| step_error(Phase::Forward, step, (rows.len(), 0), e, &settings))?;
-            batches.push(batch);
+            let mut shards = Vec::with_capacity(ranks);
+            for (rank, shard) in shard_rows(rows, ranks).into_iter().enumerate() {
+                if shard.is_empty() {
+                    shards.push(None);
+                    continue;
+                }
+                let picked: Vec<&Sample> = shard.iter().map(|&r| &self.splits.train[r]).collect();
+                let device = &self.placement.devices[rank].candle;
+                let batch = samples::collate(&picked, self.pad_id, max_length, device)
+                    .map_err(|e| step_error(Phase::Forward, step, (rows.len(), 0), e, &settings))?;
+                shards.push(Some(batch));
+            }
+            batches.push(shards);
         }
-        let step_tokens: usize = batches.iter().map(|b| b.trained_tokens).sum();
+        let step_tokens: usize = batches
+            .iter()
+            .flatten()
+            .flatten()
+            .map(|b| b.trained_tokens)
+            .sum();
         let backward_factor = if loss_scale != 1.0 {
             loss_scale / step_tokens.max(1) as f64
         } else {
             1.0
         };
+        // Each rank's gradients, summed in place over the micro-batches (one buffer each).
+        let mut per_rank: Vec<Gradients> = vec![Gradients::new(); ranks];
         let mut acc = Accumulated {
-            grads: None,
+            grads: Vec::new(),
             loss_sum: 0.0,
             tokens: 0,
             shapes: Vec::new(),
             backward_factor,
         };
-        for (i, batch) in batches.iter().enumerate() {
-            let shape = (batch.rows, batch.seq_len);
+        let seed_base = derive_seed(self.config.training.seed, DROPOUT_STREAM, 0);
+        self.model.dropout_seed_base = seed_base;
+        for r in &mut self.replicas {
+            r.model.dropout_seed_base = seed_base;
+        }
+        let models = self.rank_models();
+        for (i, shards) in batches.iter().enumerate() {
+            let live = shards.iter().flatten();
+            let shape = (
+                live.clone().map(|b| b.rows).sum(),
+                live.map(|b| b.seq_len).max().unwrap_or(0),
+            );
             acc.shapes.push(shape);
             // LoRA dropout masks derive from (seed, step, micro-batch), never from how many
             // forward passes this process made, so a resumed run draws the same masks.
-            self.model.dropout_seed_base =
-                derive_seed(self.config.training.seed, DROPOUT_STREAM, 0);
-            self.model.forward_counter.store(
-                (step << 16) + i as u64,
-                std::sync::atomic::Ordering::Relaxed,
-            );
-            let out = self
-                .model
-                .loss(&batch.input_ids, Some(&batch.attention_mask), &batch.labels)
-                .map_err(|e| step_error(Phase::Forward, step, shape, e, &settings))?;
-            let loss_value = out
-                .sum
-                .to_dtype(DType::F64)
-                .and_then(|t| t.to_scalar::<f64>())
-                .map_err(|e| step_error(Phase::Forward, step, shape, e, &settings))?;
-            acc.loss_sum += loss_value;
-            acc.tokens += out.num_tokens as u64;
-            if out.num_tokens == 0 {
-                // Nothing to learn from (every label masked); its gradient is zero anyway.
-                continue;
-            }
-            let scaled = if backward_factor != 1.0 {
-                out.sum
-                    .affine(backward_factor, 0.0)
-                    .map_err(|e| step_error(Phase::Backward, step, shape, e, &settings))?
-            } else {
-                out.sum
-            };
-            let grads = self
-                .model
-                .backward(&scaled)
-                .map_err(|e| step_error(Phase::Backward, step, shape, e, &settings))?;
-            match &mut acc.grads {
-                None => acc.grads = Some(grads),
-                Some(g) => g
-                    .accumulate(grads)
-                    .map_err(|e| step_error(Phase::Backward, step, shape, e, &settings))?,
+            let counter = (step << 16) + i as u64;
+            let accs = std::mem::take(&mut per_rank);
+            let results = run_ranks(&models, shards, accs, |model, batch, acc| {
+                micro_step(model, batch, seed_base, counter, backward_factor, acc)
+            });
+            for result in results {
+                let (loss, tokens, grads) =
+                    result.map_err(|(phase, e)| step_error(phase, step, shape, e, &settings))?;
+                acc.loss_sum += loss;
+                acc.tokens += tokens as u64;
+                per_rank.push(grads);
             }
         }
+        if per_rank.iter().any(|g| !g.is_empty()) {
+            let shape = acc.shapes.last().copied().unwrap_or((0, 0));
+            acc.grads = self
+                .all_reduce(per_rank)
+                .map_err(|e| step_error(Phase::Backward, step, shape, e, &settings))?;
+        }
         Ok(acc)
+    }
+
+    /// Sums every rank's gradients and hands each rank the sum on its own device:
+    /// NCCL all-reduce when built with it and every rank is a GPU, otherwise through
+    /// rank 0's device (CPU logical devices share memory, so that costs nothing there).
+    fn all_reduce(
+        &self,
+        per_rank: Vec<Gradients>,
+    ) -> Result<Vec<Gradients>, crate::devices::DevicesError> {
+        use crate::devices::GradientReducer;
+        if per_rank.len() == 1 {
+            return Ok(per_rank);
+        }
+        let devices = &self.placement.devices[..per_rank.len()];
+        let outputs: Vec<Device> = devices.iter().map(|d| d.candle.clone()).collect();
+        #[cfg(feature = "nccl")]
+        if devices.iter().all(|d| d.is_cuda()) {
+            let reducer = crate::devices::parallel::nccl::NcclReducer::single_process(devices)?;
+            return reducer.all_reduce_sum(per_rank, &outputs);
+        }
+        crate::devices::HostReducer.all_reduce_sum(per_rank, &outputs)
     }
 
     /// Runs one optimizer step. Errors leave the thread (and process) alive; a panic inside the
@@ -677,7 +770,7 @@ impl TrainingRun {
                 hint: self.non_finite_hint(),
             });
         }
-        if let Some(grads) = acc.grads.as_ref().filter(|_| tokens > 0) {
+        if let Some(grads) = acc.grads.first().filter(|_| tokens > 0) {
             let raw_norm = grads
                 .global_norm()
                 .map_err(|e| step_error(Phase::Optimizer, step, shape, e, &settings))?;
@@ -705,9 +798,18 @@ impl TrainingRun {
                     1.0
                 };
                 let multiplier = clip / denominator;
+                // Every rank steps its own optimizer on the same all-reduced gradients (as
+                // DDP does): no weights travel after the step, and each rank's AdamW state
+                // stays with its replica, where the planner counts it.
                 self.optimizer
                     .step(grads, lr, multiplier)
                     .map_err(|e| step_error(Phase::Optimizer, step, shape, e, &settings))?;
+                for (replica, grads) in self.replicas.iter_mut().zip(&acc.grads[1..]) {
+                    replica
+                        .optimizer
+                        .step(grads, lr, multiplier)
+                        .map_err(|e| step_error(Phase::Optimizer, step, shape, e, &settings))?;
+                }
             } else {
                 skipped = true;
                 grad_norm = f64::NAN;
@@ -779,7 +881,7 @@ impl TrainingRun {
         let acc = self.accumulate(&micro_batches, 1.0)?;
         let n = acc.tokens.max(1) as f64 * acc.backward_factor;
         let mut grads = HashMap::new();
-        if let Some(g) = acc.grads {
+        if let Some(g) = acc.grads.into_iter().next() {
             for (name, t) in g.iter() {
                 let t = t
                     .to_dtype(DType::F32)
@@ -914,6 +1016,91 @@ impl TrainingRun {
         self.elapsed_secs += started.elapsed().as_secs_f64();
         Ok(path)
     }
+}
+
+/// What one rank's micro-step gives: loss sum, trained tokens, and its accumulated gradients.
+type MicroStep = (f64, usize, Gradients);
+
+/// Forward and backward of one rank's shard of a micro-batch (none: nothing to do), adding
+/// the gradients into the rank's accumulation `acc`.
+fn micro_step(
+    model: &CausalLm,
+    batch: Option<&samples::TensorBatch>,
+    seed_base: u64,
+    counter: u64,
+    backward_factor: f64,
+    mut acc: Gradients,
+) -> Result<MicroStep, (Phase, crate::model::ModelError)> {
+    let Some(batch) = batch else {
+        return Ok((0.0, 0, acc));
+    };
+    let forward = |e| (Phase::Forward, e);
+    let backward = |e| (Phase::Backward, e);
+    debug_assert_eq!(model.dropout_seed_base, seed_base);
+    model
+        .forward_counter
+        .store(counter, std::sync::atomic::Ordering::Relaxed);
+    let out = model
+        .loss(&batch.input_ids, Some(&batch.attention_mask), &batch.labels)
+        .map_err(forward)?;
+    let loss = out
+        .sum
+        .to_dtype(DType::F64)
+        .and_then(|t| t.to_scalar::<f64>())
+        .map_err(|e| forward(e.into()))?;
+    if out.num_tokens == 0 {
+        // Nothing to learn from (every label masked); its gradient is zero anyway.
+        return Ok((loss, 0, acc));
+    }
+    let scaled = if backward_factor != 1.0 {
+        out.sum
+            .affine(backward_factor, 0.0)
+            .map_err(|e| backward(e.into()))?
+    } else {
+        out.sum
+    };
+    model.backward_into(&scaled, &mut acc).map_err(backward)?;
+    Ok((loss, out.num_tokens, acc))
+}
+
+/// Runs `work` for every rank (with its shard, if any, and its accumulated gradients):
+/// concurrently (a thread per rank) when every rank is a GPU, in turn on the CPU, whose
+/// logical devices share the same cores. Results come back in rank order.
+fn run_ranks<T: Send>(
+    models: &[&CausalLm],
+    shards: &[Option<samples::TensorBatch>],
+    accs: Vec<Gradients>,
+    work: impl Fn(&CausalLm, Option<&samples::TensorBatch>, Gradients) -> T + Sync,
+) -> Vec<T> {
+    let concurrent = models.len() > 1 && models.iter().all(|m| m.device().is_cuda());
+    let jobs = models.iter().zip(shards).zip(accs);
+    if !concurrent {
+        return jobs.map(|((m, b), acc)| work(m, b.as_ref(), acc)).collect();
+    }
+    std::thread::scope(|scope| {
+        let work = &work;
+        let handles: Vec<_> = jobs
+            .map(|((m, b), acc)| scope.spawn(move || work(m, b.as_ref(), acc)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    })
+}
+
+/// Cuts a micro-step's rows into `ranks` contiguous shards, earlier ranks taking the
+/// extra rows (a short last batch may leave later ranks empty).
+fn shard_rows(rows: &[usize], ranks: usize) -> Vec<&[usize]> {
+    let ranks = ranks.max(1);
+    let mut out = Vec::with_capacity(ranks);
+    let mut start = 0;
+    for r in 0..ranks {
+        let len = rows.len() / ranks + usize::from(r < rows.len() % ranks);
+        out.push(&rows[start..start + len]);
+        start += len;
+    }
+    out
 }
 
 /// The text of a panic payload.

@@ -39,6 +39,9 @@ pub struct TrainerOptions {
     /// (on the CPU an allocation failure aborts the whole process, so by default such a run
     /// is refused with an error event naming the fixes).
     pub ignore_memory_plan: bool,
+    /// The NVML library the memory samples read GPUs through (`None`: `$TUNESTUDIO_NVML_LIB`,
+    /// then the driver's); the studio passes the one its device discovery used.
+    pub nvml_library: Option<PathBuf>,
 }
 
 /// The front end's side of a trainer thread.
@@ -307,11 +310,16 @@ fn thread_main(
         train_rows,
         eval_rows,
         output_dir: out,
+        effective_batch: run.effective_batch(),
+        ranks: run.placement().ranks(),
+        placement: run
+            .placement()
+            .describe(run.model().config().num_hidden_layers),
     });
     for w in run.data_warnings().to_vec() {
         em.emit(Event::Warning { message: w });
     }
-    let mut memory = super::memory::MemoryMonitor::new(run.config());
+    let mut memory = super::memory::MemoryMonitor::new(run.config(), options.nvml_library.clone());
 
     let mut paused = false;
     let reason = 'training: loop {

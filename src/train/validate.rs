@@ -200,7 +200,7 @@ pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
         if !is_device_name(dev) {
             bad(
                 &format!("devices.devices[{i}]"),
-                format!("`{dev}` is not a device name; use `cpu`, `cuda:N` or `metal:N`"),
+                format!("`{dev}` is not a device name; use `cpu`, `cpu:N` (logical CPU device), `cuda:N`, `cuda:N=80GiB` or `metal:N`"),
             );
         }
     }
@@ -280,13 +280,20 @@ pub(crate) fn is_hub_id(s: &str) -> bool {
     }
 }
 
+/// `cpu`, `cpu:N` (logical CPU device N), `cuda:N`, `metal:N`; `cpu:N` and `cuda:N` may carry
+/// the memory to plan for (`cuda:0=80GiB`, the what-if form the planner reads).
 fn is_device_name(s: &str) -> bool {
-    if s == "cpu" {
-        return true;
+    let (name, size) = match s.split_once('=') {
+        Some((n, size)) => (n, Some(size)),
+        None => (s, None),
+    };
+    if size.is_some_and(|t| crate::plan::parse_bytes(t.trim()).is_err()) {
+        return false;
     }
-    match s.split_once(':') {
-        Some(("cuda" | "metal", n)) => n.parse::<usize>().is_ok(),
-        _ => s == "cuda" || s == "metal",
+    match name.split_once(':') {
+        Some(("cpu" | "cuda", n)) => n.parse::<usize>().is_ok(),
+        Some(("metal", n)) => size.is_none() && n.parse::<usize>().is_ok(),
+        _ => size.is_none() && matches!(name, "cpu" | "cuda" | "metal"),
     }
 }
 

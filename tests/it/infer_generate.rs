@@ -206,6 +206,7 @@ fn seeded_generation_is_reproducible() {
         seed,
         stop_strings: vec![],
         stop_on_eos: false,
+        forced_tokens: vec![],
     };
     let a = run(&sample(7));
     assert_eq!(a.len(), 24);
@@ -473,10 +474,10 @@ fn streamed_text_is_whole_utf8_and_matches_full_decode() {
         )
         .unwrap();
     assert_eq!(streamed, out.text);
-    assert_eq!(
-        out.text,
-        tok.tokenizer.decode(&out.token_ids, true).unwrap()
-    );
+    // A character cut by max_new_tokens is left out, not shown as U+FFFD.
+    let full = tok.tokenizer.decode(&out.token_ids, true).unwrap();
+    assert_eq!(out.text, full.trim_end_matches('\u{FFFD}'));
+    assert_eq!(out.cut_character, full.ends_with('\u{FFFD}'));
 }
 
 #[test]
@@ -505,4 +506,88 @@ fn stop_strings_end_generation_without_showing_them() {
     let cut = full.text.find(&stop).unwrap();
     assert_eq!(out.text, full.text[..cut]);
     assert_eq!(streamed, out.text);
+}
+
+/// `tunestudio generate` streaming a Chinese answer forced through single-byte tokens (each
+/// character split over three) and cut inside its last character: no chunk and no output
+/// holds U+FFFD.
+#[test]
+fn generate_streams_byte_split_chinese_without_replacement_characters() {
+    let tok = TokenizerBundle::load(&fixture("tiny-llama")).unwrap();
+    let all: Vec<u32> = (0..tok.vocab_size() as u32).collect();
+    let mut byte_token = [None; 256];
+    for (id, bytes) in all.iter().zip(tok.token_bytes(&all)) {
+        if let [b] = bytes[..] {
+            byte_token[b as usize].get_or_insert(*id);
+        }
+    }
+    let answer = "你好，世界。";
+    let ids: Vec<u32> = answer
+        .bytes()
+        .map(|b| byte_token[b as usize].expect("a token for every byte"))
+        .collect();
+    let cut = ids.len() - 1;
+    let expected = "你好，世界";
+
+    // The stream itself: every chunk is whole characters.
+    let g = Arc::new(
+        Generator::load(&ModelSpec::new(fixture("tiny-llama").to_string_lossy())).unwrap(),
+    );
+    let h = spawn_generation(GenerationRequest {
+        generator: g,
+        prompt: Prompt::Completion("Say hello:".into()),
+        params: SamplingParams {
+            forced_tokens: ids.clone(),
+            ..greedy(cut)
+        },
+    });
+    let (mut streamed, mut held) = (String::new(), 0);
+    for ev in h.events.iter() {
+        match ev {
+            GenEvent::Token { text, .. } => {
+                assert!(
+                    !text.contains('\u{FFFD}'),
+                    "a partial character was streamed"
+                );
+                held += usize::from(text.is_empty());
+                streamed.push_str(&text);
+            }
+            GenEvent::Done(out) => {
+                assert_eq!(out.token_ids, ids[..cut]);
+                assert_eq!(out.text, expected);
+                assert!(out.cut_character);
+            }
+            GenEvent::Error { message } => panic!("{message}"),
+            GenEvent::Started { .. } => {}
+        }
+    }
+    assert_eq!(streamed, expected);
+    assert!(held >= 2 * 5, "byte tokens were not held back ({held})");
+
+    // Through the binary.
+    let csv: Vec<String> = ids.iter().map(u32::to_string).collect();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tunestudio"))
+        .args([
+            "generate",
+            "--prompt",
+            "Say hello:",
+            "--temperature",
+            "0",
+            "--model",
+        ])
+        .arg(fixture("tiny-llama"))
+        .args([
+            "--max-new-tokens",
+            &cut.to_string(),
+            "--force-tokens",
+            &csv.join(","),
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let stdout = String::from_utf8(out.stdout).expect("stdout is UTF-8");
+    assert!(!stdout.contains('\u{FFFD}'), "{stdout:?}");
+    assert_eq!(stdout.trim_end(), expected);
+    assert!(stderr.contains("inside a character"), "{stderr}");
 }

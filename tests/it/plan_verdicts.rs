@@ -51,10 +51,11 @@ fn dictalm_fp32_single_gpu_is_out_of_memory_and_fixes_are_ranked() {
     let d = &p.per_device[0];
     assert_eq!(d.device.name, "GPU 0");
     assert!(!d.fits);
-    // weights 27 + two gradient copies (accumulation) 54 + moments 54 GiB ≈ 135 GiB.
+    // weights 27 + one gradient buffer 27 (accumulated in place) + moments 54 GiB ≈ 108 GiB,
+    // plus the optimizer step's scratch.
     let peak = gib(d.peak_bytes);
-    assert!((125.0..150.0).contains(&peak), "peak {peak:.1} GiB");
-    assert!(gib(d.shortfall_bytes) > 40.0);
+    assert!((105.0..120.0).contains(&peak), "peak {peak:.1} GiB");
+    assert!(gib(d.shortfall_bytes) > 25.0);
     assert_eq!(
         d.first_oom_phase,
         Some(Phase::Forward),
@@ -105,8 +106,8 @@ fn dictalm_layer_split_fits_two_80gib_gpus() {
     assert!(p.per_device[0].holds_embeddings && p.per_device[1].holds_head);
     for d in &p.per_device {
         let g = gib(d.peak_bytes);
-        // HF reference ≈ 67.5 GiB per GPU: fits, with little room.
-        assert!((60.0..78.0).contains(&g), "{}: {g:.1} GiB", d.device.name);
+        // HF reference ≈ 54 GiB per GPU (half of weights + gradient + moments): fits.
+        assert!((50.0..70.0).contains(&g), "{}: {g:.1} GiB", d.device.name);
     }
     // Balanced: the two GPUs differ by less than one layer's worth.
     let diff = gib(p.per_device[0]
@@ -478,5 +479,46 @@ fn optimizer_offload_moves_the_moments_to_host_ram() {
     assert!(
         text.contains("Host RAM: 54.0 GiB of optimizer state"),
         "{text}"
+    );
+}
+
+/// One gradient buffer per parameter (#24): the founding run (DictaLM fp32, micro-batch 1 ×
+/// accumulation 4, seq 512, checkpointing) needs one gradient copy on GPU 0, as PyTorch does.
+#[test]
+fn accumulation_plans_one_gradient_copy_through_the_cli() {
+    let out = Command::new(bin())
+        .args(["plan", "--json", "--model-config"])
+        .arg(shared_config("dictalm2-7b.json"))
+        .args([
+            "--devices",
+            "cuda:0=80GiB",
+            "--precision",
+            "fp32",
+            "--micro-batch",
+            "1",
+            "--accumulation",
+            "4",
+            "--seq-len",
+            "512",
+            "--checkpointing",
+        ])
+        .output()
+        .unwrap();
+    // Out of memory on one 80 GiB GPU (exit 2), with the plan printed.
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+    let gpu0 = &v["plan"]["per_device"][0];
+    let grads = gpu0["gradients_bytes"].as_u64().unwrap() as f64;
+    let weights = gpu0["weights_bytes"].as_u64().unwrap() as f64;
+    assert!(
+        (grads / weights - 1.0).abs() < 0.01,
+        "gradients {:.1} GiB vs weights {:.1} GiB: one copy expected",
+        grads / (1u64 << 30) as f64,
+        weights / (1u64 << 30) as f64
+    );
+    assert!(
+        (gib(grads as u64) - 27.0).abs() < 0.5,
+        "{}",
+        gib(grads as u64)
     );
 }

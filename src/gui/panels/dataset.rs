@@ -158,9 +158,10 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             }
             if !sum.first_row.is_empty() {
                 egui::CollapsingHeader::new("First row").show(ui, |ui| {
-                    ui.add(
-                        egui::Label::new(RichText::new(&sum.first_row).monospace().small()).wrap(),
-                    );
+                    let font =
+                        egui::FontId::monospace(egui::TextStyle::Small.resolve(ui.style()).size);
+                    let color = ui.visuals().text_color();
+                    crate::gui::text::bidi_label(ui, &sum.first_row, font, color);
                 });
             }
         }

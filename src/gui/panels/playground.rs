@@ -1238,11 +1238,9 @@ fn answer(ui: &mut Ui, i: usize, sd: &PlaygroundSide) {
         if let Some(e) = &sd.output.error {
             theme::error_box(ui, &format!("{name} failed"), e);
         }
-        ui.add(
-            egui::Label::new(RichText::new(&sd.output.text).monospace())
-                .wrap()
-                .selectable(true),
-        );
+        let font = egui::TextStyle::Monospace.resolve(ui.style());
+        let color = ui.visuals().text_color();
+        crate::gui::text::bidi_label(ui, &sd.output.text, font, color);
     });
 }
 
@@ -1257,9 +1255,17 @@ fn batch_table(ui: &mut Ui, pg: &PlaygroundState) {
             ui.label(RichText::new(format!("Right: {}", pg.sides[1].loaded_name)).strong());
             ui.end_row();
             for r in &pg.batch_rows {
-                ui.add(egui::Label::new(&r.prompt).wrap());
-                ui.add(egui::Label::new(RichText::new(&r.left).monospace()).wrap());
-                ui.add(egui::Label::new(RichText::new(&r.right).monospace()).wrap());
+                let body = egui::TextStyle::Body.resolve(ui.style());
+                let mono = egui::TextStyle::Monospace.resolve(ui.style());
+                let color = ui.visuals().text_color();
+                // Each cell in its own column-wide scope, so a right-to-left answer is
+                // right-aligned within its column.
+                for (text, font) in [(&r.prompt, body), (&r.left, mono.clone()), (&r.right, mono)] {
+                    ui.vertical(|ui| {
+                        ui.set_max_width(360.0);
+                        crate::gui::text::bidi_label(ui, text, font, color);
+                    });
+                }
                 ui.end_row();
             }
         });

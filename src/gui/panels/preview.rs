@@ -2,13 +2,14 @@
 //! chip coloured by what the loss does with it — plus the length histogram
 //! against the cutoff and the lints, each jumping to an example row.
 
-use eframe::egui::{self, Color32, RichText, Sense, Ui};
+use eframe::egui::{self, RichText, Ui};
 use egui_plot::{Bar, BarChart, Plot, VLine};
 
-use tunestudio::data::{DataPreview, RowPreview, Severity, SplitName, TokenClass, TokenSpan};
+use tunestudio::data::{DataPreview, RowPreview, Severity, SplitName, TokenClass};
 
 use crate::gui::app::Action;
 use crate::gui::state::AppState;
+use crate::gui::text;
 use crate::gui::theme;
 
 /// At most this many chips per row are drawn (the rest are counted), so a
@@ -199,24 +200,6 @@ fn class_index(c: TokenClass) -> usize {
     }
 }
 
-fn class_color(c: TokenClass) -> Color32 {
-    match c {
-        TokenClass::Trained => theme::TRAINED,
-        TokenClass::Mismatch => theme::MISMATCH,
-        TokenClass::Masked => theme::MASKED,
-        TokenClass::Padding => theme::PADDING,
-    }
-}
-
-fn class_name(c: TokenClass) -> &'static str {
-    match c {
-        TokenClass::Trained => "trained",
-        TokenClass::Mismatch => "trained, label differs from token",
-        TokenClass::Masked => "masked",
-        TokenClass::Padding => "padding",
-    }
-}
-
 fn row_card(ui: &mut Ui, row: &RowPreview, highlighted: bool) {
     let stroke = if highlighted {
         egui::Stroke::new(2.0, theme::ACCENT)
@@ -262,95 +245,18 @@ fn row_card(ui: &mut Ui, row: &RowPreview, highlighted: bool) {
                 }
             });
             ui.add_space(4.0);
-            ui.horizontal_wrapped(|ui| {
-                ui.spacing_mut().item_spacing = egui::vec2(2.0, 3.0);
-                for t in row.tokens.iter().take(MAX_CHIPS_PER_ROW) {
-                    chip(ui, t);
-                }
-                if row.tokens.len() > MAX_CHIPS_PER_ROW {
-                    ui.label(
-                        RichText::new(format!(
-                            "… {} more tokens",
-                            row.tokens.len() - MAX_CHIPS_PER_ROW
-                        ))
-                        .weak(),
-                    );
-                }
-            });
-        });
-    ui.add_space(6.0);
-}
-
-/// The visible form of a token's text: whitespace made visible, nothing empty.
-fn display_text(t: &TokenSpan) -> String {
-    if t.text.is_empty() {
-        return format!("<{}>", t.id);
-    }
-    let mut out = String::with_capacity(t.text.len());
-    for c in t.text.chars() {
-        match c {
-            ' ' => out.push('·'),
-            '\n' => out.push_str("\\n"),
-            '\t' => out.push_str("\\t"),
-            '\r' => out.push_str("\\r"),
-            c if c.is_control() => out.push_str(&format!("\\u{{{:x}}}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out
-}
-
-/// One token chip: painted directly (one allocation, no nested layout) so
-/// hundreds of them stay cheap; named for screen readers and tests.
-fn chip(ui: &mut Ui, t: &TokenSpan) {
-    let text = display_text(t);
-    let color = class_color(t.class);
-    let text_color = match t.class {
-        TokenClass::Padding => Color32::from_gray(150),
-        _ => Color32::WHITE,
-    };
-    let font = egui::FontId::monospace(12.5);
-    let galley = ui.painter().layout_no_wrap(text.clone(), font, text_color);
-    let size = galley.size() + egui::vec2(8.0, 4.0);
-    let (rect, response) = ui.allocate_exact_size(size, Sense::hover());
-    if ui.is_rect_visible(rect) {
-        let fill = match t.class {
-            TokenClass::Padding => color,
-            _ => color.gamma_multiply(if response.hovered() { 1.0 } else { 0.75 }),
-        };
-        ui.painter().rect_filled(rect, 3.0, fill);
-        ui.painter()
-            .galley(rect.min + egui::vec2(4.0, 2.0), galley, text_color);
-    }
-    let class = class_name(t.class);
-    response.widget_info(|| {
-        egui::WidgetInfo::labeled(
-            egui::Role::Label,
-            true,
-            format!("token {text} ({class}, id {})", t.id),
-        )
-    });
-    response.on_hover_ui(|ui| {
-        egui::Grid::new("chip-tip").num_columns(2).show(ui, |ui| {
-            ui.label(RichText::new("text").weak());
-            ui.label(RichText::new(format!("{:?}", t.text)).monospace());
-            ui.end_row();
-            ui.label(RichText::new("token id").weak());
-            ui.label(RichText::new(t.id.to_string()).monospace());
-            ui.end_row();
-            ui.label(RichText::new("label").weak());
-            ui.label(RichText::new(t.label.to_string()).monospace());
-            ui.end_row();
-            ui.label(RichText::new("class").weak());
-            ui.label(RichText::new(class).color(color));
-            ui.end_row();
-            if t.weight != 0.0 && t.weight != 1.0 {
-                ui.label(RichText::new("loss weight").weak());
-                ui.label(format!("{}", t.weight));
-                ui.end_row();
+            text::token_row(ui, row, MAX_CHIPS_PER_ROW);
+            if row.tokens.len() > MAX_CHIPS_PER_ROW {
+                ui.label(
+                    RichText::new(format!(
+                        "… {} more tokens",
+                        row.tokens.len() - MAX_CHIPS_PER_ROW
+                    ))
+                    .weak(),
+                );
             }
         });
-    });
+    ui.add_space(6.0);
 }
 
 fn histogram(ui: &mut Ui, p: &DataPreview) {
@@ -489,24 +395,4 @@ fn stats(ui: &mut Ui, p: &DataPreview) {
                 ),
             );
         });
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn token_text_makes_whitespace_visible() {
-        let t = |s: &str| TokenSpan {
-            text: s.into(),
-            id: 7,
-            label: -100,
-            class: TokenClass::Masked,
-            weight: 0.0,
-        };
-        assert_eq!(display_text(&t(" the")), "·the");
-        assert_eq!(display_text(&t("\n\n")), "\\n\\n");
-        assert_eq!(display_text(&t("")), "<7>");
-        assert_eq!(display_text(&t("שלום")), "שלום");
-    }
 }

@@ -336,9 +336,13 @@ fn memory_chart(ui: &mut Ui, s: &AppState) {
             for (i, (device, series)) in mem.iter().enumerate() {
                 let c = theme::SERIES[i % theme::SERIES.len()];
                 if !series.used.is_empty() {
+                    let whose = match series.scope {
+                        tunestudio::train::MemoryScope::Process => "used",
+                        tunestudio::train::MemoryScope::Device => "used (whole device)",
+                    };
                     plot.line(
                         Line::new(
-                            format!("{device} used"),
+                            format!("{device} {whose}"),
                             PlotPoints::from(series.used.clone()),
                         )
                         .color(c)
@@ -365,6 +369,7 @@ fn memory_chart(ui: &mut Ui, s: &AppState) {
                 }
             }
         });
+    // One caption per line of the chart, so each device's figures read on their own.
     let peaks: Vec<String> = mem
         .iter()
         .filter(|(_, v)| v.peak_bytes > 0)
@@ -381,9 +386,11 @@ fn memory_chart(ui: &mut Ui, s: &AppState) {
             )
         })
         .collect();
-    if !peaks.is_empty() {
-        ui.label(RichText::new(peaks.join(" · ")).small().weak());
-    }
+    ui.horizontal_wrapped(|ui| {
+        for p in peaks {
+            ui.label(RichText::new(p).small().weak());
+        }
+    });
 }
 
 fn log(ui: &mut Ui, s: &AppState) {

@@ -190,6 +190,41 @@ where
     }
 }
 
+/// Hands a parameter's accumulated gradient to candle's backward: its forward is a constant
+/// zero (added to the loss, it changes nothing), its backward gives the accumulated gradient
+/// once, by value. Processed right after the loss (it hangs off the root), it moves the
+/// accumulation into candle's gradient store before any new gradient exists, so the store
+/// sums into it: one gradient buffer per parameter across micro-batches instead of the
+/// previous sum beside a complete new set (+1 gradient copy at the end of every backward).
+struct GradTap {
+    acc: Mutex<Option<Tensor>>,
+}
+
+impl TensorOp for GradTap {
+    fn name(&self) -> &'static str {
+        "gradient-accumulation-tap"
+    }
+    fn forward(&self, xs: &[Tensor]) -> Result<Tensor> {
+        Tensor::zeros((), DType::F32, xs[0].device())
+    }
+    fn backward(
+        &self,
+        _xs: &[Tensor],
+        _out: &Tensor,
+        _grad: &Tensor,
+    ) -> Result<Vec<Option<Tensor>>> {
+        Ok(vec![lock(&self.acc).take()])
+    }
+}
+
+/// A scalar zero whose gradient with respect to `param` (a trainable variable) is `acc`.
+pub(crate) fn gradient_tap(param: &Tensor, acc: Tensor) -> Result<Tensor> {
+    let op = GradTap {
+        acc: Mutex::new(Some(acc)),
+    };
+    apply1(op, param)
+}
+
 /// RMSNorm (`x`: `[.., hidden]`, `w`: `[hidden]`), normalised in f32 as transformers does.
 pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let op = Recompute {

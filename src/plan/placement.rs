@@ -189,6 +189,17 @@ pub fn balance_layers(
     costs: &StageCosts,
     capacities_bytes: &[u64],
 ) -> Result<LayerSplit, PlacementError> {
+    balance_layers_with_fixed(costs, capacities_bytes, &vec![0; capacities_bytes.len()])
+}
+
+/// [`balance_layers`] where device `d` also pays `fixed_bytes[d]` whatever it holds
+/// (a CUDA context, the largest in-layer transient): the planner's and the trainer's
+/// split, so the layer ranges a plan shows are the ones training uses.
+pub fn balance_layers_with_fixed(
+    costs: &StageCosts,
+    capacities_bytes: &[u64],
+    fixed_bytes: &[u64],
+) -> Result<LayerSplit, PlacementError> {
     let devices = capacities_bytes.len();
     if devices == 0 {
         return Err(PlacementError::NoDevices);
@@ -206,7 +217,8 @@ pub fn balance_layers(
         prefix[i + 1] = prefix[i].saturating_add(b);
     }
     let load = |d: usize, start: usize, end: usize| -> u64 {
-        let mut bytes = prefix[end] - prefix[start];
+        let mut bytes =
+            (prefix[end] - prefix[start]).saturating_add(fixed_bytes.get(d).copied().unwrap_or(0));
         if d == 0 {
             bytes = bytes.saturating_add(costs.embeddings_bytes);
         }
