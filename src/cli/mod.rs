@@ -1,4 +1,4 @@
-//! Command-line front end: `tunestudio [gui] | train | plan | preview | devices | bench | generate`.
+//! Command-line front end: `tunestudio [gui] | train | plan | preview | devices | bench | generate | export`.
 //!
 //! Each subcommand lives in its own file and renders what the library returns;
 //! the library itself never prints.
@@ -8,6 +8,7 @@ use std::process::ExitCode;
 
 pub mod bench;
 pub mod devices;
+pub mod export;
 pub mod generate;
 pub mod plan;
 pub mod preview;
@@ -37,6 +38,8 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Generate text from a model (optionally with a LoRA adapter).
     Generate(generate::GenerateArgs),
+    /// Write a run checkpoint as a PEFT adapter, a merged model or a full model folder.
+    Export(export::ExportArgs),
 }
 
 /// Runs the parsed command line.
@@ -49,6 +52,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Some(Command::Devices(args)) => devices::run(args),
         Some(Command::Bench(args)) => bench::run(args),
         Some(Command::Generate(args)) => generate::run(args),
+        Some(Command::Export(args)) => export::run(args),
     }
 }
 

@@ -23,7 +23,8 @@ pub struct PlanArgs {
     /// The model's `config.json` (or a model folder, or a hub id in the local cache).
     #[arg(long, alias = "model")]
     pub model_config: Option<String>,
-    /// Devices: `2x80GiB`, `80GB,40GB`, `cpu:24GiB`, `cuda:0=80GiB`, `cpu` (host memory).
+    /// Devices: `2x80GiB`, `80GB,40GB`, `cpu:24GiB`, `cuda:0=80GiB`, `cpu` (host memory),
+    /// or GPU models as their driver reports them: `2xh100`, `a100-40gb`, `rtx4090`.
     #[arg(long)]
     pub devices: Option<String>,
     /// fp32, bf16-mixed, bf16 or fp16-mixed.
@@ -129,7 +130,9 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
-fn build_request(args: &PlanArgs) -> anyhow::Result<PlanRequest> {
+/// The request `tunestudio plan` plans for these arguments (the studio's tests compare
+/// their plans with it).
+pub(crate) fn build_request(args: &PlanArgs) -> anyhow::Result<PlanRequest> {
     let gpu_capacity = tunestudio::devices::driver_gpu_capacity();
     let devices = match &args.devices {
         Some(d) => Some(plan::parse_devices_with(d, &gpu_capacity)?),

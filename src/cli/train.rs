@@ -33,6 +33,10 @@ pub struct TrainArgs {
     /// Train even when the memory plan predicts that host memory runs out.
     #[arg(long)]
     pub ignore_memory_plan: bool,
+    /// Train despite an error-level data lint, by name (repeatable; adds to `[data] allow`),
+    /// e.g. `--allow-lint labels-mismatch`. The override is recorded in metrics.jsonl.
+    #[arg(long = "allow-lint", value_name = "LINT")]
+    pub allow_lint: Vec<String>,
 }
 
 /// Runs `tunestudio train`.
@@ -40,6 +44,11 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let mut config = RunConfig::load(&args.config)?;
     if let Some(n) = args.max_steps {
         config.training.max_steps = Some(n);
+    }
+    for lint in &args.allow_lint {
+        if !config.data.allow.contains(lint) {
+            config.data.allow.push(lint.clone());
+        }
     }
     let mut options = TrainerOptions {
         start_immediately: true,
@@ -81,7 +90,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         _ => println!("{line}"),
     };
     let mut reason = FinishReason::Failed;
+    let mut blocked = false;
     for event in handle.events.iter() {
+        blocked |= matches!(event, Event::LintsBlocked { .. });
         if args.json {
             if let Ok(line) = serde_json::to_string(&event) {
                 println!("{line}");
@@ -181,6 +192,13 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
                 say(&bar, format!("saved {}", path.display()))
             }
             Event::Warning { message } if !args.json => say(&bar, format!("warning: {message}")),
+            Event::LintAllowed { lint } if !args.json => say(
+                &bar,
+                format!(
+                    "warning: training despite lint `{}` ({} rows), allowed by name: {}",
+                    lint.lint, lint.count, lint.message
+                ),
+            ),
             Event::Error { message, hint, .. } => {
                 if let Some(b) = &bar {
                     b.abandon();
@@ -210,6 +228,8 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     handle.join();
     Ok(match reason {
         FinishReason::Completed | FinishReason::Stopped => ExitCode::SUCCESS,
+        // The data's own findings stopped it, as `tunestudio preview` does: exit 2.
+        FinishReason::Failed if blocked => ExitCode::from(2),
         FinishReason::Failed => ExitCode::FAILURE,
     })
 }

@@ -151,6 +151,10 @@ pub struct DataConfig {
     pub seed: u64,
     /// How `.txt` files split into documents.
     pub txt_split: TxtSplit,
+    /// Error-level lints to train despite, by name (`["labels-mismatch"]`): an expert's
+    /// explicit override, recorded in the run's `metrics.jsonl`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub allow: Vec<String>,
 }
 
 impl Default for DataConfig {
@@ -167,6 +171,7 @@ impl Default for DataConfig {
             group_by_length: false,
             seed: 42,
             txt_split: TxtSplit::Auto,
+            allow: Vec::new(),
         }
     }
 }
@@ -187,6 +192,23 @@ impl DataConfig {
             return Err(DataError::Config {
                 setting: "data.path".into(),
                 message: "is empty; set it to a data file, a folder or a hub dataset id".into(),
+            });
+        }
+        if let Some(bad) = self
+            .allow
+            .iter()
+            .find(|a| crate::data::lints::LintKind::from_id(a).is_none())
+        {
+            let names: Vec<&str> = crate::data::lints::LintKind::ALL
+                .iter()
+                .map(|k| k.id())
+                .collect();
+            return Err(DataError::Config {
+                setting: "data.allow".into(),
+                message: format!(
+                    "`{bad}` is not a lint name; use some of {}",
+                    names.join(", ")
+                ),
             });
         }
         if !(0.0..1.0).contains(&self.validation_ratio) || self.validation_ratio.is_nan() {

@@ -50,6 +50,51 @@ pub enum LintKind {
     NonBinaryLossWeights,
 }
 
+impl LintKind {
+    /// Every kind, for listing the names an override may use.
+    pub const ALL: [LintKind; 13] = [
+        LintKind::LabelsMismatch,
+        LintKind::PaddingTrained,
+        LintKind::NoPadToken,
+        LintKind::ZeroTrainedTokens,
+        LintKind::CompletionTruncated,
+        LintKind::MissingEos,
+        LintKind::EosAppended,
+        LintKind::EmptyRows,
+        LintKind::DuplicateRows,
+        LintKind::PromptTooLong,
+        LintKind::ChatWithoutTemplate,
+        LintKind::TemplateNotPrefixStable,
+        LintKind::NonBinaryLossWeights,
+    ];
+
+    /// The name a user overrides it by (`[data] allow = ["labels-mismatch"]`,
+    /// `--allow-lint labels-mismatch`).
+    pub fn id(self) -> &'static str {
+        match self {
+            LintKind::LabelsMismatch => "labels-mismatch",
+            LintKind::PaddingTrained => "padding-trained",
+            LintKind::NoPadToken => "no-pad-token",
+            LintKind::ZeroTrainedTokens => "zero-trained-tokens",
+            LintKind::CompletionTruncated => "completion-truncated",
+            LintKind::MissingEos => "missing-eos",
+            LintKind::EosAppended => "eos-appended",
+            LintKind::EmptyRows => "empty-rows",
+            LintKind::DuplicateRows => "duplicate-rows",
+            LintKind::PromptTooLong => "prompt-too-long",
+            LintKind::ChatWithoutTemplate => "chat-without-template",
+            LintKind::TemplateNotPrefixStable => "template-not-prefix-stable",
+            LintKind::NonBinaryLossWeights => "non-binary-loss-weights",
+        }
+    }
+
+    /// The kind named `id` (kebab-case as [`LintKind::id`], or snake_case as in JSON).
+    pub fn from_id(id: &str) -> Option<LintKind> {
+        let id = id.trim().replace('_', "-");
+        LintKind::ALL.into_iter().find(|k| k.id() == id)
+    }
+}
+
 /// One finding.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Lint {
@@ -68,6 +113,15 @@ pub struct Lint {
 /// Whether any lint is an error (the CLI's exit decision).
 pub fn has_errors(lints: &[Lint]) -> bool {
     lints.iter().any(|l| l.severity == Severity::Error)
+}
+
+/// The error-level lints that stop a run: every error whose name is not in `allow`.
+pub fn blocking<'a>(lints: &'a [Lint], allow: &[String]) -> Vec<&'a Lint> {
+    lints
+        .iter()
+        .filter(|l| l.severity == Severity::Error)
+        .filter(|l| !allow.iter().any(|a| LintKind::from_id(a) == Some(l.kind)))
+        .collect()
 }
 
 const MAX_EXAMPLES: usize = 5;
@@ -227,10 +281,17 @@ pub fn lint_rows(rows: &[LabelledRow], ctx: &LintContext) -> Vec<Lint> {
         ),
     );
     let c = zero.count;
+    // Some rows without a trained token are normal (a system-only row); all of them means
+    // the labels or the mask are wrong and nothing would be learned.
+    let zero_severity = if c == n && n > 0 {
+        Severity::Error
+    } else {
+        Severity::Warning
+    };
     push(
         &mut out,
         LintKind::ZeroTrainedTokens,
-        Severity::Warning,
+        zero_severity,
         zero,
         format!("{c} rows have no trained token (e.g. no assistant turn, or every label -100) and are dropped."),
     );

@@ -17,6 +17,32 @@ pub struct LengthHistogram {
     pub cutoff: usize,
 }
 
+impl LengthHistogram {
+    /// The length at or below which a fraction `q` of the rows fall (the upper edge of the
+    /// bin where the cumulative count reaches `q`); `None` without rows.
+    pub fn percentile(&self, q: f64) -> Option<usize> {
+        let total: usize = self.counts.iter().sum();
+        if total == 0 {
+            return None;
+        }
+        let target = (q * total as f64).ceil() as usize;
+        let mut seen = 0;
+        for (i, c) in self.counts.iter().enumerate() {
+            seen += c;
+            if seen >= target.max(1) {
+                return Some((i + 1) * self.bin_width.max(1));
+            }
+        }
+        Some(self.counts.len() * self.bin_width.max(1))
+    }
+
+    /// The `max_length` this data suggests: its 99th-percentile row length rounded up to a
+    /// multiple of 64 (what LLaMA-Factory's `cutoff_len` advice and GPU kernels like).
+    pub fn suggested_max_length(&self) -> Option<usize> {
+        self.percentile(0.99).map(|l| l.div_ceil(64).max(1) * 64)
+    }
+}
+
 /// Statistics of one split.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct DataStats {

@@ -29,6 +29,12 @@ pub enum Action {
     ScanDataset,
     /// Start training.
     Start,
+    /// Start by resuming the run already in the output folder (its newest checkpoint).
+    StartResumingLatest,
+    /// Start in a fresh output folder (the current one holds another run).
+    StartInNewFolder,
+    /// Dismiss the "this folder holds a run" question.
+    CancelStart,
     /// Pause the trainer.
     Pause,
     /// Resume it.
@@ -131,6 +137,28 @@ pub struct StudioApp {
     pub frame_count: u64,
     /// See [`StartOptions::nvml_library`].
     nvml_library: Option<PathBuf>,
+}
+
+/// Sets `max_length` from a new dataset's lengths (99th percentile, rounded up to 64, at most
+/// the model's context) instead of keeping the previous project's cut.
+fn propose_max_length(s: &mut AppState, p: &tunestudio::data::DataPreview) {
+    let Some(mut len) = p.stats.histogram.suggested_max_length() else {
+        return;
+    };
+    if let Some(ctx) = s
+        .model
+        .info
+        .as_ref()
+        .map(|m| m.config.max_position_embeddings)
+    {
+        len = len.min(ctx.max(64));
+    }
+    if len != s.config.data.max_length {
+        s.config.data.max_length = len;
+        s.toast(format!(
+            "max_length {len}: the 99th-percentile row length of this dataset, rounded up to 64"
+        ));
+    }
 }
 
 /// The bundled demo config.
@@ -336,6 +364,9 @@ impl StudioApp {
                 match result {
                     Ok(p) => {
                         s.preview.error = None;
+                        if std::mem::take(&mut s.dataset.propose_max_length) {
+                            propose_max_length(s, &p);
+                        }
                         s.preview.preview = Some(p);
                     }
                     Err(e) => {
@@ -515,8 +546,71 @@ impl StudioApp {
         c.devices.strategy = req.strategy.as_str().to_string();
     }
 
-    fn start_training(&mut self) {
+    /// A new dataset gets its own settings: the format and columns are detected afresh
+    /// (the previous file's `alpaca` would misread a pre-tokenized one), and `max_length`
+    /// follows its lengths once the preview has them.
+    fn new_dataset_settings(&mut self) {
+        let d = &mut self.state.config.data;
+        d.format = tunestudio::data::Format::Auto;
+        d.columns = Default::default();
+        d.txt_split = Default::default();
+        d.allow.clear();
+        self.state.dataset.propose_max_length = true;
+    }
+
+    /// A new model or dataset is a new project: it gets a fresh output folder beside the
+    /// current one (`runs/<model>-<data>`, numbered when taken) instead of writing into the
+    /// previous run's.
+    fn propose_output_dir(&mut self) {
+        let c = &self.state.config;
+        let stem = |s: &str| {
+            Path::new(s.trim_end_matches('/'))
+                .file_stem()
+                .map(|n| n.to_string_lossy().to_string())
+                .unwrap_or_default()
+        };
+        let name = format!(
+            "{}-{}",
+            stem(&c.model.source),
+            stem(&self.state.dataset.path_input)
+        )
+        .replace(
+            |ch: char| !ch.is_alphanumeric() && ch != '-' && ch != '_',
+            "-",
+        );
+        let parent = c
+            .output_dir
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("runs"));
+        let base = c.base_dir.join(&parent);
+        let fresh = (1..)
+            .map(|n| {
+                if n == 1 {
+                    name.clone()
+                } else {
+                    format!("{name}-{n}")
+                }
+            })
+            .find(|n| !base.join(n).exists())
+            .unwrap_or(name);
+        let proposed = parent.join(fresh);
+        if proposed != self.state.config.output_dir {
+            self.state.config.output_dir = proposed.clone();
+            self.state
+                .toast(format!("new project: output folder {}", proposed.display()));
+        }
+    }
+
+    fn start_training(&mut self, resume_latest: bool) {
         if self.state.run.is_active() {
+            return;
+        }
+        // A planned machine's GPUs are not here: the trainer would fail to open them.
+        if let Some(cmd) = self.state.planning_only() {
+            self.state.toast(format!(
+                "planning only: train on the planned machine with `{cmd}`"
+            ));
             return;
         }
         let mut config = self.state.config.clone();
@@ -528,6 +622,15 @@ impl StudioApp {
         }
         let out = config.output_path();
         let abs_out = std::path::absolute(&out).unwrap_or(out);
+        // Never into another run's folder unannounced: ask (the Run panel offers resuming it
+        // or a new folder), as the CLI refuses.
+        if !resume_latest {
+            if let Some(existing) = train::existing_run(&abs_out) {
+                self.state.run.existing_run = Some(existing);
+                self.state.panel = Panel::Run;
+                return;
+            }
+        }
         push_recent(&mut self.state.settings.run_dirs, abs_out.clone());
         let mut run = RunState {
             phase: RunPhase::Loading,
@@ -554,6 +657,7 @@ impl StudioApp {
         let waker: train::Waker = Arc::new(move || ctx.request_repaint());
         let options = train::TrainerOptions {
             nvml_library: self.nvml_library.clone(),
+            resume_latest,
             ..train::TrainerOptions::default()
         };
         let handle = Trainer::spawn_with(config, options, Some(waker));
@@ -581,6 +685,7 @@ impl StudioApp {
                     let typed = self.state.model.source_input.trim().to_string();
                     if typed != self.state.config.model.source {
                         self.state.config.model.source = typed;
+                        self.propose_output_dir();
                     }
                     let source = self.state.model_source();
                     self.state.model.seq += 1;
@@ -590,7 +695,12 @@ impl StudioApp {
                     self.jobs.load_model(self.state.model.seq, source);
                 }
                 Action::ScanDataset => {
-                    self.state.config.data.path = self.state.dataset.path_input.trim().to_string();
+                    let path = self.state.dataset.path_input.trim().to_string();
+                    if path != self.state.config.data.path {
+                        self.new_dataset_settings();
+                        self.propose_output_dir();
+                    }
+                    self.state.config.data.path = path;
                     self.state.dataset.key.clear();
                     self.state.preview.key.clear();
                     self.state.preview.start_row = 0;
@@ -599,10 +709,22 @@ impl StudioApp {
                         push_recent(&mut self.state.settings.recent_datasets, p);
                     }
                 }
-                Action::Start => self.start_training(),
+                Action::Start => self.start_training(false),
+                Action::StartResumingLatest => self.start_training(true),
+                Action::StartInNewFolder => {
+                    self.state.run.existing_run = None;
+                    self.propose_output_dir();
+                    self.start_training(false);
+                }
+                Action::CancelStart => self.state.run.existing_run = None,
                 Action::Pause => self.send(Command::Pause),
                 Action::Resume => self.send(Command::Resume),
-                Action::Stop => self.send(Command::Stop),
+                // Stop means what Ctrl-C means in `tunestudio train`: a checkpoint of the
+                // current step, then the end (the Playground can load a stopped run).
+                Action::Stop => {
+                    self.send(Command::SaveNow);
+                    self.send(Command::Stop);
+                }
                 Action::SaveNow => self.send(Command::SaveNow),
                 Action::ApplyChange(change) => {
                     if let Some(req) = self.state.plan.request.clone() {
@@ -629,7 +751,9 @@ impl StudioApp {
                     }
                 }
                 Action::DryRun => {
-                    if let Some(plan) = self.state.plan.plan.clone() {
+                    // A dry run trains a real step: not on a planned machine.
+                    let real = self.state.planning_only().is_none();
+                    if let Some(plan) = self.state.plan.plan.clone().filter(|_| real) {
                         self.state.plan.dry_run_running = true;
                         self.jobs.dry_run(plan, self.state.config.clone());
                     }

@@ -15,6 +15,7 @@ pub mod app;
 pub mod fonts;
 pub mod jobs;
 pub mod panels;
+pub mod planned;
 pub mod state;
 pub mod text;
 pub mod theme;

@@ -197,6 +197,8 @@ pub struct DatasetState {
     pub seq: u64,
     /// The settings key of the last scan.
     pub key: String,
+    /// A new dataset was chosen: take `max_length` from its lengths when its preview arrives.
+    pub propose_max_length: bool,
 }
 
 /// The Preview panel.
@@ -252,6 +254,8 @@ pub struct DevicesState {
     pub inventory: Option<DeviceInventory>,
     /// Discovery in flight.
     pub loading: bool,
+    /// The machine being planned when it is not this one (see [`crate::gui::planned`]).
+    pub planner: crate::gui::planned::PlannerDraft,
 }
 
 /// Where the current run is.
@@ -323,6 +327,10 @@ pub struct RunError {
 pub struct RunState {
     /// The trainer thread.
     pub handle: Option<TrainerHandle>,
+    /// Error-level lints this run trains despite (the config's `[data] allow`).
+    pub allowed_lints: Vec<tunestudio::train::LintFinding>,
+    /// Start found another run in the output folder: what is there (the Run panel asks).
+    pub existing_run: Option<String>,
     /// Where it is.
     pub phase: RunPhase,
     /// Latest status text.
@@ -369,6 +377,8 @@ impl Default for RunState {
     fn default() -> Self {
         RunState {
             handle: None,
+            allowed_lints: Vec::new(),
+            existing_run: None,
             phase: RunPhase::Idle,
             status: String::new(),
             total_steps: 0,
@@ -545,6 +555,27 @@ impl RunState {
                 self.log(LogLevel::Info, format!("resumed at step {step}"));
             }
             Event::Warning { message } => self.log(LogLevel::Warning, message),
+            Event::LintsBlocked { lints } => {
+                for l in lints {
+                    self.log(
+                        LogLevel::Error,
+                        format!(
+                            "blocked by lint `{}` ({} rows): {}",
+                            l.lint, l.count, l.message
+                        ),
+                    );
+                }
+            }
+            Event::LintAllowed { lint } => {
+                self.log(
+                    LogLevel::Warning,
+                    format!(
+                        "training despite lint `{}` ({} rows), allowed by [data] allow: {}",
+                        lint.lint, lint.count, lint.message
+                    ),
+                );
+                self.allowed_lints.push(lint);
+            }
             Event::Error {
                 message,
                 hint,

@@ -855,3 +855,409 @@ fn chinese_row_shows_its_characters_not_ids() {
     let drawn: String = drawn_glyphs(&h).iter().map(|g| g.2).collect();
     assert!(drawn.contains('识') && drawn.contains('说'), "{drawn}");
 }
+
+/// A planning-only run config for DictaLM 2.0 (its real `config.json` from `../shared`, no
+/// weights) with the README's settings: fp32, micro-batch 1 × 4, seq 512, checkpointing,
+/// single device; on this machine's CPU until the test plans for GPUs.
+fn dictalm_config(dir: &Path) -> std::path::PathBuf {
+    let model = tunestudio::paths::shared_dir().join("model-configs/dictalm2-7b.json");
+    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/demo-data.json");
+    let q = |p: &Path| format!("{:?}", p.display().to_string());
+    let text = format!(
+        "output_dir = {out}\n\n[model]\nsource = {model}\n\n[data]\npath = {data}\nformat = \"alpaca\"\n\
+         max_length = 512\n\n[training]\nprecision = \"fp32\"\nmicro_batch = 1\ngradient_accumulation = 4\n\
+         activation_checkpointing = true\n\n[devices]\ndevices = [\"cpu\"]\nstrategy = \"single\"\n",
+        out = q(&dir.join("out")),
+        model = q(&model),
+        data = q(&data),
+    );
+    let path = dir.join("dictalm.toml");
+    std::fs::write(&path, text).expect("write the config");
+    path
+}
+
+/// The studio on `config` as a laptop without NVIDIA GPUs sees it (NVML cannot load).
+fn harness_without_gpus(config: &Path, dir: &Path) -> Harness<'static, StudioApp> {
+    let opts = StartOptions {
+        fresh: true,
+        panel: Some(Panel::Devices),
+        config: Some(config.to_path_buf()),
+        nvml_library: Some(dir.join("no-such-libnvidia-ml.so.1")),
+        ..StartOptions::default()
+    };
+    Harness::builder()
+        .with_size(egui::vec2(1360.0, 1400.0))
+        .allow_missing_glyphs()
+        .build_eframe(move |cc| StudioApp::new(cc, opts))
+}
+
+/// Waits for the model, the devices and a plan of `entries` (no preview: there is no tokenizer).
+fn wait_for_plan_of(h: &mut Harness<'static, StudioApp>, entries: &[&str]) {
+    let entries: Vec<String> = entries.iter().map(|e| e.to_string()).collect();
+    wait_for(h, "the plan", Duration::from_secs(90), move |a| {
+        a.jobs.in_flight() == 0
+            && a.state.model.info.is_some()
+            && a.state.devices.inventory.is_some()
+            && a.state.config.devices.devices == entries
+            && !a.state.plan.loading
+            && a.state.plan.key == a.state.plan_key()
+            && a.state.plan.plan.is_some()
+    });
+}
+
+/// What `tunestudio plan --model-config <DictaLM> --devices <devices>` plans with the same settings.
+fn cli_plan(devices: &str) -> tunestudio::plan::Plan {
+    use clap::Parser;
+    #[derive(clap::Parser)]
+    struct PlanCommand {
+        #[command(flatten)]
+        args: crate::cli::plan::PlanArgs,
+    }
+    let model = tunestudio::paths::shared_dir().join("model-configs/dictalm2-7b.json");
+    let model = model.display().to_string();
+    let argv = [
+        "plan",
+        "--model-config",
+        &model,
+        "--devices",
+        devices,
+        "--precision",
+        "fp32",
+        "--micro-batch",
+        "1",
+        "--accumulation",
+        "4",
+        "--seq-len",
+        "512",
+        "--checkpointing",
+        "--strategy",
+        "single",
+    ];
+    let cmd = PlanCommand::try_parse_from(argv).expect("the CLI's arguments");
+    let req = crate::cli::plan::build_request(&cmd.args).expect("the CLI's request");
+    tunestudio::plan::plan(&req).expect("the CLI's plan")
+}
+
+/// Opens the combo box `combo`, picks `entry`, and waits for the re-plan it starts.
+fn pick(h: &mut Harness<'static, StudioApp>, combo: &str, entry: &str) {
+    h.get_by_label(combo).click();
+    h.run_steps(3);
+    h.get_by_label(entry).click();
+    h.run_steps(2);
+    wait_for(h, "background jobs", Duration::from_secs(60), |a| {
+        a.jobs.in_flight() == 0
+    });
+}
+
+#[test]
+fn a_planned_machine_plans_like_the_cli_and_survives_a_reload() {
+    use super::panels::devices::bar_label;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dictalm_config(dir.path());
+    let mut h = harness_without_gpus(&config, dir.path());
+    wait_for_plan_of(&mut h, &["cpu"]);
+    assert!(h.state().state.planning_only().is_none());
+
+    // Plan for 2 × H100 80 GB (through A100 80 GB, so the model really changes).
+    pick(&mut h, "Plan for", "A machine to rent or queue for");
+    pick(&mut h, "GPUs", "2 GPUs");
+    pick(&mut h, "GPU model", "A100 80 GB");
+    assert_eq!(
+        h.state().state.config.devices.devices,
+        ["cuda:0=81920MiB", "cuda:1=81920MiB"]
+    );
+    pick(&mut h, "GPU model", "H100 80 GB");
+    wait_for_plan_of(&mut h, &["cuda:0=81559MiB", "cuda:1=81559MiB"]);
+
+    // The studio's plan is the CLI's: the same verdict, devices, bars and fixes.
+    let studio = h.state().state.plan.plan.clone().expect("plan");
+    let cli = cli_plan("2xh100");
+    assert_eq!(
+        serde_json::to_value(&studio).expect("json"),
+        serde_json::to_value(&cli).expect("json"),
+        "the studio's plan differs from `tunestudio plan --devices 2xh100`"
+    );
+    let cli_80gib = cli_plan("2x80GiB");
+    assert_eq!(studio.verdict, cli_80gib.verdict);
+    assert_eq!(studio.per_device.len(), cli_80gib.per_device.len());
+    for (s, c) in studio.per_device.iter().zip(&cli_80gib.per_device) {
+        assert_eq!(
+            (s.peak_bytes, s.fits),
+            (c.peak_bytes, c.fits),
+            "{}",
+            s.device.name
+        );
+        assert!(
+            h.query_by_label(&bar_label(c)).is_some(),
+            "no bar `{}` on screen",
+            bar_label(c)
+        );
+    }
+    assert_eq!(studio.verdict, tunestudio::plan::Verdict::OutOfMemory);
+    assert!(h.query_by_label("Does not fit").is_some());
+    assert!(h
+        .query_by_label_contains("H100 80 GB: 80 GB HBM3 as sold; the driver reports 81559 MiB")
+        .is_some());
+
+    // Planning only: the command to run on the target is shown, and Start does nothing.
+    let cmd = h.state().state.planning_only().expect("planning only");
+    assert!(cmd.starts_with("tunestudio train --config "), "{cmd}");
+    assert!(h.query_by_label(&cmd).is_some(), "the command is not shown");
+    assert!(!h
+        .query_all_by_label("Dry run")
+        .any(|n| !n.accesskit_node().is_disabled()));
+
+    // Apply the top fix: the settings change, the planned machine stays.
+    let req = h.state().state.plan.request.clone().expect("request");
+    let top = studio.fixes.first().expect("a fix").change.clone();
+    let expected = top.apply(&req).settings_summary();
+    h.get_all_by_label("Apply")
+        .next()
+        .expect("an Apply button")
+        .click();
+    h.step();
+    wait_for(&mut h, "the fixed plan", Duration::from_secs(60), |a| {
+        a.jobs.in_flight() == 0
+            && a.state.plan.key == a.state.plan_key()
+            && a.state
+                .plan
+                .request
+                .as_ref()
+                .is_some_and(|r| r.settings_summary() == expected)
+    });
+    assert_eq!(
+        h.state().state.config.devices.devices,
+        ["cuda:0=81559MiB", "cuda:1=81559MiB"]
+    );
+    let fixed = h.state().state.plan.plan.clone().expect("plan");
+
+    // Save config writes the planned GPUs as the CLI reads them.
+    click_nav(&mut h, Panel::Export);
+    let saved = dir.path().join("saved").join("run.toml");
+    h.state_mut().state.export.config_path = saved.display().to_string();
+    h.run_steps(2);
+    h.get_by_label("Save config").click();
+    h.step();
+    h.step();
+    let text = std::fs::read_to_string(&saved).expect("the saved config");
+    assert!(
+        text.contains("\"cuda:0=81559MiB\"") && text.contains("\"cuda:1=81559MiB\""),
+        "{text}"
+    );
+    click_nav(&mut h, Panel::Run);
+    h.get_by_label("Start").click();
+    h.step();
+    h.step();
+    assert_eq!(h.state().state.run.phase, RunPhase::Idle);
+    assert!(h
+        .state()
+        .state
+        .toast
+        .as_ref()
+        .is_some_and(|t| t.0.starts_with("planning only")));
+    drop(h);
+
+    // Reopening the config restores the planned machine and its plan.
+    let mut h = harness_without_gpus(&saved, dir.path());
+    wait_for_plan_of(&mut h, &["cuda:0=81559MiB", "cuda:1=81559MiB"]);
+    let s = &h.state().state;
+    let m = s.planned_machine().expect("a planned machine");
+    assert_eq!(m.describe(), "2 × H100 80 GB");
+    assert_eq!(s.devices.planner.count, 2);
+    assert_eq!(s.devices.planner.model.map(|m| m.id), Some("h100-80gb"));
+    assert_eq!(
+        serde_json::to_value(s.plan.plan.as_ref().expect("plan")).expect("json"),
+        serde_json::to_value(&fixed).expect("json")
+    );
+    assert!(h
+        .query_by_label_contains("H100 80 GB: 80 GB HBM3")
+        .is_some());
+    assert!(h.query_by_label("Planning only").is_some());
+
+    // A custom size per GPU; a size that does not read keeps the last good one.
+    pick(&mut h, "GPU model", "Custom size");
+    type_into(&mut h, "Memory per GPU", "40 GiB");
+    h.run_steps(2);
+    assert_eq!(
+        h.state().state.config.devices.devices,
+        ["cuda:0=40GiB", "cuda:1=40GiB"]
+    );
+    type_into(&mut h, "Memory per GPU", "lots");
+    h.run_steps(2);
+    assert_eq!(
+        h.state().state.config.devices.devices,
+        ["cuda:0=40GiB", "cuda:1=40GiB"]
+    );
+    assert!(h
+        .query_by_label_contains("Memory per GPU: cannot read")
+        .is_some());
+    let unlabelled = unlabelled_inputs(&h);
+    assert!(unlabelled.is_empty(), "{unlabelled:?}");
+
+    // Back to this machine: the CPU (it has no GPU), and training is offered again.
+    pick(&mut h, "Plan for", "This machine");
+    assert_eq!(h.state().state.config.devices.devices, ["cpu"]);
+    assert!(h.state().state.planning_only().is_none());
+}
+
+#[test]
+#[cfg_attr(
+    tunestudio_missing_cc,
+    ignore = "no C compiler (`cc`) to build the fake NVML (install gcc)"
+)]
+fn a_config_for_other_gpus_shows_both_machines_and_asks_which_to_use() {
+    use super::planned::PlannedMachine;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let nvml = fake_nvml(dir.path());
+    let config = dictalm_config(dir.path());
+    let text = std::fs::read_to_string(&config).expect("config");
+    let planned = r#"devices = ["cuda:0=40960MiB", "cuda:1=40960MiB"]"#;
+    std::fs::write(&config, text.replace(r#"devices = ["cpu"]"#, planned)).expect("write");
+    let opts = StartOptions {
+        fresh: true,
+        panel: Some(Panel::Devices),
+        config: Some(config.clone()),
+        nvml_library: Some(nvml),
+        ..StartOptions::default()
+    };
+    let mut h = Harness::builder()
+        .with_size(egui::vec2(1360.0, 1400.0))
+        .allow_missing_glyphs()
+        .build_eframe(move |cc| StudioApp::new(cc, opts));
+    wait_for_plan_of(&mut h, &["cuda:0=40960MiB", "cuda:1=40960MiB"]);
+
+    // This machine (an H100 and an H200) is not 2 × A100 40 GB: both are shown, and asked about.
+    let inv = h.state().state.devices.inventory.clone().expect("devices");
+    let h100 = PlannedMachine::from_entries(&["cuda:0=81559MiB".to_string()]).expect("planned");
+    assert!(h100.runs_on(Some(&inv)), "cuda:0 is the fake H100");
+    let two = PlannedMachine::from_entries(&PlannedMachine::entries(2, "81559MiB"));
+    assert!(
+        !two.expect("planned").runs_on(Some(&inv)),
+        "cuda:1 is an H200"
+    );
+    assert!(h.query_by_label("Which machine?").is_some());
+    assert!(h
+        .query_by_label_contains(
+            "The config plans for 2 × A100 40 GB; this machine has NVIDIA H100"
+        )
+        .is_some());
+    assert!(h.state().state.planning_only().is_some());
+
+    // Keep planning for the config's machine: the question goes, planning only stays.
+    h.get_by_label("Keep planning for 2 × A100 40 GB").click();
+    h.run_steps(2);
+    assert!(h.query_by_label("Which machine?").is_none());
+    assert!(h.state().state.planning_only().is_some());
+
+    // Another planned model asks again; this time use this machine's GPUs and train here.
+    pick(&mut h, "GPU model", "H200 141 GB");
+    assert!(h.query_by_label("Which machine?").is_some());
+    h.get_by_label("Use this machine's GPUs").click();
+    h.run_steps(2);
+    wait_for_plan_of(&mut h, &["cuda:0", "cuda:1"]);
+    assert!(h.state().state.planning_only().is_none());
+    assert!(h.query_by_label("Which machine?").is_none());
+}
+
+/// The founding case in the studio: a pre-tokenized file with `labels = [1] * len` after the
+/// demo. The format is detected afresh, the project gets its own folder and `max_length`,
+/// Start stays disabled with the lint until it is overridden by name; Stop then leaves a
+/// checkpoint the Playground loads.
+#[test]
+fn founding_label_bug_blocks_start_until_overridden_and_stop_saves() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let demo_out = out.path().join("runs").join("demo");
+    let data = out.path().join("tokenized.jsonl");
+    let rows: Vec<String> = (0..16)
+        .map(|r| {
+            let ids: Vec<i64> = (0..20 + r).map(|i| 100 + i).chain([2]).collect();
+            let labels = vec![1; ids.len()];
+            serde_json::json!({ "input_ids": ids, "labels": labels }).to_string()
+        })
+        .collect();
+    std::fs::write(&data, rows.join("\n")).expect("write");
+    let mut h = harness(Panel::Dataset, &demo_out);
+    wait_ready(&mut h);
+    assert_eq!(
+        h.state().state.config.data.format,
+        tunestudio::data::Format::Alpaca
+    );
+
+    h.get_by_label("File, folder or hub id").focus();
+    h.step();
+    h.key_press_modifiers(egui::Modifiers::COMMAND, egui::Key::A);
+    h.step();
+    h.get_by_label("File, folder or hub id")
+        .type_text(&data.display().to_string());
+    h.step();
+    h.get_by_label("Open").click();
+    wait_for(&mut h, "the new preview", Duration::from_secs(60), |a| {
+        a.jobs.in_flight() == 0
+            && a.state.dataset.summary.is_some()
+            && a.state.preview.preview.as_ref().is_some_and(|p| {
+                p.format == tunestudio::data::Format::Pretokenized && !p.lints.is_empty()
+            })
+    });
+    let c = &h.state().state.config;
+    assert_eq!(c.data.format, tunestudio::data::Format::Auto, "re-detected");
+    assert_ne!(c.output_dir, demo_out, "a new project writes elsewhere");
+    assert_eq!(c.data.max_length, 64, "max_length from the data's lengths");
+    // The Format box shows what was detected.
+    let format_box = h.get_by_label("Format");
+    let shown = format!(
+        "{:?} {:?}",
+        format_box.accesskit_node().value(),
+        format_box
+            .accesskit_node()
+            .children()
+            .map(|c| c.label())
+            .collect::<Vec<_>>()
+    );
+    assert!(shown.contains("auto (pretokenized)"), "{shown}");
+
+    click_nav(&mut h, Panel::Run);
+    assert!(h
+        .query_by_label_contains("Start is disabled: the data has lint `labels-mismatch`")
+        .is_some());
+    assert!(h.get_by_label("Start").accesskit_node().is_disabled());
+    h.get_by_label_contains("Train anyway despite `labels-mismatch`")
+        .click();
+    h.step();
+    h.step();
+    assert_eq!(h.state().state.config.data.allow, ["labels-mismatch"]);
+    assert!(!h.get_by_label("Start").accesskit_node().is_disabled());
+    h.get_by_label("Start").click();
+    wait_for(
+        &mut h,
+        "training with the override",
+        Duration::from_secs(120),
+        |a| a.state.run.step >= 1 && !a.state.run.allowed_lints.is_empty(),
+    );
+    // Shown in the Run panel and in its log.
+    assert!(
+        h.query_all_by_label_contains("training despite lint `labels-mismatch`")
+            .count()
+            >= 2
+    );
+    h.get_by_label("Stop").click();
+    wait_for(&mut h, "the stop", Duration::from_secs(60), |a| {
+        matches!(a.state.run.phase, RunPhase::Finished(_))
+    });
+    let r = &h.state().state.run;
+    assert_eq!(r.phase, RunPhase::Finished(FinishReason::Stopped));
+    assert!(r.last_checkpoint.is_some(), "Stop saves a checkpoint");
+
+    click_nav(&mut h, Panel::Playground);
+    h.get_by_label("Load Right").click();
+    wait_for(
+        &mut h,
+        "the stopped run's checkpoint",
+        Duration::from_secs(60),
+        |a| {
+            let s = &a.state.playground.sides[1];
+            s.loading.is_none() && (s.generator.is_some() || s.load_error.is_some())
+        },
+    );
+    let right = &h.state().state.playground.sides[1];
+    assert!(right.load_error.is_none(), "{:?}", right.load_error);
+}

@@ -126,7 +126,9 @@ pub fn format_bytes(bytes: u64) -> String {
 ///
 /// * `2x80GiB` — two CUDA GPUs of 80 GiB; `80GB,80GB` — two of 80 GB;
 /// * `cpu:24GiB` (or `cpu=24GiB`) — the host with 24 GiB; bare `cpu` — the host's total memory;
-/// * `cuda:1=40GiB` (or `cuda:1:40GiB`) — GPU 1 with 40 GiB.
+/// * `cuda:1=40GiB` (or `cuda:1:40GiB`) — GPU 1 with 40 GiB;
+/// * `2xh100`, `a100-40gb` — GPUs of the catalogue ([`super::GPU_CATALOG`]), as large as
+///   their driver reports.
 ///
 /// * `cpu:1` (or `cpu:1=8GiB`) — logical CPU device 1 (several share the host; without a
 ///   size each gets an equal share of its memory), as the trainer's `[devices]` lists them.
@@ -217,13 +219,13 @@ pub fn parse_devices_with(
             if count == 0 || count > 1024 {
                 return Err(bad("the device count must be between 1 and 1024".into()));
             }
-            let capacity = parse_bytes(size).map_err(|e| bad(e.to_string()))?;
+            let capacity = size_or_gpu_model(size).map_err(|e| bad(e.to_string()))?;
             for _ in 0..count {
                 out.push(DeviceSpec::cuda(next_gpu, capacity));
                 next_gpu += 1;
             }
         } else {
-            let capacity = parse_bytes(&lower).map_err(|e| bad(e.to_string()))?;
+            let capacity = size_or_gpu_model(&lower).map_err(|e| bad(e.to_string()))?;
             out.push(DeviceSpec::cuda(next_gpu, capacity));
             next_gpu += 1;
         }
@@ -232,6 +234,28 @@ pub fn parse_devices_with(
         return Err(PlanError::NoDevices);
     }
     Ok(out)
+}
+
+/// A size (`80GiB`) or, failing that, a GPU model of the catalogue (`h100`), as
+/// the driver reports its memory; the size's error when it is neither.
+fn size_or_gpu_model(text: &str) -> Result<u64, PlanError> {
+    parse_bytes(text).or_else(|e| {
+        if let Some(m) = super::find_gpu_model(text) {
+            return Ok(m.capacity_bytes());
+        }
+        // A word, not a number: the user meant a GPU model, so list the known ones.
+        if text.trim().starts_with(|c: char| c.is_ascii_alphabetic()) {
+            let known: Vec<&str> = super::GPU_CATALOG.iter().map(|m| m.id).collect();
+            return Err(PlanError::InvalidSize {
+                text: text.to_string(),
+                reason: format!(
+                    "it is neither a size nor a GPU model the planner knows ({})",
+                    known.join(", ")
+                ),
+            });
+        }
+        Err(e)
+    })
 }
 
 /// `cpu:N` or `cpu:N=SIZE` (a logical CPU device): its index and size text.
@@ -308,5 +332,14 @@ mod tests {
         assert!(matches!(parse_devices(" , "), Err(PlanError::NoDevices)));
         assert!(parse_devices("0x80GiB").is_err());
         assert!(parse_devices("tpu").is_err());
+        let d = parse_devices("2xH100").unwrap();
+        assert_eq!(d.len(), 2);
+        assert_eq!(d[1].capacity_bytes, 81_559 * MIB);
+        assert_eq!(
+            parse_devices("a100-40gb").unwrap()[0].capacity_bytes,
+            40 * GIB
+        );
+        let e = parse_devices("2xv100").unwrap_err().to_string();
+        assert!(e.contains("h100-80gb"), "{e}");
     }
 }

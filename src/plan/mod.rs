@@ -20,6 +20,7 @@ mod device;
 mod dry_run;
 mod estimate;
 mod fit;
+mod gpu_catalog;
 pub mod placement;
 mod run_config;
 pub mod step_model;
@@ -30,6 +31,7 @@ pub use device::{
 pub use dry_run::{dry_run, DryRunOutcome, DryRunReport, MeasureMethod};
 pub use estimate::{balance_layers, layer_costs, layer_ranges, plan, LayerCosts};
 pub use fit::{auto_fit, relative_throughput, AutoFit};
+pub use gpu_catalog::{find_gpu_model, gpu_model_by_size_text, GpuModel, GPU_CATALOG};
 pub use run_config::{model_config_path, request_from_run_config, RunConfigSettings};
 
 use crate::model::{ModelConfig, OpsMode};
@@ -46,7 +48,7 @@ pub enum PlanError {
     )]
     NoDevices,
     /// A device string could not be parsed.
-    #[error("cannot read device `{spec}`: {reason} (examples: `2x80GiB`, `80GB,80GB`, `cpu:24GiB`, `cuda:0=80GiB`)")]
+    #[error("cannot read device `{spec}`: {reason} (examples: `2x80GiB`, `80GB,80GB`, `cpu:24GiB`, `cuda:0=80GiB`, `2xh100`)")]
     InvalidDevice {
         /// The text that was given.
         spec: String,

@@ -116,6 +116,32 @@ pub fn list_checkpoints(output_dir: &Path) -> Vec<(u64, PathBuf)> {
     found
 }
 
+/// What another run left in `output_dir` (its `metrics.jsonl`, its checkpoints), in words, or
+/// `None` when a fresh run may start there. A fresh start never writes into another run's
+/// folder: its metrics would interleave and `--resume latest` would pick the wrong run.
+pub fn existing_run(output_dir: &Path) -> Option<String> {
+    let mut found = Vec::new();
+    if output_dir.join(super::metrics::METRICS_FILE).is_file() {
+        found.push(super::metrics::METRICS_FILE.to_string());
+    }
+    let checkpoints = list_checkpoints(output_dir);
+    match checkpoints.last() {
+        Some((step, _)) if checkpoints.len() == 1 => found.push(format!("checkpoint-{step}")),
+        Some((step, _)) => found.push(format!(
+            "{} checkpoints up to checkpoint-{step}",
+            checkpoints.len()
+        )),
+        None => {}
+    }
+    (!found.is_empty()).then(|| {
+        format!(
+            "`{}` already holds a run ({})",
+            output_dir.display(),
+            found.join(", ")
+        )
+    })
+}
+
 /// The newest complete checkpoint in `output_dir`.
 pub fn latest_checkpoint(output_dir: &Path) -> Option<PathBuf> {
     list_checkpoints(output_dir).pop().map(|(_, p)| p)

@@ -203,6 +203,12 @@ pub enum TrainError {
         /// Why.
         message: String,
     },
+    /// The data has error-level lints the config does not allow; nothing was loaded.
+    #[error("training was not started: the data has {} error-level finding(s):{}", lints.len(), lint_list(lints))]
+    Lints {
+        /// The blocking lints.
+        lints: Vec<crate::data::lints::Lint>,
+    },
     /// The model could not be placed on the run's devices (the planner's layer split failed).
     #[error("cannot place the model on `[devices] devices`: {message}")]
     Placement {
@@ -217,6 +223,22 @@ pub enum TrainError {
         /// The panic payload.
         message: String,
     },
+}
+
+fn lint_list(lints: &[crate::data::lints::Lint]) -> String {
+    lints
+        .iter()
+        .map(|l| {
+            let rows: Vec<String> = l.examples.iter().map(usize::to_string).collect();
+            format!(
+                "\n  - {} ({} rows; e.g. rows {}): {}",
+                l.kind.id(),
+                l.count,
+                rows.join(", "),
+                l.message
+            )
+        })
+        .collect()
 }
 
 impl TrainError {
@@ -241,6 +263,14 @@ impl TrainError {
             }
             TrainError::Io { .. } => "choose an output_dir you can write to with free space".into(),
             TrainError::Device { .. } => "train on `cpu`".into(),
+            TrainError::Lints { lints } => {
+                let names: Vec<String> = lints.iter().map(|l| format!("\"{}\"", l.kind.id())).collect();
+                format!(
+                    "fix the data (`tunestudio preview` shows the rows); to train anyway, allow each by name: [data] allow = [{}] in the run config, or --allow-lint {}",
+                    names.join(", "),
+                    lints.iter().map(|l| l.kind.id()).collect::<Vec<_>>().join(" --allow-lint ")
+                )
+            }
             TrainError::Placement { .. } => {
                 "check `[devices]` (`tunestudio plan --config` shows the split) or use fewer devices"
                     .into()

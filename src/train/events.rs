@@ -26,6 +26,30 @@ pub mod float_or_null {
     }
 }
 
+/// A data lint as events carry it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LintFinding {
+    /// Its name (`labels-mismatch`), the one `[data] allow` and `--allow-lint` take.
+    pub lint: String,
+    /// Rows affected.
+    pub count: usize,
+    /// Up to 5 example rows.
+    pub examples: Vec<usize>,
+    /// What is wrong and the fix.
+    pub message: String,
+}
+
+impl From<&crate::data::lints::Lint> for LintFinding {
+    fn from(l: &crate::data::lints::Lint) -> Self {
+        LintFinding {
+            lint: l.kind.id().to_string(),
+            count: l.count,
+            examples: l.examples.clone(),
+            message: l.message.clone(),
+        }
+    }
+}
+
 /// Whose memory a [`Event::Memory`] reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -197,6 +221,17 @@ pub enum Event {
         /// The step, when known.
         step: Option<u64>,
     },
+    /// Training was refused because the data has error-level lints no `[data] allow` names
+    /// (the `error` event follows). Nothing was loaded beyond the tokenizer and the data.
+    LintsBlocked {
+        /// The blocking findings.
+        lints: Vec<LintFinding>,
+    },
+    /// An error-level lint the run trains despite, because `[data] allow` names it.
+    LintAllowed {
+        /// The finding.
+        lint: LintFinding,
+    },
     /// The run is over; the thread ends after this.
     Finished {
         /// Why.
@@ -228,6 +263,8 @@ impl Event {
             Event::Resumed { .. } => "resumed",
             Event::Warning { .. } => "warning",
             Event::Error { .. } => "error",
+            Event::LintsBlocked { .. } => "lints_blocked",
+            Event::LintAllowed { .. } => "lint_allowed",
             Event::Finished { .. } => "finished",
         }
     }

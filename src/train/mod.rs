@@ -24,13 +24,13 @@ pub mod step;
 pub mod trainer;
 pub mod validate;
 
-pub use checkpoint::{latest_checkpoint, list_checkpoints, TrainerState};
+pub use checkpoint::{existing_run, latest_checkpoint, list_checkpoints, TrainerState};
 pub use config::{
     CheckpointSection, DevicesSection, EvalSection, InitMode, LoraSection, ModelDtype,
     ModelSection, RunConfig, TrainingSection,
 };
 pub use error::{ConfigError, ConfigProblem, Phase, TrainError};
-pub use events::{Command, Event, FinishReason, MemoryScope};
+pub use events::{Command, Event, FinishReason, LintFinding, MemoryScope};
 pub use export::{export_adapter, export_full, export_merged};
 pub use metrics::{read_metrics, MetricsWriter, RunCurves, METRICS_FILE};
 pub use placement::{DeviceLayers, RunPlacement};

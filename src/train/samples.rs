@@ -21,6 +21,8 @@ pub struct Splits {
     pub eval: Vec<Sample>,
     /// Things the user should know about the data (lints, ignored settings).
     pub warnings: Vec<String>,
+    /// The lints of both splits (error-level ones stop the run unless allowed).
+    pub lints: Vec<crate::data::lints::Lint>,
 }
 
 /// A micro-batch on the device.
@@ -91,6 +93,11 @@ pub fn load_splits(config: &RunConfig, tok: &TokenizerBundle) -> Result<Splits, 
         train: prepared.train,
         eval: prepared.validation,
         warnings,
+        lints: prepared
+            .lints
+            .into_iter()
+            .chain(prepared.validation_lints)
+            .collect(),
     })
 }
 

@@ -161,19 +161,7 @@ pub fn build_model(config: &RunConfig, device: &Device) -> Result<(CausalLm, Pat
     let model_err = |context: String| {
         move |cause: crate::model::ModelError| TrainError::Model { context, cause }
     };
-    let local = Path::new(&source);
-    let local_weights = local.is_dir() && has_weights(local);
-    // A local folder without weights needs only its config.json (random initialisation);
-    // resolve_model insists on weights, so it is only asked when there are some or for hub ids.
-    let (dir, config_path, has_any_weights) = if local.is_dir() && !local_weights {
-        (local.to_path_buf(), local.join("config.json"), false)
-    } else {
-        let files = crate::model::resolve_model(&source).map_err(model_err(format!(
-            "cannot find the model `{source}` (model.source)"
-        )))?;
-        let any = !files.weights.is_empty();
-        (files.dir, files.config, any)
-    };
+    let (dir, config_path, has_any_weights) = locate_model(config)?;
     let dtype = config.compute_dtype();
     let random = match config.model.init {
         InitMode::Random => true,
@@ -249,6 +237,23 @@ fn build_optimizer(config: &RunConfig, model: &CausalLm) -> Result<AdamW, TrainE
     Ok(optimizer)
 }
 
+/// The model's folder, its `config.json` and whether it has weights, without reading them.
+fn locate_model(config: &RunConfig) -> Result<(PathBuf, PathBuf, bool), TrainError> {
+    let source = config.model_source();
+    let local = Path::new(&source);
+    // A local folder without weights needs only its config.json (random initialisation);
+    // resolve_model insists on weights, so it is only asked when there are some or for hub ids.
+    if local.is_dir() && !has_weights(local) {
+        return Ok((local.to_path_buf(), local.join("config.json"), false));
+    }
+    let files = crate::model::resolve_model(&source).map_err(|cause| TrainError::Model {
+        context: format!("cannot find the model `{source}` (model.source)"),
+        cause,
+    })?;
+    let any = !files.weights.is_empty();
+    Ok((files.dir, files.config, any))
+}
+
 /// Whether a folder holds safetensors weights.
 fn has_weights(dir: &Path) -> bool {
     std::fs::read_dir(dir)
@@ -271,6 +276,23 @@ impl TrainingRun {
             }
             .into());
         }
+        // The data first: a run its lints stop never loads the weights.
+        let (model_dir, _, _) = locate_model(&config)?;
+        let tokenizer = samples::load_tokenizer(&model_dir)?;
+        let pad_id = tokenizer.pad().id;
+        let splits = samples::load_splits(&config, &tokenizer)?;
+        let blocking = crate::data::lints::blocking(&splits.lints, &config.data.allow);
+        if !blocking.is_empty() {
+            return Err(TrainError::Lints {
+                lints: blocking.into_iter().cloned().collect(),
+            });
+        }
+        if splits.train.is_empty() {
+            return Err(TrainError::EmptyDataset(format!(
+                "`{}` gave 0 training rows",
+                config.data.path
+            )));
+        }
         let placement = super::placement::RunPlacement::open(&config)?;
         let device = placement.primary().clone();
         let (mut model, model_dir) = build_model(&config, &device)?;
@@ -291,16 +313,7 @@ impl TrainingRun {
                 optimizer,
             });
         }
-        let tokenizer = samples::load_tokenizer(&model_dir)?;
         samples::check_vocab(&tokenizer, &model_dir, model.config().vocab_size)?;
-        let pad_id = tokenizer.pad().id;
-        let splits = samples::load_splits(&config, &tokenizer)?;
-        if splits.train.is_empty() {
-            return Err(TrainError::EmptyDataset(format!(
-                "`{}` gave 0 training rows",
-                config.data.path
-            )));
-        }
         let t = &config.training;
         // Under data parallel a micro-step draws `micro_batch` rows per rank.
         let loader = DataLoader::new(
@@ -531,6 +544,19 @@ impl TrainingRun {
     /// Warnings about the data (lints, ignored loss weights), for the front end to show.
     pub fn data_warnings(&self) -> &[String] {
         &self.splits.warnings
+    }
+
+    /// The error-level lints this run trains despite, because `[data] allow` names them.
+    pub fn allowed_lints(&self) -> Vec<&crate::data::lints::Lint> {
+        let errors = self
+            .splits
+            .lints
+            .iter()
+            .filter(|l| l.severity == crate::data::lints::Severity::Error);
+        let blocking = crate::data::lints::blocking(&self.splits.lints, &self.config.data.allow);
+        errors
+            .filter(|l| !blocking.iter().any(|b| std::ptr::eq(*b, *l)))
+            .collect()
     }
 
     /// Loss of the last step.

@@ -179,6 +179,11 @@ impl Emitter {
     }
 
     fn error(&mut self, err: &TrainError, step: Option<u64>) {
+        if let TrainError::Lints { lints } = err {
+            self.emit(Event::LintsBlocked {
+                lints: lints.iter().map(Into::into).collect(),
+            });
+        }
         let phase = match err {
             TrainError::Step { phase, .. } => Some(*phase),
             TrainError::Checkpoint { .. } => Some(Phase::Checkpoint),
@@ -270,6 +275,18 @@ fn thread_main(
             .then(|| super::checkpoint::latest_checkpoint(&config.output_path()))
             .flatten()
     });
+    // `--resume latest` with nothing to resume starts fresh there, as asked.
+    if resume_dir.is_none() && !options.resume_latest {
+        if let Some(existing) = super::checkpoint::existing_run(&config.output_path()) {
+            em.emit(Event::Error {
+                message: format!("{existing}; a new run does not write into another run's folder"),
+                hint: "resume it (`tunestudio train --resume latest`, or Resume in the studio), or choose another output_dir".into(),
+                phase: Some(Phase::Setup),
+                step: None,
+            });
+            return finish(em, FinishReason::Failed, None);
+        }
+    }
     let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &resume_dir {
         Some(dir) => TrainingRun::resume(config.clone(), dir),
         None => TrainingRun::new(config.clone()),
@@ -318,6 +335,11 @@ fn thread_main(
     });
     for w in run.data_warnings().to_vec() {
         em.emit(Event::Warning { message: w });
+    }
+    let allowed: Vec<super::events::LintFinding> =
+        run.allowed_lints().into_iter().map(Into::into).collect();
+    for lint in allowed {
+        em.emit(Event::LintAllowed { lint });
     }
     let mut memory = super::memory::MemoryMonitor::new(run.config(), options.nvml_library.clone());
 

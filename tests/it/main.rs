@@ -29,6 +29,7 @@ mod ops_grad;
 mod plan_verdicts;
 mod text_shaping;
 mod train_config;
+mod train_guards;
 mod train_loop;
 mod train_lora;
 mod train_multi_device;

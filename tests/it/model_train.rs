@@ -331,3 +331,65 @@ fn gradients_accumulate_and_norm() {
     assert!((n2 - 2.0 * n1).abs() <= 1e-5 * n2, "{n2} vs 2 × {n1}");
     assert_eq!(acc.names().count(), g1.len());
 }
+
+/// Gradient accumulation into one buffer (`backward_into`, the trainer's path) gives the
+/// gradients of summing each micro-batch's complete gradient set (`backward` + `accumulate`)
+/// within 1e-6, on the native and the generic path, with and without checkpointing and LoRA.
+#[test]
+fn accumulating_into_one_buffer_matches_summing_gradient_sets() {
+    use tunestudio::model::OpsMode;
+    for case in ["tiny-llama", "tiny-mistral", "tiny-qwen2"] {
+        let r = reference(case);
+        let rows = r["input_ids"].dim(0).unwrap();
+        let micro: Vec<(Tensor, Tensor, Tensor)> = (0..4)
+            .map(|i| {
+                let row = |t: &Tensor| t.narrow(0, i % rows, 1).unwrap();
+                (
+                    row(&r["input_ids"]),
+                    row(&r["attention_mask"]),
+                    row(&r["labels"]),
+                )
+            })
+            .collect();
+        for (ops, checkpointing, lora) in [
+            (OpsMode::Native, false, false),
+            (OpsMode::Native, true, true),
+            (OpsMode::Generic, false, false),
+            (OpsMode::Generic, true, true),
+        ] {
+            let mut model = CausalLm::load(&fixture(case), DType::F32, &Device::Cpu).unwrap();
+            model.set_ops_mode(ops);
+            model.set_activation_checkpointing(checkpointing);
+            if lora {
+                let cfg = LoraConfig {
+                    r: 4,
+                    alpha: 8.0,
+                    dropout: 0.0,
+                    target_modules: vec!["q_proj".into(), "v_proj".into(), "down_proj".into()],
+                };
+                model.apply_lora(&cfg, 5).unwrap();
+            }
+            let mut summed: Option<Gradients> = None;
+            let mut buffer = Gradients::new();
+            for (ids, mask, labels) in &micro {
+                let loss = model.loss(ids, Some(mask), labels).unwrap();
+                let g = model.backward(&loss.sum).unwrap();
+                match summed.as_mut() {
+                    None => summed = Some(g),
+                    Some(s) => s.accumulate(g).unwrap(),
+                }
+                let loss = model.loss(ids, Some(mask), labels).unwrap();
+                model.backward_into(&loss.sum, &mut buffer).unwrap();
+            }
+            let summed = summed.unwrap();
+            let what = format!("{case} {ops:?} ckpt {checkpointing} lora {lora}");
+            assert_eq!(summed.len(), buffer.len(), "{what}");
+            for (name, g) in summed.iter() {
+                // Relative to the gradient's size: the sums run in another order (f32).
+                let d =
+                    max_diff(g, buffer.get(name).unwrap()) / crate::support::max_abs(g).max(1.0);
+                assert!(d <= 1e-6, "{what}: {name} differs by {d:e} (relative)");
+            }
+        }
+    }
+}

@@ -101,7 +101,13 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     theme::section(ui, "Format and columns");
     theme::card(ui, |ui| {
         egui::Grid::new("data-format").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
-            let mut choices: Vec<(Format, &str)> = vec![(Format::Auto, "auto-detect")];
+            // "auto" names what it detected, so the box always shows the format in use.
+            let detected = s.dataset.summary.as_ref().and_then(|d| d.detected);
+            let auto = match detected {
+                Some(f) => format!("auto ({})", f.name()),
+                None => "auto-detect".to_string(),
+            };
+            let mut choices: Vec<(Format, &str)> = vec![(Format::Auto, auto.as_str())];
             choices.extend(Format::ALL.iter().map(|f| (*f, f.name())));
             theme::combo_row(
                 ui,

@@ -2,12 +2,15 @@
 //! planner's per-device memory prediction for the current settings — with
 //! the verdict, ranked fixes, auto-fit and a measured dry run.
 
+use std::path::PathBuf;
+
 use eframe::egui::{self, Color32, RichText, Sense, Ui};
 
 use tunestudio::devices::DeviceKind;
-use tunestudio::plan::{DevicePlan, Plan, Verdict};
+use tunestudio::plan::{DevicePlan, Plan, Verdict, GPU_CATALOG};
 
 use crate::gui::app::Action;
+use crate::gui::planned::GPU_COUNTS;
 use crate::gui::state::AppState;
 use crate::gui::theme;
 
@@ -19,8 +22,36 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         "Choose where to train. The bars are the planner's prediction of each device's peak memory for the current settings.",
     );
 
+    // A config loaded or edited elsewhere may name another machine: show its choices.
+    let entries = s.config.devices.devices.clone();
+    s.devices.planner.sync_from(&entries);
+
     theme::section(ui, "Devices");
-    theme::card(ui, |ui| device_list(ui, s, actions));
+    theme::card(ui, |ui| {
+        plan_for(ui, s);
+        if s.planned_machine().is_some() {
+            planned_machine(ui, s);
+        } else {
+            device_list(ui, s);
+        }
+        strategy_row(ui, s);
+        if s.planned_machine().is_none() && ui.small_button("Refresh devices").clicked() {
+            actions.push(Action::RefreshDevices);
+        }
+    });
+    which_machine_question(ui, s);
+    if s.planning_only().is_some() {
+        theme::card(ui, |ui| {
+            ui.add(
+                egui::Label::new(
+                    "This machine is not the planned one: plan, fix and auto-fit here, then save the config \
+                     and train it on the target machine with:",
+                )
+                .wrap(),
+            );
+            planning_only_note(ui, s, actions);
+        });
+    }
 
     theme::section(ui, "Memory plan");
     if let Some(e) = &s.plan.error {
@@ -42,6 +73,12 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     for d in &plan.per_device {
         device_bar(ui, d);
         ui.add_space(6.0);
+    }
+    // Devices the strategy leaves unused (single uses the first), as the CLI lists them.
+    if let Some(req) = &s.plan.request {
+        for idle in req.devices.iter().skip(plan.per_device.len()) {
+            ui.label(RichText::new(format!("{idle}: idle with this strategy")).weak());
+        }
     }
     legend(ui);
     ui.label(
@@ -67,9 +104,15 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         if r.clicked() {
             actions.push(Action::AutoFit);
         }
+        // A dry run trains one real step, so it needs the real devices.
+        let real = s.planning_only().is_none();
         let r = ui
-            .add_enabled(!s.plan.dry_run_running && !s.run.is_active(), egui::Button::new("Dry run"))
-            .on_hover_text("Load everything and run one real training step, measuring its memory against the prediction.");
+            .add_enabled(
+                real && !s.plan.dry_run_running && !s.run.is_active(),
+                egui::Button::new("Dry run"),
+            )
+            .on_hover_text("Load everything and run one real training step, measuring its memory against the prediction.")
+            .on_disabled_hover_text("A dry run trains one real step: run it on the planned machine.");
         if r.clicked() {
             actions.push(Action::DryRun);
         }
@@ -127,7 +170,213 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     });
 }
 
-fn device_list(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
+/// The "plan for" choice's entries.
+const THIS_MACHINE: &str = "This machine";
+const PLANNED_MACHINE: &str = "A machine to rent or queue for";
+
+/// This machine's devices, or a machine to rent (N GPUs of a catalogue model or a size).
+fn plan_for(ui: &mut Ui, s: &mut AppState) {
+    let planned = s.planned_machine().is_some();
+    let mut choice = planned;
+    egui::Grid::new("plan-for")
+        .num_columns(2)
+        .spacing([12.0, 8.0])
+        .show(ui, |ui| {
+            let l = ui.label("Plan for").on_hover_text(
+                "Plan for the devices of this machine, or for GPUs you will rent or queue for \
+                 (written to the config as cuda:N=SIZE, which `tunestudio plan` reads too).",
+            );
+            egui::ComboBox::from_id_salt("plan-for-combo")
+                .selected_text(if planned {
+                    PLANNED_MACHINE
+                } else {
+                    THIS_MACHINE
+                })
+                .show_ui(ui, |ui| {
+                    ui.selectable_value(&mut choice, false, THIS_MACHINE);
+                    ui.selectable_value(&mut choice, true, PLANNED_MACHINE);
+                })
+                .response
+                .labelled_by(l.id);
+            ui.end_row();
+        });
+    if choice != planned {
+        if choice {
+            // The draft's size is valid unless a custom one is mid-edit; then keep this machine.
+            if let Err(e) = s.plan_for_draft() {
+                s.toast(format!("cannot plan for that machine: {e}"));
+            }
+        } else {
+            s.plan_for_this_machine();
+        }
+    }
+}
+
+/// The planned machine's GPU count and model (or custom size).
+fn planned_machine(ui: &mut Ui, s: &mut AppState) {
+    let draft = s.devices.planner.clone();
+    let mut count = draft.count;
+    let mut model = draft.model;
+    let mut custom = draft.custom_size.clone();
+    let mixed = s.planned_machine().filter(|m| m.uniform().is_none());
+    egui::Grid::new("planned-machine")
+        .num_columns(2)
+        .spacing([12.0, 8.0])
+        .show(ui, |ui| {
+            let l = ui.label("GPUs");
+            egui::ComboBox::from_id_salt("planned-count")
+                .selected_text(gpu_count_text(count))
+                .show_ui(ui, |ui| {
+                    for n in GPU_COUNTS {
+                        ui.selectable_value(&mut count, n, gpu_count_text(n));
+                    }
+                })
+                .response
+                .labelled_by(l.id);
+            ui.end_row();
+
+            let l = ui.label("GPU model").on_hover_text(
+                "Memory as the vendor sells it and as the driver reports it; the plan uses the driver's figure.",
+            );
+            let shown = match (&mixed, model) {
+                (Some(_), _) => "as the config lists them".to_string(),
+                (None, Some(m)) => m.name.to_string(),
+                (None, None) => CUSTOM.to_string(),
+            };
+            // Tall enough for the whole catalogue without scrolling.
+            egui::ComboBox::from_id_salt("planned-model")
+                .selected_text(shown)
+                .width(200.0)
+                .height(400.0)
+                .show_ui(ui, |ui| {
+                    for m in &GPU_CATALOG {
+                        ui.selectable_value(&mut model, Some(m), m.name)
+                            .on_hover_text(m.memory_summary());
+                    }
+                    ui.selectable_value(&mut model, None, CUSTOM);
+                })
+                .response
+                .labelled_by(l.id);
+            ui.end_row();
+
+            if model.is_none() {
+                theme::text_row(
+                    ui,
+                    "Memory per GPU",
+                    "Each GPU's total memory as the driver reports it, e.g. 80GiB, 81559MiB or 24GB",
+                    &mut custom,
+                    "80GiB",
+                );
+            }
+        });
+    match (&mixed, model) {
+        (Some(m), _) => theme::note(ui, &format!("The config plans for {}.", m.describe())),
+        (None, Some(m)) => theme::note(ui, &format!("{}: {}.", m.name, m.memory_summary())),
+        (None, None) => {}
+    }
+    let changed = count != draft.count || model != draft.model || custom != draft.custom_size;
+    if changed {
+        let p = &mut s.devices.planner;
+        p.count = count;
+        p.model = model;
+        p.custom_size = custom;
+        if let Err(e) = s.plan_for_draft() {
+            // The config keeps the last valid machine until the size reads.
+            theme::note(ui, &format!("Memory per GPU: {e}"));
+        }
+    } else if model.is_none() {
+        if let Err(e) = s.devices.planner.size_text() {
+            ui.label(RichText::new(format!("Memory per GPU: {e}")).color(theme::ERROR));
+        }
+    }
+}
+
+/// The model picker's entry for a size of one's own.
+const CUSTOM: &str = "Custom size";
+
+fn gpu_count_text(n: usize) -> String {
+    if n == 1 {
+        "1 GPU".into()
+    } else {
+        format!("{n} GPUs")
+    }
+}
+
+/// When the config plans for GPUs this machine has not, shows both and asks which to use.
+fn which_machine_question(ui: &mut Ui, s: &mut AppState) {
+    let Some(m) = s.planned_machine() else {
+        return;
+    };
+    let Some(inv) = s.devices.inventory.as_ref().filter(|i| i.has_gpu()) else {
+        return;
+    };
+    let entries = s.config.devices.devices.clone();
+    if m.runs_on(Some(inv)) || s.devices.planner.keep_planned_for.as_ref() == Some(&entries) {
+        return;
+    }
+    let real: Vec<String> = inv
+        .gpus()
+        .map(|g| format!("{} ({})", g.name, theme::bytes(g.total_bytes)))
+        .collect();
+    let planned = m.describe();
+    let mut keep = false;
+    let mut use_real = false;
+    theme::card(ui, |ui| {
+        ui.label(
+            RichText::new("Which machine?")
+                .strong()
+                .color(theme::WARNING),
+        );
+        ui.add(
+            egui::Label::new(format!(
+                "The config plans for {planned}; this machine has {}. Plan for the config's machine \
+                 (planning only here), or for this machine's GPUs (and train here)?",
+                real.join(", ")
+            ))
+            .wrap(),
+        );
+        ui.horizontal(|ui| {
+            keep = ui.button(format!("Keep planning for {planned}")).clicked();
+            use_real = ui.button("Use this machine's GPUs").clicked();
+        });
+    });
+    if keep {
+        s.devices.planner.keep_planned_for = Some(entries);
+    } else if use_real {
+        let gpus = s.real_gpu_entries(m.gpus.len());
+        s.devices.planner.real_selection = None;
+        s.set_device_entries(gpus);
+    }
+}
+
+/// When the config plans for a machine this one is not, draws "planning only" with the
+/// `tunestudio train --config …` command to run on the target (and a button that saves
+/// the config and copies it), and returns `true`: Start is then not offered.
+pub fn planning_only_note(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) -> bool {
+    let Some(cmd) = s.planning_only() else {
+        return false;
+    };
+    ui.horizontal_wrapped(|ui| {
+        ui.label(RichText::new("Planning only").strong().color(theme::WARNING))
+            .on_hover_text("The config plans for another machine; train there.");
+        ui.label(
+            RichText::new(&cmd)
+                .monospace()
+                .background_color(ui.visuals().extreme_bg_color),
+        );
+        let r = ui
+            .button("Save config & copy command")
+            .on_hover_text("Saves the config where Export does and copies the command that trains it on the target");
+        if r.clicked() {
+            actions.push(Action::SaveConfig(PathBuf::from(s.train_config_path())));
+            ui.ctx().copy_text(cmd.clone());
+            s.toast("saved the config and copied the command for the target machine");
+        }
+    });
+    true
+}
+
+fn device_list(ui: &mut Ui, s: &mut AppState) {
     let Some(inv) = s.devices.inventory.clone() else {
         ui.horizontal(|ui| {
             ui.add(egui::Spinner::new());
@@ -202,6 +451,10 @@ fn device_list(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     for n in &inv.notes {
         theme::note(ui, n);
     }
+}
+
+/// The strategy choice, for this machine's devices and a planned machine alike.
+fn strategy_row(ui: &mut Ui, s: &mut AppState) {
     ui.add_space(4.0);
     egui::Grid::new("strategy").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
         let mut strat = s.config.devices.strategy.clone();
@@ -229,9 +482,6 @@ fn device_list(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             s.config.devices.strategy = strat;
         }
     });
-    if ui.small_button("Refresh devices").clicked() {
-        actions.push(Action::RefreshDevices);
-    }
 }
 
 fn verdict(ui: &mut Ui, plan: &Plan) {
@@ -320,20 +570,8 @@ fn device_bar(ui: &mut Ui, d: &DevicePlan) {
         ],
         egui::Stroke::new(2.0, if d.fits { Color32::WHITE } else { theme::ERROR }),
     );
-    let summary = components(d)
-        .iter()
-        .filter(|c| c.2 > 0)
-        .map(|(n, _, b)| format!("{n} {}", theme::bytes(*b)))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let name = d.device.name.clone();
-    response.widget_info(|| {
-        egui::WidgetInfo::labeled(
-            egui::Role::Label,
-            true,
-            format!("memory of {name}: {summary}"),
-        )
-    });
+    let label = bar_label(d);
+    response.widget_info(|| egui::WidgetInfo::labeled(egui::Role::Label, true, &label));
     response.on_hover_ui(|ui| {
         if let Some((n, b)) = hovered {
             ui.label(RichText::new(format!("{n}: {}", theme::bytes(b))).strong());
@@ -345,6 +583,17 @@ fn device_bar(ui: &mut Ui, d: &DevicePlan) {
         }
         ui.label(format!("capacity: {}", theme::bytes(cap)));
     });
+}
+
+/// A device bar's accessible name: "memory of GPU 0: weights 27.0 GiB, ...".
+pub fn bar_label(d: &DevicePlan) -> String {
+    let summary = components(d)
+        .iter()
+        .filter(|c| c.2 > 0)
+        .map(|(n, _, b)| format!("{n} {}", theme::bytes(*b)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!("memory of {}: {summary}", d.device.name)
 }
 
 fn legend(ui: &mut Ui) {

@@ -76,10 +76,71 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     history(ui, s, actions);
 }
 
+/// The preview's error-level lints that `[data] allow` does not name: they stop a run.
+fn blocking_lints(s: &AppState) -> Vec<tunestudio::data::Lint> {
+    s.preview
+        .preview
+        .as_ref()
+        .map(|p| {
+            tunestudio::data::lints::blocking(&p.lints, &s.config.data.allow)
+                .into_iter()
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Why Start is disabled by the data, the rows, the fix, and a named override per lint.
+fn lint_gate(ui: &mut Ui, s: &mut AppState, blocking: &[tunestudio::data::Lint]) {
+    for l in blocking {
+        let id = l.kind.id();
+        let rows: Vec<String> = l.examples.iter().map(usize::to_string).collect();
+        theme::error_box(
+            ui,
+            &format!("Start is disabled: the data has lint `{id}`"),
+            &format!(
+                "{} (rows {}). The Preview panel shows them.",
+                l.message,
+                rows.join(", ")
+            ),
+        );
+        let mut allow = false;
+        ui.checkbox(
+            &mut allow,
+            format!("Train anyway despite `{id}` (adds it to [data] allow; recorded in the run)"),
+        );
+        if allow {
+            s.config.data.allow.push(id.to_string());
+        }
+    }
+}
+
+/// Start found another run in the output folder: resume it, or train in a new folder.
+fn existing_run_question(ui: &mut Ui, s: &AppState, actions: &mut Vec<Action>) {
+    let Some(existing) = &s.run.existing_run else {
+        return;
+    };
+    theme::card(ui, |ui| {
+        ui.label(RichText::new(format!("{existing}.")).color(theme::WARNING));
+        ui.horizontal(|ui| {
+            if ui.button("Resume that run").clicked() {
+                actions.push(Action::StartResumingLatest);
+            }
+            if ui.button("Train in a new folder").clicked() {
+                actions.push(Action::StartInNewFolder);
+            }
+            if ui.button("Cancel").clicked() {
+                actions.push(Action::CancelStart);
+            }
+        });
+    });
+}
+
 fn controls(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     let phase = s.run.phase;
+    let blocking = blocking_lints(s);
     ui.horizontal(|ui| {
-        let can_start = !s.run.is_active();
+        let can_start = !s.run.is_active() && blocking.is_empty();
         let start = ui
             .add_enabled(
                 can_start,
@@ -116,7 +177,7 @@ fn controls(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                 egui::Button::new("Stop").min_size(egui::vec2(90.0, 30.0)),
             )
             .on_hover_text(
-                "End the run after the current step (save a checkpoint first to keep it)",
+                "End the run after the current step, saving a checkpoint of it (as Ctrl-C does in `tunestudio train`)",
             );
         if r.clicked() {
             actions.push(Action::Stop);
@@ -144,6 +205,20 @@ fn controls(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         }
         ui.label(RichText::new(text).color(color).strong());
     });
+    if !s.run.is_active() {
+        lint_gate(ui, s, &blocking);
+    }
+    existing_run_question(ui, s, actions);
+    for l in &s.run.allowed_lints {
+        ui.label(
+            RichText::new(format!(
+                "training despite lint `{}` ({} rows), allowed by [data] allow",
+                l.lint, l.count
+            ))
+            .color(theme::WARNING)
+            .small(),
+        );
+    }
     if let Some(plan) = &s.plan.plan {
         if !plan.fits() && !s.run.is_active() {
             ui.label(
