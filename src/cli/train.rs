@@ -5,7 +5,9 @@ use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+use crossbeam_channel::Sender;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -37,6 +39,27 @@ pub struct TrainArgs {
     /// e.g. `--allow-lint labels-mismatch`. The override is recorded in metrics.jsonl.
     #[arg(long = "allow-lint", value_name = "LINT")]
     pub allow_lint: Vec<String>,
+    /// When a step runs out of memory: `stop` (with a checkpoint of the last good step and
+    /// a report), or `auto-fit`: then also resume from that checkpoint with settings that
+    /// fit what the device held, keeping the effective batch.
+    #[arg(long, value_enum, default_value_t = OnOom::Stop)]
+    pub on_oom: OnOom,
+}
+
+/// What `tunestudio train` does when a step runs out of memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnOom {
+    /// Stop with a checkpoint of the last good step and the report.
+    Stop,
+    /// Stop, then resume from that checkpoint with auto-fitted settings.
+    AutoFit,
+}
+
+/// How one trainer thread's run ended, as the CLI needs it.
+struct Outcome {
+    reason: FinishReason,
+    blocked_by_lints: bool,
+    out_of_memory_with_checkpoint: bool,
 }
 
 /// Runs `tunestudio train`.
@@ -60,26 +83,65 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         Some(p) => options.resume_from = Some(p.clone()),
         None => {}
     }
-    let handle = Trainer::spawn_with(config, options, None);
-
-    // Ctrl-C: ask for a checkpoint and a clean stop after the current step; a second
-    // Ctrl-C gives up waiting.
+    // Ctrl-C: ask the current trainer for a checkpoint and a clean stop after the current
+    // step; a second Ctrl-C gives up waiting.
+    let current: Arc<Mutex<Option<Sender<Command>>>> = Arc::new(Mutex::new(None));
     let presses = Arc::new(AtomicUsize::new(0));
     {
-        let commands = handle.commands.clone();
+        let current = current.clone();
         let presses = presses.clone();
         ctrlc::set_handler(move || {
             if presses.fetch_add(1, Ordering::SeqCst) == 0 {
                 eprintln!(
                     "\nstopping after this step and saving a checkpoint (Ctrl-C again to quit now)"
                 );
-                let _ = commands.send(Command::SaveNow);
-                let _ = commands.send(Command::Stop);
+                if let Some(commands) = current.lock().ok().and_then(|c| c.clone()) {
+                    let _ = commands.send(Command::SaveNow);
+                    let _ = commands.send(Command::Stop);
+                }
             } else {
                 std::process::exit(130);
             }
         })
         .context("cannot install the Ctrl-C handler")?;
+    }
+    let mut outcome = drive(&args, &current, config.clone(), options)?;
+    if outcome.out_of_memory_with_checkpoint && args.on_oom == OnOom::AutoFit {
+        match tunestudio::train::oom::refit_after_oom(&config) {
+            Ok(refit) => {
+                eprintln!(
+                    "out of memory: resuming from the last checkpoint with {}",
+                    refit.changes.join("; ")
+                );
+                let options = TrainerOptions {
+                    start_immediately: true,
+                    ignore_memory_plan: args.ignore_memory_plan,
+                    resume_latest: true,
+                    ..TrainerOptions::default()
+                };
+                outcome = drive(&args, &current, refit.config, options)?;
+            }
+            Err(e) => eprintln!("out of memory, and no resumable settings fit: {e}"),
+        }
+    }
+    Ok(match outcome.reason {
+        FinishReason::Completed | FinishReason::Stopped => ExitCode::SUCCESS,
+        // The data's own findings stopped it, as `tunestudio preview` does: exit 2.
+        FinishReason::Failed if outcome.blocked_by_lints => ExitCode::from(2),
+        FinishReason::Failed => ExitCode::FAILURE,
+    })
+}
+
+/// Spawns a trainer for `config` and renders its events until it finishes.
+fn drive(
+    args: &TrainArgs,
+    current: &Arc<Mutex<Option<Sender<Command>>>>,
+    config: RunConfig,
+    options: TrainerOptions,
+) -> anyhow::Result<Outcome> {
+    let handle = Trainer::spawn_with(config, options, None);
+    if let Ok(mut c) = current.lock() {
+        *c = Some(handle.commands.clone());
     }
 
     let interactive = std::io::stderr().is_terminal() && !args.json;
@@ -91,8 +153,16 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     };
     let mut reason = FinishReason::Failed;
     let mut blocked = false;
+    let mut oom_checkpoint = false;
     for event in handle.events.iter() {
         blocked |= matches!(event, Event::LintsBlocked { .. });
+        oom_checkpoint |= matches!(
+            event,
+            Event::OutOfMemory {
+                checkpoint: Some(_),
+                ..
+            }
+        );
         if args.json {
             if let Ok(line) = serde_json::to_string(&event) {
                 println!("{line}");
@@ -192,6 +262,28 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
                 say(&bar, format!("saved {}", path.display()))
             }
             Event::Warning { message } if !args.json => say(&bar, format!("warning: {message}")),
+            Event::OutOfMemory {
+                step,
+                phase,
+                device,
+                checkpoint,
+                refit,
+                refit_error,
+            } if !args.json => {
+                let saved = checkpoint
+                    .as_ref()
+                    .map_or("no checkpoint yet".to_string(), |p| {
+                        format!("saved the last good step: {}", p.display())
+                    });
+                eprintln!("{device} ran out of memory at step {step} ({phase}); {saved}");
+                match refit_error {
+                    Some(e) => eprintln!("no resumable settings fit: {e}"),
+                    None => eprintln!(
+                        "settings that fit what {device} held (same effective batch): {}\nresume with them: tunestudio train --config … --resume latest --on-oom auto-fit, or apply them to the config",
+                        refit.join("; ")
+                    ),
+                }
+            }
             Event::LintAllowed { lint } if !args.json => say(
                 &bar,
                 format!(
@@ -226,10 +318,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         }
     }
     handle.join();
-    Ok(match reason {
-        FinishReason::Completed | FinishReason::Stopped => ExitCode::SUCCESS,
-        // The data's own findings stopped it, as `tunestudio preview` does: exit 2.
-        FinishReason::Failed if blocked => ExitCode::from(2),
-        FinishReason::Failed => ExitCode::FAILURE,
+    Ok(Outcome {
+        reason,
+        blocked_by_lints: blocked,
+        out_of_memory_with_checkpoint: oom_checkpoint,
     })
 }

@@ -33,6 +33,8 @@ pub enum Action {
     StartResumingLatest,
     /// Start in a fresh output folder (the current one holds another run).
     StartInNewFolder,
+    /// After an out-of-memory stop: apply the fitted settings and resume from the checkpoint.
+    ApplyOomRefitAndResume,
     /// Dismiss the "this folder holds a run" question.
     CancelStart,
     /// Pause the trainer.
@@ -717,6 +719,17 @@ impl StudioApp {
                     self.start_training(false);
                 }
                 Action::CancelStart => self.state.run.existing_run = None,
+                Action::ApplyOomRefitAndResume => {
+                    match train::oom::refit_after_oom(&self.state.config) {
+                        Ok(refit) => {
+                            self.state.config = refit.config;
+                            self.state
+                                .toast(format!("resuming with: {}", refit.changes.join("; ")));
+                            self.start_training(true);
+                        }
+                        Err(e) => self.state.toast(e),
+                    }
+                }
                 Action::Pause => self.send(Command::Pause),
                 Action::Resume => self.send(Command::Resume),
                 // Stop means what Ctrl-C means in `tunestudio train`: a checkpoint of the

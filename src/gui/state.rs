@@ -331,6 +331,8 @@ pub struct RunState {
     pub allowed_lints: Vec<tunestudio::train::LintFinding>,
     /// Start found another run in the output folder: what is there (the Run panel asks).
     pub existing_run: Option<String>,
+    /// After running out of memory with a checkpoint: the fitted settings a resume would use.
+    pub oom_refit: Option<Vec<String>>,
     /// Where it is.
     pub phase: RunPhase,
     /// Latest status text.
@@ -379,6 +381,7 @@ impl Default for RunState {
             handle: None,
             allowed_lints: Vec::new(),
             existing_run: None,
+            oom_refit: None,
             phase: RunPhase::Idle,
             status: String::new(),
             total_steps: 0,
@@ -564,6 +567,32 @@ impl RunState {
                             l.lint, l.count, l.message
                         ),
                     );
+                }
+            }
+            Event::OutOfMemory {
+                step,
+                phase,
+                device,
+                checkpoint,
+                refit,
+                refit_error,
+            } => {
+                let saved = checkpoint
+                    .as_ref()
+                    .map_or("no checkpoint yet".to_string(), |p| {
+                        format!("checkpoint {}", p.display())
+                    });
+                self.log(
+                    LogLevel::Error,
+                    format!("{device} ran out of memory at step {step} ({phase}); {saved}"),
+                );
+                self.oom_refit = if checkpoint.is_some() && refit_error.is_none() {
+                    Some(refit)
+                } else {
+                    None
+                };
+                if let Some(e) = refit_error {
+                    self.log(LogLevel::Warning, e);
                 }
             }
             Event::LintAllowed { lint } => {

@@ -57,6 +57,10 @@ pub struct TrainerState {
     pub last_loss: Option<f64>,
     /// Last evaluation loss.
     pub last_eval_loss: Option<f64>,
+    /// Rows per micro-batch (over every data-parallel rank) when saved, so a resume with
+    /// another micro-batch (an out-of-memory refit) continues at the same row.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rows_per_micro_batch: Option<usize>,
 }
 
 /// The current checkpoint layout version.

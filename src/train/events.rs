@@ -232,6 +232,24 @@ pub enum Event {
         /// The finding.
         lint: LintFinding,
     },
+    /// A step ran out of memory: the run stops with a checkpoint of the last good step (the
+    /// `error` event follows). `refit` is what resuming with fitted settings would change.
+    OutOfMemory {
+        /// The step that failed.
+        step: u64,
+        /// Where in the step.
+        phase: Phase,
+        /// The device (`[devices]` entry) that ran out.
+        device: String,
+        /// The checkpoint of the last good step, to resume from.
+        checkpoint: Option<PathBuf>,
+        /// Settings that fit what the device held (same effective batch), in words; empty
+        /// with `refit_error` when none keeps the checkpoint resumable.
+        refit: Vec<String>,
+        /// Why no resumable refit exists.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        refit_error: Option<String>,
+    },
     /// The run is over; the thread ends after this.
     Finished {
         /// Why.
@@ -264,6 +282,7 @@ impl Event {
             Event::Warning { .. } => "warning",
             Event::Error { .. } => "error",
             Event::LintsBlocked { .. } => "lints_blocked",
+            Event::OutOfMemory { .. } => "out_of_memory",
             Event::LintAllowed { .. } => "lint_allowed",
             Event::Finished { .. } => "finished",
         }

@@ -16,6 +16,7 @@ pub mod export;
 pub mod loader;
 pub mod memory;
 pub mod metrics;
+pub mod oom;
 pub mod placement;
 pub mod precision;
 pub mod samples;

@@ -277,8 +277,15 @@ impl TrainingRun {
             .into());
         }
         // The data first: a run its lints stop never loads the weights.
-        let (model_dir, _, _) = locate_model(&config)?;
+        let (model_dir, config_path, _) = locate_model(&config)?;
         let tokenizer = samples::load_tokenizer(&model_dir)?;
+        let model_config = crate::model::ModelConfig::from_file(&config_path).map_err(|cause| {
+            TrainError::Model {
+                context: format!("cannot read `{}`", config_path.display()),
+                cause,
+            }
+        })?;
+        samples::check_vocab(&tokenizer, &model_dir, model_config.vocab_size)?;
         let pad_id = tokenizer.pad().id;
         let splits = samples::load_splits(&config, &tokenizer)?;
         let blocking = crate::data::lints::blocking(&splits.lints, &config.data.allow);
@@ -313,7 +320,6 @@ impl TrainingRun {
                 optimizer,
             });
         }
-        samples::check_vocab(&tokenizer, &model_dir, model.config().vocab_size)?;
         let t = &config.training;
         // Under data parallel a micro-step draws `micro_batch` rows per rank.
         let loader = DataLoader::new(
@@ -460,7 +466,22 @@ impl TrainingRun {
         }
         self.sync_replicas()?;
         self.step = state.step;
-        self.loader.set_position(state.epoch, state.index_in_epoch);
+        let index = match state.rows_per_micro_batch {
+            // Another micro-batch size (an out-of-memory refit): the same row, when the
+            // shuffled row order is the same (`group_by_length` off) and the row divides.
+            Some(rows) if rows != self.rows_per_micro_batch() => {
+                let consumed = state.index_in_epoch * rows;
+                let now = self.rows_per_micro_batch();
+                if self.config.data.group_by_length || consumed % now != 0 {
+                    return Err(ck_err(format!(
+                        "the checkpoint was made with {rows} rows per micro-batch and the config has {now}; with data.group_by_length on (or row {consumed} not on a micro-batch boundary) the data order cannot continue: keep training.micro_batch as it was"
+                    )));
+                }
+                consumed / now
+            }
+            _ => state.index_in_epoch,
+        };
+        self.loader.set_position(state.epoch, index);
         self.trained_tokens = state.trained_tokens;
         self.elapsed_secs = state.elapsed_secs;
         if self.scaler.is_some() {
@@ -498,6 +519,11 @@ impl TrainingRun {
     /// The run's devices, strategy and layer split.
     pub fn placement(&self) -> &super::placement::RunPlacement {
         &self.placement
+    }
+
+    /// Rows of one micro-step over every rank.
+    fn rows_per_micro_batch(&self) -> usize {
+        self.config.training.micro_batch * self.placement.ranks()
     }
 
     /// Rows per optimizer step: micro-batch × accumulation × data-parallel ranks.
@@ -708,6 +734,9 @@ impl TrainingRun {
             // LoRA dropout masks derive from (seed, step, micro-batch), never from how many
             // forward passes this process made, so a resumed run draws the same masks.
             let counter = (step << 16) + i as u64;
+            if let Some(message) = super::oom::injected_failure(step, Phase::Forward) {
+                return Err(step_error(Phase::Forward, step, shape, message, &settings));
+            }
             let accs = std::mem::take(&mut per_rank);
             let results = run_ranks(&models, shards, accs, |model, batch, acc| {
                 micro_step(model, batch, seed_base, counter, backward_factor, acc)
@@ -718,6 +747,9 @@ impl TrainingRun {
                 acc.loss_sum += loss;
                 acc.tokens += tokens as u64;
                 per_rank.push(grads);
+            }
+            if let Some(message) = super::oom::injected_failure(step, Phase::Backward) {
+                return Err(step_error(Phase::Backward, step, shape, message, &settings));
             }
         }
         if per_rank.iter().any(|g| !g.is_empty()) {
@@ -764,6 +796,17 @@ impl TrainingRun {
     }
 
     fn step_inner(&mut self) -> Result<StepOutcome, TrainError> {
+        // A failed step leaves the run as after the last good one (data position too), so a
+        // checkpoint written now resumes exactly there.
+        let (epoch, index) = self.loader.position();
+        let result = self.try_step();
+        if result.is_err() {
+            self.loader.set_position(epoch, index);
+        }
+        result
+    }
+
+    fn try_step(&mut self) -> Result<StepOutcome, TrainError> {
         let started = Instant::now();
         let step = self.step + 1;
         let lr = self.schedule.lr_at(self.step);
@@ -824,6 +867,15 @@ impl TrainingRun {
                     1.0
                 };
                 let multiplier = clip / denominator;
+                if let Some(message) = super::oom::injected_failure(step, Phase::Optimizer) {
+                    return Err(step_error(
+                        Phase::Optimizer,
+                        step,
+                        shape,
+                        message,
+                        &settings,
+                    ));
+                }
                 // Every rank steps its own optimizer on the same all-reduced gradients (as
                 // DDP does): no weights travel after the step, and each rank's AdamW state
                 // stays with its replica, where the planner counts it.
@@ -995,6 +1047,7 @@ impl TrainingRun {
             loss_scaler: self.scaler.clone(),
             last_loss: self.last_loss,
             last_eval_loss: self.last_eval_loss,
+            rows_per_micro_batch: Some(self.rows_per_micro_batch()),
         }
     }
 

@@ -372,6 +372,9 @@ fn thread_main(
         let outcome = match run.step() {
             Ok(o) => o,
             Err(e) => {
+                if super::oom::is_out_of_memory(&e) {
+                    report_out_of_memory(&mut run, &e, em);
+                }
                 em.error(&e, Some(run.step_index() + 1));
                 break FinishReason::Failed;
             }
@@ -398,6 +401,35 @@ fn thread_main(
         }
     };
     finish(em, reason, Some(&run));
+}
+
+/// Out of memory: a checkpoint of the last good step (the failed step changed nothing),
+/// then the report with the fitted settings a resume would use.
+fn report_out_of_memory(run: &mut TrainingRun, err: &TrainError, em: &mut Emitter) {
+    let TrainError::Step { step, phase, .. } = err else {
+        return;
+    };
+    if run.step_index() > 0 {
+        save(run, em);
+    }
+    let checkpoint = run.last_checkpoint().map(|p| p.to_path_buf());
+    let (refit, refit_error) = match super::oom::refit_after_oom(run.config()) {
+        Ok(r) => (r.changes, None),
+        Err(e) => (Vec::new(), Some(e)),
+    };
+    let device = run
+        .placement()
+        .devices
+        .first()
+        .map_or_else(|| "cpu".to_string(), |d| d.label.clone());
+    em.emit(Event::OutOfMemory {
+        step: *step,
+        phase: *phase,
+        device,
+        checkpoint,
+        refit,
+        refit_error,
+    });
 }
 
 fn handle_command(

@@ -129,3 +129,119 @@ fn a_new_run_refuses_another_runs_folder_unless_resuming() {
         String::from_utf8_lossy(&resumed.stderr)
     );
 }
+
+/// Out of memory is a report and a way out: an allocation failure injected at step 3's
+/// backward ends the run with a checkpoint of step 2 and a report naming the phase;
+/// `--on-oom auto-fit` resumes from it with fitted settings (same effective batch) and the
+/// loss curve continues as the uninterrupted run's.
+#[test]
+fn out_of_memory_checkpoints_reports_and_auto_fit_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = |name: &str| {
+        let mut c = tiny_config(&tmp.path().join(name), 6);
+        c.training.micro_batch = 8;
+        c.data.max_length = 128;
+        c.checkpoint.save_final = true;
+        c
+    };
+    let events_of = |name: &str| read_metrics(&tmp.path().join(name)).unwrap();
+    let losses = |events: &[Event]| -> std::collections::BTreeMap<u64, f64> {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Step { step, loss, .. } => Some((*step, *loss)),
+                _ => None,
+            })
+            .collect()
+    };
+    let run = |cfg: &RunConfig, extra: &[&str], inject: bool| {
+        let path = tmp.path().join(format!(
+            "{}.toml",
+            cfg.output_dir.display().to_string().len()
+        ));
+        cfg.clone().with_absolute_paths().save(&path).unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_tunestudio"));
+        cmd.args(["train", "--config"]).arg(&path).args(extra);
+        if inject {
+            cmd.env(tunestudio::train::oom::INJECT_OOM_ENV, "3:backward");
+        }
+        cmd.output().unwrap()
+    };
+    let reference = run(&config("reference"), &[], false);
+    assert!(
+        reference.status.success(),
+        "{}",
+        String::from_utf8_lossy(&reference.stderr)
+    );
+    let uninterrupted = losses(&events_of("reference"));
+
+    let stopped = run(&config("stopped"), &[], true);
+    let stderr = String::from_utf8_lossy(&stopped.stderr);
+    assert!(!stopped.status.success());
+    assert!(
+        stderr.contains("ran out of memory at step 3 (backward)"),
+        "{stderr}"
+    );
+    let events = events_of("stopped");
+    let report = events
+        .iter()
+        .find_map(|e| match e {
+            Event::OutOfMemory {
+                step,
+                phase,
+                checkpoint,
+                refit,
+                ..
+            } => Some((*step, *phase, checkpoint.clone(), refit.clone())),
+            _ => None,
+        })
+        .expect("an out_of_memory event");
+    assert_eq!(
+        (report.0, report.1),
+        (3, tunestudio::train::Phase::Backward)
+    );
+    assert!(report
+        .2
+        .as_ref()
+        .is_some_and(|p| p.ends_with("checkpoint-2")));
+    assert!(!report.3.is_empty(), "a fitted setting is proposed");
+    assert_eq!(losses(&events).keys().copied().collect::<Vec<_>>(), [1, 2]);
+
+    let fitted = run(&config("fitted"), &["--on-oom", "auto-fit"], true);
+    let stderr = String::from_utf8_lossy(&fitted.stderr);
+    assert!(fitted.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("resuming from the last checkpoint with"),
+        "{stderr}"
+    );
+    let events = events_of("fitted");
+    let resumed = losses(&events);
+    assert_eq!(
+        resumed.keys().copied().collect::<Vec<_>>(),
+        [1, 2, 3, 4, 5, 6]
+    );
+    for (step, l) in &resumed {
+        let u = uninterrupted[step];
+        assert!(
+            (u - l).abs() <= 1e-5,
+            "step {step}: {l} vs uninterrupted {u}"
+        );
+    }
+    // The resumed half ran with the fitted settings, from step 2's checkpoint.
+    let ckpt = tunestudio::train::latest_checkpoint(&tmp.path().join("fitted"));
+    let saved = RunConfig::load(&ckpt.unwrap().join("run.toml")).unwrap();
+    assert!(saved.training.micro_batch < 8, "{:?}", saved.training);
+    assert_eq!(
+        saved.training.micro_batch * saved.training.gradient_accumulation,
+        8,
+        "same effective batch"
+    );
+    assert!(events.iter().any(|e| matches!(
+        e,
+        Event::Started {
+            start_step: 2,
+            resumed_from: Some(_),
+            ..
+        }
+    )));
+}

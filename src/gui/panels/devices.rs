@@ -280,14 +280,11 @@ fn planned_machine(ui: &mut Ui, s: &mut AppState) {
         p.count = count;
         p.model = model;
         p.custom_size = custom;
-        if let Err(e) = s.plan_for_draft() {
-            // The config keeps the last valid machine until the size reads.
-            theme::note(ui, &format!("Memory per GPU: {e}"));
-        }
-    } else if model.is_none() {
-        if let Err(e) = s.devices.planner.size_text() {
-            ui.label(RichText::new(format!("Memory per GPU: {e}")).color(theme::ERROR));
-        }
+        // A size that does not read leaves the config on the last machine that did.
+        let _ = s.plan_for_draft();
+    }
+    if let Err(e) = s.devices.planner.size_text() {
+        ui.label(RichText::new(format!("Memory per GPU: {e}")).color(theme::ERROR));
     }
 }
 

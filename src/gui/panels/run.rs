@@ -140,7 +140,9 @@ fn controls(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     let phase = s.run.phase;
     let blocking = blocking_lints(s);
     ui.horizontal(|ui| {
-        let can_start = !s.run.is_active() && blocking.is_empty();
+        // A planned machine (not this one) shows its `tunestudio train` command instead.
+        let planning_only = super::devices::planning_only_note(ui, s, actions);
+        let can_start = !s.run.is_active() && blocking.is_empty() && !planning_only;
         let start = ui
             .add_enabled(
                 can_start,
@@ -209,6 +211,17 @@ fn controls(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         lint_gate(ui, s, &blocking);
     }
     existing_run_question(ui, s, actions);
+    if let Some(refit) = s.run.oom_refit.clone().filter(|_| !s.run.is_active()) {
+        theme::card(ui, |ui| {
+            ui.label(format!(
+                "Out of memory. The run stopped with a checkpoint of its last good step. Settings that fit what the device held (same effective batch): {}",
+                refit.join("; ")
+            ));
+            if ui.button("Apply the fix and resume").clicked() {
+                actions.push(Action::ApplyOomRefitAndResume);
+            }
+        });
+    }
     for l in &s.run.allowed_lints {
         ui.label(
             RichText::new(format!(

@@ -1,0 +1,107 @@
+//! Out of memory as a report and a way out: which device ran out in which phase, the
+//! planner's fixes, and settings fitted to what the device proved it can hold — applied to
+//! the run config so the run resumes from its last good step with the same effective batch.
+//!
+//! [`INJECT_OOM_ENV`] makes one step fail as an allocation failure would (`3:backward`), so
+//! all of this is tested on the CPU, where a real allocation failure aborts the process.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::config::RunConfig;
+use super::error::{Phase, TrainError};
+use crate::plan::{PlanRequest, Strategy};
+
+/// Test switch: `STEP:PHASE` (`forward`, `backward` or `optimizer`) makes that step fail
+/// once per process with an out-of-memory error, before anything of the step is applied.
+pub const INJECT_OOM_ENV: &str = "TUNESTUDIO_INJECT_OOM";
+
+/// Share of the failed peak the refit aims under: the device held less than the plan's
+/// peak, and the planner's ±3 % plus the allocator's slack must fit below what it held.
+const REFIT_CAPACITY_FRACTION: f64 = 0.85;
+
+static INJECTED: AtomicBool = AtomicBool::new(false);
+
+/// The injected failure for `step` in `phase`, when [`INJECT_OOM_ENV`] asks for it (once).
+pub(crate) fn injected_failure(step: u64, phase: Phase) -> Option<String> {
+    let spec = std::env::var(INJECT_OOM_ENV).ok()?;
+    let (at, when) = spec.split_once(':')?;
+    let matches = at.trim().parse::<u64>().ok() == Some(step)
+        && when.trim().eq_ignore_ascii_case(&phase.to_string());
+    (matches && !INJECTED.swap(true, Ordering::SeqCst))
+        .then(|| format!("out of memory: allocation failed (injected by {INJECT_OOM_ENV}={spec})"))
+}
+
+/// Whether a training error is a device running out of memory.
+pub fn is_out_of_memory(err: &TrainError) -> bool {
+    match err {
+        TrainError::Step { message, .. } => {
+            let m = message.to_lowercase();
+            [
+                "out of memory",
+                "out_of_memory",
+                "cannot allocate",
+                "allocation failed",
+            ]
+            .iter()
+            .any(|k| m.contains(k))
+        }
+        _ => false,
+    }
+}
+
+/// Settings for the same run that fit what the device held, and what changed.
+#[derive(Debug, Clone)]
+pub struct OomRefit {
+    /// The run config with the fitted settings (same effective batch, precision and LoRA,
+    /// so the last checkpoint resumes into it).
+    pub config: RunConfig,
+    /// Each change in words.
+    pub changes: Vec<String>,
+}
+
+/// Fits `config` to a device that ran out at the plan's predicted peak: every device is
+/// planned with at most [`REFIT_CAPACITY_FRACTION`] of that peak, and auto-fit searches
+/// settings that keep the effective batch. Changes a checkpoint could not resume into
+/// (precision, LoRA) are refused with the reason.
+pub fn refit_after_oom(config: &RunConfig) -> Result<OomRefit, String> {
+    let req = super::memory::plan_request(config).map_err(|e| e.to_string())?;
+    let plan = crate::plan::plan(&req).map_err(|e| e.to_string())?;
+    let mut squeezed = req.clone();
+    for (spec, d) in squeezed.devices.iter_mut().zip(&plan.per_device) {
+        let held = (d.peak_bytes as f64 * REFIT_CAPACITY_FRACTION) as u64;
+        spec.capacity_bytes = spec.capacity_bytes.min(held.max(1));
+    }
+    let fit = crate::plan::auto_fit(&squeezed).map_err(|e| e.to_string())?;
+    if !fit.found {
+        return Err("no settings with the same effective batch fit what the device held; lower data.max_length or train LoRA".into());
+    }
+    if fit.request.precision != req.precision || fit.request.lora != req.lora {
+        return Err(format!(
+            "only a change of precision or LoRA would fit ({}); a checkpoint cannot resume into it: start a new run with those settings",
+            fit.changes.join("; ")
+        ));
+    }
+    let mut fitted = config.clone();
+    apply_resumable(&mut fitted, &fit.request);
+    Ok(OomRefit {
+        config: fitted,
+        changes: fit.changes,
+    })
+}
+
+/// The settings of `req` a checkpoint resumes into, written into `config`.
+fn apply_resumable(config: &mut RunConfig, req: &PlanRequest) {
+    let t = &mut config.training;
+    t.micro_batch = req.micro_batch;
+    t.gradient_accumulation = req.gradient_accumulation;
+    t.activation_checkpointing = req.activation_checkpointing;
+    if req.optimizer_offload {
+        t.optimizer_offload = crate::model::OptimizerOffload::Host;
+    }
+    config.devices.strategy = match req.strategy {
+        Strategy::Single => "single",
+        Strategy::LayerSplit => "layer-split",
+        Strategy::DataParallel => "data-parallel",
+    }
+    .to_string();
+}
