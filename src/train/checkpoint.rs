@@ -231,6 +231,7 @@ mod tests {
             loss_scaler: None,
             last_loss: Some(1.0),
             last_eval_loss: None,
+            rows_per_micro_batch: Some(4),
         }
     }
 
