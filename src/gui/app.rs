@@ -12,9 +12,10 @@ use eframe::egui::{self, Color32, RichText};
 use tunestudio::plan::{Change, DeviceSpec, PlanRequest};
 use tunestudio::train::{self, Command, RunConfig, Trainer};
 
+use super::file_picker::{PickKind, PickerOutcome};
 use super::jobs::{JobOutput, Jobs, PickTarget};
 use super::panels;
-use super::state::{push_recent, AppState, Panel, RunPhase, RunState, Settings};
+use super::state::{push_recent, AppState, Panel, PickFor, RunPhase, RunState, Settings};
 use super::theme;
 
 /// Storage key of [`Settings`].
@@ -95,6 +96,11 @@ pub struct StartOptions {
     /// The NVML library to read GPUs through (`None`: `$TUNESTUDIO_NVML_LIB`, then the
     /// driver's); tests pass a fake one.
     pub nvml_library: Option<PathBuf>,
+    /// Force the system file dialog unavailable, with this reason (tests; `None`: ask the
+    /// session bus).
+    pub no_system_dialog: Option<String>,
+    /// In screenshot mode: press this field's "Browse…" before the screenshot.
+    pub screenshot_pick: Option<PickTarget>,
 }
 
 impl StartOptions {
@@ -112,6 +118,13 @@ impl StartOptions {
             screenshot,
             // `$TUNESTUDIO_NVML_LIB` is read where NVML is opened.
             nvml_library: None,
+            no_system_dialog: None,
+            screenshot_pick: var("TUNESTUDIO_SCREENSHOT_PICK").and_then(|p| match p.as_str() {
+                "model-folder" => Some(PickTarget::ModelFolder),
+                "dataset-file" => Some(PickTarget::DatasetFile),
+                "dataset-folder" => Some(PickTarget::DatasetFolder),
+                _ => None,
+            }),
         }
     }
 }
@@ -120,6 +133,8 @@ impl StartOptions {
 struct Screenshot {
     path: PathBuf,
     train_steps: Option<u64>,
+    /// Press this "Browse…" first (`TUNESTUDIO_SCREENSHOT_PICK`), to show the file dialog.
+    pick: Option<PickTarget>,
     started: Instant,
     requested: bool,
     image: Arc<Mutex<Option<Arc<egui::ColorImage>>>>,
@@ -160,6 +175,25 @@ fn propose_max_length(s: &mut AppState, p: &tunestudio::data::DataPreview) {
         s.toast(format!(
             "max_length {len}: the 99th-percentile row length of this dataset, rounded up to 64"
         ));
+    }
+}
+
+/// The in-app picker's title and what it chooses, per studio field (as the system dialog's
+/// filters in `Jobs::pick`).
+fn pick_kind(target: PickTarget) -> (&'static str, PickKind) {
+    match target {
+        PickTarget::ModelFolder => ("Choose a model folder", PickKind::Folder),
+        PickTarget::DatasetFolder => ("Choose a folder of data files", PickKind::Folder),
+        PickTarget::OutputDir => ("Choose the output folder", PickKind::Folder),
+        PickTarget::Checkpoint => ("Choose a checkpoint folder", PickKind::Folder),
+        PickTarget::ExportDest => ("Choose where to export", PickKind::Folder),
+        PickTarget::RunDir => ("Choose a run folder", PickKind::Folder),
+        PickTarget::DatasetFile | PickTarget::ValidationFile => (
+            "Choose a data file",
+            PickKind::File(super::jobs::DATA_EXTENSIONS.to_vec()),
+        ),
+        PickTarget::ConfigOpen => ("Open a run config", PickKind::File(vec!["toml"])),
+        PickTarget::ConfigSave => ("Save the run config", PickKind::Save(vec!["toml"])),
     }
 }
 
@@ -246,6 +280,10 @@ impl StudioApp {
             config.output_dir = std::path::absolute(out).unwrap_or_else(|_| out.clone());
         }
         let mut state = AppState::new(config, path, settings);
+        state.system_dialog = match &opts.no_system_dialog {
+            Some(why) => Err(why.clone()),
+            None => super::file_picker::system_dialog(),
+        };
         state.config_problems = problems;
         if let Some(p) = opts.panel {
             state.panel = p;
@@ -259,6 +297,7 @@ impl StudioApp {
             screenshot: opts.screenshot.map(|path| Screenshot {
                 path,
                 train_steps: opts.train_steps,
+                pick: opts.screenshot_pick,
                 started: Instant::now(),
                 requested: false,
                 image: Arc::new(Mutex::new(None)),
@@ -860,12 +899,44 @@ impl StudioApp {
                         }
                         _ => None,
                     };
-                    self.jobs.pick(target, start);
+                    if self.state.system_dialog.is_ok() {
+                        self.jobs.pick(target, start);
+                    } else {
+                        let (title, kind) = pick_kind(target);
+                        self.state
+                            .open_picker(PickFor::Studio(target), title, kind, start);
+                    }
                 }
                 Action::Playground(a) => panels::playground::apply(&mut self.state, a, &self.ctx),
                 Action::AddRunDir(dir) => {
                     push_recent(&mut self.state.settings.run_dirs, dir);
                     self.actions.push(Action::RefreshHistory);
+                }
+            }
+        }
+    }
+
+    /// Draws the in-app file picker when open; a choice goes where a system dialog's would.
+    fn show_picker(&mut self, ctx: &egui::Context) {
+        let Some((who, picker)) = self.state.picker.as_mut() else {
+            return;
+        };
+        let who = *who;
+        match picker.show(ctx) {
+            PickerOutcome::Open => {}
+            PickerOutcome::Cancelled => {
+                self.state.picker = None;
+                if let PickFor::Playground(p) = who {
+                    panels::playground::picked(&mut self.state, p, None);
+                }
+            }
+            PickerOutcome::Chosen(path) => {
+                self.state.picker = None;
+                match who {
+                    PickFor::Studio(target) => self.handle_job(JobOutput::Picked(target, path)),
+                    PickFor::Playground(p) => {
+                        panels::playground::picked(&mut self.state, p, Some(path))
+                    }
                 }
             }
         }
@@ -1125,6 +1196,23 @@ impl StudioApp {
             return;
         }
         let jobs_done = self.jobs.in_flight() == 0;
+        if jobs_done && self.frame_count > 8 {
+            if let Some(target) = shot.pick.take() {
+                self.actions.push(Action::Pick(target));
+                self.ctx.request_repaint();
+                return;
+            }
+        }
+        if let Some((_, p)) = &self.state.picker {
+            if !self.state.picker_noted_on_stderr {
+                self.state.picker_noted_on_stderr = true;
+                let why = self.state.system_dialog.clone().err().unwrap_or_default();
+                eprintln!(
+                    "file dialog: the built-in picker ({why}), showing {}",
+                    p.dir().display()
+                );
+            }
+        }
         let steps_done = match shot.train_steps {
             None => true,
             Some(n) => {
@@ -1179,6 +1267,7 @@ impl eframe::App for StudioApp {
         }
         self.poll_trainer();
         panels::playground::poll(&mut self.state);
+        self.show_picker(ui.ctx());
         self.run_actions();
         self.schedule_jobs();
 

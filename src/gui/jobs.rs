@@ -344,12 +344,9 @@ impl Jobs {
                 | PickTarget::Checkpoint
                 | PickTarget::ExportDest
                 | PickTarget::RunDir => d.pick_folder(),
-                PickTarget::DatasetFile | PickTarget::ValidationFile => d
-                    .add_filter(
-                        "data",
-                        &["json", "jsonl", "ndjson", "csv", "tsv", "parquet", "txt"],
-                    )
-                    .pick_file(),
+                PickTarget::DatasetFile | PickTarget::ValidationFile => {
+                    d.add_filter("data", DATA_EXTENSIONS).pick_file()
+                }
                 PickTarget::ConfigOpen => d.add_filter("run config", &["toml"]).pick_file(),
                 PickTarget::ConfigSave => d
                     .add_filter("run config", &["toml"])
@@ -368,6 +365,9 @@ impl Jobs {
         });
     }
 }
+
+/// The data files a file dialog offers.
+pub const DATA_EXTENSIONS: &[&str] = &["json", "jsonl", "ndjson", "csv", "tsv", "parquet", "txt"];
 
 /// Whether `s` looks like a hub id (`org/name`) rather than a path.
 pub fn looks_like_hub_id(s: &str) -> bool {

@@ -12,6 +12,7 @@
 //! `tunestudio train --config` runs headless.
 
 pub mod app;
+pub mod file_picker;
 pub mod fonts;
 pub mod jobs;
 pub mod panels;

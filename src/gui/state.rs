@@ -877,9 +877,53 @@ pub struct AppState {
     pub show_debug: bool,
     /// A transient message for the status bar.
     pub toast: Option<(String, Instant)>,
+    /// Whether the system file dialog can open (and why not): decided once at start.
+    pub system_dialog: Result<(), String>,
+    /// The in-app file picker, when open, and who asked for it.
+    pub picker: Option<(PickFor, crate::gui::file_picker::FilePicker)>,
+    /// The status bar said which file dialog is in use.
+    pub picker_noted: bool,
+    /// Screenshot mode printed it too.
+    pub picker_noted_on_stderr: bool,
+}
+
+/// Who opened the in-app file picker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PickFor {
+    /// A studio field.
+    Studio(crate::gui::jobs::PickTarget),
+    /// The Playground.
+    Playground(crate::gui::panels::playground::PgPick),
 }
 
 impl AppState {
+    /// Opens the in-app picker for `who` (the system dialog is unavailable), saying once in
+    /// the status bar why.
+    pub fn open_picker(
+        &mut self,
+        who: PickFor,
+        title: &str,
+        kind: crate::gui::file_picker::PickKind,
+        start: Option<PathBuf>,
+    ) {
+        if !self.picker_noted {
+            self.picker_noted = true;
+            let why = self.system_dialog.clone().err().unwrap_or_default();
+            self.toast(format!("{why}: using the built-in file picker"));
+        }
+        let mut places = vec![("Run folder".to_string(), self.output_dir())];
+        if let Some(home) = std::env::var_os("HOME").map(PathBuf::from) {
+            places.push(("Home".into(), home));
+        }
+        places.push((
+            "HF cache".into(),
+            tunestudio::model::HubOptions::from_env().cache_dir,
+        ));
+        places.push(("Project".into(), self.config.base_dir.clone()));
+        let picker = crate::gui::file_picker::FilePicker::new(title, kind, start, places);
+        self.picker = Some((who, picker));
+    }
+
     /// A fresh state editing `config`.
     pub fn new(config: RunConfig, config_path: Option<PathBuf>, settings: Settings) -> Self {
         let mut s = AppState {
@@ -898,6 +942,10 @@ impl AppState {
             export: ExportState::default(),
             playground: Default::default(),
             frames: FrameStats::default(),
+            system_dialog: Ok(()),
+            picker: None,
+            picker_noted: false,
+            picker_noted_on_stderr: false,
             show_debug: true,
             toast: None,
         };

@@ -1263,3 +1263,65 @@ fn founding_label_bug_blocks_start_until_overridden_and_stop_saves() {
     let right = &h.state().state.playground.sides[1];
     assert!(right.load_error.is_none(), "{:?}", right.load_error);
 }
+
+/// Without a system file dialog (no xdg-desktop-portal: forced here, as under Xvfb), "Browse
+/// folder…" opens the in-app picker; choosing the bundled demo model there fills the Model
+/// field and loads it, and the status bar says which dialog is in use.
+#[test]
+fn browse_opens_the_in_app_picker_without_a_portal() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let opts = StartOptions {
+        fresh: true,
+        panel: Some(Panel::Model),
+        output_dir: Some(out.path().join("runs").join("demo")),
+        no_system_dialog: Some("no xdg-desktop-portal (forced by the test)".into()),
+        ..StartOptions::default()
+    };
+    let mut h = Harness::builder()
+        .with_size(egui::vec2(1360.0, 860.0))
+        .allow_missing_glyphs()
+        .build_eframe(move |cc| StudioApp::new(cc, opts));
+    wait_ready(&mut h);
+    h.get_by_label("Browse folder…").click();
+    for _ in 0..4 {
+        h.step();
+    }
+    assert!(h.state().state.picker.is_some(), "the in-app picker opened");
+    assert!(h.query_by_label("Choose this folder").is_some());
+    assert!(h
+        .query_by_label_contains("using the built-in file picker")
+        .is_some());
+
+    // Walk to the bundled model: type its parent, then pick it in the list.
+    let assets = tunestudio::paths::assets_dir();
+    h.get_by_label("Path").focus();
+    h.step();
+    h.key_press_modifiers(egui::Modifiers::COMMAND, egui::Key::A);
+    h.step();
+    h.get_by_label("Path")
+        .type_text(&assets.display().to_string());
+    h.step();
+    h.key_press(egui::Key::Enter);
+    h.step();
+    h.step();
+    h.get_by_label("demo-model/").click();
+    h.step();
+    h.step();
+    let shown = h
+        .state()
+        .state
+        .picker
+        .as_ref()
+        .map(|(_, p)| p.dir().to_path_buf());
+    assert_eq!(shown.as_deref(), Some(assets.join("demo-model").as_path()));
+    h.get_by_label("Choose this folder").click();
+    wait_for(&mut h, "the chosen model", Duration::from_secs(60), |a| {
+        a.state.picker.is_none() && a.state.model.loading.is_none() && a.state.model.info.is_some()
+    });
+    let s = &h.state().state;
+    assert_eq!(
+        std::path::Path::new(&s.model.source_input),
+        assets.join("demo-model")
+    );
+    assert!(s.model.error.is_none(), "{:?}", s.model.error);
+}

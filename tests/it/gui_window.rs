@@ -61,3 +61,56 @@ fn studio_renders_a_real_window_and_saves_a_screenshot() {
         "the screenshot is (almost) one colour: {distinct} pixels differ from the corner"
     );
 }
+
+/// A real window under Xvfb, where no xdg-desktop-portal runs (and no session bus is given):
+/// pressing the Dataset panel's "Browse file…" (`TUNESTUDIO_SCREENSHOT_PICK`, which sends the
+/// button's action) opens the built-in picker, which the studio says and the screenshot shows.
+#[test]
+#[cfg_attr(
+    tunestudio_missing_xvfb,
+    ignore = "xvfb-run is not installed (apt-get install xvfb xauth)"
+)]
+fn without_a_portal_browse_opens_the_built_in_picker_in_a_real_window() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let plain = dir.path().join("plain.png");
+    let picker = dir.path().join("picker.png");
+    let shoot = |png: &std::path::Path, pick: Option<&str>| {
+        let mut cmd = Command::new("xvfb-run");
+        cmd.args([
+            "-a",
+            "-s",
+            "-screen 0 1400x900x24",
+            env!("CARGO_BIN_EXE_tunestudio"),
+        ])
+        .env("LIBGL_ALWAYS_SOFTWARE", "1")
+        .env_remove("DBUS_SESSION_BUS_ADDRESS")
+        .env("TUNESTUDIO_SCREENSHOT", png)
+        .env("TUNESTUDIO_SCREENSHOT_PANEL", "dataset")
+        .env("TUNESTUDIO_OUTPUT_DIR", dir.path().join("run"));
+        if let Some(p) = pick {
+            cmd.env("TUNESTUDIO_SCREENSHOT_PICK", p);
+        }
+        let out = cmd.output().expect("start xvfb-run");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let stderr = shoot(&picker, Some("dataset-file"));
+    assert!(
+        stderr.contains("file dialog: the built-in picker (no xdg-desktop-portal"),
+        "{stderr}"
+    );
+    shoot(&plain, None);
+    // The picker's window changes a good part of the frame.
+    let a = image::open(&plain).expect("png").to_rgba8();
+    let b = image::open(&picker).expect("png").to_rgba8();
+    assert_eq!(a.dimensions(), b.dimensions());
+    let changed = a.pixels().zip(b.pixels()).filter(|(x, y)| x != y).count();
+    assert!(
+        changed > (a.width() * a.height()) as usize / 20,
+        "only {changed} pixels differ with the picker open"
+    );
+}

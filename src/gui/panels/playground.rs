@@ -215,6 +215,39 @@ impl PlaygroundState {
     }
 }
 
+/// The in-app picker's title and what it chooses (as the system dialog's filters).
+fn pick_kind(target: PgPick) -> (&'static str, crate::gui::file_picker::PickKind) {
+    use crate::gui::file_picker::PickKind;
+    match target {
+        PgPick::Checkpoint(_) => ("Choose a checkpoint folder", PickKind::Folder),
+        PgPick::Folder(_) => ("Choose a model folder", PickKind::Folder),
+        PgPick::Adapter(_) => ("Choose an adapter folder", PickKind::Folder),
+        PgPick::Prompts => (
+            "Choose a prompt list",
+            PickKind::File(vec!["txt", "jsonl", "ndjson"]),
+        ),
+        PgPick::Export => ("Export the comparison", PickKind::Save(vec!["jsonl"])),
+    }
+}
+
+/// Hands a dialog's answer (system or in-app) to the playground's message loop.
+fn send_picked(tx: &crossbeam_channel::Sender<PgMsg>, target: PgPick, picked: Option<PathBuf>) {
+    match picked {
+        Some(p) => {
+            let _ = tx.send(PgMsg::Picked(target, p));
+        }
+        None if target == PgPick::Prompts => {
+            let _ = tx.send(PgMsg::Prompts(Err("no prompt file chosen".into())));
+        }
+        None => {}
+    }
+}
+
+/// The in-app picker's answer for a playground field (`None`: cancelled).
+pub fn picked(s: &mut AppState, target: PgPick, path: Option<PathBuf>) {
+    send_picked(&s.playground.tx, target, path);
+}
+
 /// What a file dialog of the playground chooses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PgPick {
@@ -763,6 +796,16 @@ pub fn apply(s: &mut AppState, action: PgAction, ctx: &egui::Context) {
             if target == PgPick::Prompts {
                 s.playground.prompts_loading = true;
             }
+            if s.system_dialog.is_err() {
+                let (title, kind) = pick_kind(target);
+                s.open_picker(
+                    crate::gui::state::PickFor::Playground(target),
+                    title,
+                    kind,
+                    start,
+                );
+                return;
+            }
             let _ = std::thread::Builder::new()
                 .name("tunestudio-playground-dialog".into())
                 .spawn(move || {
@@ -782,15 +825,7 @@ pub fn apply(s: &mut AppState, action: PgAction, ctx: &egui::Context) {
                             .set_file_name("comparison.jsonl")
                             .save_file(),
                     };
-                    match picked {
-                        Some(p) => {
-                            let _ = tx.send(PgMsg::Picked(target, p));
-                        }
-                        None if target == PgPick::Prompts => {
-                            let _ = tx.send(PgMsg::Prompts(Err("no prompt file chosen".into())));
-                        }
-                        None => {}
-                    }
+                    send_picked(&tx, target, picked);
                     ctx.request_repaint();
                 });
         }
