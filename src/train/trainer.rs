@@ -403,13 +403,16 @@ fn thread_main(
     finish(em, reason, Some(&run));
 }
 
-/// Out of memory: a checkpoint of the last good step (the failed step changed nothing),
-/// then the report with the fitted settings a resume would use.
+/// Out of memory: a checkpoint of the last good step, then the report with the fitted
+/// settings a resume would use. Only a forward or backward failure leaves the weights as
+/// they were; in the optimizer step some tensors may already be updated, so then the last
+/// periodic checkpoint is the one to resume from.
 fn report_out_of_memory(run: &mut TrainingRun, err: &TrainError, em: &mut Emitter) {
     let TrainError::Step { step, phase, .. } = err else {
         return;
     };
-    if run.step_index() > 0 {
+    let untouched = matches!(phase, Phase::Forward | Phase::Backward);
+    if untouched && run.step_index() > 0 {
         save(run, em);
     }
     let checkpoint = run.last_checkpoint().map(|p| p.to_path_buf());
