@@ -21,8 +21,13 @@ fn harness(panel: Panel, out: &Path) -> Harness<'static, StudioApp> {
         output_dir: Some(out.to_path_buf()),
         ..StartOptions::default()
     };
+    app_harness(opts, 860.0)
+}
+
+/// The app started with `opts` in a window 1360 wide and `height` high.
+fn app_harness(opts: StartOptions, height: f32) -> Harness<'static, StudioApp> {
     Harness::builder()
-        .with_size(egui::vec2(1360.0, 860.0))
+        .with_size(egui::vec2(1360.0, height))
         // Dataset text is arbitrary (the demo has emoji): the app draws tofu for glyphs no
         // installed font has, as it does outside tests.
         .allow_missing_glyphs()
@@ -596,10 +601,7 @@ fn the_memory_chart_draws_one_line_per_device_with_two_gpus() {
         nvml_library: Some(nvml),
         ..StartOptions::default()
     };
-    let mut h = Harness::builder()
-        .with_size(egui::vec2(1360.0, 860.0))
-        .allow_missing_glyphs()
-        .build_eframe(move |cc| StudioApp::new(cc, opts));
+    let mut h = app_harness(opts, 860.0);
     wait_ready(&mut h);
     assert_eq!(
         h.state()
@@ -669,10 +671,7 @@ fn harness_on_data(data: &Path, out: &Path) -> Harness<'static, StudioApp> {
         config: Some(path),
         ..StartOptions::default()
     };
-    Harness::builder()
-        .with_size(egui::vec2(1360.0, 860.0))
-        .allow_missing_glyphs()
-        .build_eframe(move |cc| StudioApp::new(cc, opts))
+    app_harness(opts, 860.0)
 }
 
 /// One token chip on screen, read from its accessible name.
@@ -885,10 +884,7 @@ fn harness_without_gpus(config: &Path, dir: &Path) -> Harness<'static, StudioApp
         nvml_library: Some(dir.join("no-such-libnvidia-ml.so.1")),
         ..StartOptions::default()
     };
-    Harness::builder()
-        .with_size(egui::vec2(1360.0, 1400.0))
-        .allow_missing_glyphs()
-        .build_eframe(move |cc| StudioApp::new(cc, opts))
+    app_harness(opts, 1400.0)
 }
 
 /// Waits for the model, the devices and a plan of `entries` (no preview: there is no tokenizer).
@@ -1122,10 +1118,7 @@ fn a_config_for_other_gpus_shows_both_machines_and_asks_which_to_use() {
         nvml_library: Some(nvml),
         ..StartOptions::default()
     };
-    let mut h = Harness::builder()
-        .with_size(egui::vec2(1360.0, 1400.0))
-        .allow_missing_glyphs()
-        .build_eframe(move |cc| StudioApp::new(cc, opts));
+    let mut h = app_harness(opts, 1400.0);
     wait_for_plan_of(&mut h, &["cuda:0=40960MiB", "cuda:1=40960MiB"]);
 
     // This machine (an H100 and an H200) is not 2 × A100 40 GB: both are shown, and asked about.
@@ -1277,10 +1270,7 @@ fn browse_opens_the_in_app_picker_without_a_portal() {
         no_system_dialog: Some("no xdg-desktop-portal (forced by the test)".into()),
         ..StartOptions::default()
     };
-    let mut h = Harness::builder()
-        .with_size(egui::vec2(1360.0, 860.0))
-        .allow_missing_glyphs()
-        .build_eframe(move |cc| StudioApp::new(cc, opts));
+    let mut h = app_harness(opts, 860.0);
     wait_ready(&mut h);
     h.get_by_label("Browse folder…").click();
     for _ in 0..4 {
