@@ -4,8 +4,10 @@
 //! training-ready decoder ([`model`]), datasets, chat templates and label masks
 //! ([`data`]), the background trainer ([`train`]), the memory planner ([`plan`]),
 //! device discovery and placement ([`devices`]), generation ([`infer`]) and the shaping of
-//! model text for display: right-to-left order and byte-split tokens ([`text`]).
-//! Data flows one way: run config → plan → trainer → events → UI.
+//! model text for display: right-to-left order and byte-split tokens ([`text`]), and the
+//! settings types every layer shares ([`settings`]).
+//! Data flows one way: run config → plan → trainer → events → UI; modules depend downward
+//! only (`settings ← plan ← train`: the planner imports nothing from the trainer).
 
 pub mod data;
 pub mod devices;
@@ -14,5 +16,7 @@ pub mod mem;
 pub mod model;
 pub mod paths;
 pub mod plan;
+pub mod settings;
 pub mod text;
 pub mod train;
+pub mod units;

@@ -12,7 +12,7 @@ mod harness;
 use harness::{err_pct, phase, Case, Measured};
 use std::time::Instant;
 use tunestudio::mem::CountingAllocator;
-use tunestudio::plan::{DevicePlan, Phase};
+use tunestudio::plan::{DevicePlan, StepPhase};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator::new();
@@ -50,17 +50,17 @@ fn check(rows: &[(Case, Measured, DevicePlan)]) {
         );
         // The backward phase on its own too (it is the peak only for some configs).
         let bwd = m.bwd_peak.max(m.acc_peak);
-        let eb = err_pct(phase(d, Phase::Backward), bwd);
+        let eb = err_pct(phase(d, StepPhase::Backward), bwd);
         assert!(
             eb.abs() <= 3.0,
             "{c:?}: backward phase predicted {} B, measured {bwd} B ({eb:+.2} %)",
-            phase(d, Phase::Backward)
+            phase(d, StepPhase::Backward)
         );
-        let eo = err_pct(phase(d, Phase::OptimizerStep), m.opt_peak);
+        let eo = err_pct(phase(d, StepPhase::OptimizerStep), m.opt_peak);
         assert!(
             eo.abs() <= 3.0,
             "{c:?}: optimizer step predicted {} B, measured {} B ({eo:+.2} %)",
-            phase(d, Phase::OptimizerStep),
+            phase(d, StepPhase::OptimizerStep),
             m.opt_peak
         );
     }
@@ -209,7 +209,7 @@ fn planner_matches_measured_peaks_on_the_generic_path() {
     // Checkpointing's saving at the backward peak, measured against predicted (same shape).
     let bwd = |i: usize| {
         let (_, m, d) = &rows[i];
-        (m.bwd_peak.max(m.acc_peak), phase(d, Phase::Backward))
+        (m.bwd_peak.max(m.acc_peak), phase(d, StepPhase::Backward))
     };
     let ((off_m, off_p), (on_m, on_p)) = (bwd(0), bwd(1));
     let (saved_m, saved_p) = (off_m - on_m, off_p - on_p);
@@ -289,5 +289,51 @@ fn accumulation_keeps_one_gradient_buffer_per_parameter() {
                 );
             }
         }
+    }
+}
+
+/// LoRA through the native layer op, on a shape where activations (not weights) make the peak:
+/// SmolLM2's width with 2 layers and a 4096-token vocabulary, micro-batch 4 × 256 tokens, r 8
+/// on all seven linears. Both layers must run natively (no base-weight gradient), and the
+/// planner's step peak and backward phase must be within 3 % of the counting allocator's.
+#[test]
+fn native_lora_step_matches_the_planner() {
+    use candle_core::{DType, Device};
+    use tunestudio::model::{CausalLm, LoraConfig, ModelConfig};
+    use tunestudio::plan::Precision::Fp32;
+    let _guard = exclusive();
+    let mut raw = harness::model_config().raw.clone();
+    raw["num_hidden_layers"] = 2.into();
+    raw["vocab_size"] = 4096.into();
+    let cfg = ModelConfig::from_json_str(&raw.to_string(), "2-layer smollm").unwrap();
+    harness::warm_up_process();
+    for ckpt in [false, true] {
+        let c = harness::case(Fp32, ckpt, true, 4, 256);
+        let zero = tunestudio::mem::current_bytes();
+        let mut model = CausalLm::random_init(&cfg, 7, DType::F32, &Device::Cpu).unwrap();
+        let lora = LoraConfig {
+            r: 8,
+            alpha: 16.0,
+            dropout: 0.0,
+            target_modules: vec!["all-linear".into()],
+        };
+        model.apply_lora(&lora, 3).unwrap();
+        assert_eq!(model.native_layer_count(), 2, "LoRA layers run natively");
+        let m = harness::measure(&mut model, &c, zero, 5);
+        let d = tunestudio::plan::plan(&harness::request(&cfg, &c))
+            .unwrap()
+            .per_device
+            .remove(0);
+        harness::print_row(&c, &m, &d);
+        let e = err_pct(d.peak_bytes, m.peak);
+        assert!(e.abs() <= 3.0, "{c:?}: peak {e:+.2} %");
+        let bwd = m.bwd_peak.max(m.acc_peak);
+        let eb = err_pct(phase(&d, StepPhase::Backward), bwd);
+        assert!(eb.abs() <= 3.0, "{c:?}: backward phase {eb:+.2} %");
+        // The activations alone (what the step adds above the weights): within 10 %.
+        let acts_measured = m.fwd_peak.saturating_sub(m.before);
+        let acts_predicted = phase(&d, StepPhase::Forward).saturating_sub(m.before);
+        let ea = err_pct(acts_predicted, acts_measured);
+        assert!(ea.abs() <= 10.0, "{c:?}: forward activations {ea:+.2} %");
     }
 }

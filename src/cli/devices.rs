@@ -4,8 +4,8 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 use tunestudio::devices::check::{run_checks, CheckMode, CheckOptions, CheckStatus};
-use tunestudio::devices::placement::format_bytes;
 use tunestudio::devices::{discover, DeviceKind};
+use tunestudio::units::format_bytes;
 
 /// Arguments of `tunestudio devices`.
 #[derive(Debug, clap::Args)]

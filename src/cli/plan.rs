@@ -10,8 +10,9 @@ use std::time::Instant;
 use tunestudio::model::ModelConfig;
 use tunestudio::plan::{
     self, format_bytes, parse_devices, AutoFit, DevicePlan, LoraSpec, Plan, PlanRequest, Precision,
-    RunConfigSettings, Strategy,
+    Strategy,
 };
+use tunestudio::train;
 
 /// Arguments of `tunestudio plan`.
 #[derive(Debug, clap::Args)]
@@ -139,16 +140,28 @@ pub(crate) fn build_request(args: &PlanArgs) -> anyhow::Result<PlanRequest> {
         None => None,
     };
     let mut req = if let Some(path) = &args.config {
-        let settings = RunConfigSettings::from_file(path)?;
+        // The run config through the one adapter (`train::plan_adapter`), as the trainer's
+        // pre-flight and the studio plan it; the flags then override its settings.
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the run config {}", path.display()))?;
         let base = path
             .parent()
             .filter(|p| !p.as_os_str().is_empty())
             .unwrap_or(Path::new("."));
-        let mut settings = settings;
-        if let Some(m) = &args.model_config {
-            settings.model.source = Some(m.clone());
+        let (config, ignored) =
+            train::read_run_config_leniently(&text, &path.display().to_string(), base)?;
+        for p in &ignored {
+            eprintln!("note: {} ignores {p}", path.display());
         }
-        plan::request_from_run_config(&settings, base, devices, &gpu_capacity)?
+        let model = match &args.model_config {
+            Some(m) => ModelConfig::from_file(&plan::model_config_path(m, Path::new("."))?)?,
+            None => train::plan_model(&config)?,
+        };
+        let devices = match devices {
+            Some(d) => d,
+            None => train::plan_devices(&config, &gpu_capacity)?,
+        };
+        train::plan_request(&config, model, devices)
     } else {
         let source = args.model_config.as_deref().context(
             "give the model: --model-config path/to/config.json (or a model folder), or --config run.toml",

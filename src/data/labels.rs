@@ -32,8 +32,8 @@ use crate::data::tokenizer::TokenizerBundle;
 use crate::data::DataError;
 use serde::{Deserialize, Serialize};
 
-/// The label value the loss ignores.
-pub const IGNORE_INDEX: i64 = -100;
+/// The label value the loss ignores (defined by the loss, [`crate::model::IGNORE_INDEX`]).
+pub use crate::model::IGNORE_INDEX;
 
 /// A tokenised, labelled training sample (or a packed sequence of several).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

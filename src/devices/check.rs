@@ -8,7 +8,7 @@
 //! device; data parallel over two logical devices equal to one device on the
 //! whole batch; NCCL all-reduce (with `nccl`); the memory sampler.
 
-use super::parallel::{data_parallel_step, Batch, HostReducer};
+use super::parallel::{data_parallel_step, DeviceBatch, HostReducer};
 use super::sampler::{MemorySampler, SampleTarget};
 use super::strategy::{Assignment, LogicalDevice, Strategy};
 use super::DevicesError;
@@ -208,7 +208,7 @@ fn step_discovery(o: &CheckOptions) -> Outcome {
                 "{} [{}] {}",
                 g.label(),
                 g.name,
-                super::placement::format_bytes(g.total_bytes)
+                crate::units::format_bytes(g.total_bytes)
             )
         })
         .collect();
@@ -218,7 +218,7 @@ fn step_discovery(o: &CheckOptions) -> Outcome {
                 "cpu: {} ({} cores, {}); GPUs: {}{}",
                 cpu.name,
                 cpu.cores.unwrap_or(0),
-                super::placement::format_bytes(cpu.total_bytes),
+                crate::units::format_bytes(cpu.total_bytes),
                 if gpus.is_empty() {
                     "none".to_string()
                 } else {
@@ -255,7 +255,7 @@ fn step_discovery(o: &CheckOptions) -> Outcome {
 }
 
 /// The fixture batch (`input_ids`, `attention_mask`, `labels`) and references.
-fn load_reference(dir: &Path) -> Result<(Batch, HashMap<String, Tensor>), DevicesError> {
+fn load_reference(dir: &Path) -> Result<(DeviceBatch, HashMap<String, Tensor>), DevicesError> {
     let path = dir.join("reference.safetensors");
     if !path.exists() {
         return Err(DevicesError::Input(format!(
@@ -271,7 +271,7 @@ fn load_reference(dir: &Path) -> Result<(Batch, HashMap<String, Tensor>), Device
             .cloned()
             .ok_or_else(|| DevicesError::Input(format!("{} has no tensor `{k}`", path.display())))
     };
-    let batch = Batch {
+    let batch = DeviceBatch {
         input_ids: get("input_ids")?.to_dtype(DType::U32)?,
         attention_mask: Some(get("attention_mask")?.to_dtype(DType::U32)?),
         labels: get("labels")?.to_dtype(DType::I64)?,
@@ -280,7 +280,10 @@ fn load_reference(dir: &Path) -> Result<(Batch, HashMap<String, Tensor>), Device
 }
 
 /// Mean loss and gradients of the mean (grads of the sum scaled by 1/tokens).
-fn loss_and_mean_grads(model: &CausalLm, batch: &Batch) -> Result<(f64, Gradients), DevicesError> {
+fn loss_and_mean_grads(
+    model: &CausalLm,
+    batch: &DeviceBatch,
+) -> Result<(f64, Gradients), DevicesError> {
     let out = model.loss(
         &batch.input_ids,
         batch.attention_mask.as_ref(),
@@ -549,9 +552,9 @@ fn step_sampler(o: &CheckOptions) -> Result<Outcome, DevicesError> {
         (Ok(a), Ok(b)) if a.used_bytes > 0 && a.capacity_bytes > 0 => Ok(Outcome::Pass(format!(
             "{}: {} used of {} (then {} after {:.2} s)",
             a.label,
-            super::placement::format_bytes(a.used_bytes),
-            super::placement::format_bytes(a.capacity_bytes),
-            super::placement::format_bytes(b.used_bytes),
+            crate::units::format_bytes(a.used_bytes),
+            crate::units::format_bytes(a.capacity_bytes),
+            crate::units::format_bytes(b.used_bytes),
             b.t_secs - a.t_secs
         ))),
         (a, b) => Ok(Outcome::Fail(format!("samples: {a:?}, {b:?}"))),
@@ -565,7 +568,7 @@ fn random_batch(
     seq: usize,
     device: &Device,
     seed: u64,
-) -> Result<Batch, DevicesError> {
+) -> Result<DeviceBatch, DevicesError> {
     use rand::{Rng, SeedableRng};
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let ids: Vec<u32> = (0..rows * seq)
@@ -573,7 +576,7 @@ fn random_batch(
         .collect();
     let input_ids = Tensor::from_vec(ids, (rows, seq), device)?;
     let labels = input_ids.to_dtype(DType::I64)?;
-    Ok(Batch {
+    Ok(DeviceBatch {
         input_ids,
         attention_mask: None,
         labels,
@@ -582,7 +585,7 @@ fn random_batch(
 
 /// One training step as the trainer takes it: loss sum, backward, AdamW with
 /// token normalisation. Returns the mean loss.
-fn train_step(model: &CausalLm, opt: &mut AdamW, batch: &Batch) -> Result<f64, DevicesError> {
+fn train_step(model: &CausalLm, opt: &mut AdamW, batch: &DeviceBatch) -> Result<f64, DevicesError> {
     let out = model.loss(
         &batch.input_ids,
         batch.attention_mask.as_ref(),
@@ -769,7 +772,7 @@ fn step_memory_grid(o: &CheckOptions) -> Result<Outcome, DevicesError> {
             Precision::Fp16Mixed => (DType::F16, true),
         };
         let predicted = dp.peak_bytes.saturating_sub(dp.overhead_bytes);
-        let build = || -> Result<(CausalLm, AdamW, Batch), DevicesError> {
+        let build = || -> Result<(CausalLm, AdamW, DeviceBatch), DevicesError> {
             let mut model = CausalLm::random_init(&config, 0, dtype, &device)?;
             model.set_activation_checkpointing(g.checkpointing);
             let opt = AdamW::new(model.params(), AdamWConfig::default(), master)?;
@@ -824,14 +827,14 @@ fn step_memory_grid(o: &CheckOptions) -> Result<Outcome, DevicesError> {
                 metrics.insert(format!("grid{i}_measured_bytes"), m as f64);
                 lines.push(format!(
                     "{label}: predicted {} measured {} ({:+.1} %)",
-                    super::placement::format_bytes(predicted),
-                    super::placement::format_bytes(m),
+                    crate::units::format_bytes(predicted),
+                    crate::units::format_bytes(m),
                     -100.0 * err
                 ));
             }
             None => lines.push(format!(
                 "{label}: predicted {} (not measurable here)",
-                super::placement::format_bytes(predicted)
+                crate::units::format_bytes(predicted)
             )),
         }
     }

@@ -9,15 +9,8 @@ use super::nvml::{Nvml, NvmlGpu};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
-/// The kind of a device.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DeviceKind {
-    /// The host CPU and its RAM.
-    Cpu,
-    /// An NVIDIA GPU.
-    Cuda,
-}
+/// The kind of a device (the planner's type: one definition for both).
+pub use crate::plan::DeviceKind;
 
 /// A process that holds memory on a GPU.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -35,7 +35,7 @@ pub use discovery::{
     DeviceKind, DiscoveryOptions, GpuProcess,
 };
 pub use parallel::{
-    data_parallel_step, split_batch, Batch, DataParallelOutput, GradientReducer, HostReducer,
+    data_parallel_step, split_batch, DataParallelOutput, DeviceBatch, GradientReducer, HostReducer,
 };
 pub use placement::{balance_layers, LayerSplit, PlacementError, StageCosts};
 pub use sampler::{MemorySample, MemorySampler, SampleTarget};

@@ -17,9 +17,10 @@ use super::DevicesError;
 use crate::model::{CausalLm, Gradients};
 use candle_core::{Device, Tensor};
 
-/// One batch of training rows (all on one device).
+/// One batch of training rows as tensors, all on one device (the host-side padded batch
+/// is [`crate::data::Batch`]).
 #[derive(Debug, Clone)]
-pub struct Batch {
+pub struct DeviceBatch {
     /// `[rows, seq]` u32 token ids.
     pub input_ids: Tensor,
     /// `[rows, seq]` u32 1/0 attention mask, when padded.
@@ -28,15 +29,15 @@ pub struct Batch {
     pub labels: Tensor,
 }
 
-impl Batch {
+impl DeviceBatch {
     /// Number of rows.
     pub fn rows(&self) -> Result<usize, DevicesError> {
         Ok(self.input_ids.dim(0)?)
     }
 
     /// Rows `start..start + len`.
-    pub fn narrow(&self, start: usize, len: usize) -> Result<Batch, DevicesError> {
-        Ok(Batch {
+    pub fn narrow(&self, start: usize, len: usize) -> Result<DeviceBatch, DevicesError> {
+        Ok(DeviceBatch {
             input_ids: self.input_ids.narrow(0, start, len)?,
             attention_mask: match &self.attention_mask {
                 Some(m) => Some(m.narrow(0, start, len)?),
@@ -47,8 +48,8 @@ impl Batch {
     }
 
     /// The same batch on `device`.
-    pub fn to_device(&self, device: &Device) -> Result<Batch, DevicesError> {
-        Ok(Batch {
+    pub fn to_device(&self, device: &Device) -> Result<DeviceBatch, DevicesError> {
+        Ok(DeviceBatch {
             input_ids: self.input_ids.to_device(device)?,
             attention_mask: match &self.attention_mask {
                 Some(m) => Some(m.to_device(device)?),
@@ -61,7 +62,7 @@ impl Batch {
 
 /// Splits a batch's rows into `ranks` contiguous shards, as even as possible
 /// (earlier ranks get the extra rows).
-pub fn split_batch(batch: &Batch, ranks: usize) -> Result<Vec<Batch>, DevicesError> {
+pub fn split_batch(batch: &DeviceBatch, ranks: usize) -> Result<Vec<DeviceBatch>, DevicesError> {
     let rows = batch.rows()?;
     if ranks == 0 {
         return Err(DevicesError::Input(
@@ -99,11 +100,11 @@ pub struct ShardResult {
 /// can implement it for toy models).
 pub trait ShardModel {
     /// Loss sum, token count and gradients of the loss sum on `shard`.
-    fn loss_and_grads(&self, shard: &Batch) -> Result<ShardResult, DevicesError>;
+    fn loss_and_grads(&self, shard: &DeviceBatch) -> Result<ShardResult, DevicesError>;
 }
 
 impl ShardModel for CausalLm {
-    fn loss_and_grads(&self, shard: &Batch) -> Result<ShardResult, DevicesError> {
+    fn loss_and_grads(&self, shard: &DeviceBatch) -> Result<ShardResult, DevicesError> {
         let out = self.loss(
             &shard.input_ids,
             shard.attention_mask.as_ref(),
@@ -222,7 +223,7 @@ impl DataParallelOutput {
 pub fn data_parallel_step<M: ShardModel + Sync>(
     replicas: &[&M],
     devices: &[LogicalDevice],
-    batch: &Batch,
+    batch: &DeviceBatch,
     reducer: &dyn GradientReducer,
 ) -> Result<DataParallelOutput, DevicesError> {
     if replicas.is_empty() {
@@ -553,9 +554,9 @@ mod tests {
     use super::*;
     use candle_core::DType;
 
-    fn batch(rows: usize) -> Batch {
+    fn batch(rows: usize) -> DeviceBatch {
         let ids: Vec<u32> = (0..rows as u32 * 3).collect();
-        Batch {
+        DeviceBatch {
             input_ids: Tensor::from_vec(ids, (rows, 3), &Device::Cpu).unwrap(),
             attention_mask: None,
             labels: Tensor::zeros((rows, 3), DType::I64, &Device::Cpu).unwrap(),
@@ -586,7 +587,7 @@ mod tests {
     }
 
     impl ShardModel for Toy {
-        fn loss_and_grads(&self, shard: &Batch) -> Result<ShardResult, DevicesError> {
+        fn loss_and_grads(&self, shard: &DeviceBatch) -> Result<ShardResult, DevicesError> {
             let x = shard.input_ids.to_dtype(DType::F32)?;
             let n = shard.input_ids.elem_count();
             let sum = x.sum_all()?.broadcast_mul(self.w.as_tensor())?.sum_all()?;

@@ -6,9 +6,10 @@
 //! `CudaDevice` (own stream) on the same ordinal. That is what lets a layer
 //! split or data parallelism run — and be tested — on one CPU or one GPU.
 
-use super::placement::{balance_layers, format_bytes, LayerSplit, StageCosts};
+use super::placement::{balance_layers, LayerSplit, StageCosts};
 use super::DevicesError;
 use crate::model::NamedParam;
+use crate::units::format_bytes;
 use candle_core::{DType, Device};
 
 /// How a run is spread over its devices (the planner's type, so the run

@@ -15,6 +15,8 @@ use tunestudio::train::{self, Command, RunConfig, Trainer};
 use super::file_picker::{PickKind, PickerOutcome};
 use super::jobs::{JobOutput, Jobs, PickTarget};
 use super::panels;
+use super::playground;
+use super::reducer::apply_job;
 use super::state::{push_recent, AppState, Panel, PickFor, RunPhase, RunState, Settings};
 use super::theme;
 
@@ -75,7 +77,7 @@ pub enum Action {
     /// Open a file dialog.
     Pick(PickTarget),
     /// Something for the Playground panel.
-    Playground(panels::playground::PgAction),
+    Playground(playground::PgAction),
 }
 
 /// Options for the app that the command line or tests set.
@@ -154,28 +156,8 @@ pub struct StudioApp {
     pub frame_count: u64,
     /// See [`StartOptions::nvml_library`].
     nvml_library: Option<PathBuf>,
-}
-
-/// Sets `max_length` from a new dataset's lengths (99th percentile, rounded up to 64, at most
-/// the model's context) instead of keeping the previous project's cut.
-fn propose_max_length(s: &mut AppState, p: &tunestudio::data::DataPreview) {
-    let Some(mut len) = p.stats.histogram.suggested_max_length() else {
-        return;
-    };
-    if let Some(ctx) = s
-        .model
-        .info
-        .as_ref()
-        .map(|m| m.config.max_position_embeddings)
-    {
-        len = len.min(ctx.max(64));
-    }
-    if len != s.config.data.max_length {
-        s.config.data.max_length = len;
-        s.toast(format!(
-            "max_length {len}: the 99th-percentile row length of this dataset, rounded up to 64"
-        ));
-    }
+    /// The panel the last frame showed (opening the Playground lists checkpoints again).
+    shown_panel: Option<Panel>,
 }
 
 /// The in-app picker's title and what it chooses, per studio field (as the system dialog's
@@ -197,10 +179,18 @@ fn pick_kind(target: PickTarget) -> (&'static str, PickKind) {
     }
 }
 
-/// The bundled demo config.
-pub fn demo_config_path() -> PathBuf {
-    tunestudio::paths::assets_dir().join("demo.toml")
+/// Whether the settings `key` changed since the last request: if so, records it and
+/// returns the new request's sequence number (answers to older numbers are dropped).
+fn next_request<K: PartialEq>(key: K, last: &mut K, seq: &mut u64) -> Option<u64> {
+    if key == *last {
+        return None;
+    }
+    *last = key;
+    *seq += 1;
+    Some(*seq)
 }
+
+pub use super::state::demo_config_path;
 
 /// Loads a run config, keeping its problems as text instead of failing when it
 /// still parses (the studio shows them and lets the user fix them).
@@ -305,6 +295,7 @@ impl StudioApp {
             }),
             frame_count: 0,
             nvml_library: opts.nvml_library,
+            shown_panel: None,
         };
         app.jobs.discover_devices(app.nvml_library.clone());
         app.state.devices.loading = true;
@@ -316,176 +307,13 @@ impl StudioApp {
 
     /// The devices the plan runs on: the selected ones, sized from discovery.
     pub fn device_specs(&self) -> Result<Vec<DeviceSpec>, String> {
-        let labels = &self.state.config.devices.devices;
-        if labels.is_empty() {
-            return Err("no device selected: tick at least one device in GPUs & memory".into());
-        }
-        let mut out = Vec::new();
-        for label in labels {
-            let label = label.trim();
-            if let Some(inv) = &self.state.devices.inventory {
-                if label == "cpu" {
-                    if let Some(cpu) = inv.cpu() {
-                        out.push(DeviceSpec::cpu(cpu.total_bytes));
-                        continue;
-                    }
-                }
-                if let Some(n) = label
-                    .strip_prefix("cuda:")
-                    .and_then(|n| n.parse::<usize>().ok())
-                {
-                    let gpu = inv
-                        .gpu_by_cuda_ordinal(n)
-                        .or_else(|| inv.gpus().find(|g| g.index == n));
-                    if let Some(g) = gpu {
-                        let cap = g.total_bytes.saturating_sub(g.other_processes_bytes());
-                        let mut spec = DeviceSpec::cuda(n, cap);
-                        spec.name = format!("GPU {n}");
-                        out.push(spec);
-                        continue;
-                    }
-                }
-            }
-            match tunestudio::plan::parse_devices(label) {
-                Ok(mut d) => out.append(&mut d),
-                Err(e) => return Err(e.to_string()),
-            }
-        }
-        Ok(out)
+        self.state.device_specs()
     }
 
+    /// Folds a job's report into the state (see [`apply_job`]) and queues what follows.
     fn handle_job(&mut self, out: JobOutput) {
-        let s = &mut self.state;
-        match out {
-            JobOutput::Model { seq, result } => {
-                if seq != s.model.seq {
-                    return;
-                }
-                s.model.loading = None;
-                s.model.download_bytes = None;
-                match result {
-                    Ok(info) => {
-                        s.model.error = None;
-                        push_recent(&mut s.settings.recent_models, info.source.clone());
-                        s.model.info = Some(info);
-                    }
-                    Err(e) => {
-                        s.model.error = Some(e);
-                        s.model.info = None;
-                    }
-                }
-            }
-            JobOutput::ModelProgress { seq, bytes } => {
-                if seq == s.model.seq && s.model.loading.is_some() {
-                    s.model.download_bytes = Some(bytes);
-                }
-            }
-            JobOutput::HubCache(list) => s.model.cached = list,
-            JobOutput::Dataset { seq, result } => {
-                if seq != s.dataset.seq {
-                    return;
-                }
-                s.dataset.loading = false;
-                match result {
-                    Ok(sum) => {
-                        s.dataset.error = None;
-                        s.dataset.summary = Some(sum);
-                    }
-                    Err(e) => {
-                        s.dataset.error = Some(e);
-                        s.dataset.summary = None;
-                    }
-                }
-            }
-            JobOutput::Preview { seq, result } => {
-                if seq != s.preview.seq {
-                    return;
-                }
-                s.preview.loading = false;
-                match result {
-                    Ok(p) => {
-                        s.preview.error = None;
-                        if std::mem::take(&mut s.dataset.propose_max_length) {
-                            propose_max_length(s, &p);
-                        }
-                        s.preview.preview = Some(p);
-                    }
-                    Err(e) => {
-                        s.preview.error = Some(e);
-                        s.preview.preview = None;
-                    }
-                }
-            }
-            JobOutput::Plan { seq, result } => {
-                if seq != s.plan.seq {
-                    return;
-                }
-                s.plan.loading = false;
-                match result {
-                    Ok((req, plan)) => {
-                        s.plan.error = None;
-                        s.plan.request = Some(req);
-                        s.plan.plan = Some(plan);
-                    }
-                    Err(e) => {
-                        s.plan.error = Some(e);
-                        s.plan.plan = None;
-                    }
-                }
-            }
-            JobOutput::AutoFit(r) => {
-                s.plan.autofit_running = false;
-                match r {
-                    // Auto-fit applies its answer at once and says what it changed.
-                    Ok(fit) => {
-                        s.plan.autofit = Some(fit);
-                        self.actions.push(Action::ApplyAutoFit);
-                    }
-                    Err(e) => s.plan.error = Some(e),
-                }
-            }
-            JobOutput::DryRun(report) => {
-                s.plan.dry_run_running = false;
-                s.plan.dry_run = Some(report);
-            }
-            JobOutput::Devices(inv) => {
-                s.devices.loading = false;
-                s.devices.inventory = Some(inv);
-            }
-            JobOutput::Export(r) => {
-                s.export.running = false;
-                s.export.result = Some(r);
-            }
-            JobOutput::Picked(target, path) => {
-                let text = path.display().to_string();
-                match target {
-                    PickTarget::ModelFolder => {
-                        s.model.source_input = text;
-                        self.actions.push(Action::LoadModel);
-                    }
-                    PickTarget::DatasetFile | PickTarget::DatasetFolder => {
-                        s.dataset.path_input = text;
-                        self.actions.push(Action::ScanDataset);
-                    }
-                    PickTarget::ValidationFile => s.config.data.validation_path = Some(text),
-                    PickTarget::OutputDir => s.config.output_dir = path,
-                    PickTarget::ConfigOpen => self.actions.push(Action::LoadConfig(path)),
-                    PickTarget::ConfigSave => {
-                        s.export.config_path = text;
-                        self.actions.push(Action::SaveConfig(path));
-                    }
-                    PickTarget::Checkpoint => s.export.checkpoint = text,
-                    PickTarget::ExportDest => s.export.destination = text,
-                    PickTarget::RunDir => self.actions.push(Action::AddRunDir(path)),
-                }
-            }
-            JobOutput::History(runs, errors) => {
-                s.history.loading = false;
-                s.history.runs = runs;
-                s.history.overlay.retain(|&i| i < s.history.runs.len());
-                s.history.error = (!errors.is_empty()).then(|| errors.join("\n"));
-            }
-        }
+        let follow = apply_job(&mut self.state, out);
+        self.actions.extend(follow);
     }
 
     /// Starts background work the current settings need (dataset scan, preview, plan).
@@ -497,50 +325,42 @@ impl StudioApp {
             .as_ref()
             .map(|i| i.dir.display().to_string());
 
-        let dkey = self.state.dataset_key();
-        if dkey != self.state.dataset.key {
-            self.state.dataset.key = dkey;
-            self.state.dataset.seq += 1;
-            self.state.dataset.loading = true;
-            self.jobs
-                .scan_dataset(self.state.dataset.seq, self.state.config.resolved_data());
+        let s = &mut self.state;
+        if let Some(seq) = next_request(s.dataset_key(), &mut s.dataset.key, &mut s.dataset.seq) {
+            s.dataset.loading = true;
+            self.jobs.scan_dataset(seq, s.config.resolved_data());
         }
 
         if let Some(dir) = &model_dir {
-            let pkey = format!("{dir}|{}", self.state.preview_key());
-            if pkey != self.state.preview.key {
-                self.state.preview.key = pkey;
-                self.state.preview.seq += 1;
-                self.state.preview.loading = true;
+            let key = format!("{dir}|{}", s.preview_key());
+            if let Some(seq) = next_request(key, &mut s.preview.key, &mut s.preview.seq) {
+                s.preview.loading = true;
                 self.jobs.preview(
-                    self.state.preview.seq,
+                    seq,
                     dir.clone(),
-                    self.state.config.resolved_data(),
-                    self.state.preview.start_row,
-                    self.state.config.training.micro_batch.clamp(1, 16),
+                    s.config.resolved_data(),
+                    s.preview.start_row,
+                    s.config.training.micro_batch.clamp(1, 16),
                 );
             }
         }
 
-        if let Some(info) = &self.state.model.info {
-            let key = self.state.plan_key();
-            if key != self.state.plan.key {
-                self.state.plan.key = key;
-                self.state.plan.seq += 1;
-                match self.device_specs() {
-                    Ok(devices) => {
-                        self.state.plan.loading = true;
-                        self.jobs.plan(
-                            self.state.plan.seq,
-                            info.config.clone(),
-                            self.state.config.clone(),
-                            devices,
-                        );
-                    }
-                    Err(e) => {
-                        self.state.plan.error = Some(e);
-                        self.state.plan.plan = None;
-                    }
+        let Some(model) = s.model.info.as_ref().map(|i| i.config.clone()) else {
+            return;
+        };
+        if let Some(seq) = next_request(s.plan_key(), &mut s.plan.key, &mut s.plan.seq) {
+            match self.device_specs() {
+                Ok(devices) => {
+                    self.state.plan.loading = true;
+                    self.jobs
+                        .plan(seq, model, self.state.config.clone(), devices);
+                }
+                Err(e) => {
+                    self.state.plan.error = Some(super::error::JobError::of(
+                        super::error::ErrorKind::Config,
+                        e,
+                    ));
+                    self.state.plan.plan = None;
                 }
             }
         }
@@ -584,7 +404,7 @@ impl StudioApp {
             }
             None => c.lora.enabled = false,
         }
-        c.devices.strategy = req.strategy.as_str().to_string();
+        c.devices.strategy = req.strategy;
     }
 
     /// A new dataset gets its own settings: the format and columns are detected afresh
@@ -721,198 +541,228 @@ impl StudioApp {
     fn run_actions(&mut self) {
         let actions = std::mem::take(&mut self.actions);
         for a in actions {
-            match a {
-                Action::LoadModel => {
-                    let typed = self.state.model.source_input.trim().to_string();
-                    if typed != self.state.config.model.source {
-                        self.state.config.model.source = typed;
-                        self.propose_output_dir();
-                    }
-                    let source = self.state.model_source();
-                    self.state.model.seq += 1;
-                    self.state.model.loading = Some(Instant::now());
-                    self.state.model.download_bytes = None;
-                    self.state.model.error = None;
-                    self.jobs.load_model(self.state.model.seq, source);
-                }
-                Action::ScanDataset => {
-                    let path = self.state.dataset.path_input.trim().to_string();
-                    if path != self.state.config.data.path {
-                        self.new_dataset_settings();
-                        self.propose_output_dir();
-                    }
-                    self.state.config.data.path = path;
-                    self.state.dataset.key.clear();
-                    self.state.preview.key.clear();
-                    self.state.preview.start_row = 0;
-                    let p = self.state.config.data.path.clone();
-                    if !p.is_empty() {
-                        push_recent(&mut self.state.settings.recent_datasets, p);
-                    }
-                }
-                Action::Start => self.start_training(false),
-                Action::StartResumingLatest => self.start_training(true),
-                Action::StartInNewFolder => {
-                    self.state.run.existing_run = None;
-                    self.propose_output_dir();
-                    self.start_training(false);
-                }
-                Action::CancelStart => self.state.run.existing_run = None,
-                Action::ApplyOomRefitAndResume => {
-                    match train::oom::refit_after_oom(&self.state.config) {
-                        Ok(refit) => {
-                            self.state.config = refit.config;
-                            self.state
-                                .toast(format!("resuming with: {}", refit.changes.join("; ")));
-                            self.start_training(true);
-                        }
-                        Err(e) => self.state.toast(e),
-                    }
-                }
-                Action::Pause => self.send(Command::Pause),
-                Action::Resume => self.send(Command::Resume),
-                // Stop means what Ctrl-C means in `tunestudio train`: a checkpoint of the
-                // current step, then the end (the Playground can load a stopped run).
-                Action::Stop => {
-                    self.send(Command::SaveNow);
-                    self.send(Command::Stop);
-                }
-                Action::SaveNow => self.send(Command::SaveNow),
-                Action::ApplyChange(change) => {
-                    if let Some(req) = self.state.plan.request.clone() {
-                        let new = change.apply(&req);
-                        let text = change.describe(&req);
-                        self.apply_request(&new);
-                        self.state.toast(format!("applied: {text}"));
-                    }
-                }
-                Action::AutoFit => {
-                    if let Some(req) = self.state.plan.request.clone() {
-                        self.state.plan.autofit_running = true;
-                        self.jobs.auto_fit(req);
-                    }
-                }
-                Action::ApplyAutoFit => {
-                    if let Some(fit) = self.state.plan.autofit.take() {
-                        self.apply_request(&fit.request);
-                        self.state.plan.autofit_applied = if fit.changes.is_empty() {
-                            vec!["the settings already fit; nothing changed".into()]
-                        } else {
-                            fit.changes.clone()
-                        };
-                    }
-                }
-                Action::DryRun => {
-                    // A dry run trains a real step: not on a planned machine.
-                    let real = self.state.planning_only().is_none();
-                    if let Some(plan) = self.state.plan.plan.clone().filter(|_| real) {
-                        self.state.plan.dry_run_running = true;
-                        self.jobs.dry_run(plan, self.state.config.clone());
-                    }
-                }
-                Action::RefreshDevices => {
-                    self.state.devices.loading = true;
-                    self.jobs.discover_devices(self.nvml_library.clone());
-                }
-                Action::Goto(p) => self.state.panel = p,
-                Action::JumpToRow(row) => {
-                    self.state.preview.start_row = row;
-                    self.state.preview.highlight = Some(row);
-                    self.state.panel = Panel::Preview;
-                }
-                Action::SaveConfig(path) => {
-                    let r = self.state.config.with_absolute_paths().save(&path);
-                    match r {
-                        Ok(()) => {
-                            self.state.export.config_message =
-                                Some(Ok(format!("saved {}", path.display())));
-                            push_recent(&mut self.state.settings.recent_configs, path.clone());
-                            self.state.settings.last_config = Some(path.clone());
-                            // Later relative edits resolve against the new location.
-                            if let Ok((c, _)) = load_config(&path) {
-                                self.state.config = c;
-                            }
-                            self.state.config_path = Some(path);
-                        }
-                        Err(e) => self.state.export.config_message = Some(Err(e.to_string())),
-                    }
-                }
-                Action::LoadConfig(path) => match load_config(&path) {
-                    Ok((c, problems)) => {
-                        self.state.set_config(c, Some(path.clone()));
-                        self.state.config_problems = problems;
-                        push_recent(&mut self.state.settings.recent_configs, path.clone());
-                        self.state.settings.last_config = Some(path.clone());
-                        self.state.export.config_message =
-                            Some(Ok(format!("loaded {}", path.display())));
-                        self.actions.push(Action::LoadModel);
-                    }
-                    Err(e) => self.state.export.config_message = Some(Err(e)),
-                },
-                Action::LoadDemo => {
-                    match load_config(&demo_config_path()) {
-                        Ok((c, problems)) => {
-                            self.state.set_config(c, Some(demo_config_path()));
-                            self.state.config_problems = problems;
-                            self.state.settings.last_config = None;
-                        }
-                        Err(e) => self.state.config_problems = vec![e],
-                    }
-                    self.actions.push(Action::LoadModel);
-                }
-                Action::Export => {
-                    let e = &self.state.export;
-                    let ck = PathBuf::from(e.checkpoint.trim());
-                    let dest = PathBuf::from(e.destination.trim());
-                    if e.checkpoint.trim().is_empty() || e.destination.trim().is_empty() {
-                        self.state.export.result = Some(Err(
-                            "choose a checkpoint folder and a destination folder first".into(),
-                        ));
-                    } else {
-                        let (kind, dtype) = (e.kind, e.dtype.to_dtype());
-                        self.state.export.running = true;
-                        self.state.export.result = None;
-                        self.jobs.export(kind, ck, dest, dtype);
-                    }
-                }
-                Action::RefreshHistory => {
-                    let mut dirs = self.state.settings.run_dirs.clone();
-                    let out = self.state.output_dir();
-                    dirs.push(out.clone());
-                    if let Some(parent) = out.parent() {
-                        dirs.push(parent.to_path_buf());
-                    }
-                    self.state.history.loading = true;
-                    self.jobs.load_history(dirs);
-                }
-                Action::Pick(target) => {
-                    let base = self.state.config.base_dir.clone();
-                    let start = match target {
-                        PickTarget::ModelFolder => {
-                            super::state::dialog_dir(&self.state.model.source_input, &base)
-                        }
-                        PickTarget::DatasetFile | PickTarget::DatasetFolder => {
-                            super::state::dialog_dir(&self.state.dataset.path_input, &base)
-                        }
-                        PickTarget::Checkpoint | PickTarget::RunDir | PickTarget::OutputDir => {
-                            Some(self.state.output_dir()).filter(|p| p.is_dir())
-                        }
-                        _ => None,
-                    };
-                    if self.state.system_dialog.is_ok() {
-                        self.jobs.pick(target, start);
-                    } else {
-                        let (title, kind) = pick_kind(target);
-                        self.state
-                            .open_picker(PickFor::Studio(target), title, kind, start);
-                    }
-                }
-                Action::Playground(a) => panels::playground::apply(&mut self.state, a, &self.ctx),
-                Action::AddRunDir(dir) => {
-                    push_recent(&mut self.state.settings.run_dirs, dir);
-                    self.actions.push(Action::RefreshHistory);
+            self.run_action(a);
+        }
+    }
+
+    fn run_action(&mut self, a: Action) {
+        match a {
+            Action::LoadModel => self.load_model(),
+            Action::ScanDataset => self.scan_dataset(),
+            Action::Start => self.start_training(false),
+            Action::StartResumingLatest => self.start_training(true),
+            Action::StartInNewFolder => {
+                self.state.run.existing_run = None;
+                self.propose_output_dir();
+                self.start_training(false);
+            }
+            Action::CancelStart => self.state.run.existing_run = None,
+            Action::ApplyOomRefitAndResume => self.refit_and_resume(),
+            Action::Pause => self.send(Command::Pause),
+            Action::Resume => self.send(Command::Resume),
+            // Stop means what Ctrl-C means in `tunestudio train`: a checkpoint of the
+            // current step, then the end (the Playground can load a stopped run).
+            Action::Stop => {
+                self.send(Command::SaveNow);
+                self.send(Command::Stop);
+            }
+            Action::SaveNow => self.send(Command::SaveNow),
+            Action::ApplyChange(change) => self.apply_change(&change),
+            Action::AutoFit => {
+                if let Some(req) = self.state.plan.request.clone() {
+                    self.state.plan.autofit_running = true;
+                    self.jobs.auto_fit(req);
                 }
             }
+            Action::ApplyAutoFit => self.apply_auto_fit(),
+            Action::DryRun => self.dry_run(),
+            Action::RefreshDevices => {
+                self.state.devices.loading = true;
+                self.jobs.discover_devices(self.nvml_library.clone());
+            }
+            Action::Goto(p) => self.state.panel = p,
+            Action::JumpToRow(row) => {
+                self.state.preview.start_row = row;
+                self.state.preview.highlight = Some(row);
+                self.state.panel = Panel::Preview;
+            }
+            Action::SaveConfig(path) => self.save_config(path),
+            Action::LoadConfig(path) => self.open_config(path),
+            Action::LoadDemo => self.load_demo(),
+            Action::Export => self.export(),
+            Action::RefreshHistory => self.refresh_history(),
+            Action::Pick(target) => self.pick(target),
+            Action::Playground(a) => playground::apply(&mut self.state, a, &self.jobs),
+            Action::AddRunDir(dir) => {
+                push_recent(&mut self.state.settings.run_dirs, dir);
+                self.actions.push(Action::RefreshHistory);
+            }
+        }
+    }
+
+    fn load_model(&mut self) {
+        let typed = self.state.model.source_input.trim().to_string();
+        if typed != self.state.config.model.source {
+            self.state.config.model.source = typed;
+            self.propose_output_dir();
+        }
+        let source = self.state.model_source();
+        self.state.model.seq += 1;
+        self.state.model.loading = Some(Instant::now());
+        self.state.model.download_bytes = None;
+        self.state.model.error = None;
+        self.jobs.load_model(self.state.model.seq, source);
+    }
+
+    fn scan_dataset(&mut self) {
+        let path = self.state.dataset.path_input.trim().to_string();
+        if path != self.state.config.data.path {
+            self.new_dataset_settings();
+            self.propose_output_dir();
+        }
+        self.state.config.data.path = path;
+        self.state.dataset.key.clear();
+        self.state.preview.key.clear();
+        self.state.preview.start_row = 0;
+        let p = self.state.config.data.path.clone();
+        if !p.is_empty() {
+            push_recent(&mut self.state.settings.recent_datasets, p);
+        }
+    }
+
+    /// After an out-of-memory stop: the fitted settings, then resume from the checkpoint.
+    fn refit_and_resume(&mut self) {
+        match train::oom::refit_after_oom(&self.state.config) {
+            Ok(refit) => {
+                self.state.config = refit.config;
+                self.state
+                    .toast(format!("resuming with: {}", refit.changes.join("; ")));
+                self.start_training(true);
+            }
+            Err(e) => self.state.toast(e),
+        }
+    }
+
+    fn apply_change(&mut self, change: &Change) {
+        if let Some(req) = self.state.plan.request.clone() {
+            let new = change.apply(&req);
+            let text = change.describe(&req);
+            self.apply_request(&new);
+            self.state.toast(format!("applied: {text}"));
+        }
+    }
+
+    fn apply_auto_fit(&mut self) {
+        if let Some(fit) = self.state.plan.autofit.take() {
+            self.apply_request(&fit.request);
+            self.state.plan.autofit_applied = if fit.changes.is_empty() {
+                vec!["the settings already fit; nothing changed".into()]
+            } else {
+                fit.changes.clone()
+            };
+        }
+    }
+
+    fn dry_run(&mut self) {
+        // A dry run trains a real step: not on a planned machine.
+        let real = self.state.planning_only().is_none();
+        if let Some(plan) = self.state.plan.plan.clone().filter(|_| real) {
+            self.state.plan.dry_run_running = true;
+            self.jobs.dry_run(plan, self.state.config.clone());
+        }
+    }
+
+    fn save_config(&mut self, path: PathBuf) {
+        let r = self.state.config.with_absolute_paths().save(&path);
+        match r {
+            Ok(()) => {
+                self.state.export.config_message = Some(Ok(format!("saved {}", path.display())));
+                push_recent(&mut self.state.settings.recent_configs, path.clone());
+                self.state.settings.last_config = Some(path.clone());
+                // Later relative edits resolve against the new location.
+                if let Ok((c, _)) = load_config(&path) {
+                    self.state.config = c;
+                }
+                self.state.config_path = Some(path);
+            }
+            Err(e) => self.state.export.config_message = Some(Err(e.to_string())),
+        }
+    }
+
+    fn open_config(&mut self, path: PathBuf) {
+        match load_config(&path) {
+            Ok((c, problems)) => {
+                self.state.set_config(c, Some(path.clone()));
+                self.state.config_problems = problems;
+                push_recent(&mut self.state.settings.recent_configs, path.clone());
+                self.state.settings.last_config = Some(path.clone());
+                self.state.export.config_message = Some(Ok(format!("loaded {}", path.display())));
+                self.actions.push(Action::LoadModel);
+            }
+            Err(e) => self.state.export.config_message = Some(Err(e)),
+        }
+    }
+
+    fn load_demo(&mut self) {
+        match load_config(&demo_config_path()) {
+            Ok((c, problems)) => {
+                self.state.set_config(c, Some(demo_config_path()));
+                self.state.config_problems = problems;
+                self.state.settings.last_config = None;
+            }
+            Err(e) => self.state.config_problems = vec![e],
+        }
+        self.actions.push(Action::LoadModel);
+    }
+
+    fn export(&mut self) {
+        let e = &self.state.export;
+        let ck = PathBuf::from(e.checkpoint.trim());
+        let dest = PathBuf::from(e.destination.trim());
+        if e.checkpoint.trim().is_empty() || e.destination.trim().is_empty() {
+            self.state.export.result = Some(Err(super::error::JobError::of(
+                super::error::ErrorKind::Config,
+                "choose a checkpoint folder and a destination folder first",
+            )));
+        } else {
+            let (kind, dtype) = (e.kind, e.dtype.to_dtype());
+            self.state.export.running = true;
+            self.state.export.result = None;
+            self.jobs.export(kind, ck, dest, dtype);
+        }
+    }
+
+    fn refresh_history(&mut self) {
+        let mut dirs = self.state.settings.run_dirs.clone();
+        let out = self.state.output_dir();
+        dirs.push(out.clone());
+        if let Some(parent) = out.parent() {
+            dirs.push(parent.to_path_buf());
+        }
+        self.state.history.loading = true;
+        self.jobs.load_history(dirs);
+    }
+
+    fn pick(&mut self, target: PickTarget) {
+        let base = self.state.config.base_dir.clone();
+        let start = match target {
+            PickTarget::ModelFolder => {
+                super::state::dialog_dir(&self.state.model.source_input, &base)
+            }
+            PickTarget::DatasetFile | PickTarget::DatasetFolder => {
+                super::state::dialog_dir(&self.state.dataset.path_input, &base)
+            }
+            PickTarget::Checkpoint | PickTarget::RunDir | PickTarget::OutputDir => {
+                Some(self.state.output_dir()).filter(|p| p.is_dir())
+            }
+            _ => None,
+        };
+        if self.state.system_dialog.is_ok() {
+            self.jobs.pick(target, start);
+        } else {
+            let (title, kind) = pick_kind(target);
+            self.state
+                .open_picker(PickFor::Studio(target), title, kind, start);
         }
     }
 
@@ -927,7 +777,9 @@ impl StudioApp {
             PickerOutcome::Cancelled => {
                 self.state.picker = None;
                 if let PickFor::Playground(p) = who {
-                    panels::playground::picked(&mut self.state, p, None);
+                    if let Some(msg) = playground::picked(p, None) {
+                        self.handle_job(JobOutput::Playground(msg));
+                    }
                 }
             }
             PickerOutcome::Chosen(path) => {
@@ -935,7 +787,9 @@ impl StudioApp {
                 match who {
                     PickFor::Studio(target) => self.handle_job(JobOutput::Picked(target, path)),
                     PickFor::Playground(p) => {
-                        panels::playground::picked(&mut self.state, p, Some(path))
+                        if let Some(msg) = playground::picked(p, Some(path)) {
+                            self.handle_job(JobOutput::Playground(msg));
+                        }
                     }
                 }
             }
@@ -969,29 +823,7 @@ impl StudioApp {
             ui.separator();
             // The run.
             let r = &self.state.run;
-            let text = match r.phase {
-                RunPhase::Idle => "no run".to_string(),
-                RunPhase::Loading => format!("run: {}", r.status),
-                RunPhase::Running | RunPhase::Paused => {
-                    let loss = r
-                        .loss
-                        .last()
-                        .map(|p| format!(" · loss {:.4}", p[1]))
-                        .unwrap_or_default();
-                    format!(
-                        "run: step {}/{}{loss} · {:.0} tok/s{}",
-                        r.step,
-                        r.total_steps,
-                        r.tokens_per_sec,
-                        if r.phase == RunPhase::Paused {
-                            " · paused"
-                        } else {
-                            ""
-                        }
-                    )
-                }
-                RunPhase::Finished(_) => format!("run: {}", r.status),
-            };
+            let text = run_status(r);
             let color = match r.phase {
                 RunPhase::Running => theme::OK,
                 RunPhase::Paused => theme::WARNING,
@@ -1243,6 +1075,33 @@ impl StudioApp {
     }
 }
 
+/// The status bar's line about the run.
+fn run_status(r: &RunState) -> String {
+    match r.phase {
+        RunPhase::Idle => "no run".to_string(),
+        RunPhase::Loading => format!("run: {}", r.status),
+        RunPhase::Running | RunPhase::Paused => {
+            let loss = r
+                .loss
+                .last()
+                .map(|p| format!(" · loss {:.4}", p[1]))
+                .unwrap_or_default();
+            format!(
+                "run: step {}/{}{loss} · {:.0} tok/s{}",
+                r.step,
+                r.total_steps,
+                r.tokens_per_sec,
+                if r.phase == RunPhase::Paused {
+                    " · paused"
+                } else {
+                    ""
+                }
+            )
+        }
+        RunPhase::Finished(_) => format!("run: {}", r.status),
+    }
+}
+
 /// Writes an egui image as PNG.
 pub fn save_png(path: &Path, img: &egui::ColorImage) -> Result<(), String> {
     let [w, h] = img.size;
@@ -1266,7 +1125,12 @@ impl eframe::App for StudioApp {
             self.handle_job(out);
         }
         self.poll_trainer();
-        panels::playground::poll(&mut self.state);
+        playground::tick(&mut self.state.playground, &self.jobs);
+        // Opening the Playground lists the run's checkpoints again (in a job).
+        if self.shown_panel != Some(self.state.panel) {
+            self.shown_panel = Some(self.state.panel);
+            self.state.playground.checkpoints_key = None;
+        }
         self.show_picker(ui.ctx());
         self.run_actions();
         self.schedule_jobs();
@@ -1306,9 +1170,7 @@ impl eframe::App for StudioApp {
                         Panel::Devices => panels::devices::show(ui, &mut self.state, &mut actions),
                         Panel::Run => panels::run::show(ui, &mut self.state, &mut actions),
                         Panel::Export => panels::export::show(ui, &mut self.state, &mut actions),
-                        Panel::Playground => {
-                            panels::playground::show(ui, &mut self.state, &mut actions)
-                        }
+                        Panel::Playground => playground::show(ui, &mut self.state, &mut actions),
                     });
                 self.actions.extend(actions);
             });
@@ -1321,9 +1183,9 @@ impl eframe::App for StudioApp {
         if self.state.model.loading.is_some() {
             self.ctx.request_repaint_after(Duration::from_millis(250));
         }
-        // Generation threads have no waker: poll their streams while they run.
+        // Each streamed token wakes the UI; this keeps the live tokens-per-second moving.
         if self.state.playground.busy() {
-            self.ctx.request_repaint_after(Duration::from_millis(30));
+            self.ctx.request_repaint_after(Duration::from_millis(100));
         }
         self.drive_screenshot();
         self.state

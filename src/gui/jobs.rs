@@ -6,6 +6,10 @@
 //!
 //! Requests carry a sequence number; the app keeps only the answer to the
 //! latest request of each kind, so a slow answer to stale settings is dropped.
+//!
+//! The Playground's work (loads, dialogs, prompt lists, generations) runs here too, so
+//! [`Jobs::in_flight`] counts everything the studio has running. Errors cross this edge as
+//! [`JobError`]s: a kind, the message and the hint.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -19,9 +23,10 @@ use tunestudio::data::{
 };
 use tunestudio::devices::DeviceInventory;
 use tunestudio::model::{self, ModelConfig};
-use tunestudio::plan::{self, AutoFit, DeviceSpec, DryRunReport, LoraSpec, Plan, PlanRequest};
+use tunestudio::plan::{self, AutoFit, DeviceSpec, DryRunReport, Plan, PlanRequest};
 use tunestudio::train::{self, RunConfig};
 
+use super::error::{ErrorKind, JobError};
 use super::state::{DatasetSummary, ExportKind, HistoryRun, ModelInfo};
 
 /// What a finished job reports.
@@ -30,8 +35,8 @@ pub enum JobOutput {
     Model {
         /// Request number.
         seq: u64,
-        /// The model or the error in words.
-        result: Result<ModelInfo, String>,
+        /// The model or the error.
+        result: Result<ModelInfo, JobError>,
     },
     /// Download progress of a hub model: bytes in its cache folder so far.
     ModelProgress {
@@ -47,34 +52,51 @@ pub enum JobOutput {
         /// Request number.
         seq: u64,
         /// The summary or the error.
-        result: Result<DatasetSummary, String>,
+        result: Result<DatasetSummary, JobError>,
     },
     /// A preview was built.
     Preview {
         /// Request number.
         seq: u64,
         /// The preview or the error.
-        result: Result<DataPreview, String>,
+        result: Result<DataPreview, JobError>,
     },
     /// A plan was made.
     Plan {
         /// Request number.
         seq: u64,
         /// The request and its plan, or the error.
-        result: Result<(PlanRequest, Plan), String>,
+        result: Result<(PlanRequest, Plan), JobError>,
     },
     /// Auto-fit finished.
-    AutoFit(Result<AutoFit, String>),
+    AutoFit(Result<AutoFit, JobError>),
     /// The dry run finished.
     DryRun(DryRunReport),
     /// Device discovery finished.
     Devices(DeviceInventory),
     /// An export finished.
-    Export(Result<PathBuf, String>),
+    Export(Result<PathBuf, JobError>),
     /// Run history was read.
     History(Vec<HistoryRun>, Vec<String>),
     /// A file dialog returned a path.
     Picked(PickTarget, PathBuf),
+    /// A report of the Playground's work.
+    Playground(super::playground::PgMsg),
+}
+
+/// How a running job reports: each output wakes the UI.
+#[derive(Clone)]
+pub struct JobSender {
+    tx: Sender<JobOutput>,
+    ctx: egui::Context,
+}
+
+impl JobSender {
+    /// Delivers `out` to [`Jobs::drain`] and wakes the UI.
+    pub fn send(&self, out: JobOutput) {
+        let _ = self.tx.send(out);
+        self.ctx.request_repaint();
+    }
 }
 
 /// What a file dialog is choosing.
@@ -138,13 +160,17 @@ impl Jobs {
         self.rx.try_iter().collect()
     }
 
-    /// Runs `work` on a new thread; its output is delivered by [`Jobs::drain`].
+    /// Runs `work` on a new thread; what it sends on the way and its output are delivered by
+    /// [`Jobs::drain`]. It counts in [`Jobs::in_flight`] until it returns.
     pub fn spawn(
         &self,
         name: &str,
-        work: impl FnOnce(&Sender<JobOutput>) -> Option<JobOutput> + Send + 'static,
+        work: impl FnOnce(&JobSender) -> Option<JobOutput> + Send + 'static,
     ) {
-        let tx = self.tx.clone();
+        let tx = JobSender {
+            tx: self.tx.clone(),
+            ctx: self.ctx.clone(),
+        };
         let ctx = self.ctx.clone();
         let running = Arc::clone(&self.running);
         running.fetch_add(1, Ordering::SeqCst);
@@ -155,7 +181,7 @@ impl Jobs {
                 // A panic inside the library must not leave the UI waiting forever.
                 let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| work(&tx)));
                 if let Ok(Some(out)) = out {
-                    let _ = tx.send(out);
+                    tx.send(out);
                 }
                 guard_running.fetch_sub(1, Ordering::SeqCst);
                 ctx.request_repaint();
@@ -181,7 +207,7 @@ impl Jobs {
                     .name("studio-download".into())
                     .spawn(move || {
                         while !done2.load(Ordering::SeqCst) {
-                            let _ = tx2.send(JobOutput::ModelProgress {
+                            tx2.send(JobOutput::ModelProgress {
                                 seq,
                                 bytes: folder_bytes(&dir),
                             });
@@ -239,10 +265,13 @@ impl Jobs {
         self.spawn("preview", move |_| {
             let result = (|| {
                 let tok = tokenizer_for(&cache, &model_dir)?;
-                let opened = data::open_data(&cfg).map_err(|e| e.to_string())?;
+                let opened = data::open_data(&cfg)?;
                 let n = opened.main.len();
                 if n == 0 {
-                    return Err(format!("{} has no rows", cfg.path));
+                    return Err(JobError::of(
+                        ErrorKind::Data,
+                        format!("{} has no rows", cfg.path),
+                    ));
                 }
                 let start = start.min(n - 1);
                 let rows: Vec<usize> = (start..(start + batch.max(1)).min(n)).collect();
@@ -251,7 +280,7 @@ impl Jobs {
                     batch_size: batch.max(1),
                     full_scan: true,
                 };
-                data::preview_opened(&cfg, &tok, &opened, &opts).map_err(|e| e.to_string())
+                Ok(data::preview_opened(&cfg, &tok, &opened, &opts)?)
             })();
             Some(JobOutput::Preview { seq, result })
         });
@@ -260,11 +289,9 @@ impl Jobs {
     /// Plans memory for `config` on `devices`.
     pub fn plan(&self, seq: u64, model: ModelConfig, config: RunConfig, devices: Vec<DeviceSpec>) {
         self.spawn("plan", move |_| {
-            let result = plan_request(&model, &config, devices).and_then(|req| {
-                plan::plan(&req)
-                    .map(|p| (req, p))
-                    .map_err(|e| e.to_string())
-            });
+            let result = plan_request(&model, &config, devices)
+                .map_err(|e| JobError::of(ErrorKind::Config, e))
+                .and_then(|req| Ok(plan::plan(&req).map(|p| (req, p))?));
             Some(JobOutput::Plan { seq, result })
         });
     }
@@ -273,7 +300,7 @@ impl Jobs {
     pub fn auto_fit(&self, request: PlanRequest) {
         self.spawn("auto-fit", move |_| {
             Some(JobOutput::AutoFit(
-                plan::auto_fit(&request).map_err(|e| e.to_string()),
+                plan::auto_fit(&request).map_err(JobError::from),
             ))
         });
     }
@@ -318,14 +345,7 @@ impl Jobs {
                 ExportKind::Merged => train::export_merged(&checkpoint, &dest, dtype),
                 ExportKind::Full => train::export_full(&checkpoint, &dest, dtype),
             };
-            Some(JobOutput::Export(r.map_err(|e| {
-                let hint = e.hint();
-                if hint.is_empty() {
-                    e.to_string()
-                } else {
-                    format!("{e}\n{hint}")
-                }
-            })))
+            Some(JobOutput::Export(r.map_err(JobError::from)))
         });
     }
 
@@ -395,12 +415,13 @@ fn folder_bytes(dir: &Path) -> u64 {
 }
 
 /// Resolves a model and reads what the Model panel shows.
-pub fn model_info(source: &str) -> Result<ModelInfo, String> {
+pub fn model_info(source: &str) -> Result<ModelInfo, JobError> {
     let source = source.trim();
     if source.is_empty() {
-        return Err(
-            "no model chosen: type a folder or a hub id like HuggingFaceTB/SmolLM2-135M".into(),
-        );
+        return Err(JobError::of(
+            ErrorKind::Config,
+            "no model chosen: type a folder or a hub id like HuggingFaceTB/SmolLM2-135M",
+        ));
     }
     let local = Path::new(source);
     // A local folder without weights is still a usable model (random initialisation),
@@ -415,10 +436,10 @@ pub fn model_info(source: &str) -> Result<ModelInfo, String> {
             .unwrap_or_default();
         (local.to_path_buf(), weights, local.join("config.json"))
     } else {
-        let files = model::resolve_model(source).map_err(|e| e.to_string())?;
+        let files = model::resolve_model(source)?;
         (files.dir.clone(), files.weights, files.config.clone())
     };
-    let config = ModelConfig::from_file(&config_path).map_err(|e| e.to_string())?;
+    let config = ModelConfig::from_file(&config_path)?;
     let dtype = ["torch_dtype", "dtype"].iter().find_map(|k| {
         config
             .raw
@@ -460,7 +481,7 @@ pub fn model_info(source: &str) -> Result<ModelInfo, String> {
 fn tokenizer_for(
     cache: &Mutex<Option<(PathBuf, Arc<TokenizerBundle>)>>,
     model_dir: &str,
-) -> Result<Arc<TokenizerBundle>, String> {
+) -> Result<Arc<TokenizerBundle>, JobError> {
     let key = PathBuf::from(model_dir);
     if let Ok(guard) = cache.lock() {
         if let Some((dir, tok)) = guard.as_ref() {
@@ -469,7 +490,7 @@ fn tokenizer_for(
             }
         }
     }
-    let tok = Arc::new(TokenizerBundle::from_source(model_dir).map_err(|e| e.to_string())?);
+    let tok = Arc::new(TokenizerBundle::from_source(model_dir)?);
     if let Ok(mut guard) = cache.lock() {
         *guard = Some((key, Arc::clone(&tok)));
     }
@@ -477,12 +498,12 @@ fn tokenizer_for(
 }
 
 /// Opens a dataset and summarises it.
-pub fn dataset_summary(cfg: &DataConfig) -> Result<DatasetSummary, String> {
-    cfg.validate().map_err(|e| e.to_string())?;
-    let opened = data::open_data(cfg).map_err(|e| e.to_string())?;
+pub fn dataset_summary(cfg: &DataConfig) -> Result<DatasetSummary, JobError> {
+    cfg.validate()?;
+    let opened = data::open_data(cfg)?;
     let n = opened.main.len();
     let (detected, columns, first_row) = if n > 0 {
-        let row = opened.main.row(0).map_err(|e| e.to_string())?;
+        let row = opened.main.row(0)?;
         let columns = row
             .as_object()
             .map(|o| o.keys().cloned().collect())
@@ -512,37 +533,15 @@ pub fn dataset_summary(cfg: &DataConfig) -> Result<DatasetSummary, String> {
     })
 }
 
-/// The planner's request for the studio's settings.
+/// The planner's request for the studio's settings: the run config through the one adapter
+/// ([`train::plan_request`]), with the model the studio has loaded and its devices. Its
+/// output is also the studio's "plan is stale" key ([`super::state::PlanKey`]).
 pub fn plan_request(
     model: &ModelConfig,
     config: &RunConfig,
     devices: Vec<DeviceSpec>,
 ) -> Result<PlanRequest, String> {
-    let t = &config.training;
-    let precision = t.precision;
-    let strategy: plan::Strategy = config
-        .devices
-        .strategy
-        .parse()
-        .map_err(|e: plan::PlanError| e.to_string())?;
-    let lora = config.lora.enabled.then(|| {
-        let mut spec = LoraSpec::all_linear(config.lora.r);
-        spec.target_modules = config.lora.target_modules.clone();
-        spec
-    });
-    Ok(PlanRequest {
-        model: model.clone(),
-        precision,
-        micro_batch: t.micro_batch.max(1),
-        gradient_accumulation: t.gradient_accumulation.max(1),
-        seq_len: config.data.max_length.max(1),
-        activation_checkpointing: t.activation_checkpointing,
-        optimizer_offload: t.optimizer_offload == tunestudio::model::OptimizerOffload::Host,
-        lora,
-        strategy,
-        devices,
-        ops: tunestudio::model::OpsMode::from_env().unwrap_or_default(),
-    })
+    Ok(train::plan_request(config, model.clone(), devices))
 }
 
 /// Reads runs: each folder with a `metrics.jsonl`, or its sub-folders that have one.

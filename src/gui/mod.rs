@@ -12,11 +12,14 @@
 //! `tunestudio train --config` runs headless.
 
 pub mod app;
+pub mod error;
 pub mod file_picker;
 pub mod fonts;
 pub mod jobs;
 pub mod panels;
 pub mod planned;
+pub mod playground;
+pub mod reducer;
 pub mod state;
 pub mod text;
 pub mod theme;

@@ -276,7 +276,7 @@ impl AppState {
     /// Writes the device entries; one device means the single strategy.
     pub fn set_device_entries(&mut self, entries: Vec<String>) {
         if entries.len() <= 1 {
-            self.config.devices.strategy = "single".into();
+            self.config.devices.strategy = tunestudio::settings::Strategy::Single;
         }
         self.config.devices.devices = entries;
         self.devices

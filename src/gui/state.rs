@@ -12,8 +12,10 @@ use serde::{Deserialize, Serialize};
 use tunestudio::data::{DataPreview, Format};
 use tunestudio::devices::DeviceInventory;
 use tunestudio::model::ModelConfig;
-use tunestudio::plan::{AutoFit, DryRunReport, Plan, PlanRequest};
+use tunestudio::plan::{AutoFit, DeviceSpec, DryRunReport, Plan, PlanRequest};
 use tunestudio::train::{Event, FinishReason, RunConfig, RunCurves, TrainerHandle};
+
+use crate::gui::error::{ErrorKind, JobError};
 
 /// The panels of the left navigation, in workflow order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -114,6 +116,11 @@ impl Default for Settings {
     }
 }
 
+/// The bundled demo config.
+pub fn demo_config_path() -> PathBuf {
+    tunestudio::paths::assets_dir().join("demo.toml")
+}
+
 /// Keeps a most-recent-first list of at most 10 unique entries.
 pub fn push_recent<T: PartialEq + Clone>(list: &mut Vec<T>, item: T) {
     list.retain(|x| *x != item);
@@ -156,7 +163,7 @@ pub struct ModelState {
     /// Bytes in the hub cache folder of the model being downloaded.
     pub download_bytes: Option<u64>,
     /// The last error.
-    pub error: Option<String>,
+    pub error: Option<JobError>,
     /// Hub models found in the local cache (usable offline).
     pub cached: Vec<String>,
     /// Request sequence number (latest wins).
@@ -190,7 +197,7 @@ pub struct DatasetState {
     /// The last summary.
     pub summary: Option<DatasetSummary>,
     /// The last error.
-    pub error: Option<String>,
+    pub error: Option<JobError>,
     /// Whether a scan is in flight.
     pub loading: bool,
     /// Request sequence number.
@@ -209,7 +216,7 @@ pub struct PreviewState {
     /// The last preview.
     pub preview: Option<DataPreview>,
     /// The last error.
-    pub error: Option<String>,
+    pub error: Option<JobError>,
     /// Whether a preview is being built.
     pub loading: bool,
     /// Request sequence number.
@@ -220,6 +227,21 @@ pub struct PreviewState {
     pub highlight: Option<usize>,
 }
 
+/// Everything a memory plan depends on: the planner's request, as the one adapter
+/// (`tunestudio::train::plan_request`) derives it from the run config, the loaded model and
+/// the devices, plus what shapes the request from outside the run config. The plan is stale
+/// exactly when the current key differs (`!=`) from the one it was made for: a new setting
+/// the planner reads reaches the key through the adapter, with no edit here.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlanKey {
+    /// The request, or why there is none (no device selected, a device string that does
+    /// not parse).
+    pub request: Result<PlanRequest, String>,
+    /// How many devices discovery found (`None` before it answers): the selected devices are
+    /// sized from it.
+    pub inventory_devices: Option<usize>,
+}
+
 /// The memory plan for the current settings.
 #[derive(Default)]
 pub struct PlanState {
@@ -228,13 +250,13 @@ pub struct PlanState {
     /// The plan.
     pub plan: Option<Plan>,
     /// Why there is no plan.
-    pub error: Option<String>,
+    pub error: Option<JobError>,
     /// Whether a plan is being computed.
     pub loading: bool,
     /// Request sequence number.
     pub seq: u64,
-    /// The settings key of the last request.
-    pub key: String,
+    /// What the last request was made for ([`AppState::plan_key`]); `None` before the first.
+    pub key: Option<PlanKey>,
     /// The last auto-fit, with the settings it started from.
     pub autofit: Option<AutoFit>,
     /// Auto-fit in flight.
@@ -317,10 +339,18 @@ pub struct RunError {
     pub message: String,
     /// The trainer's hint.
     pub hint: String,
-    /// Whether it is an out-of-memory error (fixes from the planner apply).
-    pub out_of_memory: bool,
+    /// What kind of error (out of memory: fixes from the planner apply).
+    pub kind: ErrorKind,
     /// The step, when known.
     pub step: Option<u64>,
+}
+
+impl RunError {
+    /// Whether a device ran out of memory (the trainer said so with its `out_of_memory`
+    /// event).
+    pub fn is_out_of_memory(&self) -> bool {
+        self.kind == ErrorKind::OutOfMemory
+    }
 }
 
 /// The live run.
@@ -373,6 +403,8 @@ pub struct RunState {
     pub parameters: Option<(u64, u64)>,
     /// Every event received (for tests and the history).
     pub events_received: usize,
+    /// The trainer reported running out of memory (the error that follows is of that kind).
+    pub out_of_memory_reported: bool,
 }
 
 impl Default for RunState {
@@ -402,6 +434,7 @@ impl Default for RunState {
             last_checkpoint: None,
             parameters: None,
             events_received: 0,
+            out_of_memory_reported: false,
         }
     }
 }
@@ -447,38 +480,6 @@ impl RunState {
                 self.status = message.clone();
                 self.log(LogLevel::Info, message);
             }
-            Event::Started {
-                total_steps,
-                start_step,
-                resumed_from,
-                num_parameters,
-                trainable_parameters,
-                train_rows,
-                eval_rows,
-                output_dir,
-                ..
-            } => {
-                self.phase = RunPhase::Running;
-                self.total_steps = total_steps;
-                self.start_step = start_step;
-                self.step = start_step;
-                self.parameters = Some((num_parameters, trainable_parameters));
-                self.status = "training".into();
-                let resumed = resumed_from
-                    .map(|p| format!(", resumed from {}", p.display()))
-                    .unwrap_or_default();
-                self.log(
-                    LogLevel::Info,
-                    format!(
-                        "started: {total_steps} steps, {train_rows} training rows, {eval_rows} validation rows, \
-                         {} of {} parameters trained{resumed}; writing to {}",
-                        crate::gui::theme::count(trainable_parameters),
-                        crate::gui::theme::count(num_parameters),
-                        output_dir.display()
-                    ),
-                );
-                self.output_dir = Some(output_dir);
-            }
             Event::Step {
                 step,
                 loss,
@@ -522,24 +523,7 @@ impl RunState {
                     format!("eval at step {step}: loss {loss:.4}, perplexity {perplexity:.2}"),
                 );
             }
-            Event::Memory {
-                device,
-                used_bytes,
-                peak_bytes,
-                total_bytes,
-                step,
-                scope,
-            } => {
-                let series = self.memory.entry(device).or_default();
-                series.scope = scope;
-                series
-                    .used
-                    .push([step as f64, crate::gui::theme::gib(used_bytes)]);
-                series.peak_bytes = series.peak_bytes.max(peak_bytes);
-                if total_bytes.is_some() {
-                    series.total_bytes = total_bytes;
-                }
-            }
+            ev @ Event::Memory { .. } => self.apply_memory(ev),
             Event::CheckpointSaved { step, path } => {
                 self.log(
                     LogLevel::Info,
@@ -569,32 +553,6 @@ impl RunState {
                     );
                 }
             }
-            Event::OutOfMemory {
-                step,
-                phase,
-                device,
-                checkpoint,
-                refit,
-                refit_error,
-            } => {
-                let saved = checkpoint
-                    .as_ref()
-                    .map_or("no checkpoint yet".to_string(), |p| {
-                        format!("checkpoint {}", p.display())
-                    });
-                self.log(
-                    LogLevel::Error,
-                    format!("{device} ran out of memory at step {step} ({phase}); {saved}"),
-                );
-                self.oom_refit = if checkpoint.is_some() && refit_error.is_none() {
-                    Some(refit)
-                } else {
-                    None
-                };
-                if let Some(e) = refit_error {
-                    self.log(LogLevel::Warning, e);
-                }
-            }
             Event::LintAllowed { lint } => {
                 self.log(
                     LogLevel::Warning,
@@ -605,23 +563,69 @@ impl RunState {
                 );
                 self.allowed_lints.push(lint);
             }
-            Event::Error {
-                message,
-                hint,
-                step,
+            ev @ (Event::Started { .. } | Event::Finished { .. }) => self.apply_start_or_end(ev),
+            ev @ (Event::OutOfMemory { .. } | Event::Error { .. }) => self.apply_failure(ev),
+        }
+    }
+
+    /// A memory sample of one device.
+    fn apply_memory(&mut self, event: Event) {
+        let Event::Memory {
+            device,
+            used_bytes,
+            peak_bytes,
+            total_bytes,
+            step,
+            scope,
+        } = event
+        else {
+            return;
+        };
+        let series = self.memory.entry(device).or_default();
+        series.scope = scope;
+        series
+            .used
+            .push([step as f64, crate::gui::theme::gib(used_bytes)]);
+        series.peak_bytes = series.peak_bytes.max(peak_bytes);
+        if total_bytes.is_some() {
+            series.total_bytes = total_bytes;
+        }
+    }
+
+    /// The run started or ended.
+    fn apply_start_or_end(&mut self, event: Event) {
+        match event {
+            Event::Started {
+                total_steps,
+                start_step,
+                resumed_from,
+                num_parameters,
+                trainable_parameters,
+                train_rows,
+                eval_rows,
+                output_dir,
                 ..
             } => {
-                let lower = message.to_ascii_lowercase();
-                let out_of_memory = lower.contains("out of memory")
-                    || lower.contains("cannot allocate memory")
-                    || lower.contains("out_of_memory");
-                self.log(LogLevel::Error, format!("{message} — {hint}"));
-                self.error = Some(RunError {
-                    message,
-                    hint,
-                    out_of_memory,
-                    step,
-                });
+                self.phase = RunPhase::Running;
+                self.total_steps = total_steps;
+                self.start_step = start_step;
+                self.step = start_step;
+                self.parameters = Some((num_parameters, trainable_parameters));
+                self.status = "training".into();
+                let resumed = resumed_from
+                    .map(|p| format!(", resumed from {}", p.display()))
+                    .unwrap_or_default();
+                self.log(
+                    LogLevel::Info,
+                    format!(
+                        "started: {total_steps} steps, {train_rows} training rows, {eval_rows} validation rows, \
+                         {} of {} parameters trained{resumed}; writing to {}",
+                        crate::gui::theme::count(trainable_parameters),
+                        crate::gui::theme::count(num_parameters),
+                        output_dir.display()
+                    ),
+                );
+                self.output_dir = Some(output_dir);
             }
             Event::Finished {
                 reason,
@@ -660,6 +664,64 @@ impl RunState {
                     format!("{what} at step {step}{fl}{fe}"),
                 );
             }
+            _ => {}
+        }
+    }
+
+    /// The run failed (out of memory first, when it was that).
+    fn apply_failure(&mut self, event: Event) {
+        match event {
+            Event::OutOfMemory {
+                step,
+                phase,
+                device,
+                checkpoint,
+                refit,
+                refit_error,
+            } => {
+                let saved = checkpoint
+                    .as_ref()
+                    .map_or("no checkpoint yet".to_string(), |p| {
+                        format!("checkpoint {}", p.display())
+                    });
+                self.log(
+                    LogLevel::Error,
+                    format!("{device} ran out of memory at step {step} ({phase}); {saved}"),
+                );
+                self.out_of_memory_reported = true;
+                self.oom_refit = if checkpoint.is_some() && refit_error.is_none() {
+                    Some(refit)
+                } else {
+                    None
+                };
+                if let Some(e) = refit_error {
+                    self.log(LogLevel::Warning, e);
+                }
+            }
+            Event::Error {
+                message,
+                hint,
+                step,
+                ..
+            } => {
+                // The kind comes from the trainer's own `out_of_memory` event, not the words;
+                // the hint is said once even when the message already ends with it.
+                let kind = if self.out_of_memory_reported {
+                    ErrorKind::OutOfMemory
+                } else {
+                    ErrorKind::Other
+                };
+                let e = JobError::new(kind, message, Some(hint));
+                let hint = e.hint.unwrap_or_default();
+                self.log(LogLevel::Error, format!("{} — {hint}", e.message));
+                self.error = Some(RunError {
+                    message: e.message,
+                    hint,
+                    kind,
+                    step,
+                });
+            }
+            _ => {}
         }
     }
 }
@@ -745,7 +807,7 @@ pub struct ExportState {
     /// Export in flight.
     pub running: bool,
     /// The last export's result.
-    pub result: Option<Result<PathBuf, String>>,
+    pub result: Option<Result<PathBuf, JobError>>,
     /// Where the run config is saved.
     pub config_path: String,
     /// The last save/load message.
@@ -870,7 +932,7 @@ pub struct AppState {
     /// Export panel.
     pub export: ExportState,
     /// Playground panel.
-    pub playground: crate::gui::panels::playground::PlaygroundState,
+    pub playground: crate::gui::playground::PlaygroundState,
     /// Frame-time statistics.
     pub frames: FrameStats,
     /// Show the frame-time debug line in the status bar.
@@ -893,7 +955,7 @@ pub enum PickFor {
     /// A studio field.
     Studio(crate::gui::jobs::PickTarget),
     /// The Playground.
-    Playground(crate::gui::panels::playground::PgPick),
+    Playground(crate::gui::playground::PgPick),
 }
 
 impl AppState {
@@ -959,7 +1021,7 @@ impl AppState {
         self.dataset.path_input = self.config.data.path.clone();
         // Never offer to overwrite the bundled demo: its copy goes to <output>/run.toml.
         self.export.config_path = match &self.config_path {
-            Some(p) if *p != crate::gui::app::demo_config_path() => p.display().to_string(),
+            Some(p) if *p != demo_config_path() => p.display().to_string(),
             _ => self.default_config_path().display().to_string(),
         };
         self.export.kind = if self.config.lora.enabled {
@@ -1021,28 +1083,56 @@ impl AppState {
         )
     }
 
-    /// Key of everything the plan depends on.
-    pub fn plan_key(&self) -> String {
-        let t = &self.config.training;
-        format!(
-            "{}|{}|{}|{}|{}|{}|{:?}|{:?}|{}|{:?}|{:?}|{}",
-            self.model.info.as_ref().map_or("", |i| i.source.as_str()),
-            t.precision,
-            t.micro_batch,
-            t.gradient_accumulation,
-            self.config.data.max_length,
-            t.activation_checkpointing,
-            t.optimizer_offload,
-            (
-                self.config.lora.enabled,
-                self.config.lora.r,
-                &self.config.lora.target_modules
-            ),
-            self.config.devices.strategy,
-            self.config.devices.devices,
-            self.devices.inventory.as_ref().map(|i| i.devices.len()),
-            self.config.model.dtype.to_dtype().is_some(),
-        )
+    /// Key of everything the plan depends on (`None` until a model is loaded).
+    pub fn plan_key(&self) -> Option<PlanKey> {
+        let model = &self.model.info.as_ref()?.config;
+        let request = self
+            .device_specs()
+            .and_then(|devices| super::jobs::plan_request(model, &self.config, devices));
+        Some(PlanKey {
+            request,
+            inventory_devices: self.devices.inventory.as_ref().map(|i| i.devices.len()),
+        })
+    }
+
+    /// The devices the plan runs on: the selected ones, sized from discovery.
+    pub fn device_specs(&self) -> Result<Vec<DeviceSpec>, String> {
+        let labels = &self.config.devices.devices;
+        if labels.is_empty() {
+            return Err("no device selected: tick at least one device in GPUs & memory".into());
+        }
+        let mut out = Vec::new();
+        for label in labels {
+            let label = label.trim();
+            if let Some(inv) = &self.devices.inventory {
+                if label == "cpu" {
+                    if let Some(cpu) = inv.cpu() {
+                        out.push(DeviceSpec::cpu(cpu.total_bytes));
+                        continue;
+                    }
+                }
+                if let Some(n) = label
+                    .strip_prefix("cuda:")
+                    .and_then(|n| n.parse::<usize>().ok())
+                {
+                    let gpu = inv
+                        .gpu_by_cuda_ordinal(n)
+                        .or_else(|| inv.gpus().find(|g| g.index == n));
+                    if let Some(g) = gpu {
+                        let cap = g.total_bytes.saturating_sub(g.other_processes_bytes());
+                        let mut spec = DeviceSpec::cuda(n, cap);
+                        spec.name = format!("GPU {n}");
+                        out.push(spec);
+                        continue;
+                    }
+                }
+            }
+            match tunestudio::plan::parse_devices(label) {
+                Ok(mut d) => out.append(&mut d),
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        Ok(out)
     }
 
     /// The output folder, resolved.
@@ -1102,14 +1192,37 @@ mod tests {
             skipped: false,
             loss_scale: None,
         });
+        // Words alone do not make an out-of-memory error: the trainer's event does.
         r.apply(Event::Error {
-            message: "CUDA out of memory on cuda:0".into(),
+            message: "the note says out of memory\nhint: lower the micro-batch".into(),
+            hint: "lower the micro-batch".into(),
+            phase: None,
+            step: Some(2),
+        });
+        let e = r.error.clone().expect("error");
+        assert!(!e.is_out_of_memory());
+        // The hint is said once.
+        assert_eq!(e.message, "the note says out of memory");
+        assert_eq!(
+            r.log.last().map(|l| l.text.matches("lower the").count()),
+            Some(1)
+        );
+        r.apply(Event::OutOfMemory {
+            step: 2,
+            phase: tunestudio::train::Phase::Forward,
+            device: "cuda:0".into(),
+            checkpoint: None,
+            refit: Vec::new(),
+            refit_error: None,
+        });
+        r.apply(Event::Error {
+            message: "CUDA_ERROR_OUT_OF_MEMORY".into(),
             hint: "lower the micro-batch".into(),
             phase: None,
             step: Some(2),
         });
         assert_eq!(r.loss, vec![[1.0, 2.5]]);
-        assert!(r.error.as_ref().is_some_and(|e| e.out_of_memory));
+        assert!(r.error.as_ref().is_some_and(|e| e.is_out_of_memory()));
         r.total_steps = 10;
         assert!(r.eta_secs().is_some());
     }

@@ -257,7 +257,14 @@ fn malformed_dataset_shows_its_error_without_crashing() {
     wait_for(&mut h, "the dataset error", Duration::from_secs(30), |a| {
         a.state.dataset.error.is_some() && a.jobs.in_flight() == 0
     });
-    let err = h.state().state.dataset.error.clone().unwrap_or_default();
+    let err = h
+        .state()
+        .state
+        .dataset
+        .error
+        .as_ref()
+        .map(ToString::to_string)
+        .unwrap_or_default();
     assert!(
         err.contains("broken.json"),
         "the error names the file: {err}"
@@ -391,7 +398,7 @@ fn type_into(h: &mut Harness<'static, StudioApp>, label: &str, text: &str) {
 
 #[test]
 fn playground_streams_both_sides_cancels_and_reports_errors() {
-    use super::panels::playground::SideSource;
+    use super::playground::SideSource;
     use tunestudio::infer::StopReason;
 
     let out = tempfile::tempdir().expect("tempdir");
@@ -432,7 +439,14 @@ fn playground_streams_both_sides_cancels_and_reports_errors() {
     h.get_by_label("Generate").click();
     h.step();
     h.step();
-    let err = h.state().state.playground.error.clone().unwrap_or_default();
+    let err = h
+        .state()
+        .state
+        .playground
+        .error
+        .as_ref()
+        .map(ToString::to_string)
+        .unwrap_or_default();
     assert!(err.contains("empty"), "error: {err}");
     assert!(h.query_by_label_contains("the prompt is empty").is_some());
 
@@ -442,7 +456,14 @@ fn playground_streams_both_sides_cancels_and_reports_errors() {
     h.get_by_label("Generate").click();
     h.step();
     h.step();
-    let err = h.state().state.playground.error.clone().unwrap_or_default();
+    let err = h
+        .state()
+        .state
+        .playground
+        .error
+        .as_ref()
+        .map(ToString::to_string)
+        .unwrap_or_default();
     assert!(err.contains("max_new_tokens"), "error: {err}");
 
     // Greedy, a few tokens: both sides stream and finish.
@@ -474,8 +495,14 @@ fn playground_streams_both_sides_cancels_and_reports_errors() {
     let export = out.path().join("cmp.jsonl");
     h.state_mut().state.playground.export_path = export.display().to_string();
     h.get_by_label("Export comparison").click();
-    h.step();
-    h.step();
+    // The file is written by a job, off the UI thread.
+    wait_for(&mut h, "the export", Duration::from_secs(30), |a| {
+        a.state
+            .playground
+            .message
+            .as_deref()
+            .is_some_and(|m| m.starts_with("exported"))
+    });
     let text = std::fs::read_to_string(&export).expect("export written");
     let row: serde_json::Value =
         serde_json::from_str(text.lines().next().expect("one line")).expect("json");
@@ -519,7 +546,8 @@ fn playground_streams_both_sides_cancels_and_reports_errors() {
     });
     let err = h.state().state.playground.sides[0]
         .load_error
-        .clone()
+        .as_ref()
+        .map(ToString::to_string)
         .unwrap_or_default();
     assert!(err.contains("tiny-llama"), "error: {err}");
     assert!(h
@@ -569,6 +597,70 @@ fn playground_loads_the_demo_run_model() {
     assert_eq!(rows[1].prompt, "Two");
     assert!(!rows[0].left.is_empty() && !rows[0].left.starts_with("error"));
     assert!(h.query_by_label_contains("Batch prompt").is_some());
+}
+
+/// The Playground's work (a load, a generation) runs as jobs: the status bar's
+/// `Jobs::in_flight` counts it while it runs and drops to 0 when it is done.
+#[test]
+fn playground_work_counts_as_jobs_in_flight() {
+    use super::playground::SideSource;
+
+    let out = tempfile::tempdir().expect("tempdir");
+    let base = tunestudio::paths::shared_dir()
+        .join("fixtures")
+        .join("tiny-llama")
+        .display()
+        .to_string();
+    let mut h = harness(Panel::Playground, out.path());
+    settle(&mut h);
+    assert_eq!(h.state().jobs.in_flight(), 0);
+    h.state_mut().state.playground.sides[0].source = SideSource::Folder;
+    h.step();
+    type_into(&mut h, "Left model", &base);
+    h.get_by_label("Load Left").click();
+    // The click queues the action; the next frame starts the load as a job.
+    h.step();
+    h.step();
+    assert!(
+        h.state().state.playground.sides[0].loading.is_some(),
+        "the load started"
+    );
+    // (The tiny model may already be loaded by now, so its job may be done: the generation
+    // below is the check that cannot race.)
+    wait_for(
+        &mut h,
+        "the load and its job",
+        Duration::from_secs(60),
+        |a| a.jobs.in_flight() == 0 && a.state.playground.sides[0].loading.is_none(),
+    );
+    let s = &h.state().state.playground.sides[0];
+    assert!(s.load_error.is_none(), "{:?}", s.load_error);
+    assert!(s.generator.is_some());
+
+    // A long generation counts until it is cancelled and its stream has ended.
+    {
+        let p = &mut h.state_mut().state.playground.params;
+        p.max_new_tokens = 100_000;
+        p.stop_on_eos = false;
+    }
+    type_into(&mut h, "Prompt", "Once upon a time");
+    h.get_by_label("Generate").click();
+    h.step();
+    h.step();
+    assert!(h.state().state.playground.generating());
+    assert!(
+        h.state().jobs.in_flight() > 0,
+        "a generation counts as a job"
+    );
+    assert!(h.query_by_label_contains("background job(s)").is_some());
+    h.get_by_label("Cancel").click();
+    wait_for(
+        &mut h,
+        "the generation to end",
+        Duration::from_secs(30),
+        |a| !a.state.playground.generating() && a.jobs.in_flight() == 0,
+    );
+    assert_eq!(h.state().jobs.in_flight(), 0);
 }
 
 /// The fake NVML of `tests/fake_nvml/` (two GPUs), compiled into `dir`.

@@ -52,24 +52,9 @@ pub const SERIES: [Color32; 6] = [
 ];
 
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
-const MIB: f64 = 1024.0 * 1024.0;
 
-/// Bytes for people: GiB with two decimals under 10 GiB and one above, MiB below
-/// 1 GiB, KiB below that ("12.41 GiB", "812 MiB").
-pub fn bytes(b: u64) -> String {
-    let f = b as f64;
-    if f >= 10.0 * GIB {
-        format!("{:.1} GiB", f / GIB)
-    } else if f >= GIB {
-        format!("{:.2} GiB", f / GIB)
-    } else if f >= MIB {
-        format!("{:.0} MiB", f / MIB)
-    } else if b >= 1024 {
-        format!("{:.0} KiB", f / 1024.0)
-    } else {
-        format!("{b} B")
-    }
-}
+/// Bytes for people ("12.41 GiB", "812 MiB"): the crate's one formatter.
+pub use tunestudio::units::format_bytes as bytes;
 
 /// Bytes as GiB (for chart axes).
 pub fn gib(b: u64) -> f64 {
@@ -164,6 +149,11 @@ pub fn error_box(ui: &mut Ui, title: &str, message: &str) {
             ui.label(RichText::new(title).strong().color(ERROR));
             ui.add(egui::Label::new(message).wrap());
         });
+}
+
+/// A background job's error: the message, then what to do (once).
+pub fn job_error(ui: &mut Ui, title: &str, e: &crate::gui::error::JobError) {
+    error_box(ui, title, &e.to_string());
 }
 
 /// A small note ("not available yet", hints).

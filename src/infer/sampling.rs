@@ -1,11 +1,27 @@
 //! Choosing the next token from logits: greedy, or sampling with temperature, top-k and
 //! top-p, after a repetition penalty — in the order transformers applies them
 //! (repetition penalty → temperature → top-k → top-p), seeded for reproducibility.
+//!
+//! The penalty and the sampling are candle-transformers'
+//! ([`apply_repeat_penalty`], [`LogitsProcessor`] with its seeded `StdRng`). What stays here,
+//! and why:
+//! - greedy decoding uses [`argmax`], not the library's `Sampling::ArgMax`: candle's argmax
+//!   starts from the first value and compares with `<`, so a NaN in position 0 wins and an
+//!   all-NaN row yields token 0; ours skips NaN, returns `None` for a row with nothing to
+//!   pick (the generator reports it) and takes the first of equal values, as torch does —
+//!   the parity tests compare greedy output with transformers token for token;
+//! - top-k *and* top-p together: the library's `TopKThenTopP` compares `top_p` with the
+//!   top-k tokens' share of the *whole* distribution (and skips top-p when that share is
+//!   below `top_p`), while transformers renormalises over the top-k tokens first. We mask
+//!   everything outside the top k to `-inf` (`keep_top_k`) so the library's softmax
+//!   renormalises, then let it apply top-k (a no-op) and top-p;
+//! - non-finite logits become `-inf` before sampling (a NaN would make the library's
+//!   weighted draw fail), and a row with no finite logit gives `None`.
 
 use super::error::InferError;
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-use std::collections::HashSet;
+use candle_core::{Device, Tensor};
+use candle_transformers::generation::{LogitsProcessor, Sampling};
+use candle_transformers::utils::apply_repeat_penalty;
 
 /// How to generate: length limits, sampling knobs, stop conditions.
 #[derive(Debug, Clone, PartialEq)]
@@ -114,27 +130,25 @@ impl SamplingParams {
 /// Picks tokens from logits according to [`SamplingParams`]; owns the seeded generator.
 pub struct Sampler {
     params: SamplingParams,
-    rng: StdRng,
+    /// candle-transformers' sampler, seeded with `params.seed` (unused when greedy).
+    processor: LogitsProcessor,
     /// Tokens picked so far (the position in `forced_tokens`).
     picked: usize,
-    /// Scratch: (token, value) candidates.
-    cand: Vec<(u32, f32)>,
 }
 
 impl Sampler {
     /// A sampler seeded with `params.seed`.
     pub fn new(params: &SamplingParams) -> Self {
         Self {
-            rng: StdRng::seed_from_u64(params.seed),
+            processor: LogitsProcessor::from_sampling(params.seed, library_sampling(params)),
             picked: 0,
             params: params.clone(),
-            cand: Vec::new(),
         }
     }
 
     /// The next token for `logits` (one per vocabulary entry; modified in place by the
-    /// penalty), given every token so far (`context`: prompt + output) for the repetition
-    /// penalty. `None` when no logit is finite.
+    /// penalty, and when sampling by the top-k mask), given every token so far (`context`:
+    /// prompt + output) for the repetition penalty. `None` when no logit is finite.
     pub fn next_token(&mut self, logits: &mut [f32], context: &[u32]) -> Option<u32> {
         self.picked += 1;
         if let Some(&id) = self.params.forced_tokens.get(self.picked - 1) {
@@ -142,64 +156,64 @@ impl Sampler {
         }
         let p = &self.params;
         if p.repetition_penalty != 1.0 {
-            let pen = p.repetition_penalty as f32;
-            let seen: HashSet<u32> = context.iter().copied().collect();
-            for id in seen {
-                if let Some(l) = logits.get_mut(id as usize) {
-                    *l = if *l > 0.0 { *l / pen } else { *l * pen };
-                }
-            }
+            let penalised =
+                apply_repeat_penalty(&cpu_tensor(logits)?, p.repetition_penalty as f32, context)
+                    .and_then(|t| t.to_vec1::<f32>())
+                    .ok()?;
+            logits.copy_from_slice(&penalised);
         }
         if !p.is_sampling() {
             return argmax(logits);
         }
-        let inv_t = (1.0 / p.temperature) as f32;
-        self.cand.clear();
-        self.cand.extend(
-            logits
-                .iter()
-                .enumerate()
-                .filter(|(_, l)| l.is_finite())
-                .map(|(i, &l)| (i as u32, l * inv_t)),
-        );
-        if self.cand.is_empty() {
+        if !logits.iter().any(|l| l.is_finite()) {
             return None;
         }
-        let desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if p.top_k > 0 && p.top_k < self.cand.len() {
-            // Partial selection: only the k best need sorting.
-            self.cand.select_nth_unstable_by(p.top_k - 1, desc);
-            self.cand.truncate(p.top_k);
+        for l in logits.iter_mut().filter(|l| !l.is_finite()) {
+            *l = f32::NEG_INFINITY;
         }
-        self.cand.sort_unstable_by(desc);
-        let max = self.cand[0].1;
-        let mut probs: Vec<f32> = self.cand.iter().map(|c| (c.1 - max).exp()).collect();
-        let total: f32 = probs.iter().sum();
-        if p.top_p < 1.0 {
-            // Keep the smallest prefix whose mass reaches top_p (the token crossing it too).
-            let target = p.top_p as f32 * total;
-            let mut cum = 0.0;
-            let mut keep = probs.len();
-            for (i, q) in probs.iter().enumerate() {
-                if cum >= target {
-                    keep = i.max(1);
-                    break;
-                }
-                cum += q;
-            }
-            probs.truncate(keep);
+        if p.top_k > 0 && p.top_p < 1.0 {
+            keep_top_k(logits, p.top_k);
         }
-        let mass: f32 = probs.iter().sum();
-        let mut u = self.rng.gen::<f32>() * mass;
-        for (i, q) in probs.iter().enumerate() {
-            if u < *q {
-                return Some(self.cand[i].0);
-            }
-            u -= q;
-        }
-        // Rounding left `u` just past the end: the last kept token.
-        Some(self.cand[probs.len() - 1].0)
+        // The library fails only on weights it cannot draw from (non-finite after the
+        // temperature): reported like non-finite logits.
+        self.processor.sample(&cpu_tensor(logits)?).ok()
     }
+}
+
+/// The library's sampling mode for `params` (see the module doc for top-k with top-p).
+fn library_sampling(params: &SamplingParams) -> Sampling {
+    if !params.is_sampling() {
+        return Sampling::ArgMax;
+    }
+    let temperature = params.temperature;
+    let p = params.top_p;
+    match (params.top_k, p < 1.0) {
+        (0, false) => Sampling::All { temperature },
+        (0, true) => Sampling::TopP { p, temperature },
+        (k, false) => Sampling::TopK { k, temperature },
+        (k, true) => Sampling::TopKThenTopP { k, p, temperature },
+    }
+}
+
+fn cpu_tensor(values: &[f32]) -> Option<Tensor> {
+    Tensor::from_slice(values, values.len(), &Device::Cpu).ok()
+}
+
+/// Sets every logit outside the `k` largest to `-inf` (ties: lower ids kept), so that a
+/// softmax renormalises over the top k, as transformers' top-k warper does before top-p.
+fn keep_top_k(logits: &mut [f32], k: usize) {
+    if k == 0 || k >= logits.len() {
+        return;
+    }
+    let mut ids: Vec<usize> = (0..logits.len()).collect();
+    ids.select_nth_unstable_by(k - 1, |&a, &b| {
+        logits[b].total_cmp(&logits[a]).then(a.cmp(&b))
+    });
+    let mut kept = vec![f32::NEG_INFINITY; logits.len()];
+    for &i in &ids[..k] {
+        kept[i] = logits[i];
+    }
+    logits.copy_from_slice(&kept);
 }
 
 /// Index of the largest finite value (the first one on ties, as torch's argmax).
@@ -261,6 +275,84 @@ mod tests {
             let mut logits = vec![3.0, 1.0, 0.5, 0.0];
             assert_eq!(s.next_token(&mut logits, &[]), Some(0));
         }
+    }
+
+    fn sampled(params: &SamplingParams, logits: &[f32], n: usize) -> Vec<u32> {
+        let mut s = Sampler::new(params);
+        (0..n)
+            .map(|_| s.next_token(&mut logits.to_vec(), &[]).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn same_seed_same_draws_other_seed_other_draws() {
+        let params = |seed| SamplingParams {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed,
+            ..SamplingParams::default()
+        };
+        let logits = [0.0f32; 16];
+        let a = sampled(&params(7), &logits, 64);
+        assert_eq!(a, sampled(&params(7), &logits, 64));
+        assert_ne!(a, sampled(&params(8), &logits, 64));
+        // Uniform logits: the draws really are random, not one token.
+        assert!(a.iter().any(|&t| t != a[0]));
+    }
+
+    #[test]
+    fn top_k_then_top_p_renormalises_over_the_top_k_as_transformers() {
+        // Tokens 0 and 1 hold 60 % and 40 % of the top-2 mass but only ~11 % of the whole
+        // vocabulary's. Renormalised (transformers), top_p 0.5 keeps token 0 alone; measured
+        // against the whole mass, top-p would keep both.
+        let mut logits = vec![0.0f32; 100];
+        logits[0] = 2.0;
+        logits[1] = 2.0 - 1.5f32.ln();
+        let params = SamplingParams {
+            temperature: 1.0,
+            top_k: 2,
+            top_p: 0.5,
+            ..SamplingParams::default()
+        };
+        assert!(sampled(&params, &logits, 100).iter().all(|&t| t == 0));
+        // Top-k alone samples from both.
+        let params = SamplingParams {
+            top_p: 1.0,
+            ..params
+        };
+        let draws = sampled(&params, &logits, 100);
+        assert!(draws.contains(&0) && draws.contains(&1));
+        assert!(draws.iter().all(|&t| t < 2));
+    }
+
+    #[test]
+    fn non_finite_logits_are_never_picked() {
+        let sampling = SamplingParams {
+            temperature: 1.0,
+            ..SamplingParams::default()
+        };
+        for params in [SamplingParams::greedy(1), sampling] {
+            let mut s = Sampler::new(&params);
+            assert_eq!(s.next_token(&mut [f32::NAN, f32::NAN], &[]), None);
+            for _ in 0..20 {
+                let mut logits = [f32::NAN, 1.0, f32::NEG_INFINITY];
+                assert_eq!(s.next_token(&mut logits, &[]), Some(1));
+            }
+        }
+    }
+
+    #[test]
+    fn forced_tokens_come_first() {
+        let params = SamplingParams {
+            forced_tokens: vec![2, 0],
+            ..SamplingParams::greedy(4)
+        };
+        let mut s = Sampler::new(&params);
+        let picks: Vec<_> = (0..3)
+            .map(|_| s.next_token(&mut [0.0, 5.0, 1.0], &[]).unwrap())
+            .collect();
+        assert_eq!(picks, [2, 0, 1]);
     }
 
     #[test]

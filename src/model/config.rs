@@ -41,7 +41,7 @@ pub struct RopeScaling {
 }
 
 /// A parsed HF `config.json`; field names follow transformers.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
     /// Which decoder family.
     pub architecture: Architecture,

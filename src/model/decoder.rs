@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 const EMBED_NAME: &str = "model.embed_tokens.weight";
 
 /// Labels with this value are ignored by the loss (transformers' `ignore_index`).
-pub const IGNORE_INDEX: i64 = -100;
+pub use super::ops::IGNORE_INDEX;
 
 /// Rows of the flattened sequence whose logits are computed together in the loss.
 pub const LOSS_CHUNK_TOKENS: usize = 1024;
@@ -283,12 +283,13 @@ fn build_attention_mask(
     Ok(Tensor::from_vec(m, (rows, 1, 1, t, t), device)?)
 }
 
-/// Dropout with a mask drawn from `seed` (so recomputation reproduces it).
-fn dropout(x: &Tensor, p: f64, seed: u64) -> Result<Tensor, ModelError> {
-    let n = x.elem_count();
+/// The dropout mask of `n` elements drawn from `seed`: `1 / (1 - p)` where an element is kept,
+/// 0 where it is dropped. The graph path and the native layer op both draw it here, so the
+/// same seed drops the same elements on either path (and again when a layer is recomputed).
+pub(crate) fn dropout_mask(n: usize, p: f64, seed: u64) -> Vec<f32> {
     let keep = 1.0 - p;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mask: Vec<f32> = (0..n)
+    (0..n)
         .map(|_| {
             if rng.gen::<f64>() < keep {
                 (1.0 / keep) as f32
@@ -296,7 +297,18 @@ fn dropout(x: &Tensor, p: f64, seed: u64) -> Result<Tensor, ModelError> {
                 0.0
             }
         })
-        .collect();
+        .collect()
+}
+
+/// The seed of one linear layer's adapter-dropout mask in the forward pass seeded `pass_seed`
+/// (`key` tells the linear layers apart).
+pub(crate) fn lora_dropout_seed(pass_seed: u64, key: u64) -> u64 {
+    pass_seed ^ key.wrapping_mul(0xA24B_AED4_963E_E407)
+}
+
+/// Dropout with a mask drawn from `seed` (so recomputation reproduces it).
+fn dropout(x: &Tensor, p: f64, seed: u64) -> Result<Tensor, ModelError> {
+    let mask = dropout_mask(x.elem_count(), p, seed);
     let mask = Tensor::from_vec(mask, x.shape(), x.device())?.to_dtype(x.dtype())?;
     Ok((x * mask)?)
 }
@@ -314,11 +326,9 @@ impl Linear {
         }
         if let Some(l) = &self.lora {
             let xin = match ctx.dropout_seed {
-                Some(seed) if l.dropout > 0.0 => dropout(
-                    x,
-                    l.dropout,
-                    seed ^ self.key.wrapping_mul(0xA24B_AED4_963E_E407),
-                )?,
+                Some(seed) if l.dropout > 0.0 => {
+                    dropout(x, l.dropout, lora_dropout_seed(seed, self.key))?
+                }
                 _ => x.clone(),
             };
             let delta = xin.matmul(&l.a.t()?)?.matmul(&l.b.t()?)?;
@@ -597,8 +607,8 @@ impl CausalLm {
         self.ops == kernels::OpsKind::Fused
     }
 
-    /// Runs each decoder layer that qualifies (CPU, f32, fused ops on, every weight of the
-    /// layer trained: full fine-tuning) as one native op with a hand-written backward instead
+    /// Runs each decoder layer that qualifies (CPU, f32, fused ops on: full fine-tuning or
+    /// LoRA) as one native op with a hand-written backward instead
     /// of a graph of candle ops. On by default; off gives the graph path, which is the
     /// reference the native op is tested against.
     pub fn set_native_layers(&mut self, on: bool) {
@@ -902,6 +912,7 @@ impl CausalLm {
                     &h,
                     &self.side_grads,
                     train && !self.checkpointing,
+                    ctx.dropout_seed,
                 )?
             } else if self.checkpointing {
                 checkpoint::checkpointed_layer(layer, &ctx, &h, &self.side_grads)?

@@ -1,5 +1,5 @@
-//! One decoder layer as a single CPU op with a hand-written backward (f32, every weight of the
-//! layer trained).
+//! One decoder layer as a single CPU op with a hand-written backward (f32): full fine-tuning,
+//! and LoRA on a frozen base.
 //!
 //! Through candle's autograd a layer's backward allocates a zero tensor and a sum for every
 //! gradient edge (weights included), copies the transposed weight gradients of `x @ wᵀ` into
@@ -10,12 +10,17 @@
 //! weight gradient is written once, into the buffer the optimizer reads, and the element-wise
 //! work is the fused kernels of [`super::ops`].
 //!
-//! The graph path in `decoder.rs` stays the reference and covers what this op does not: LoRA,
-//! frozen weights, dropout, half precision and GPUs. The fixture parity tests (logits, loss,
-//! every gradient, AdamW steps) run through this op, and `tests/model_native_layer.rs` compares
-//! it with the graph path on every architecture.
+//! Under LoRA the base weights are frozen: the op computes no gradient for them (a third of a
+//! full fine-tuning step's products), only the input gradient through them, plus the adapter
+//! path `s · dropout(x) Aᵀ Bᵀ` and the gradients of `A` and `B`. Per adapted linear layer it
+//! keeps only the `[n, r]` down-projection; dropout masks are drawn again from their seed.
+//!
+//! The graph path in `decoder.rs` stays the reference and covers what this op does not: half
+//! precision and GPUs. The fixture parity tests (logits, loss, every gradient, AdamW steps) run
+//! through this op, and `tests/it/model_native_layer.rs` compares it with the graph path on
+//! every architecture, with and without adapters and dropout.
 
-use super::decoder::{lock, Ctx, Layer, Linear};
+use super::decoder::{dropout_mask, lock, lora_dropout_seed, Ctx, Layer, Linear};
 use super::ops::matmul::{sgemm, sgemm_new, sgemm_on, MatRef};
 use super::ops::{
     contiguous_slice, exp_shift_sum_in_place, min_rows_per_task, rms_norm, row_max, silu_mul,
@@ -107,11 +112,10 @@ fn name_of<'a>(layer: &'a Layer, t: &Tensor) -> Option<&'a str> {
         .map(|(n, _)| n.as_str())
 }
 
-/// Whether `layer` can run on `h` as one native op: CPU, f32, fused kernels on, every weight
-/// and norm of the layer trainable, no adapters and no dropout.
+/// Whether `layer` can run on `h` as one native op: CPU, f32, fused kernels on, and every
+/// weight, bias, norm and adapter factor of the layer a dense `f32` CPU tensor.
 pub(crate) fn applies(layer: &Layer, ctx: &Ctx, h: &Tensor) -> bool {
     if ctx.ops != super::kernels::OpsKind::Fused
-        || ctx.dropout_seed.is_some()
         || !h.device().is_cpu()
         || h.dtype() != DType::F32
         || h.rank() != 3
@@ -121,20 +125,21 @@ pub(crate) fn applies(layer: &Layer, ctx: &Ctx, h: &Tensor) -> bool {
     layer_qualifies(layer)
 }
 
-/// Whether every weight, bias and norm of `layer` is a trainable dense `f32` CPU tensor
-/// without adapters.
+/// Whether every tensor of `layer` is a dense `f32` CPU tensor. Which of them are trained is
+/// free: full fine-tuning trains all of them; LoRA trains only the adapter factors, and the
+/// op then computes no gradient for the frozen weights at all (only the input gradient through
+/// them).
 pub(crate) fn layer_qualifies(layer: &Layer) -> bool {
     let mut tensors = vec![&layer.input_norm, &layer.post_norm];
     for l in linears(layer) {
-        if l.frozen || l.lora.is_some() {
-            return false;
-        }
         tensors.push(&l.w);
         tensors.extend(l.b.as_ref());
+        if let Some(f) = &l.lora {
+            tensors.push(&f.a);
+            tensors.push(&f.b);
+        }
     }
-    tensors
-        .iter()
-        .all(|t| dense_f32(t) && name_of(layer, t).is_some())
+    tensors.iter().all(|t| dense_f32(t))
 }
 
 /// Sizes of one layer call.
@@ -160,12 +165,72 @@ impl Dims {
     }
 }
 
-/// A linear layer's weights as slices: `w` is `[out, in]` row-major.
+/// A LoRA adapter's factors as slices: `a` is `[r, in]`, `b` is `[out, r]` (PEFT's layout).
+struct LoraLin<'a> {
+    a: &'a [f32],
+    b: &'a [f32],
+    r: usize,
+    /// `alpha / r`.
+    scale: f32,
+    dropout: f64,
+    /// Tells this layer's dropout mask apart from the others'.
+    key: u64,
+}
+
+impl LoraLin<'_> {
+    /// The dropout mask of this adapter's input in the pass seeded `seed` (None: no dropout).
+    fn mask(&self, n: usize, inp: usize, seed: Option<u64>) -> Option<Vec<f32>> {
+        match seed {
+            Some(seed) if self.dropout > 0.0 => Some(dropout_mask(
+                n * inp,
+                self.dropout,
+                lora_dropout_seed(seed, self.key),
+            )),
+            _ => None,
+        }
+    }
+
+    /// `s · dropout(x) Aᵀ` `[n, r]`: the adapter's down-projection, scaled (what the
+    /// forward adds through `B` and what `B`'s gradient needs).
+    fn down(&self, x: &[f32], n: usize, inp: usize, mask: Option<&[f32]>) -> Result<Vec<f32>> {
+        let a = MatRef::row_major(self.a, self.r, inp).t();
+        let mut xs = match mask {
+            Some(m) => sgemm_new(MatRef::row_major(&masked(x, m), n, inp), a)?,
+            None => sgemm_new(MatRef::row_major(x, n, inp), a)?,
+        };
+        xs.iter_mut().for_each(|v| *v *= self.scale);
+        Ok(xs)
+    }
+}
+
+/// `x ⊙ mask`.
+fn masked(x: &[f32], mask: &[f32]) -> Vec<f32> {
+    let mut out = x.to_vec();
+    out.par_chunks_mut(1 << 16)
+        .zip(mask.par_chunks(1 << 16))
+        .for_each(|(o, m)| o.iter_mut().zip(m).for_each(|(o, m)| *o *= m));
+    out
+}
+
+/// A linear layer's tensors as slices: `w` is `[out, in]` row-major.
 struct Lin<'a> {
     w: &'a [f32],
     b: Option<&'a [f32]>,
     out: usize,
     inp: usize,
+    /// Whether the weight (bias) is trained: a frozen one gets no gradient computed.
+    train_w: bool,
+    train_b: bool,
+    lora: Option<LoraLin<'a>>,
+}
+
+/// The gradients of one linear layer's trained tensors.
+#[derive(Default)]
+struct LinGrads {
+    w: Option<Vec<f32>>,
+    b: Option<Vec<f32>>,
+    lora_a: Option<Vec<f32>>,
+    lora_b: Option<Vec<f32>>,
 }
 
 impl Lin<'_> {
@@ -173,8 +238,9 @@ impl Lin<'_> {
         MatRef::row_major(self.w, self.out, self.inp)
     }
 
-    /// `x @ wᵀ (+ b)` for `n` rows.
-    fn forward(&self, x: &[f32], n: usize) -> Result<Vec<f32>> {
+    /// `x @ wᵀ (+ b) (+ s · dropout(x) Aᵀ Bᵀ)` for `n` rows; also returns the adapter's
+    /// scaled down-projection `[n, r]`, which backward needs.
+    fn forward(&self, x: &[f32], n: usize, seed: Option<u64>) -> Result<(Vec<f32>, LoraSaved)> {
         let mut y = sgemm_new(MatRef::row_major(x, n, self.inp), self.w_mat().t())?;
         if let Some(b) = self.b {
             y.par_chunks_mut(min_rows_per_task(self.out) * self.out)
@@ -186,39 +252,94 @@ impl Lin<'_> {
                     }
                 });
         }
-        Ok(y)
+        let Some(l) = &self.lora else {
+            return Ok((y, None));
+        };
+        let mask = l.mask(n, self.inp, seed);
+        let xs = l.down(x, n, self.inp, mask.as_deref())?;
+        let b = MatRef::row_major(l.b, self.out, l.r).t();
+        sgemm(&mut y, self.out, 1, true, MatRef::row_major(&xs, n, l.r), b)?;
+        Ok((y, Some(xs)))
     }
 
-    /// Gradients of `y = x wᵀ + b` given `dy`: returns `(dw, db)`; `dy @ w` is added into
-    /// `dx`, or becomes `dx` when it is still `None`.
+    /// Gradients of [`Lin::forward`] given `dy`, for the trained tensors only; the input
+    /// gradient (through the weight and the adapter) is added into `dx`, or becomes `dx` when
+    /// it is still `None`.
     fn backward(
         &self,
         dy: &[f32],
         x: &[f32],
+        xs: Option<&[f32]>,
         n: usize,
+        seed: Option<u64>,
         dx: &mut Option<Vec<f32>>,
-    ) -> Result<(Vec<f32>, Option<Vec<f32>>)> {
-        let dw = sgemm_new(
-            MatRef::row_major(dy, n, self.out).t(),
-            MatRef::row_major(x, n, self.inp),
-        )?;
+    ) -> Result<LinGrads> {
         let dy_m = MatRef::row_major(dy, n, self.out);
+        let mut grads = LinGrads::default();
+        if self.train_w {
+            grads.w = Some(sgemm_new(dy_m.t(), MatRef::row_major(x, n, self.inp))?);
+        }
         match dx {
             Some(dx) => sgemm(dx, self.inp, 1, true, dy_m, self.w_mat())?,
             None => *dx = Some(sgemm_new(dy_m, self.w_mat())?),
         }
-        let db = self.b.map(|_| {
+        if self.train_b && self.b.is_some() {
             let mut s = vec![0f32; self.out];
             for row in dy.chunks_exact(self.out) {
                 for (s, v) in s.iter_mut().zip(row) {
                     *s += v;
                 }
             }
-            s
-        });
-        Ok((dw, db))
+            grads.b = Some(s);
+        }
+        if let (Some(l), Some(xs), Some(dx)) = (&self.lora, xs, dx.as_mut()) {
+            self.adapter_backward(l, dy, x, xs, n, seed, dx, &mut grads)?;
+        }
+        Ok(grads)
+    }
+
+    /// The adapter's part of the backward: `dB = dyᵀ · xs`, `dA = (s · dy B)ᵀ · dropout(x)`,
+    /// and `dx += ((s · dy B) A) ⊙ mask`.
+    #[allow(clippy::too_many_arguments)]
+    fn adapter_backward(
+        &self,
+        l: &LoraLin<'_>,
+        dy: &[f32],
+        x: &[f32],
+        xs: &[f32],
+        n: usize,
+        seed: Option<u64>,
+        dx: &mut [f32],
+        grads: &mut LinGrads,
+    ) -> Result<()> {
+        let dy_m = MatRef::row_major(dy, n, self.out);
+        let r = l.r;
+        grads.lora_b = Some(sgemm_new(dy_m.t(), MatRef::row_major(xs, n, r))?);
+        let mut dys = sgemm_new(dy_m, MatRef::row_major(l.b, self.out, r))?;
+        dys.iter_mut().for_each(|v| *v *= l.scale);
+        let dys_m = MatRef::row_major(&dys, n, r);
+        let a = MatRef::row_major(l.a, r, self.inp);
+        match l.mask(n, self.inp, seed) {
+            Some(mask) => {
+                let xd = masked(x, &mask);
+                grads.lora_a = Some(sgemm_new(dys_m.t(), MatRef::row_major(&xd, n, self.inp))?);
+                drop(xd);
+                let mut dxd = sgemm_new(dys_m, a)?;
+                dxd.iter_mut().zip(&mask).for_each(|(g, m)| *g *= m);
+                add_into(dx, &dxd);
+            }
+            None => {
+                grads.lora_a = Some(sgemm_new(dys_m.t(), MatRef::row_major(x, n, self.inp))?);
+                sgemm(dx, self.inp, 1, true, dys_m, a)?;
+            }
+        }
+        Ok(())
     }
 }
+
+/// What a linear layer's forward keeps for backward beyond its input: the adapter's scaled
+/// down-projection `[n, r]` (None without an adapter).
+type LoraSaved = Option<Vec<f32>>;
 
 /// The input gradient a chain of [`Lin::backward`] calls produced.
 fn input_grad(dx: Option<Vec<f32>>) -> Result<Vec<f32>> {
@@ -235,11 +356,24 @@ struct Params<'a> {
     lin: [Lin<'a>; 7],
 }
 
-fn with_params<R>(layer: &Layer, f: impl FnOnce(&Params<'_>) -> Result<R>) -> Result<R> {
+/// Every tensor of `layer` in the order [`with_params`] reads them: the two norms, the seven
+/// weights, then per linear layer its bias and its adapter factors, where present.
+fn layer_tensors(layer: &Layer) -> Vec<&Tensor> {
     let lins = linears(layer);
     let mut tensors = vec![&layer.input_norm, &layer.post_norm];
     tensors.extend(lins.iter().map(|l| &l.w));
-    tensors.extend(lins.iter().filter_map(|l| l.b.as_ref()));
+    for l in lins {
+        tensors.extend(l.b.as_ref());
+        if let Some(f) = &l.lora {
+            tensors.extend([&f.a, &f.b]);
+        }
+    }
+    tensors
+}
+
+fn with_params<R>(layer: &Layer, f: impl FnOnce(&Params<'_>) -> Result<R>) -> Result<R> {
+    let lins = linears(layer);
+    let tensors = layer_tensors(layer);
     let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
     let mut slices = Vec::with_capacity(guards.len());
     for (storage, layout) in &guards {
@@ -248,12 +382,28 @@ fn with_params<R>(layer: &Layer, f: impl FnOnce(&Params<'_>) -> Result<R>) -> Re
         };
         slices.push(contiguous_slice::<f32>(cpu, layout, OP)?);
     }
-    let mut biases = slices[9..].iter();
+    let mut rest = slices[9..].iter().copied();
+    let mut next = || {
+        rest.next().ok_or_else(|| {
+            candle_core::Error::Msg(format!("{OP}: a tensor of the layer is missing"))
+        })
+    };
     let mut lin = Vec::with_capacity(7);
     for (i, l) in lins.iter().enumerate() {
         let (out, inp) = l.w.dims2()?;
         let b = match l.b {
-            Some(_) => biases.next().copied(),
+            Some(_) => Some(next()?),
+            None => None,
+        };
+        let lora = match &l.lora {
+            Some(f) => Some(LoraLin {
+                a: next()?,
+                b: next()?,
+                r: f.a.dim(0)?,
+                scale: f.scale as f32,
+                dropout: f.dropout,
+                key: l.key,
+            }),
             None => None,
         };
         lin.push(Lin {
@@ -261,6 +411,9 @@ fn with_params<R>(layer: &Layer, f: impl FnOnce(&Params<'_>) -> Result<R>) -> Re
             b,
             out,
             inp,
+            train_w: name_of(layer, &l.w).is_some(),
+            train_b: l.b.as_ref().is_some_and(|b| name_of(layer, b).is_some()),
+            lora,
         });
     }
     let Ok(lin) = <[Lin<'_>; 7]>::try_from(lin) else {
@@ -293,6 +446,10 @@ struct Saved {
     /// Gate and up projections `[n, intermediate]`.
     g: Vec<f32>,
     u: Vec<f32>,
+    /// Per linear layer (q, k, v, o, gate, up, down): the adapter's scaled down-projection
+    /// `[n, r]` (LoRA only). The dropout masks are drawn again from their seed instead of
+    /// kept: `n × in` floats each would be the largest thing LoRA keeps.
+    lora: [LoraSaved; 7],
 }
 
 /// Rotates (or, with `backward`, un-rotates) every head of token-major rows `[n, heads, d]`.
@@ -532,30 +689,33 @@ fn add_into(dst: &mut [f32], src: &[f32]) {
 }
 
 /// The layer's forward pass on `h` `[n, hidden]`: returns the output and what backward needs.
+/// `seed` seeds the adapters' dropout masks (None: no dropout).
 fn forward(
     p: &Params<'_>,
     d: &Dims,
     h: &[f32],
     nc: &NativeCtx,
     mask: &[f32],
+    seed: Option<u64>,
 ) -> Result<(Vec<f32>, Saved)> {
     let [lq, lk, lv, lo, lg, lu, ld] = &p.lin;
     let n = d.n;
     let x1 = rms_norm::forward::<f32>(h, p.norm_in, d.eps);
-    let mut q = lq.forward(&x1, n)?;
-    let mut k = lk.forward(&x1, n)?;
-    let v = lv.forward(&x1, n)?;
+    let (mut q, sq) = lq.forward(&x1, n, seed)?;
+    let (mut k, sk) = lk.forward(&x1, n, seed)?;
+    let (v, sv) = lv.forward(&x1, n, seed)?;
     rope_rows(&mut q, d.heads, d.head_dim, d.t, &nc.cos, &nc.sin, false);
     rope_rows(&mut k, d.kv_heads, d.head_dim, d.t, &nc.cos, &nc.sin, false);
     let key_cols = block_key_cols(d, mask, nc.mask_rows);
     let (probs, o) = attention_forward(&q, &k, &v, d, mask, nc.mask_rows, &key_cols)?;
-    let mut h2 = lo.forward(&o, n)?;
+    let (mut h2, so) = lo.forward(&o, n, seed)?;
     add_into(&mut h2, h);
     let x2 = rms_norm::forward::<f32>(&h2, p.norm_post, d.eps);
-    let g = lg.forward(&x2, n)?;
-    let u = lu.forward(&x2, n)?;
+    let (g, sg) = lg.forward(&x2, n, seed)?;
+    let (u, su) = lu.forward(&x2, n, seed)?;
     let a = silu_mul::forward::<f32>(&g, &u);
-    let mut out = ld.forward(&a, n)?;
+    let (mut out, sd) = ld.forward(&a, n, seed)?;
+    drop(a);
     add_into(&mut out, &h2);
     Ok((
         out,
@@ -571,18 +731,50 @@ fn forward(
             x2,
             g,
             u,
+            lora: [sq, sk, sv, so, sg, su, sd],
         },
     ))
 }
 
+/// Which tensor of the layer a gradient belongs to.
+#[derive(Clone, Copy)]
+enum Slot {
+    NormIn,
+    NormPost,
+    /// Weight, bias, adapter A and adapter B of linear layer `i` (q, k, v, o, gate, up, down).
+    Weight(usize),
+    Bias(usize),
+    LoraA(usize),
+    LoraB(usize),
+}
+
 /// A parameter gradient on its way to the side table.
 struct ParamGrad {
-    /// Index into `[norm_in, norm_post, q.w, …, down.w]`, or 9 + i for the bias of linear i.
-    slot: usize,
+    slot: Slot,
     grad: Vec<f32>,
 }
 
-/// The layer's backward pass: returns the input gradient and every parameter gradient.
+/// Collects the gradients of the layer's trained tensors as backward produces them.
+#[derive(Default)]
+struct GradList(Vec<ParamGrad>);
+
+impl GradList {
+    fn push(&mut self, slot: Slot, grad: Option<Vec<f32>>) {
+        if let Some(grad) = grad {
+            self.0.push(ParamGrad { slot, grad });
+        }
+    }
+
+    fn push_lin(&mut self, i: usize, g: LinGrads) {
+        self.push(Slot::Weight(i), g.w);
+        self.push(Slot::Bias(i), g.b);
+        self.push(Slot::LoraA(i), g.lora_a);
+        self.push(Slot::LoraB(i), g.lora_b);
+    }
+}
+
+/// The layer's backward pass: returns the input gradient and the gradient of every trained
+/// tensor (frozen weights get none).
 fn backward(
     p: &Params<'_>,
     d: &Dims,
@@ -590,48 +782,54 @@ fn backward(
     s: &Saved,
     dout: &[f32],
     nc: &NativeCtx,
+    seed: Option<u64>,
 ) -> Result<(Vec<f32>, Vec<ParamGrad>)> {
     let [lq, lk, lv, lo, lg, lu, ld] = &p.lin;
     let n = d.n;
-    let mut grads = Vec::with_capacity(18);
-    let mut push = |slot: usize, (dw, db): (Vec<f32>, Option<Vec<f32>>)| {
-        grads.push(ParamGrad { slot, grad: dw });
-        if let Some(db) = db {
-            grads.push(ParamGrad {
-                slot: 9 + slot - 2,
-                grad: db,
-            });
+    let sv = |i: usize| s.lora[i].as_deref();
+    let mut grads = GradList::default();
+    let dbg = |w: &str| {
+        if std::env::var("NLDBG").is_ok() {
+            eprintln!(
+                "NLDBG {w}: cur {:.2} peak {:.2}",
+                crate::mem::current_bytes() as f64 / 1048576.0,
+                crate::mem::peak_bytes() as f64 / 1048576.0
+            );
         }
     };
+    dbg("bwd start");
     // MLP: out = h2 + down(silu(gate(x2)) * up(x2)).
     let a = silu_mul::forward::<f32>(&s.g, &s.u);
     let mut da = None;
-    push(8, ld.backward(dout, &a, n, &mut da)?);
+    grads.push_lin(6, ld.backward(dout, &a, sv(6), n, seed, &mut da)?);
     drop(a);
+    dbg("after down");
     let (dg, du) = silu_mul::backward::<f32>(&s.g, &s.u, &input_grad(da)?);
+    dbg("after silu");
     let mut dx2 = None;
-    push(6, lg.backward(&dg, &s.x2, n, &mut dx2)?);
-    push(7, lu.backward(&du, &s.x2, n, &mut dx2)?);
+    grads.push_lin(4, lg.backward(&dg, &s.x2, sv(4), n, seed, &mut dx2)?);
+    grads.push_lin(5, lu.backward(&du, &s.x2, sv(5), n, seed, &mut dx2)?);
     drop((dg, du));
     let (mut dh2, dw_post) =
         rms_norm::backward::<f32>(&s.h2, &input_grad(dx2)?, p.norm_post, d.eps);
-    push(1, (dw_post, None));
+    grads.push(Slot::NormPost, Some(dw_post));
     add_into(&mut dh2, dout);
     // Attention: h2 = h + o_proj(attention(rope(q(x1)), rope(k(x1)), v(x1))).
     let mut d_o = None;
-    push(5, lo.backward(&dh2, &s.o, n, &mut d_o)?);
+    grads.push_lin(3, lo.backward(&dh2, &s.o, sv(3), n, seed, &mut d_o)?);
     let (mut dq, mut dk, dv) = attention_backward(s, &input_grad(d_o)?, d)?;
     rope_rows(&mut dq, d.heads, d.head_dim, d.t, &nc.cos, &nc.sin, true);
     rope_rows(&mut dk, d.kv_heads, d.head_dim, d.t, &nc.cos, &nc.sin, true);
     let mut dx1 = None;
-    push(2, lq.backward(&dq, &s.x1, n, &mut dx1)?);
-    push(3, lk.backward(&dk, &s.x1, n, &mut dx1)?);
-    push(4, lv.backward(&dv, &s.x1, n, &mut dx1)?);
+    grads.push_lin(0, lq.backward(&dq, &s.x1, sv(0), n, seed, &mut dx1)?);
+    grads.push_lin(1, lk.backward(&dk, &s.x1, sv(1), n, seed, &mut dx1)?);
+    grads.push_lin(2, lv.backward(&dv, &s.x1, sv(2), n, seed, &mut dx1)?);
     drop((dq, dk, dv));
     let (mut dh, dw_in) = rms_norm::backward::<f32>(h, &input_grad(dx1)?, p.norm_in, d.eps);
-    push(0, (dw_in, None));
+    grads.push(Slot::NormIn, Some(dw_in));
     add_into(&mut dh, &dh2);
-    Ok((dh, grads))
+    dbg("end");
+    Ok((dh, grads.0))
 }
 
 /// The decoder layer op: forward ran before the op was applied; backward runs the native
@@ -645,6 +843,8 @@ struct NativeLayerOp {
     /// Activations for backward (None under activation checkpointing: recomputed).
     saved: Mutex<Option<Saved>>,
     side: SideGrads,
+    /// Seeds the adapters' dropout masks (None: no dropout).
+    dropout_seed: Option<u64>,
 }
 
 /// Runs `layer` on `h` `[b, t, hidden]` as one native op. With `keep_activations` false
@@ -655,6 +855,7 @@ pub(crate) fn native_layer(
     h: &Tensor,
     side: &SideGrads,
     keep_activations: bool,
+    dropout_seed: Option<u64>,
 ) -> Result<Tensor> {
     let (b, t, hidden) = h.dims3()?;
     let dims = Dims {
@@ -670,7 +871,9 @@ pub(crate) fn native_layer(
     check_dims(layer, &dims)?;
     let h = h.contiguous()?;
     let (out, saved) = with_f32(&h, |hs| {
-        with_params(layer, |p| forward(p, &dims, hs, nc, nc.mask_for(layer)))
+        with_params(layer, |p| {
+            forward(p, &dims, hs, nc, nc.mask_for(layer), dropout_seed)
+        })
     })?;
     let op = NativeLayerOp {
         layer: layer.clone(),
@@ -679,6 +882,7 @@ pub(crate) fn native_layer(
         out: Mutex::new(Some(out)),
         saved: Mutex::new(keep_activations.then_some(saved)),
         side: side.clone(),
+        dropout_seed,
     };
     // The anchor (a zero Var) puts the node in the graph even when `h` carries no gradient.
     h.apply_op2(layer.anchor.as_tensor(), op)
@@ -723,6 +927,19 @@ fn check_dims(layer: &Layer, d: &Dims) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The tensor of `layer` a gradient slot stands for.
+fn slot_tensor(layer: &Layer, slot: Slot) -> Option<&Tensor> {
+    let lins = linears(layer);
+    match slot {
+        Slot::NormIn => Some(&layer.input_norm),
+        Slot::NormPost => Some(&layer.post_norm),
+        Slot::Weight(i) => Some(&lins.get(i)?.w),
+        Slot::Bias(i) => lins.get(i)?.b.as_ref(),
+        Slot::LoraA(i) => lins.get(i)?.lora.as_ref().map(|f| &f.a),
+        Slot::LoraB(i) => lins.get(i)?.lora.as_ref().map(|f| &f.b),
+    }
 }
 
 /// Runs `f` on the `f32` data of a contiguous CPU tensor.
@@ -771,29 +988,24 @@ impl CustomOp2 for NativeLayerOp {
                     let s = match &saved {
                         Some(s) => s,
                         None => {
-                            recomputed = forward(p, &d, h, &self.nc, self.nc.mask_for(layer))?.1;
+                            let mask = self.nc.mask_for(layer);
+                            recomputed = forward(p, &d, h, &self.nc, mask, self.dropout_seed)?.1;
                             &recomputed
                         }
                     };
-                    backward(p, &d, h, s, g, &self.nc)
+                    backward(p, &d, h, s, g, &self.nc, self.dropout_seed)
                 })
             })
         })?;
         drop(saved);
-        let lins = linears(layer);
         let mut side = lock(&self.side);
         for ParamGrad { slot, grad } in grads {
-            let t = match slot {
-                0 => &layer.input_norm,
-                1 => &layer.post_norm,
-                2..=8 => &lins[slot - 2].w,
-                _ => match &lins[slot - 9].b {
-                    Some(b) => b,
-                    None => bail!("{OP}: bias gradient without a bias (internal error)"),
-                },
+            let Some(t) = slot_tensor(layer, slot) else {
+                bail!("{OP}: gradient for a tensor the layer does not have (internal error)")
             };
+            // Gradients of frozen norms are computed with the input gradient but not kept.
             let Some(name) = name_of(layer, t) else {
-                bail!("{OP}: a parameter of the layer is not trainable (internal error)")
+                continue;
             };
             let g = Tensor::from_vec(grad, t.shape(), &Device::Cpu)?;
             add_side_grad(&mut side, name, g)?;

@@ -4,12 +4,17 @@
 use super::PlanError;
 use std::fmt;
 
-/// What kind of memory a device has.
+/// What kind of device (and memory) it is: the crate's one definition, shared by the planner
+/// and device discovery (`devices::DeviceKind` re-exports it). Written `"cpu"` / `"cuda"` in
+/// JSON; the capitalised names of older plan files are still read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum DeviceKind {
-    /// Host memory (no runtime overhead).
+    /// The host CPU and its RAM (no runtime overhead).
+    #[serde(alias = "Cpu")]
     Cpu,
-    /// A CUDA GPU (≈ 500 MiB of context before any tensor).
+    /// An NVIDIA (CUDA) GPU (≈ 500 MiB of context before any tensor).
+    #[serde(alias = "Cuda")]
     Cuda,
 }
 
@@ -108,19 +113,8 @@ pub fn parse_bytes(text: &str) -> Result<u64, PlanError> {
     Ok(bytes.round() as u64)
 }
 
-/// Formats bytes for people: `67.5 GiB`, `812 MiB`, `12 KiB`, `0 B`.
-pub fn format_bytes(bytes: u64) -> String {
-    let b = bytes as f64;
-    if bytes >= GIB {
-        format!("{:.1} GiB", b / GIB as f64)
-    } else if bytes >= MIB {
-        format!("{:.0} MiB", b / MIB as f64)
-    } else if bytes >= KIB {
-        format!("{:.0} KiB", b / KIB as f64)
-    } else {
-        format!("{bytes} B")
-    }
-}
+/// Formats bytes for people (the crate's one formatter, re-exported as `plan::format_bytes`).
+pub use crate::units::format_bytes;
 
 /// Parses a comma-separated device list:
 ///

@@ -3,8 +3,8 @@
 
 use super::step_model::{self, BlockKind, BlockTerms, StepDims};
 use super::{
-    fit, format_bytes, DeviceKind, DevicePlan, LayerMemory, Phase, PhaseBytes, Plan, PlanError,
-    PlanRequest, Strategy, Verdict,
+    fit, format_bytes, DeviceKind, DevicePlan, LayerMemory, PhaseBytes, Plan, PlanError,
+    PlanRequest, StepPhase, Strategy, Verdict,
 };
 use std::ops::Range;
 
@@ -432,9 +432,9 @@ impl Parts {
 }
 
 struct Timeline {
-    phases: Vec<(Phase, u64)>,
+    phases: Vec<(StepPhase, u64)>,
     peak: u64,
-    peak_phase: Phase,
+    peak_phase: StepPhase,
     parts: Parts,
 }
 
@@ -564,17 +564,17 @@ fn device_timeline(
     }
 
     let phases = vec![
-        (Phase::Forward, fwd_best.total()),
-        (Phase::Backward, bwd_best.total()),
-        (Phase::OptimizerStep, opt.total()),
+        (StepPhase::Forward, fwd_best.total()),
+        (StepPhase::Backward, bwd_best.total()),
+        (StepPhase::OptimizerStep, opt.total()),
     ];
     let (peak_phase, parts) = [
-        (Phase::Forward, fwd_best),
-        (Phase::Backward, bwd_best),
-        (Phase::OptimizerStep, opt),
+        (StepPhase::Forward, fwd_best),
+        (StepPhase::Backward, bwd_best),
+        (StepPhase::OptimizerStep, opt),
     ]
     .into_iter()
-    .fold((Phase::Forward, Parts::default()), |best, cur| {
+    .fold((StepPhase::Forward, Parts::default()), |best, cur| {
         if cur.1.total() > best.1.total() {
             cur
         } else {

@@ -21,8 +21,8 @@ mod dry_run;
 mod estimate;
 mod fit;
 mod gpu_catalog;
+mod model_source;
 pub mod placement;
-mod run_config;
 pub mod step_model;
 
 pub use device::{
@@ -32,12 +32,11 @@ pub use dry_run::{dry_run, DryRunOutcome, DryRunReport, MeasureMethod};
 pub use estimate::{balance_layers, layer_costs, layer_ranges, plan, LayerCosts};
 pub use fit::{auto_fit, relative_throughput, AutoFit};
 pub use gpu_catalog::{find_gpu_model, gpu_model_by_size_text, GpuModel, GPU_CATALOG};
-pub use run_config::{model_config_path, request_from_run_config, RunConfigSettings};
+pub use model_source::model_config_path;
 
 use crate::model::{ModelConfig, OpsMode};
 use std::fmt;
 use std::ops::Range;
-use std::str::FromStr;
 
 /// Everything that can stop a plan from being made.
 #[derive(Debug, thiserror::Error)]
@@ -96,11 +95,12 @@ pub enum PlanError {
     },
 }
 
-/// Numeric precision of training: the run config's own type.
-pub use crate::train::Precision;
+/// Numeric precision and device strategy: the run config's own types, shared through
+/// [`crate::settings`] (the planner imports nothing from the trainer).
+pub use crate::settings::{Precision, Strategy};
 
-impl From<crate::train::UnknownPrecision> for PlanError {
-    fn from(e: crate::train::UnknownPrecision) -> Self {
+impl From<crate::settings::UnknownPrecision> for PlanError {
+    fn from(e: crate::settings::UnknownPrecision) -> Self {
         PlanError::InvalidSetting {
             setting: "training.precision",
             value: e.0,
@@ -109,49 +109,12 @@ impl From<crate::train::UnknownPrecision> for PlanError {
     }
 }
 
-/// How the model is spread over the devices (`[devices] strategy`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub enum Strategy {
-    /// Everything on the first device.
-    #[serde(rename = "single")]
-    Single,
-    /// Consecutive layers on each device (pipeline without overlap).
-    #[serde(rename = "layer-split")]
-    LayerSplit,
-    /// A full replica per device, each on its own micro-batch, gradients all-reduced.
-    #[serde(rename = "data-parallel")]
-    DataParallel,
-}
-
-impl Strategy {
-    /// The run-config spelling.
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Strategy::Single => "single",
-            Strategy::LayerSplit => "layer-split",
-            Strategy::DataParallel => "data-parallel",
-        }
-    }
-}
-
-impl fmt::Display for Strategy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for Strategy {
-    type Err = PlanError;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.trim().to_ascii_lowercase().replace('_', "-").as_str() {
-            "single" => Ok(Strategy::Single),
-            "layer-split" | "split" | "pipeline" => Ok(Strategy::LayerSplit),
-            "data-parallel" | "dp" | "ddp" => Ok(Strategy::DataParallel),
-            _ => Err(PlanError::InvalidSetting {
-                setting: "devices.strategy",
-                value: s.to_string(),
-                fix: "use single, layer-split or data-parallel".into(),
-            }),
+impl From<crate::settings::UnknownStrategy> for PlanError {
+    fn from(e: crate::settings::UnknownStrategy) -> Self {
+        PlanError::InvalidSetting {
+            setting: "devices.strategy",
+            value: e.0,
+            fix: "use single, layer-split or data-parallel".into(),
         }
     }
 }
@@ -178,8 +141,9 @@ impl LoraSpec {
     }
 }
 
-/// What to plan: a model shape, the training settings, and the devices.
-#[derive(Debug, Clone)]
+/// What to plan: a model shape, the training settings, and the devices. Two requests are
+/// equal exactly when they plan the same (the studio's "plan is stale" test).
+#[derive(Debug, Clone, PartialEq)]
 pub struct PlanRequest {
     /// The model's architecture (from its `config.json`).
     pub model: ModelConfig,
@@ -255,9 +219,11 @@ impl PlanRequest {
     }
 }
 
-/// A moment of the training step, in time order.
+/// A moment of the training step, in time order, whose memory the planner predicts. (Where a
+/// run *failed* — setup, evaluation and checkpoints included — is the trainer's `Phase`, in
+/// `train/error.rs`.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
-pub enum Phase {
+pub enum StepPhase {
     /// The forward pass and the loss (the autograd graph grows).
     Forward,
     /// The backward pass (graph alive, gradients being produced).
@@ -266,12 +232,12 @@ pub enum Phase {
     OptimizerStep,
 }
 
-impl fmt::Display for Phase {
+impl fmt::Display for StepPhase {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            Phase::Forward => "forward",
-            Phase::Backward => "backward",
-            Phase::OptimizerStep => "optimizer step",
+            StepPhase::Forward => "forward",
+            StepPhase::Backward => "backward",
+            StepPhase::OptimizerStep => "optimizer step",
         })
     }
 }
@@ -280,7 +246,7 @@ impl fmt::Display for Phase {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct PhaseBytes {
     /// The phase.
-    pub phase: Phase,
+    pub phase: StepPhase,
     /// Its peak bytes.
     pub bytes: u64,
 }
@@ -316,11 +282,11 @@ pub struct DevicePlan {
     /// The predicted high-water mark.
     pub peak_bytes: u64,
     /// The phase in which the peak occurs.
-    pub peak_phase: Phase,
+    pub peak_phase: StepPhase,
     /// Each phase's high-water mark, in time order.
     pub phases: Vec<PhaseBytes>,
     /// The first phase (in time order) whose need exceeds the capacity, if any.
-    pub first_oom_phase: Option<Phase>,
+    pub first_oom_phase: Option<StepPhase>,
     /// Peak ≤ capacity.
     pub fits: bool,
     /// Capacity − peak (0 when it does not fit).

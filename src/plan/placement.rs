@@ -7,6 +7,7 @@
 //! optimizer states, activations — the planner's per-layer bytes) and by each
 //! device's capacity, not by weights alone filling devices in order.
 
+use crate::units::format_bytes;
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
 
@@ -284,22 +285,6 @@ pub fn balance_layers_with_fixed(
         device_bytes,
         capacities_bytes: capacities_bytes.to_vec(),
     })
-}
-
-/// "1.5 GiB", "320.0 MiB", "12 B".
-pub fn format_bytes(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut value = bytes as f64;
-    let mut unit = 0;
-    while value >= 1024.0 && unit < UNITS.len() - 1 {
-        value /= 1024.0;
-        unit += 1;
-    }
-    if unit == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{value:.1} {}", UNITS[unit])
-    }
 }
 
 #[cfg(test)]

@@ -33,9 +33,10 @@
 //!   their own storage (no scratch); otherwise it converts the gradient and the
 //!   parameter to f32 `Vec`s and builds the updated tensor, so its scratch is a few
 //!   copies of the largest trainable tensor.
-//! * **Native layers** (CPU, f32, full fine-tuning: `model::native_layer`) are one op
-//!   each: they keep a fixed set of activations, free them as soon as their backward
-//!   ends, and write each weight gradient once; none of the graph terms above apply.
+//! * **Native layers** (CPU, f32, full fine-tuning or LoRA: `model::native_layer`) are one
+//!   op each: they keep a fixed set of activations, free them as soon as their backward
+//!   ends, and write each trained tensor's gradient once (frozen base weights get none);
+//!   none of the graph terms above apply.
 
 use super::{PlanRequest, Precision};
 use std::fmt;
@@ -114,7 +115,7 @@ pub struct StepDims {
     pub lora: Option<(u64, Vec<String>)>,
     /// Whether the embedding matrix is trained.
     pub embeddings_trainable: bool,
-    /// Decoder layers run as native ops (CPU, f32, full fine-tuning; see
+    /// Decoder layers run as native ops (CPU, f32, full fine-tuning or LoRA; see
     /// `model::native_layer`) instead of graphs of candle ops.
     pub native_layers: bool,
     /// AdamW updates parameters in their own storage (f32 parameters on the CPU).
@@ -171,7 +172,7 @@ impl StepDims {
                 .as_ref()
                 .map(|l| (l.r as u64, l.target_modules.clone())),
             embeddings_trainable: req.lora.is_none(),
-            native_layers: all_cpu && req.precision == Precision::Fp32 && req.lora.is_none(),
+            native_layers: all_cpu && req.precision == Precision::Fp32,
             in_place_optimizer: all_cpu && req.precision == Precision::Fp32,
             generic_ops,
         }
@@ -274,8 +275,8 @@ pub struct BlockTerms {
     /// parameter gradients; for a tied head, the shared matrix's gradient).
     pub backward_grad_bytes: u64,
     /// Bytes that stay in the gradient store after this block's backward until
-    /// backward returns, without being a parameter gradient (e.g. the `lm_head`
-    /// gradient the fused loss computes even when the head is frozen).
+    /// backward returns, without being a parameter gradient (e.g. the gradient candle
+    /// stores for the attention mask, which nothing consumes).
     pub residue_bytes: u64,
     /// Kept bytes this block's backward releases (the loss's cached last chunk).
     pub freed_kept_bytes: u64,
@@ -396,10 +397,16 @@ fn layer_residue(d: &StepDims) -> u64 {
 
 /// Bytes a native layer keeps for its backward (`Saved` in `model::native_layer`): the
 /// input-norm output, rotated q and k, v, the attention probabilities, the attention
-/// output, the residual after attention and its norm, gate and up.
+/// output, the residual after attention and its norm, gate and up; under LoRA also each
+/// adapter's scaled down-projection `[n, r]` (dropout masks are drawn again, not kept).
 fn native_saved(d: &StepDims) -> u64 {
     let (h, q, kv, i) = (d.hidden, d.q_dim, d.kv_dim, d.intermediate);
-    d.tokens * (3 * h + 2 * q + 2 * kv + 2 * i) * 4
+    let adapters: u64 = d
+        .linears()
+        .iter()
+        .filter_map(|(name, ..)| d.lora_targets(name))
+        .sum();
+    d.tokens * (3 * h + 2 * q + 2 * kv + 2 * i + adapters) * 4
         + d.micro_batch * d.heads * d.seq_len * d.seq_len * 4
 }
 
@@ -418,9 +425,12 @@ fn native_layer_terms(d: &StepDims, own_grads: u64) -> BlockTerms {
     // gate/up backward, the attention backward (per-head parts and the assembled dq, dk,
     // dv next to dh2 and d_o), and the end (every own gradient, dh, dh2 and candle's
     // zero-then-add of the input gradient).
-    let m1 = (3 * n * i + h * i) * 4;
-    let m2 = (2 * n * i + n * h) * 4 + 3 * h * i * 4;
-    let m3 = 3 * h * i * 4 + (h + h * q) * 4 + (2 * n * h + 5 * n * q + 2 * n * kv) * 4;
+    // Under LoRA the frozen weights get no gradient: the moments hold activation gradients
+    // and the (small) adapter gradients only.
+    let wg = u64::from(d.lora.is_none());
+    let m1 = (3 * n * i + wg * h * i) * 4;
+    let m2 = (2 * n * i + n * h) * 4 + wg * 3 * h * i * 4;
+    let m3 = wg * (3 * h * i + h + h * q) * 4 + (2 * n * h + 5 * n * q + 2 * n * kv) * 4;
     let m4 = own_grads + 3 * n * h * 4;
     let bwd = m1.max(m2).max(m3).max(m4);
     if d.checkpointing {
@@ -549,16 +559,18 @@ pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
             // is gone and candle adds each gradient it receives into a zero tensor. With
             // native layers the weight gradient goes to the side table instead (one
             // weight-sized buffer, not three).
-            let in_op = v * h * 4 + rows * h * 4 + rows * 8 + chunk * h * 4;
+            // A frozen head (LoRA) gets no weight gradient at all.
+            let head_w = if full { v * h * 4 } else { 0 };
+            let in_op = head_w + rows * h * 4 + rows * 8 + chunk * h * 4;
             let weight_bufs = if d.native_layers { 1 } else { 3 };
             let f32_head =
-                in_op.max((weight_bufs * v * h * 4 + 2 * rows * h * 4).saturating_sub(last_chunk));
+                in_op.max((weight_bufs * head_w + 2 * rows * h * 4).saturating_sub(last_chunk));
             // Earlier chunks are recomputed in full-size buffers once the cached last one is
             // consumed.
             let multi_chunk_extra = (chunk - last_rows) * v * 4;
             // Half precision: the f32 gradients flow back through the casts
             // (f32 sum + half cast + zero + sum), after the chunk is freed.
-            let cast_back = if a != 4 {
+            let cast_back = if a != 4 && full {
                 (v * h * (4 + 3 * g)).saturating_sub(last_chunk)
             } else {
                 0
@@ -571,9 +583,7 @@ pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
                 forward_transient_bytes: 0,
                 backward_transient_bytes: f32_head.max(cast_back) + multi_chunk_extra,
                 backward_grad_bytes: head_grads,
-                // A frozen head still gets the loss op's f32 weight gradient stored
-                // (for the f32 cast in half precision) until backward returns.
-                residue_bytes: if full { 0 } else { v * h * 4 },
+                residue_bytes: 0,
                 freed_kept_bytes: last_chunk,
             }
         }

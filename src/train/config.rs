@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use super::error::{ConfigError, ConfigProblem};
 use super::precision::Precision;
 use super::schedule::ScheduleKind;
+use crate::settings::Strategy;
 
 /// A complete training run description (`run.toml`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -290,20 +291,20 @@ pub struct DevicesSection {
     /// Devices to train on: `cpu`, `cuda:0`, `cuda:1`, ...
     pub devices: Vec<String>,
     /// `single`, `layer-split` (pipeline: layers spread over the devices) or `data-parallel`.
-    pub strategy: String,
+    pub strategy: Strategy,
 }
 
 impl Default for DevicesSection {
     fn default() -> Self {
         DevicesSection {
             devices: vec!["cpu".to_string()],
-            strategy: "single".to_string(),
+            strategy: Strategy::Single,
         }
     }
 }
 
 /// The strategies `[devices] strategy` accepts.
-pub const STRATEGIES: &[&str] = &["single", "layer-split", "data-parallel"];
+pub const STRATEGIES: &[&str] = Strategy::NAMES;
 
 /// Top-level keys of the run config, for error messages.
 const SECTIONS: &[&str] = &[
@@ -346,6 +347,26 @@ impl RunConfig {
     /// (type errors, unknown keys and unknown enum values are still reported, all at once).
     pub fn from_toml_str(text: &str, base_dir: &Path) -> Result<RunConfig, ConfigError> {
         Self::parse_with_base(text, "<text>", base_dir.to_path_buf())
+    }
+
+    /// A config from a parsed TOML table, tolerantly: every key that does not deserialise
+    /// (unknown, or of the wrong type) is left out, at its default, and returned as a problem
+    /// instead of failing. No semantic checks. `tunestudio plan --config` reads configs this way.
+    pub fn from_table_lenient(
+        mut table: toml::Table,
+        base_dir: &Path,
+    ) -> (RunConfig, Vec<ConfigProblem>) {
+        let mut problems = probe_and_strip(&mut table);
+        let mut config: RunConfig = match toml::Value::Table(table).try_into() {
+            Ok(c) => c,
+            Err(e) => {
+                // Unreachable in practice: every key left deserialised on its own.
+                problems.push(ConfigProblem::new("<config>", e.message().to_string()));
+                RunConfig::default()
+            }
+        };
+        config.base_dir = base_dir.to_path_buf();
+        (config, problems)
     }
 
     fn parse_with_base(

@@ -84,7 +84,9 @@ impl ConfigError {
     }
 }
 
-/// The phase of a training step in which something failed.
+/// The phase of a training run in which something failed (the planner's
+/// [`crate::plan::StepPhase`] is a different thing: the moments of a step whose memory it
+/// predicts).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {

@@ -160,31 +160,11 @@ pub enum PlanCheck {
     },
 }
 
-/// The planner's request for a run config: the one adapter the pre-flight check, the
-/// trainer's layer split and `tunestudio plan --config` share (bare `cuda:N` entries are
-/// planned against the memory NVML reports).
-pub fn plan_request(
-    config: &RunConfig,
-) -> Result<crate::plan::PlanRequest, crate::plan::PlanError> {
-    let text = config
-        .to_toml_string()
-        .map_err(|e| crate::plan::PlanError::RunConfig {
-            origin: "run config".into(),
-            message: e.to_string(),
-        })?;
-    let settings = crate::plan::RunConfigSettings::from_toml_str(&text, "run config")?;
-    crate::plan::request_from_run_config(
-        &settings,
-        &config.base_dir,
-        None,
-        &crate::devices::driver_gpu_capacity(),
-    )
-}
-
 /// Asks [`crate::plan`] whether the run fits its devices.
 pub fn check_plan(config: &RunConfig) -> PlanCheck {
     use crate::plan::{DeviceKind, Verdict};
-    let plan = plan_request(config).and_then(|req| crate::plan::plan(&req));
+    let plan =
+        super::plan_adapter::local_plan_request(config).and_then(|req| crate::plan::plan(&req));
     let plan = match plan {
         Ok(p) => p,
         Err(e) => {

@@ -18,6 +18,7 @@ pub mod memory;
 pub mod metrics;
 pub mod oom;
 pub mod placement;
+pub mod plan_adapter;
 pub mod precision;
 pub mod samples;
 pub mod schedule;
@@ -35,6 +36,9 @@ pub use events::{Command, Event, FinishReason, LintFinding, MemoryScope};
 pub use export::{export_adapter, export_full, export_merged};
 pub use metrics::{read_metrics, MetricsWriter, RunCurves, METRICS_FILE};
 pub use placement::{DeviceLayers, RunPlacement};
+pub use plan_adapter::{
+    local_plan_request, plan_devices, plan_model, plan_request, read_run_config_leniently,
+};
 pub use precision::{LossScaler, Precision, UnknownPrecision};
 pub use schedule::{LrSchedule, ScheduleKind};
 pub use step::{EvalResult, StepGradients, StepOutcome, TrainingRun};

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::config::RunConfig;
 use super::error::{Phase, TrainError};
-use crate::plan::{PlanRequest, Strategy};
+use crate::plan::PlanRequest;
 
 /// Test switch: `STEP:PHASE` (`forward`, `backward` or `optimizer`) makes that step fail
 /// once per process with an out-of-memory error, before anything of the step is applied.
@@ -64,7 +64,7 @@ pub struct OomRefit {
 /// settings that keep the effective batch. Changes a checkpoint could not resume into
 /// (precision, LoRA) are refused with the reason.
 pub fn refit_after_oom(config: &RunConfig) -> Result<OomRefit, String> {
-    let req = super::memory::plan_request(config).map_err(|e| e.to_string())?;
+    let req = super::plan_adapter::local_plan_request(config).map_err(|e| e.to_string())?;
     let plan = crate::plan::plan(&req).map_err(|e| e.to_string())?;
     let mut squeezed = req.clone();
     for (spec, d) in squeezed.devices.iter_mut().zip(&plan.per_device) {
@@ -98,10 +98,5 @@ fn apply_resumable(config: &mut RunConfig, req: &PlanRequest) {
     if req.optimizer_offload {
         t.optimizer_offload = crate::model::OptimizerOffload::Host;
     }
-    config.devices.strategy = match req.strategy {
-        Strategy::Single => "single",
-        Strategy::LayerSplit => "layer-split",
-        Strategy::DataParallel => "data-parallel",
-    }
-    .to_string();
+    config.devices.strategy = req.strategy;
 }

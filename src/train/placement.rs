@@ -47,12 +47,14 @@ impl RunPlacement {
         if devices.is_empty() {
             devices.push(open_device(0, "cpu", 1)?);
         }
-        let strategy = match config.devices.strategy.parse::<Strategy>() {
-            Ok(s) if devices.len() > 1 => s,
-            _ => Strategy::Single,
+        let strategy = if devices.len() > 1 {
+            config.devices.strategy
+        } else {
+            Strategy::Single
         };
         let layer_ranges = if strategy == Strategy::LayerSplit {
-            let request = super::memory::plan_request(config).map_err(|e| placement_error(&e))?;
+            let request =
+                super::plan_adapter::local_plan_request(config).map_err(|e| placement_error(&e))?;
             crate::plan::layer_ranges(&request).map_err(|e| placement_error(&e))?
         } else {
             Vec::new()

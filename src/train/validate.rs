@@ -2,9 +2,10 @@
 
 use std::path::Path;
 
-use super::config::{InitMode, ModelDtype, RunConfig, STRATEGIES};
+use super::config::{InitMode, ModelDtype, RunConfig};
 use super::error::ConfigProblem;
 use super::precision::Precision;
+use crate::settings::Strategy;
 
 /// Every problem of `config` (empty = usable).
 pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
@@ -204,20 +205,9 @@ pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
             );
         }
     }
-    if !STRATEGIES.contains(&d.strategy.as_str()) {
-        bad(
-            "devices.strategy",
-            format!(
-                "unknown strategy `{}`; expected one of {}",
-                d.strategy,
-                STRATEGIES
-                    .iter()
-                    .map(|s| format!("`{s}`"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-        );
-    } else if d.strategy == "single" && d.devices.len() > 1 {
+    // An unknown strategy is a parse error (`[devices] strategy` is a `Strategy`), reported
+    // with the accepted names before validation runs.
+    if d.strategy == Strategy::Single && d.devices.len() > 1 {
         bad(
             "devices.strategy",
             format!(

@@ -5,7 +5,7 @@ use crate::support::fixture;
 
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
-use tunestudio::devices::parallel::{data_parallel_step, Batch, HostReducer};
+use tunestudio::devices::parallel::{data_parallel_step, DeviceBatch, HostReducer};
 use tunestudio::devices::strategy::{stage_costs, stage_costs_from_params};
 use tunestudio::devices::{
     Assignment, LayerSplit, LogicalDevice, ParamBlock, PlacedBytes, Strategy,
@@ -13,11 +13,11 @@ use tunestudio::devices::{
 use tunestudio::model::{CausalLm, Gradients};
 use tunestudio::plan::{self, DeviceSpec, PlanRequest, Precision};
 
-fn reference_batch(name: &str) -> Batch {
+fn reference_batch(name: &str) -> DeviceBatch {
     let r: HashMap<String, Tensor> =
         candle_core::safetensors::load(fixture(name).join("reference.safetensors"), &Device::Cpu)
             .unwrap();
-    Batch {
+    DeviceBatch {
         input_ids: r["input_ids"].to_dtype(DType::U32).unwrap(),
         attention_mask: Some(r["attention_mask"].to_dtype(DType::U32).unwrap()),
         labels: r["labels"].to_dtype(DType::I64).unwrap(),
@@ -25,7 +25,7 @@ fn reference_batch(name: &str) -> Batch {
 }
 
 /// Mean loss and gradients of the mean loss on one model.
-fn mean_step(model: &CausalLm, b: &Batch) -> (f64, Gradients) {
+fn mean_step(model: &CausalLm, b: &DeviceBatch) -> (f64, Gradients) {
     let out = model
         .loss(&b.input_ids, b.attention_mask.as_ref(), &b.labels)
         .unwrap();
@@ -121,7 +121,7 @@ fn data_parallel_over_two_logical_devices_equals_one_device_on_the_whole_batch()
     for g in &out.grads {
         assert!(worst_rel(g, &g1) <= 1e-5);
     }
-    let double = Batch {
+    let double = DeviceBatch {
         input_ids: Tensor::cat(&[&b.input_ids, &b.input_ids], 0).unwrap(),
         attention_mask: Some(
             Tensor::cat(

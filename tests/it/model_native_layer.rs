@@ -6,7 +6,7 @@ use crate::support::{fixture, max_abs};
 
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
-use tunestudio::model::{CausalLm, Gradients};
+use tunestudio::model::{AdamW, AdamWConfig, CausalLm, Gradients, LoraConfig};
 
 fn inputs(case: &str) -> (Tensor, Tensor, Tensor) {
     let r: HashMap<String, Tensor> =
@@ -114,16 +114,140 @@ fn native_layers_handle_a_padded_batch_of_long_rows() {
 }
 
 #[test]
-fn lora_and_half_precision_keep_the_graph_path() {
-    let mut model = CausalLm::load(&fixture("tiny-llama"), DType::F32, &Device::Cpu).unwrap();
-    model.load_adapter(&fixture("tiny-llama-lora")).unwrap();
-    assert_eq!(
-        model.native_layer_count(),
-        0,
-        "LoRA freezes the base weights"
-    );
+fn half_precision_keeps_the_graph_path() {
     let model = CausalLm::load(&fixture("tiny-llama"), DType::BF16, &Device::Cpu).unwrap();
     assert_eq!(model.native_layer_count(), 0, "bf16 runs through the graph");
+}
+
+/// How a LoRA model of the parity test is made.
+#[derive(Clone, Copy, Debug)]
+enum Adapter {
+    /// Fresh factors on every linear layer (B starts at zero, so the first step's `dA` is zero
+    /// and only later steps test it), with this dropout.
+    Fresh { dropout: f64 },
+    /// The PEFT fixture's trained adapter (q, v, down; r 4), with this dropout.
+    Peft { dropout: f64 },
+}
+
+/// The PEFT fixture's adapter folder with `lora_dropout` set to `dropout` (a copy in a temp
+/// folder when it differs from the fixture's 0).
+fn peft_adapter(dropout: f64) -> (std::path::PathBuf, Option<tempfile::TempDir>) {
+    let src = fixture("tiny-llama-lora");
+    if dropout == 0.0 {
+        return (src, None);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = std::fs::read_to_string(src.join("adapter_config.json")).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(&cfg).unwrap();
+    cfg["lora_dropout"] = serde_json::json!(dropout);
+    std::fs::write(dir.path().join("adapter_config.json"), cfg.to_string()).unwrap();
+    std::fs::copy(
+        src.join("adapter_model.safetensors"),
+        dir.path().join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    (dir.path().to_path_buf(), Some(dir))
+}
+
+/// Per step of 3 AdamW steps: the loss, the logits before the step and every gradient; and
+/// how many layers ran natively.
+fn lora_steps(
+    case: &str,
+    adapter: Adapter,
+    native: bool,
+) -> (Vec<(f64, Tensor, Gradients)>, usize) {
+    let mut model = CausalLm::load(&fixture(case), DType::F32, &Device::Cpu).unwrap();
+    let _keep = match adapter {
+        Adapter::Fresh { dropout } => {
+            let cfg = LoraConfig {
+                r: 4,
+                alpha: 8.0,
+                dropout,
+                target_modules: vec!["all-linear".into()],
+            };
+            model.apply_lora(&cfg, 11).unwrap();
+            None
+        }
+        Adapter::Peft { dropout } => {
+            let (dir, keep) = peft_adapter(dropout);
+            model.load_adapter(&dir).unwrap();
+            keep
+        }
+    };
+    model.set_native_layers(native);
+    let (ids, mask, labels) = inputs(case);
+    let mut opt = AdamW::new(model.params(), AdamWConfig::default(), false).unwrap();
+    let mut steps = Vec::new();
+    for _ in 0..3 {
+        let logits = model.logits(&ids, Some(&mask)).unwrap();
+        let loss = model.loss(&ids, Some(&mask), &labels).unwrap();
+        let grads = model.backward(&loss.sum).unwrap();
+        opt.step(&grads, 1e-2, 1.0 / loss.num_tokens as f64)
+            .unwrap();
+        steps.push((loss.mean().unwrap(), logits, grads));
+    }
+    (steps, model.native_layer_count())
+}
+
+/// LoRA through the native layer op against the graph path (and so against PEFT, which the
+/// graph path is held to): loss, logits and every adapter gradient over three AdamW steps,
+/// with and without adapter dropout, on every fixture architecture and the PEFT adapter; no
+/// base weight gets a gradient.
+#[test]
+fn lora_native_layers_match_the_graph_path() {
+    let mut cases = Vec::new();
+    for case in ["tiny-llama", "tiny-mistral", "tiny-qwen2"] {
+        for dropout in [0.0, 0.1] {
+            cases.push((case, Adapter::Fresh { dropout }));
+        }
+    }
+    for dropout in [0.0, 0.1] {
+        cases.push(("tiny-llama", Adapter::Peft { dropout }));
+    }
+    for (case, adapter) in cases {
+        let what = format!("{case} {adapter:?}");
+        let (graph, graph_native) = lora_steps(case, adapter, false);
+        let (native, native_count) = lora_steps(case, adapter, true);
+        assert_eq!(graph_native, 0, "{what}: native layers were off");
+        assert_eq!(
+            native_count, 2,
+            "{what}: both LoRA layers should run natively"
+        );
+        for (step, (g, n)) in graph.iter().zip(&native).enumerate() {
+            assert!(
+                (g.0 - n.0).abs() <= 1e-5 * g.0.abs().max(1.0),
+                "{what} step {step}: loss {} vs {}",
+                g.0,
+                n.0
+            );
+            let d = max_abs(&(&g.1 - &n.1).unwrap());
+            assert!(
+                d <= 1e-5 * max_abs(&g.1).max(1.0),
+                "{what} step {step}: logits differ by {d}"
+            );
+            let names: Vec<_> = n.2.names().collect();
+            assert_eq!(
+                g.2.names().collect::<Vec<_>>(),
+                names,
+                "{what}: gradient names"
+            );
+            assert!(
+                names
+                    .iter()
+                    .all(|n| n.contains(".lora_A.") || n.contains(".lora_B.")),
+                "{what}: a base weight has a gradient: {names:?}"
+            );
+            for (name, ga) in g.2.iter() {
+                let gb = n.2.get(name).unwrap();
+                let scale = max_abs(ga).max(1e-6);
+                let d = max_abs(&(ga - gb).unwrap());
+                assert!(
+                    d <= 1e-5 * scale.max(1e-3),
+                    "{what} step {step}: {name} differs by {d} (max |g| {scale})"
+                );
+            }
+        }
+    }
 }
 
 /// Tokens that repeat within and across rows: the native embedding's backward adds each

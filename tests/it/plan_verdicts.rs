@@ -6,8 +6,8 @@ use std::process::Command;
 use std::time::Instant;
 use tunestudio::model::ModelConfig;
 use tunestudio::plan::{
-    self, auto_fit, parse_devices, DeviceSpec, Phase, PlanError, PlanRequest, Precision, Strategy,
-    Verdict,
+    self, auto_fit, parse_devices, DeviceSpec, PlanError, PlanRequest, Precision, StepPhase,
+    Strategy, Verdict,
 };
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -58,7 +58,7 @@ fn dictalm_fp32_single_gpu_is_out_of_memory_and_fixes_are_ranked() {
     assert!(gib(d.shortfall_bytes) > 25.0);
     assert_eq!(
         d.first_oom_phase,
-        Some(Phase::Forward),
+        Some(StepPhase::Forward),
         "weights + moments alone exceed 80 GiB"
     );
     assert!(

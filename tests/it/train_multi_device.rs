@@ -100,7 +100,7 @@ fn data_parallel_over_cpu_logical_devices_trains_like_one_device() {
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
         let dp = tmp.path().join(format!("dp-{ranks}"));
         let mut cfg = config(&dp, None, micro_batch, &names);
-        cfg.devices.strategy = "data-parallel".into();
+        cfg.devices.strategy = tunestudio::settings::Strategy::DataParallel;
         train(
             &save(&cfg, &tmp.path().join(format!("dp-{ranks}.toml"))),
             &[],
@@ -167,7 +167,7 @@ fn layer_split_uses_the_plans_ranges_trains_like_one_device_and_resumes_exactly(
         let n = devices.len();
         let out = tmp.path().join(format!("split-{n}"));
         let mut cfg = config(&out, Some(&model), 4, devices);
-        cfg.devices.strategy = "layer-split".into();
+        cfg.devices.strategy = tunestudio::settings::Strategy::LayerSplit;
         cfg.checkpoint.save_every = 5;
         cfg.checkpoint.keep_last = 0;
         let path = save(&cfg, &tmp.path().join(format!("split-{n}.toml")));

@@ -10,7 +10,7 @@ use std::time::Instant;
 use tunestudio::mem;
 use tunestudio::model::{AdamW, AdamWConfig, CausalLm, LoraConfig, ModelConfig};
 use tunestudio::plan::{
-    self, DevicePlan, DeviceSpec, LoraSpec, Phase, PlanRequest, Precision, Strategy,
+    self, DevicePlan, DeviceSpec, LoraSpec, PlanRequest, Precision, StepPhase, Strategy,
 };
 
 #[derive(Debug, Clone)]
@@ -188,7 +188,7 @@ pub fn run_grid_with(cfg: &ModelConfig, cases: &[Case]) -> Vec<(Case, Measured, 
 /// workspaces, measured: `before` of every later step is that much higher; the same 3.15 MB
 /// whichever model comes first). That is process baseline, not a step's memory, so one
 /// throwaway step runs before anything is measured.
-fn warm_up_process() {
+pub fn warm_up_process() {
     static DONE: std::sync::Once = std::sync::Once::new();
     DONE.call_once(|| {
         let cfg = ModelConfig::from_file(
@@ -204,7 +204,7 @@ fn warm_up_process() {
 }
 
 /// The predicted peak of one phase.
-pub fn phase(d: &DevicePlan, p: Phase) -> u64 {
+pub fn phase(d: &DevicePlan, p: StepPhase) -> u64 {
     d.phases
         .iter()
         .find(|x| x.phase == p)
@@ -229,11 +229,11 @@ pub fn print_row(c: &Case, m: &Measured, d: &DevicePlan) {
         c.seq_len,
         c.accumulation,
         mib(m.fwd_peak),
-        mib(phase(d, Phase::Forward)),
+        mib(phase(d, StepPhase::Forward)),
         mib(bwd),
-        mib(phase(d, Phase::Backward)),
+        mib(phase(d, StepPhase::Backward)),
         mib(m.opt_peak),
-        mib(phase(d, Phase::OptimizerStep)),
+        mib(phase(d, StepPhase::OptimizerStep)),
         mib(m.peak),
         mib(d.peak_bytes),
         d.peak_phase.to_string(),

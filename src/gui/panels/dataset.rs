@@ -73,7 +73,7 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             });
         }
         if let Some(e) = &s.dataset.error {
-            theme::error_box(ui, "The dataset could not be read", e);
+            theme::job_error(ui, "The dataset could not be read", e);
         }
         if let Some(sum) = &s.dataset.summary {
             ui.add_space(4.0);

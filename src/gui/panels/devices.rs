@@ -55,7 +55,7 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
 
     theme::section(ui, "Memory plan");
     if let Some(e) = &s.plan.error {
-        theme::error_box(ui, "No plan", e);
+        theme::job_error(ui, "No plan", e);
     }
     if s.model.info.is_none() {
         theme::note(ui, "Load a model to see the memory plan.");
@@ -412,7 +412,7 @@ fn device_list(ui: &mut Ui, s: &mut AppState) {
                         s.config.devices.devices.retain(|l| *l != label);
                     }
                     if s.config.devices.devices.len() <= 1 {
-                        s.config.devices.strategy = "single".into();
+                        s.config.devices.strategy = tunestudio::settings::Strategy::Single;
                     }
                 }
                 ui.label(match d.kind {
@@ -454,11 +454,11 @@ fn device_list(ui: &mut Ui, s: &mut AppState) {
 fn strategy_row(ui: &mut Ui, s: &mut AppState) {
     ui.add_space(4.0);
     egui::Grid::new("strategy").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
-        let mut strat = s.config.devices.strategy.clone();
-        let choices: [(&str, &str); 3] = [
-            ("single", "single device"),
-            ("layer-split", "layer split (pipeline)"),
-            ("data-parallel", "data parallel"),
+        let mut strat = s.config.devices.strategy;
+        let choices: [(tunestudio::settings::Strategy, &str); 3] = [
+            (tunestudio::settings::Strategy::Single, "single device"),
+            (tunestudio::settings::Strategy::LayerSplit, "layer split (pipeline)"),
+            (tunestudio::settings::Strategy::DataParallel, "data parallel"),
         ];
         let l = ui.label("Strategy").on_hover_text(
             "single: everything on the first device. layer split: consecutive layers on each device (fits bigger models, \
@@ -469,7 +469,7 @@ fn strategy_row(ui: &mut Ui, s: &mut AppState) {
             .selected_text(choices.iter().find(|c| c.0 == strat).map_or(strat.as_str(), |c| c.1).to_string())
             .show_ui(ui, |ui| {
                 for (v, name) in choices {
-                    ui.selectable_value(&mut strat, v.to_string(), name);
+                    ui.selectable_value(&mut strat, v, name);
                 }
             })
             .response

@@ -108,7 +108,7 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             Some(Ok(p)) => {
                 ui.label(RichText::new(format!("Exported to {}", p.display())).color(theme::OK));
             }
-            Some(Err(e)) => theme::error_box(ui, "Export failed", e),
+            Some(Err(e)) => theme::job_error(ui, "Export failed", e),
             None => {}
         }
     });

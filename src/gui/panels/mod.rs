@@ -6,7 +6,6 @@ pub mod dataset;
 pub mod devices;
 pub mod export;
 pub mod model;
-pub mod playground;
 pub mod preview;
 pub mod run;
 pub mod training;

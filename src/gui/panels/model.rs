@@ -68,7 +68,7 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             });
         }
         if let Some(e) = &s.model.error {
-            theme::error_box(ui, "The model could not be loaded", e);
+            theme::job_error(ui, "The model could not be loaded", e);
         }
     });
 

@@ -27,7 +27,7 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     navigator(ui, s);
 
     if let Some(e) = &s.preview.error {
-        theme::error_box(ui, "The preview could not be built", e);
+        theme::job_error(ui, "The preview could not be built", e);
         if s.model.info.is_none() {
             theme::note(ui, "Load a model with a tokenizer first (Model panel).");
         }

@@ -27,7 +27,7 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         ui.add_space(6.0);
         theme::error_box(
             ui,
-            if err.out_of_memory {
+            if err.is_out_of_memory() {
                 "Out of memory"
             } else {
                 "The run stopped with an error"
@@ -41,7 +41,7 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                 err.hint
             ),
         );
-        if err.out_of_memory {
+        if err.is_out_of_memory() {
             match s.plan.plan.clone() {
                 Some(plan) if !plan.fixes.is_empty() => {
                     ui.label(RichText::new("Fixes from the memory plan, best first:").strong());
@@ -193,19 +193,7 @@ fn controls(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         if r.clicked() {
             actions.push(Action::SaveNow);
         }
-        let (color, text) = match phase {
-            RunPhase::Idle => (ui.visuals().weak_text_color(), "ready".to_string()),
-            RunPhase::Loading => (theme::ACCENT, s.run.status.clone()),
-            RunPhase::Running => (theme::OK, "training".to_string()),
-            RunPhase::Paused => (theme::WARNING, "paused".to_string()),
-            RunPhase::Finished(FinishReason::Completed) => (theme::OK, "completed".to_string()),
-            RunPhase::Finished(FinishReason::Stopped) => (theme::WARNING, "stopped".to_string()),
-            RunPhase::Finished(FinishReason::Failed) => (theme::ERROR, "failed".to_string()),
-        };
-        if phase == RunPhase::Loading {
-            ui.add(egui::Spinner::new());
-        }
-        ui.label(RichText::new(text).color(color).strong());
+        phase_label(ui, s);
     });
     if !s.run.is_active() {
         lint_gate(ui, s, &blocking);
@@ -244,6 +232,24 @@ fn controls(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             );
         }
     }
+}
+
+/// Where the run is, in a word (with a spinner while it loads).
+fn phase_label(ui: &mut Ui, s: &AppState) {
+    let phase = s.run.phase;
+    let (color, text) = match phase {
+        RunPhase::Idle => (ui.visuals().weak_text_color(), "ready".to_string()),
+        RunPhase::Loading => (theme::ACCENT, s.run.status.clone()),
+        RunPhase::Running => (theme::OK, "training".to_string()),
+        RunPhase::Paused => (theme::WARNING, "paused".to_string()),
+        RunPhase::Finished(FinishReason::Completed) => (theme::OK, "completed".to_string()),
+        RunPhase::Finished(FinishReason::Stopped) => (theme::WARNING, "stopped".to_string()),
+        RunPhase::Finished(FinishReason::Failed) => (theme::ERROR, "failed".to_string()),
+    };
+    if phase == RunPhase::Loading {
+        ui.add(egui::Spinner::new());
+    }
+    ui.label(RichText::new(text).color(color).strong());
 }
 
 fn progress(ui: &mut Ui, s: &AppState) {

@@ -18,7 +18,7 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         "Training",
         "Optimisation settings. The memory plan (GPUs & memory) updates as you change them.",
     );
-    let ranks = if s.config.devices.strategy == "data-parallel" {
+    let ranks = if s.config.devices.strategy == tunestudio::settings::Strategy::DataParallel {
         s.config.devices.devices.len().max(1)
     } else {
         1

@@ -11,6 +11,8 @@ use rayon::prelude::*;
 use std::sync::Mutex;
 
 /// Label value whose row is ignored (no loss, no gradient), as in PyTorch / transformers.
+/// The crate's one definition: the loss gives it its meaning; `model::IGNORE_INDEX` and
+/// `data::IGNORE_INDEX` (the label masks that produce it) re-export it.
 pub const IGNORE_INDEX: i64 = -100;
 
 /// Checks labels against the vocabulary; returns the indices of the rows that count.
@@ -431,6 +433,10 @@ impl CustomOp2 for LinearCrossEntropy {
         // grad_weight keeps the weight's storage order (row- or column-major), so a transposed
         // [h, v] parameter gets a contiguous gradient after the transpose backward.
         let w_transposed = weight_t.stride()[0] == 1 && v > 1;
+        // A frozen head (LoRA) gets no weight gradient: skipping it saves one of the head's
+        // three `rows × vocab × hidden` products and a `vocab × hidden` f32 buffer (113 MB on
+        // SmolLM2-135M) that candle would otherwise keep in its store until backward returns.
+        let want_w = weight_t.track_op();
         let mut grad_h = vec![0f32; n * h];
         // Written by the first chunk's product (zeroed only when no row counts).
         let mut grad_w: Option<Vec<f32>> = None;
@@ -487,6 +493,9 @@ impl CustomOp2 for LinearCrossEntropy {
                         grad_h[r * h..(r + 1) * h].copy_from_slice(&gh_chunk[i * h..(i + 1) * h]);
                     }
                     // grad_W (+)= d^T @ hidden_chunk
+                    if !want_w {
+                        continue;
+                    }
                     let hm = MatRef::row_major(hc, c, h);
                     match grad_w.as_mut() {
                         Some(gw) => sgemm(gw, gw_rs, gw_cs, true, d.t(), hm)?,
@@ -503,6 +512,9 @@ impl CustomOp2 for LinearCrossEntropy {
         })?;
         let dev = hidden_t.device();
         let gh = Tensor::from_vec(grad_h, (n, h), dev)?;
+        if !want_w {
+            return Ok((Some(gh), None));
+        }
         let grad_w = grad_w.unwrap_or_else(|| vec![0f32; v * h]);
         let gw = if w_transposed {
             Tensor::from_vec(grad_w, (h, v), dev)?.t()?

@@ -1,0 +1,626 @@
+//! The stale-plan rule, as a property (issue #21): the one adapter
+//! (`tunestudio::train::plan_request`) is what the studio's "plan is stale" key is derived
+//! from, so for every run-config key the planner reads, changing that key changes the request
+//! (the plan is redone), and changing a key it does not read leaves the request equal (no
+//! needless replan). Random run configs (proptest) × every key of the run config.
+//!
+//! The table below lists EVERY key of `RunConfig` (checked against serde's own list of
+//! fields): a new setting fails `every_run_config_key_is_classified` until it is listed here,
+//! read or not read, with a change to apply.
+
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+use std::collections::BTreeSet;
+use tunestudio::data::{ColumnMapping, DataConfig, Format, TxtSplit};
+use tunestudio::model::OptimizerOffload;
+use tunestudio::settings::{Precision, Strategy as DeviceStrategy};
+use tunestudio::train::{
+    self, CheckpointSection, DevicesSection, EvalSection, InitMode, LoraSection, ModelDtype,
+    ModelSection, RunConfig, ScheduleKind, TrainingSection,
+};
+
+/// Whether the planner reads a key.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Reads {
+    /// Always: a change must change the request.
+    Yes,
+    /// Only with `[lora] enabled = true` (LoRA's shape); without it, a change changes nothing.
+    WhenLoraIsOn,
+    /// Never: a change must leave the request equal.
+    No,
+}
+
+/// One run-config key, whether the planner reads it, and a change of its value (to a
+/// different value, whatever it was).
+struct Key {
+    name: &'static str,
+    reads: Reads,
+    change: fn(&mut RunConfig),
+}
+
+const MODELS: [&str; 4] = [
+    "smollm2-135m.json",
+    "llama-3.1-8b.json",
+    "qwen2.5-7b.json",
+    "dictalm2-7b.json",
+];
+
+fn model_source(i: usize) -> String {
+    tunestudio::paths::shared_dir()
+        .join("model-configs")
+        .join(MODELS[i % MODELS.len()])
+        .display()
+        .to_string()
+}
+
+fn next_model(c: &mut RunConfig) {
+    let i = (0..MODELS.len())
+        .find(|&i| model_source(i) == c.model.source)
+        .unwrap_or(0);
+    c.model.source = model_source(i + 1);
+}
+
+fn next<T: Copy + PartialEq>(all: &[T], v: T) -> T {
+    let i = all.iter().position(|x| *x == v).unwrap_or(0);
+    all[(i + 1) % all.len()]
+}
+
+fn toggle(o: &mut Option<String>) {
+    *o = match o {
+        Some(_) => None,
+        None => Some("column".into()),
+    };
+}
+
+fn flip(b: &mut bool) {
+    *b = !*b;
+}
+
+/// Every key of the run config.
+fn keys() -> Vec<Key> {
+    use Reads::*;
+    vec![
+        Key {
+            name: "output_dir",
+            reads: No,
+            change: |c| c.output_dir.push("elsewhere"),
+        },
+        Key {
+            name: "model.source",
+            reads: Yes,
+            change: next_model,
+        },
+        // The compute dtype follows the precision; validation rejects a dtype that disagrees,
+        // so the precision alone decides the memory.
+        Key {
+            name: "model.dtype",
+            reads: No,
+            change: |c| {
+                let all = [
+                    ModelDtype::Auto,
+                    ModelDtype::F32,
+                    ModelDtype::Bf16,
+                    ModelDtype::F16,
+                ];
+                c.model.dtype = next(&all, c.model.dtype);
+            },
+        },
+        Key {
+            name: "model.init",
+            reads: No,
+            change: |c| {
+                let all = [InitMode::Auto, InitMode::Pretrained, InitMode::Random];
+                c.model.init = next(&all, c.model.init);
+            },
+        },
+        Key {
+            name: "data.path",
+            reads: No,
+            change: |c| c.data.path.push_str(".2"),
+        },
+        Key {
+            name: "data.validation_path",
+            reads: No,
+            change: |c| toggle(&mut c.data.validation_path),
+        },
+        Key {
+            name: "data.validation_ratio",
+            reads: No,
+            change: |c| {
+                c.data.validation_ratio = if c.data.validation_ratio > 0.5 {
+                    0.0
+                } else {
+                    0.75
+                }
+            },
+        },
+        Key {
+            name: "data.format",
+            reads: No,
+            change: |c| {
+                c.data.format = next(&[Format::Auto, Format::Text, Format::Chat], c.data.format)
+            },
+        },
+        Key {
+            name: "data.columns.text",
+            reads: No,
+            change: |c| toggle(&mut c.data.columns.text),
+        },
+        Key {
+            name: "data.columns.prompt",
+            reads: No,
+            change: |c| toggle(&mut c.data.columns.prompt),
+        },
+        Key {
+            name: "data.columns.input",
+            reads: No,
+            change: |c| toggle(&mut c.data.columns.input),
+        },
+        Key {
+            name: "data.columns.completion",
+            reads: No,
+            change: |c| toggle(&mut c.data.columns.completion),
+        },
+        Key {
+            name: "data.columns.messages",
+            reads: No,
+            change: |c| toggle(&mut c.data.columns.messages),
+        },
+        Key {
+            name: "data.columns.system",
+            reads: No,
+            change: |c| toggle(&mut c.data.columns.system),
+        },
+        Key {
+            name: "data.columns.history",
+            reads: No,
+            change: |c| toggle(&mut c.data.columns.history),
+        },
+        Key {
+            name: "data.max_length",
+            reads: Yes,
+            change: |c| c.data.max_length += 8,
+        },
+        // Packing fills rows up to max_length; the plan is for max_length rows either way.
+        Key {
+            name: "data.packing",
+            reads: No,
+            change: |c| flip(&mut c.data.packing),
+        },
+        Key {
+            name: "data.train_on_completions_only",
+            reads: No,
+            change: |c| {
+                c.data.train_on_completions_only = match c.data.train_on_completions_only {
+                    None => Some(true),
+                    Some(true) => Some(false),
+                    Some(false) => None,
+                }
+            },
+        },
+        Key {
+            name: "data.group_by_length",
+            reads: No,
+            change: |c| flip(&mut c.data.group_by_length),
+        },
+        Key {
+            name: "data.seed",
+            reads: No,
+            change: |c| c.data.seed += 1,
+        },
+        Key {
+            name: "data.txt_split",
+            reads: No,
+            change: |c| {
+                let all = [TxtSplit::Auto, TxtSplit::PerFile, TxtSplit::BlankLine];
+                c.data.txt_split = next(&all, c.data.txt_split);
+            },
+        },
+        Key {
+            name: "data.allow",
+            reads: No,
+            change: |c| {
+                if c.data.allow.pop().is_none() {
+                    c.data.allow.push("labels-mismatch".into());
+                }
+            },
+        },
+        Key {
+            name: "training.precision",
+            reads: Yes,
+            change: |c| c.training.precision = next(&Precision::ALL, c.training.precision),
+        },
+        Key {
+            name: "training.micro_batch",
+            reads: Yes,
+            change: |c| c.training.micro_batch += 1,
+        },
+        Key {
+            name: "training.gradient_accumulation",
+            reads: Yes,
+            change: |c| c.training.gradient_accumulation += 1,
+        },
+        Key {
+            name: "training.epochs",
+            reads: No,
+            change: |c| c.training.epochs += 1,
+        },
+        Key {
+            name: "training.max_steps",
+            reads: No,
+            change: |c| c.training.max_steps = c.training.max_steps.map_or(Some(10), |_| None),
+        },
+        Key {
+            name: "training.learning_rate",
+            reads: No,
+            change: |c| c.training.learning_rate *= 2.0,
+        },
+        Key {
+            name: "training.schedule",
+            reads: No,
+            change: |c| {
+                let all = [
+                    ScheduleKind::Constant,
+                    ScheduleKind::Linear,
+                    ScheduleKind::Cosine,
+                ];
+                c.training.schedule = next(&all, c.training.schedule);
+            },
+        },
+        Key {
+            name: "training.warmup_steps",
+            reads: No,
+            change: |c| c.training.warmup_steps += 1,
+        },
+        Key {
+            name: "training.warmup_ratio",
+            reads: No,
+            change: |c| c.training.warmup_ratio += 0.01,
+        },
+        Key {
+            name: "training.weight_decay",
+            reads: No,
+            change: |c| c.training.weight_decay += 0.01,
+        },
+        Key {
+            name: "training.max_grad_norm",
+            reads: No,
+            change: |c| c.training.max_grad_norm += 0.5,
+        },
+        Key {
+            name: "training.activation_checkpointing",
+            reads: Yes,
+            change: |c| flip(&mut c.training.activation_checkpointing),
+        },
+        Key {
+            name: "training.optimizer_offload",
+            reads: Yes,
+            change: |c| {
+                c.training.optimizer_offload = match c.training.optimizer_offload {
+                    OptimizerOffload::None => OptimizerOffload::Host,
+                    OptimizerOffload::Host => OptimizerOffload::None,
+                }
+            },
+        },
+        Key {
+            name: "training.seed",
+            reads: No,
+            change: |c| c.training.seed += 1,
+        },
+        Key {
+            name: "training.adam_beta1",
+            reads: No,
+            change: |c| c.training.adam_beta1 /= 2.0,
+        },
+        Key {
+            name: "training.adam_beta2",
+            reads: No,
+            change: |c| c.training.adam_beta2 /= 2.0,
+        },
+        Key {
+            name: "training.adam_epsilon",
+            reads: No,
+            change: |c| c.training.adam_epsilon *= 10.0,
+        },
+        Key {
+            name: "training.decay_norms_and_biases",
+            reads: No,
+            change: |c| flip(&mut c.training.decay_norms_and_biases),
+        },
+        Key {
+            name: "training.initial_loss_scale",
+            reads: No,
+            change: |c| c.training.initial_loss_scale *= 2.0,
+        },
+        Key {
+            name: "training.loss_scale_growth_interval",
+            reads: No,
+            change: |c| c.training.loss_scale_growth_interval += 1,
+        },
+        Key {
+            name: "lora.enabled",
+            reads: Yes,
+            change: |c| flip(&mut c.lora.enabled),
+        },
+        Key {
+            name: "lora.r",
+            reads: WhenLoraIsOn,
+            change: |c| c.lora.r += 1,
+        },
+        // A scale: it allocates nothing.
+        Key {
+            name: "lora.alpha",
+            reads: No,
+            change: |c| c.lora.alpha += 1.0,
+        },
+        // Not modelled by the planner (a mask and a copy of each adapted input per layer).
+        Key {
+            name: "lora.dropout",
+            reads: No,
+            change: |c| c.lora.dropout = if c.lora.dropout > 0.0 { 0.0 } else { 0.1 },
+        },
+        Key {
+            name: "lora.target_modules",
+            reads: WhenLoraIsOn,
+            change: |c| {
+                c.lora.target_modules = if c.lora.target_modules == ["q_proj"] {
+                    vec!["v_proj".into()]
+                } else {
+                    vec!["q_proj".into()]
+                }
+            },
+        },
+        Key {
+            name: "eval.eval_every",
+            reads: No,
+            change: |c| c.eval.eval_every += 1,
+        },
+        Key {
+            name: "eval.max_batches",
+            reads: No,
+            change: |c| c.eval.max_batches += 1,
+        },
+        Key {
+            name: "checkpoint.save_every",
+            reads: No,
+            change: |c| c.checkpoint.save_every += 1,
+        },
+        Key {
+            name: "checkpoint.keep_last",
+            reads: No,
+            change: |c| c.checkpoint.keep_last += 1,
+        },
+        Key {
+            name: "checkpoint.save_final",
+            reads: No,
+            change: |c| flip(&mut c.checkpoint.save_final),
+        },
+        Key {
+            name: "devices.devices",
+            reads: Yes,
+            change: |c| {
+                if c.devices.devices.len() > 1 {
+                    c.devices.devices.pop();
+                } else {
+                    c.devices.devices.push("cuda:7=48GiB".into());
+                }
+            },
+        },
+        Key {
+            name: "devices.strategy",
+            reads: Yes,
+            change: |c| c.devices.strategy = next(&DeviceStrategy::ALL, c.devices.strategy),
+        },
+    ]
+}
+
+/// The fields serde knows for `T` (all of them, optional ones included), from the message
+/// of an unknown field: "unknown field `…`, expected one of `a`, `b`, …" (or "expected `a`
+/// or `b`").
+fn fields_of<T: serde::de::DeserializeOwned + std::fmt::Debug>() -> Vec<String> {
+    let err = toml::from_str::<T>("__no_such_key__ = 0")
+        .unwrap_err()
+        .to_string();
+    let line = err
+        .lines()
+        .find(|l| l.contains("unknown field `__no_such_key__`"))
+        .unwrap_or_else(|| panic!("no field list in: {err}"));
+    let expected = line.split_once(", expected ").map_or("", |(_, e)| e);
+    let fields: Vec<String> = expected
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .map(String::from)
+        .collect();
+    assert!(!fields.is_empty(), "no field list in: {err}");
+    fields
+}
+
+/// Every key of the run config, as dotted names.
+fn run_config_keys() -> BTreeSet<String> {
+    let sections: Vec<(&str, Vec<String>)> = vec![
+        ("model", fields_of::<ModelSection>()),
+        ("data", fields_of::<DataConfig>()),
+        ("data.columns", fields_of::<ColumnMapping>()),
+        ("training", fields_of::<TrainingSection>()),
+        ("lora", fields_of::<LoraSection>()),
+        ("eval", fields_of::<EvalSection>()),
+        ("checkpoint", fields_of::<CheckpointSection>()),
+        ("devices", fields_of::<DevicesSection>()),
+    ];
+    let is_section = |name: &str| sections.iter().any(|(s, _)| *s == name);
+    let mut out = BTreeSet::new();
+    let mut pending: Vec<String> = fields_of::<RunConfig>();
+    while let Some(key) = pending.pop() {
+        match sections.iter().find(|(s, _)| *s == key) {
+            Some((s, fields)) => pending.extend(fields.iter().map(|f| format!("{s}.{f}"))),
+            None => {
+                assert!(!is_section(&key));
+                out.insert(key);
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_run_config_key_is_classified() {
+    let all = run_config_keys();
+    assert!(all.len() > 40, "the key list looks wrong: {all:?}");
+    let listed: BTreeSet<String> = keys().iter().map(|k| k.name.to_string()).collect();
+    let missing: Vec<&String> = all.difference(&listed).collect();
+    let unknown: Vec<&String> = listed.difference(&all).collect();
+    assert!(
+        missing.is_empty() && unknown.is_empty(),
+        "tests/it/plan_request.rs must classify every run-config key as read by the planner \
+         or not (see train::plan_adapter, 'How a new setting is added'): missing {missing:?}, \
+         no such key {unknown:?}"
+    );
+}
+
+/// A random run config the planner can plan (models from the shared model configs, sized
+/// devices so no driver is asked).
+fn arb_config() -> impl Strategy<Value = RunConfig> {
+    let devices = prop_oneof![
+        Just(vec!["cpu:64GiB".to_string()]),
+        Just(vec!["cuda:0=24GiB".to_string()]),
+        Just(vec!["cuda:0=80GiB".to_string(), "cuda:1=80GiB".to_string()]),
+        Just(vec!["cpu:1=8GiB".to_string(), "cpu:2=8GiB".to_string()]),
+    ];
+    let targets = proptest::sample::subsequence(
+        vec![
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        1..=7,
+    );
+    (
+        (
+            0..MODELS.len(),
+            0..Precision::ALL.len(),
+            1..8usize,
+            1..8usize,
+            16..4096usize,
+        ),
+        (
+            any::<bool>(),
+            any::<bool>(),
+            any::<bool>(),
+            1..64usize,
+            targets,
+        ),
+        (
+            devices,
+            0..DeviceStrategy::ALL.len(),
+            1e-6..1e-2f64,
+            any::<u64>(),
+        ),
+    )
+        .prop_map(
+            |(
+                (model, precision, micro_batch, accumulation, max_length),
+                (checkpointing, offload, lora, r, targets),
+                (devices, strategy, lr, seed),
+            )| {
+                let mut c = RunConfig::default();
+                c.model.source = model_source(model);
+                c.training.precision = Precision::ALL[precision];
+                c.training.micro_batch = micro_batch;
+                c.training.gradient_accumulation = accumulation;
+                c.data.max_length = max_length;
+                c.training.activation_checkpointing = checkpointing;
+                c.training.optimizer_offload = if offload {
+                    OptimizerOffload::Host
+                } else {
+                    OptimizerOffload::None
+                };
+                c.lora.enabled = lora;
+                c.lora.r = r;
+                c.lora.target_modules = targets.into_iter().map(String::from).collect();
+                c.devices.devices = devices;
+                c.devices.strategy = DeviceStrategy::ALL[strategy];
+                c.training.learning_rate = lr;
+                c.training.seed = seed;
+                c
+            },
+        )
+}
+
+/// The stale-plan rule over random configs and every key: changing a key the planner reads
+/// changes the request, and changing one it does not read leaves it equal.
+#[test]
+fn changing_a_key_the_planner_reads_changes_the_request_and_no_other_does() {
+    let keys = keys();
+    let mut runner = TestRunner::new(Config {
+        cases: 48,
+        ..Config::default()
+    });
+    runner
+        .run(&arb_config(), |config| {
+            let before = train::local_plan_request(&config).expect("the base config plans");
+            for key in &keys {
+                let mut changed = config.clone();
+                (key.change)(&mut changed);
+                prop_assert_ne!(
+                    &changed,
+                    &config,
+                    "{}: the change changed nothing",
+                    key.name
+                );
+                let after = train::local_plan_request(&changed)
+                    .unwrap_or_else(|e| panic!("{} changed: {e}", key.name));
+                let must_differ = match key.reads {
+                    Reads::Yes => true,
+                    Reads::WhenLoraIsOn => config.lora.enabled,
+                    Reads::No => false,
+                };
+                if must_differ {
+                    prop_assert_ne!(
+                        &after,
+                        &before,
+                        "{} is read by the planner: changing it must make the plan stale",
+                        key.name
+                    );
+                } else {
+                    prop_assert_eq!(
+                        &after,
+                        &before,
+                        "{} is not read by the planner: changing it must not replan",
+                        key.name
+                    );
+                }
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
+/// The three front ends agree: what `tunestudio plan --config` reads from a saved run config
+/// is the request the trainer's pre-flight makes for the same config.
+#[test]
+fn the_cli_reading_and_the_trainer_make_the_same_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = RunConfig::default();
+    config.model.source = model_source(2);
+    config.training.precision = Precision::Bf16Mixed;
+    config.training.micro_batch = 3;
+    config.data.max_length = 700;
+    config.lora.enabled = true;
+    config.lora.r = 4;
+    config.devices.devices = vec!["cuda:0=40GiB".into(), "cuda:1=40GiB".into()];
+    config.devices.strategy = DeviceStrategy::LayerSplit;
+    config.base_dir = dir.path().to_path_buf();
+    let text = config.to_toml_string().unwrap();
+    let (read, ignored) = train::read_run_config_leniently(&text, "run.toml", dir.path()).unwrap();
+    assert!(ignored.is_empty(), "{ignored:?}");
+    assert_eq!(read, config);
+    assert_eq!(
+        train::local_plan_request(&read).unwrap(),
+        train::local_plan_request(&config).unwrap()
+    );
+}
