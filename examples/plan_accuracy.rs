@@ -3,6 +3,10 @@
 //!
 //! cargo run --example plan_accuracy
 
+// A developer's measuring tool that shares the test harness (tests/plan_support), which unwraps:
+// a panic here stops a measurement, it never reaches a user.
+#![allow(clippy::unwrap_used)]
+
 #[path = "../tests/plan_support/harness.rs"]
 mod harness;
 
@@ -15,6 +19,11 @@ fn main() {
     let t0 = std::time::Instant::now();
     harness::print_header();
     let rows = harness::run_grid(&harness::grid());
+    // Which part of each prediction is off: component by component (definitions in
+    // `tunestudio::plan::components`).
+    for (c, m, d) in &rows {
+        println!("\n{c:?}\n{}", harness::component_report(c, m, d).render());
+    }
     let worst = rows
         .iter()
         .map(|(_, m, d)| harness::err_pct(d.peak_bytes, m.peak).abs())

@@ -14,6 +14,7 @@
 #                           SmolLM2-135M shape in bf16
 #   3. generic-path bench   `tunestudio bench --ops generic` beside `--ops native` on the
 #                           CPU (the bench runs on the CPU): what the generic ops cost
+#   3c. memory truth        predicted vs measured (NVML / VmHWM) peak per device, small grid
 #   4. PyTorch reference    the same training step in PyTorch (if installed) → speed ratio
 #
 # `--cpu` runs the same steps on the CPU (tiny shapes), so this script is tested
@@ -215,6 +216,66 @@ sys.exit(1 if bad else 0)
 EOF
 log "several devices: $([[ $multi_rc -eq 0 ]] && echo passed || echo FAILED)"
 [[ $multi_rc -eq 0 ]] || check_rc=1
+
+# --- 3c. memory truth: predicted vs measured peak per device (issue #17) ----------
+# Trains a small grid with `tunestudio train` and samples what the user's monitor shows:
+# on a GPU the memory NVML reports for the training process on each device
+# (`nvidia-smi --query-compute-apps`, every 100 ms: CUDA context, cuBLAS workspace, the
+# allocator's pools and the tensors together), on the CPU the process's VmHWM. Printed next
+# to `tunestudio plan --config` for the same run, with "measured − training tensors" (the
+# runtime terms: context + workspace + allocator). Informational (goal ±5 %).
+log "step 3c: predicted vs measured peak memory per device"
+mem_case() { # name, precision, micro_batch, max_length
+  local dir="$OUT_DIR/mem-$1"
+  rm -rf "$dir"; mkdir -p "$dir"
+  cat >"$dir/run.toml" <<TOML
+output_dir = "$dir/out"
+[model]
+source = "$SHARED/fixtures/tiny-llama"
+init = "pretrained"
+[data]
+path = "$SHARED/datasets/alpaca_en_demo.json"
+format = "alpaca"
+max_length = $4
+validation_ratio = 0.02
+[training]
+precision = "$2"
+micro_batch = $3
+max_steps = 4
+learning_rate = 0.001
+[devices]
+devices = [$one]
+TOML
+  "$BIN" plan --json --config "$dir/run.toml" >"$dir/plan.json" 2>"$dir/plan.err" || { log "plan $1 failed"; return; }
+  "$BIN" train --config "$dir/run.toml" >"$dir/train.log" 2>&1 &
+  local pid=$! peak=0 used
+  while kill -0 "$pid" 2>/dev/null; do
+    if [[ $MODE == gpu ]]; then
+      used=$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null \
+        | awk -F', *' -v p="$pid" '$1 == p { s += $2 } END { print s + 0 }')
+      used=$((used * 1048576))
+    else
+      used=$(awk '/^VmHWM:/ { print $2 * 1024 }' "/proc/$pid/status" 2>/dev/null)
+    fi
+    [[ -n "$used" && "$used" -gt "$peak" ]] && peak=$used
+    sleep 0.1
+  done
+  wait "$pid" || log "train $1 failed (see $dir/train.log)"
+  python3 - "$1" "$dir/plan.json" "$peak" <<'EOF'
+import json, sys
+name, plan, measured = sys.argv[1], json.load(open(sys.argv[2]))["plan"], int(sys.argv[3])
+for d in plan["per_device"][:1]:
+    p, t = d["peak_bytes"], d.get("training_tensors_bytes", d["peak_bytes"])
+    err = 100.0 * (p - measured) / measured if measured else float("nan")
+    ok = abs(err) <= 5.0
+    print(f"[{'PASSED' if ok else 'OFF':7}] {name:<12} {d['device']['name']}: predicted {p / 2**20:8.1f} MiB, "
+          f"measured {measured / 2**20:8.1f} MiB ({err:+.1f} %); measured - training tensors "
+          f"{(measured - t) / 2**20:8.1f} MiB (planned overhead {d['overhead_bytes'] / 2**20:.0f} MiB)")
+EOF
+}
+mem_case fp32-b4-s64 fp32 4 64
+mem_case bf16-b4-s256 bf16-mixed 4 256
+mem_case bf16-b8-s512 bf16 8 512
 
 # --- 4. PyTorch reference step ------------------------------------------------
 torch_rc=0

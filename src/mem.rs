@@ -185,9 +185,42 @@ fn parse_status_kib(status: &str, key: &str) -> Option<u64> {
     })
 }
 
+/// Whether an error message says a device ran out of memory (CUDA, candle, or the OS). The
+/// one word list for it: the trainer's step errors ([`crate::train::oom::is_out_of_memory`])
+/// and the planner's dry run both ask here.
+pub fn is_out_of_memory_message(message: &str) -> bool {
+    let m = message.to_lowercase();
+    [
+        "out of memory",
+        "out_of_memory",
+        "cannot allocate",
+        "allocation failed",
+        "failed to allocate",
+        "memory allocation",
+    ]
+    .iter()
+    .any(|k| m.contains(k))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn out_of_memory_messages_are_recognised() {
+        for m in [
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")",
+            "Cannot allocate memory (os error 12)",
+            "out of memory: allocation failed (injected)",
+            "memory allocation of 1024 bytes failed",
+        ] {
+            assert!(is_out_of_memory_message(m), "{m}");
+        }
+        assert!(!is_out_of_memory_message("shape mismatch in matmul"));
+        assert!(!is_out_of_memory_message(
+            "cannot memory-map the weights file"
+        ));
+    }
 
     #[test]
     fn parses_proc_status_lines() {

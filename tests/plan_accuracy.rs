@@ -6,6 +6,10 @@
 //! steps; `cargo test --test plan_accuracy -- --nocapture` prints the table, and
 //! `cargo run --release --example plan_accuracy` prints it alone.
 
+// Test code: helpers outside `#[test]` functions unwrap too (clippy's `allow-unwrap-in-tests`
+// covers only the tests themselves); a panic here is a failed test, not a user's crash.
+#![allow(clippy::unwrap_used)]
+
 #[path = "plan_support/harness.rs"]
 mod harness;
 
@@ -108,6 +112,7 @@ fn dry_run_measures_one_step_and_refuses_a_predicted_oom() {
         strategy: Strategy::Single,
         devices: vec![DeviceSpec::cpu(1 << 34)],
         ops: tunestudio::model::OpsMode::Auto,
+        process: None,
     };
     let model = CausalLm::random_init(&cfg, 1, DType::F32, &Device::Cpu).unwrap();
     let mut opt = AdamW::new(model.params(), AdamWConfig::default(), false).unwrap();

@@ -51,6 +51,10 @@ pub struct GenerateArgs {
     /// Parameter dtype: f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     pub dtype: String,
+    /// Run the base quantized: none, q8_0 or q4_k (the base an adapter was trained on with
+    /// `[model] quantize`).
+    #[arg(long, default_value = "none")]
+    pub quantize: String,
     /// Read the tokenizer from this folder or hub id instead of the model's.
     #[arg(long)]
     pub tokenizer: Option<String>,
@@ -76,6 +80,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<ExitCode> {
     spec.tokenizer = args.tokenizer.clone();
     spec.dtype = dtype;
     spec.check_adapter_base = !args.ignore_adapter_base;
+    spec.quantize = args.quantize.parse()?;
     let params = SamplingParams {
         max_new_tokens: args.max_new_tokens,
         temperature: args.temperature,

@@ -12,6 +12,7 @@ use tunestudio::plan::{
     self, format_bytes, parse_devices, AutoFit, DevicePlan, LoraSpec, Plan, PlanRequest, Precision,
     Strategy,
 };
+use tunestudio::settings::Quantization;
 use tunestudio::train;
 
 /// Arguments of `tunestudio plan`.
@@ -49,6 +50,10 @@ pub struct PlanArgs {
     /// Comma-separated LoRA target modules (default: every linear layer).
     #[arg(long)]
     pub lora_targets: Option<String>,
+    /// QLoRA: the frozen base linears quantized as none, q8_0 or q4_k (needs LoRA: --lora-r,
+    /// or `[lora] enabled` in --config).
+    #[arg(long)]
+    pub quantize: Option<String>,
     /// single, layer-split or data-parallel.
     #[arg(long)]
     pub strategy: Option<String>,
@@ -183,6 +188,7 @@ pub(crate) fn build_request(args: &PlanArgs) -> anyhow::Result<PlanRequest> {
                 None => parse_devices("cpu")?,
             },
             ops: tunestudio::model::OpsMode::from_env()?,
+            process: None,
         }
     };
     if let Some(p) = &args.precision {
@@ -221,6 +227,16 @@ pub(crate) fn build_request(args: &PlanArgs) -> anyhow::Result<PlanRequest> {
         req.lora = Some(spec);
     } else if args.lora_targets.is_some() {
         anyhow::bail!("--lora-targets needs --lora-r (the adapter rank)");
+    }
+    if let Some(q) = &args.quantize {
+        let q: Quantization = q.parse()?;
+        match req.lora.as_mut() {
+            Some(l) => l.quantize = q,
+            None if q.is_on() => anyhow::bail!(
+                "--quantize {q} needs LoRA (a quantized base is frozen): add --lora-r 16"
+            ),
+            None => {}
+        }
     }
     Ok(req)
 }
@@ -301,6 +317,11 @@ fn print_plan(req: &PlanRequest, p: &Plan, per_layer: bool) {
             }
         );
     }
+    for d in &p.per_device {
+        if let Some(f) = &d.process {
+            print_process(&d.device.name, f);
+        }
+    }
     println!();
     println!("Verdict: {} — {}", p.verdict, p.summary);
     if per_layer {
@@ -365,6 +386,44 @@ fn device_row(d: &DevicePlan) -> Vec<String> {
         format_bytes(d.device.capacity_bytes),
         status,
     ]
+}
+
+/// The process's resident set on a CPU device, term by term (the table's columns are the
+/// training step's tensors; the peak column is this total).
+fn print_process(device: &str, f: &tunestudio::plan::ProcessFootprint) {
+    println!();
+    println!(
+        "Process peak RSS on {device}: {} (largest moment: {})",
+        format_bytes(f.peak_bytes),
+        f.largest_moment
+    );
+    let mut rows: Vec<Vec<String>> = vec![vec!["term".into(), "bytes".into(), "source".into()]];
+    let moment = |name: &str, bytes: u64, source: &str| {
+        vec![name.to_string(), format_bytes(bytes), source.to_string()]
+    };
+    rows.push(moment(
+        "training tensors (step peak)",
+        f.training_tensors_bytes,
+        "the columns above",
+    ));
+    if f.evaluation_bytes > 0 {
+        rows.push(moment(
+            "evaluation heap",
+            f.evaluation_bytes,
+            "resident state + the loss op's logits chunk",
+        ));
+    }
+    if f.loading_bytes > 0 {
+        rows.push(moment(
+            "loading heap",
+            f.loading_bytes,
+            "mapped safetensors pages + loaded weights",
+        ));
+    }
+    for t in &f.terms {
+        rows.push(moment(t.name, t.bytes, t.source));
+    }
+    print_table(&rows);
 }
 
 fn print_table(rows: &[Vec<String>]) {

@@ -218,6 +218,14 @@ fn render(
         st.paint("1;35", "label≠token"),
         st.paint("2", "padding"),
     )?;
+    render_rows(out, &st, p)?;
+    render_stats(out, &st, p)?;
+    render_lints(out, &st, p)?;
+    Ok(())
+}
+
+/// Each shown row: its header line, then its tokens as text(label, id).
+fn render_rows(out: &mut impl Write, st: &Style, p: &DataPreview) -> std::io::Result<()> {
     for r in &p.rows {
         writeln!(out)?;
         let mut head = format!(
@@ -236,11 +244,16 @@ fn render(
         writeln!(out, "{}", st.paint("1", &head))?;
         let mut line = String::new();
         for g in r.groups(r.tokens.len()) {
-            line.push_str(&group_body(&st, &visible(&g.text), &r.tokens[g.tokens]));
+            line.push_str(&group_body(st, &visible(&g.text), &r.tokens[g.tokens]));
             line.push(' ');
         }
         writeln!(out, "{}", line.trim_end())?;
     }
+    Ok(())
+}
+
+/// Row, token, truncation, padding and packing figures, and the token-length histogram.
+fn render_stats(out: &mut impl Write, st: &Style, p: &DataPreview) -> std::io::Result<()> {
     let s = &p.stats;
     writeln!(out)?;
     writeln!(
@@ -297,6 +310,11 @@ fn render(
         let text = format!("{label}{bar}{}", if over { "  (truncated)" } else { "" });
         writeln!(out, "  {}", if over { st.paint("33", &text) } else { text })?;
     }
+    Ok(())
+}
+
+/// The data lints, each with its severity and example rows.
+fn render_lints(out: &mut impl Write, st: &Style, p: &DataPreview) -> std::io::Result<()> {
     writeln!(out)?;
     writeln!(out, "{}", st.paint("1", "── lints"))?;
     if p.lints.is_empty() {

@@ -147,10 +147,6 @@ fn drive(
     let interactive = std::io::stderr().is_terminal() && !args.json;
     let mut bar: Option<ProgressBar> = None;
     let log_every = args.log_every.max(1);
-    let say = |bar: &Option<ProgressBar>, line: String| match bar {
-        Some(b) if !b.is_hidden() => b.println(line),
-        _ => println!("{line}"),
-    };
     let mut reason = FinishReason::Failed;
     let mut blocked = false;
     let mut oom_checkpoint = false;
@@ -169,128 +165,6 @@ fn drive(
             }
         }
         match &event {
-            Event::Status { message } if !args.json => eprintln!("{message}…"),
-            Event::Started {
-                total_steps,
-                start_step,
-                resumed_from,
-                num_parameters,
-                trainable_parameters,
-                train_rows,
-                eval_rows,
-                output_dir,
-                effective_batch,
-                ranks,
-                placement,
-            } if !args.json => {
-                if let Some(p) = resumed_from {
-                    say(
-                        &bar,
-                        format!("resuming from {} (step {start_step})", p.display()),
-                    );
-                }
-                say(
-                    &bar,
-                    format!(
-                        "training {trainable_parameters} of {num_parameters} parameters on {train_rows} rows ({eval_rows} for validation), {total_steps} steps → {}",
-                        output_dir.display()
-                    ),
-                );
-                say(
-                    &bar,
-                    format!("effective batch {effective_batch} rows per step ({ranks} data-parallel rank(s))"),
-                );
-                if placement.len() > 1 {
-                    for d in placement {
-                        say(
-                            &bar,
-                            format!("  {}: layers {}..{}", d.device, d.start_layer, d.end_layer),
-                        );
-                    }
-                }
-                let b = if interactive {
-                    ProgressBar::new(*total_steps)
-                } else {
-                    ProgressBar::hidden()
-                };
-                b.set_style(
-                    ProgressStyle::with_template(
-                        "{bar:30.cyan/blue} {pos}/{len} steps | {msg} | ETA {eta}",
-                    )
-                    .unwrap_or_else(|_| ProgressStyle::default_bar()),
-                );
-                b.set_position(*start_step);
-                bar = Some(b);
-            }
-            Event::Step {
-                step,
-                loss,
-                lr,
-                grad_norm,
-                tokens_per_sec,
-                skipped,
-                ..
-            } if !args.json => {
-                if let Some(b) = &bar {
-                    b.set_position(*step);
-                    b.set_message(format!("loss {loss:.4} | {tokens_per_sec:.0} tok/s"));
-                }
-                if step % log_every == 0 || *step == 1 || *skipped {
-                    let note = if *skipped {
-                        " (skipped: fp16 overflow)"
-                    } else {
-                        ""
-                    };
-                    say(
-                        &bar,
-                        format!(
-                            "step {step:>6}  loss {loss:.4}  lr {lr:.2e}  grad_norm {grad_norm:.3}  {tokens_per_sec:.0} tok/s{note}"
-                        ),
-                    );
-                }
-            }
-            Event::Eval {
-                step,
-                loss,
-                perplexity,
-                ..
-            } if !args.json => say(
-                &bar,
-                format!("eval   {step:>6}  loss {loss:.4}  perplexity {perplexity:.2}"),
-            ),
-            Event::CheckpointSaved { path, .. } if !args.json => {
-                say(&bar, format!("saved {}", path.display()))
-            }
-            Event::Warning { message } if !args.json => say(&bar, format!("warning: {message}")),
-            Event::OutOfMemory {
-                step,
-                phase,
-                device,
-                checkpoint,
-                refit,
-                refit_error,
-            } if !args.json => {
-                let saved = checkpoint
-                    .as_ref()
-                    .map_or("no checkpoint yet".to_string(), |p| {
-                        format!("saved the last good step: {}", p.display())
-                    });
-                eprintln!("{device} ran out of memory at step {step} ({phase}); {saved}");
-                match refit_error {
-                    Some(e) => eprintln!("no resumable settings fit: {e}"),
-                    None => eprintln!(
-                        "settings that fit what {device} held (same effective batch): {}\nresume with them: tunestudio train --config … --resume latest --on-oom auto-fit, or apply them to the config",
-                        refit.join("; ")
-                    ),
-                }
-            }
-            Event::LintAllowed { lint } if !args.json => say(
-                &bar,
-                format!(
-                    "warning: training despite lint `{}` ({} rows), allowed by name: {}",
-                    lint.lint, lint.count, lint.message
-                ),
-            ),
             Event::Error { message, hint, .. } => {
                 if let Some(b) = &bar {
                     b.abandon();
@@ -314,6 +188,7 @@ fn drive(
                 }
                 break;
             }
+            _ if !args.json => render(&event, &mut bar, interactive, log_every),
             _ => {}
         }
     }
@@ -323,4 +198,157 @@ fn drive(
         blocked_by_lints: blocked,
         out_of_memory_with_checkpoint: oom_checkpoint,
     })
+}
+
+/// Prints a line to the terminal, above the progress bar when one is showing.
+fn say(bar: Option<&ProgressBar>, line: String) {
+    match bar {
+        Some(b) if !b.is_hidden() => b.println(line),
+        _ => println!("{line}"),
+    }
+}
+
+/// The human rendering of an event other than the error and the end (not in `--json` mode).
+fn render(event: &Event, bar: &mut Option<ProgressBar>, interactive: bool, log_every: u64) {
+    match event {
+        Event::Status { message } => eprintln!("{message}…"),
+        Event::Started { .. } => {
+            if let Some(b) = started(event, bar.as_ref(), interactive) {
+                *bar = Some(b);
+            }
+        }
+        Event::Step {
+            step,
+            loss,
+            lr,
+            grad_norm,
+            tokens_per_sec,
+            skipped,
+            ..
+        } => {
+            if let Some(b) = bar {
+                b.set_position(*step);
+                b.set_message(format!("loss {loss:.4} | {tokens_per_sec:.0} tok/s"));
+            }
+            if step % log_every == 0 || *step == 1 || *skipped {
+                let note = if *skipped {
+                    " (skipped: fp16 overflow)"
+                } else {
+                    ""
+                };
+                say(
+                    bar.as_ref(),
+                    format!(
+                        "step {step:>6}  loss {loss:.4}  lr {lr:.2e}  grad_norm {grad_norm:.3}  {tokens_per_sec:.0} tok/s{note}"
+                    ),
+                );
+            }
+        }
+        Event::Eval {
+            step,
+            loss,
+            perplexity,
+            ..
+        } => say(
+            bar.as_ref(),
+            format!("eval   {step:>6}  loss {loss:.4}  perplexity {perplexity:.2}"),
+        ),
+        Event::CheckpointSaved { path, .. } => {
+            say(bar.as_ref(), format!("saved {}", path.display()))
+        }
+        Event::Warning { message } => say(bar.as_ref(), format!("warning: {message}")),
+        Event::OutOfMemory { .. } => out_of_memory(event),
+        Event::LintAllowed { lint } => say(
+            bar.as_ref(),
+            format!(
+                "warning: training despite lint `{}` ({} rows), allowed by name: {}",
+                lint.lint, lint.count, lint.message
+            ),
+        ),
+        _ => {}
+    }
+}
+
+/// What the run is about to train, and the progress bar for it.
+fn started(event: &Event, bar: Option<&ProgressBar>, interactive: bool) -> Option<ProgressBar> {
+    let Event::Started {
+        total_steps,
+        start_step,
+        resumed_from,
+        num_parameters,
+        trainable_parameters,
+        train_rows,
+        eval_rows,
+        output_dir,
+        effective_batch,
+        ranks,
+        placement,
+    } = event
+    else {
+        return None;
+    };
+    if let Some(p) = resumed_from {
+        say(
+            bar,
+            format!("resuming from {} (step {start_step})", p.display()),
+        );
+    }
+    say(
+        bar,
+        format!(
+            "training {trainable_parameters} of {num_parameters} parameters on {train_rows} rows ({eval_rows} for validation), {total_steps} steps → {}",
+            output_dir.display()
+        ),
+    );
+    say(
+        bar,
+        format!("effective batch {effective_batch} rows per step ({ranks} data-parallel rank(s))"),
+    );
+    if placement.len() > 1 {
+        for d in placement {
+            say(
+                bar,
+                format!("  {}: layers {}..{}", d.device, d.start_layer, d.end_layer),
+            );
+        }
+    }
+    let b = if interactive {
+        ProgressBar::new(*total_steps)
+    } else {
+        ProgressBar::hidden()
+    };
+    b.set_style(
+        ProgressStyle::with_template("{bar:30.cyan/blue} {pos}/{len} steps | {msg} | ETA {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    b.set_position(*start_step);
+    Some(b)
+}
+
+/// Where a device ran out of memory, what was saved, and the settings a resume would use.
+fn out_of_memory(event: &Event) {
+    let Event::OutOfMemory {
+        step,
+        phase,
+        device,
+        checkpoint,
+        refit,
+        refit_error,
+    } = event
+    else {
+        return;
+    };
+    let saved = checkpoint
+        .as_ref()
+        .map_or("no checkpoint yet".to_string(), |p| {
+            format!("saved the last good step: {}", p.display())
+        });
+    eprintln!("{device} ran out of memory at step {step} ({phase}); {saved}");
+    match refit_error {
+        Some(e) => eprintln!("no resumable settings fit: {e}"),
+        None => eprintln!(
+            "settings that fit what {device} held (same effective batch): {}\nresume with them: tunestudio train --config … --resume latest --on-oom auto-fit, or apply them to the config",
+            refit.join("; ")
+        ),
+    }
 }

@@ -172,41 +172,7 @@ pub fn to_example(
         location: location(),
         message: "a row must be a JSON object".into(),
     })?;
-    let bad = |message: String| DataError::BadRow {
-        location: location(),
-        message,
-    };
-    let missing = |column: &str, setting: &str| DataError::MissingColumn {
-        location: location(),
-        column: column.to_string(),
-        setting: setting.to_string(),
-        available: obj.keys().cloned().collect(),
-    };
-    let get_str = |name: &str, setting: &str| -> Result<String, DataError> {
-        match obj.get(name) {
-            None => Err(missing(name, setting)),
-            Some(v) => value_to_text(v)
-                .ok_or_else(|| bad(format!("column {name:?} must be text, found {}", kind(v)))),
-        }
-    };
-    let opt_str = |name: &str| -> Result<Option<String>, DataError> {
-        match obj.get(name) {
-            None | Some(Value::Null) => Ok(None),
-            Some(v) => value_to_text(v)
-                .map(Some)
-                .ok_or_else(|| bad(format!("column {name:?} must be text, found {}", kind(v)))),
-        }
-    };
-    let system = |msgs: &mut Vec<ChatMessage>| -> Result<(), DataError> {
-        let name = col(&cols.system, "system");
-        if let Some(s) = opt_str(name)? {
-            if !s.is_empty() && msgs.first().is_none_or(|m| m.role != "system") {
-                msgs.insert(0, ChatMessage::new("system", s));
-            }
-        }
-        Ok(())
-    };
-
+    let r = Row { obj, location };
     match format {
         Format::Auto => {
             let f = detect_format(row, cols).ok_or_else(|| DataError::UnknownFormat {
@@ -215,159 +181,246 @@ pub fn to_example(
             })?;
             to_example(row, f, cols, location)
         }
-        Format::Text => {
-            let name = match &cols.text {
-                Some(t) => t.clone(),
-                None if obj.contains_key("text") => "text".into(),
-                None => {
-                    let strings: Vec<&String> = obj
-                        .iter()
-                        .filter(|(_, v)| v.is_string())
-                        .map(|(k, _)| k)
-                        .collect();
-                    match strings.as_slice() {
-                        [only] => (*only).clone(),
-                        _ => "text".into(),
-                    }
-                }
-            };
-            Ok(Example::Text {
-                text: get_str(&name, "data.columns.text")?,
-            })
-        }
-        Format::PromptCompletion => {
-            let (p, c) = match (&cols.prompt, &cols.completion) {
-                (Some(p), Some(c)) => (p.clone(), c.clone()),
-                _ => PAIRS
-                    .iter()
-                    .find(|(p, c)| obj.contains_key(*p) && obj.contains_key(*c))
-                    .map(|(p, c)| (p.to_string(), c.to_string()))
-                    .unwrap_or_else(|| {
-                        (
-                            col(&cols.prompt, "prompt").to_string(),
-                            col(&cols.completion, "completion").to_string(),
-                        )
-                    }),
-            };
-            let pv = obj
-                .get(&p)
-                .ok_or_else(|| missing(&p, "data.columns.prompt"))?;
-            let cv = obj
-                .get(&c)
-                .ok_or_else(|| missing(&c, "data.columns.completion"))?;
-            // Conversational prompt/completion (lists of messages) is chat.
-            if pv.is_array() && cv.is_array() {
-                let mut msgs = parse_messages(pv, false, &bad)?;
-                msgs.extend(parse_messages(cv, false, &bad)?);
-                return Ok(Example::Chat { messages: msgs });
-            }
-            Ok(Example::PromptCompletion {
-                prompt: get_str(&p, "data.columns.prompt")?,
-                completion: get_str(&c, "data.columns.completion")?,
-            })
-        }
-        Format::Alpaca => {
-            let instruction = get_str(col(&cols.prompt, "instruction"), "data.columns.prompt")?;
-            let input = opt_str(col(&cols.input, "input"))?.unwrap_or_default();
-            let output = get_str(col(&cols.completion, "output"), "data.columns.completion")?;
-            let mut msgs = Vec::new();
-            if let Some(h) = obj.get(col(&cols.history, "history")) {
-                let h = parse_if_string(h);
-                match h.as_ref() {
-                    Value::Null => {}
-                    Value::Array(turns) => {
-                        for t in turns {
-                            let pair = t.as_array().filter(|p| p.len() == 2).ok_or_else(|| {
-                                bad("`history` must be a list of [user, assistant] pairs".into())
-                            })?;
-                            let (Some(u), Some(a)) =
-                                (value_to_text(&pair[0]), value_to_text(&pair[1]))
-                            else {
-                                return Err(bad("`history` pairs must hold text".into()));
-                            };
-                            msgs.push(ChatMessage::new("user", u));
-                            msgs.push(ChatMessage::new("assistant", a));
-                        }
-                    }
-                    other => {
-                        return Err(bad(format!(
-                            "`history` must be a list of [user, assistant] pairs, found {}",
-                            kind(other)
-                        )))
-                    }
-                }
-            }
-            let user = if input.is_empty() {
-                instruction
-            } else {
-                format!("{instruction}\n{input}")
-            };
-            msgs.push(ChatMessage::new("user", user));
-            msgs.push(ChatMessage::new("assistant", output));
-            system(&mut msgs)?;
-            Ok(Example::Chat { messages: msgs })
-        }
-        Format::Chat | Format::ShareGpt | Format::LlamaFactoryV1 => {
-            let default = if format == Format::ShareGpt && !obj.contains_key("messages") {
-                "conversations"
-            } else {
-                "messages"
-            };
-            let name = col(&cols.messages, default);
-            let v = obj
-                .get(name)
-                .ok_or_else(|| missing(name, "data.columns.messages"))?;
-            let mut msgs = parse_messages(v, format == Format::ShareGpt, &bad)?;
-            system(&mut msgs)?;
-            Ok(Example::Chat { messages: msgs })
-        }
-        Format::Pretokenized => {
-            let ids_v = obj
-                .get("input_ids")
-                .ok_or_else(|| missing("input_ids", "data.format = \"pretokenized\""))?;
-            let input_ids = int_list(ids_v, "input_ids", &bad)?
-                .into_iter()
-                .map(|x| {
-                    u32::try_from(x).map_err(|_| {
-                        bad(format!(
-                            "input_ids holds {x}, which is not a token id (0..2^32)"
-                        ))
-                    })
-                })
-                .collect::<Result<Vec<u32>, _>>()?;
-            let labels = match obj.get("labels") {
-                None | Some(Value::Null) => None,
-                Some(v) => Some(int_list(v, "labels", &bad)?),
-            };
-            let attention_mask = match obj.get("attention_mask") {
-                None | Some(Value::Null) => None,
-                Some(v) => Some(
-                    int_list(v, "attention_mask", &bad)?
-                        .into_iter()
-                        .map(|x| u32::from(x != 0))
-                        .collect::<Vec<u32>>(),
-                ),
-            };
-            for (name, n) in [
-                ("labels", labels.as_ref().map(Vec::len)),
-                ("attention_mask", attention_mask.as_ref().map(Vec::len)),
-            ] {
-                if let Some(n) = n {
-                    if n != input_ids.len() {
-                        return Err(bad(format!(
-                            "{name} has {n} entries but input_ids has {}; they must be the same length",
-                            input_ids.len()
-                        )));
-                    }
-                }
-            }
-            Ok(Example::Pretokenized {
-                input_ids,
-                labels,
-                attention_mask,
-            })
+        Format::Text => text_example(&r, cols),
+        Format::PromptCompletion => prompt_completion_example(&r, cols),
+        Format::Alpaca => alpaca_example(&r, cols),
+        Format::Chat | Format::ShareGpt | Format::LlamaFactoryV1 => chat_example(&r, cols, format),
+        Format::Pretokenized => pretokenized_example(&r),
+    }
+}
+
+/// One row being converted: its columns, and how its errors name it.
+struct Row<'a> {
+    obj: &'a serde_json::Map<String, Value>,
+    location: &'a dyn Fn() -> String,
+}
+
+impl Row<'_> {
+    /// A malformed row.
+    fn bad(&self, message: String) -> DataError {
+        DataError::BadRow {
+            location: (self.location)(),
+            message,
         }
     }
+
+    /// A column the format needs is not there; `setting` is the one that renames it.
+    fn missing(&self, column: &str, setting: &str) -> DataError {
+        DataError::MissingColumn {
+            location: (self.location)(),
+            column: column.to_string(),
+            setting: setting.to_string(),
+            available: self.obj.keys().cloned().collect(),
+        }
+    }
+
+    /// A column that must be there, as text.
+    fn get_str(&self, name: &str, setting: &str) -> Result<String, DataError> {
+        match self.obj.get(name) {
+            None => Err(self.missing(name, setting)),
+            Some(v) => value_to_text(v).ok_or_else(|| {
+                self.bad(format!("column {name:?} must be text, found {}", kind(v)))
+            }),
+        }
+    }
+
+    /// A column that may be missing or null, as text.
+    fn opt_str(&self, name: &str) -> Result<Option<String>, DataError> {
+        match self.obj.get(name) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => value_to_text(v).map(Some).ok_or_else(|| {
+                self.bad(format!("column {name:?} must be text, found {}", kind(v)))
+            }),
+        }
+    }
+
+    /// Puts the row's system column first in `msgs`, unless empty or a system turn leads.
+    fn add_system(
+        &self,
+        cols: &ColumnMapping,
+        msgs: &mut Vec<ChatMessage>,
+    ) -> Result<(), DataError> {
+        let name = col(&cols.system, "system");
+        if let Some(s) = self.opt_str(name)? {
+            if !s.is_empty() && msgs.first().is_none_or(|m| m.role != "system") {
+                msgs.insert(0, ChatMessage::new("system", s));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `text`: the mapped column, else `text`, else the row's only string column.
+fn text_example(r: &Row, cols: &ColumnMapping) -> Result<Example, DataError> {
+    let name = match &cols.text {
+        Some(t) => t.clone(),
+        None if r.obj.contains_key("text") => "text".into(),
+        None => {
+            let strings: Vec<&String> = r
+                .obj
+                .iter()
+                .filter(|(_, v)| v.is_string())
+                .map(|(k, _)| k)
+                .collect();
+            match strings.as_slice() {
+                [only] => (*only).clone(),
+                _ => "text".into(),
+            }
+        }
+    };
+    Ok(Example::Text {
+        text: r.get_str(&name, "data.columns.text")?,
+    })
+}
+
+/// `prompt-completion`: the mapped pair, else the first known pair of column names; lists of
+/// messages on both sides make it chat.
+fn prompt_completion_example(r: &Row, cols: &ColumnMapping) -> Result<Example, DataError> {
+    let (p, c) = match (&cols.prompt, &cols.completion) {
+        (Some(p), Some(c)) => (p.clone(), c.clone()),
+        _ => PAIRS
+            .iter()
+            .find(|(p, c)| r.obj.contains_key(*p) && r.obj.contains_key(*c))
+            .map(|(p, c)| (p.to_string(), c.to_string()))
+            .unwrap_or_else(|| {
+                (
+                    col(&cols.prompt, "prompt").to_string(),
+                    col(&cols.completion, "completion").to_string(),
+                )
+            }),
+    };
+    let pv = r
+        .obj
+        .get(&p)
+        .ok_or_else(|| r.missing(&p, "data.columns.prompt"))?;
+    let cv = r
+        .obj
+        .get(&c)
+        .ok_or_else(|| r.missing(&c, "data.columns.completion"))?;
+    // Conversational prompt/completion (lists of messages) is chat.
+    if pv.is_array() && cv.is_array() {
+        let bad = |m| r.bad(m);
+        let mut msgs = parse_messages(pv, false, &bad)?;
+        msgs.extend(parse_messages(cv, false, &bad)?);
+        return Ok(Example::Chat { messages: msgs });
+    }
+    Ok(Example::PromptCompletion {
+        prompt: r.get_str(&p, "data.columns.prompt")?,
+        completion: r.get_str(&c, "data.columns.completion")?,
+    })
+}
+
+/// `alpaca`: instruction (+ input) → output, after the history's turns, with the system column.
+fn alpaca_example(r: &Row, cols: &ColumnMapping) -> Result<Example, DataError> {
+    let instruction = r.get_str(col(&cols.prompt, "instruction"), "data.columns.prompt")?;
+    let input = r.opt_str(col(&cols.input, "input"))?.unwrap_or_default();
+    let output = r.get_str(col(&cols.completion, "output"), "data.columns.completion")?;
+    let mut msgs = Vec::new();
+    if let Some(h) = r.obj.get(col(&cols.history, "history")) {
+        alpaca_history(r, &parse_if_string(h), &mut msgs)?;
+    }
+    let user = if input.is_empty() {
+        instruction
+    } else {
+        format!("{instruction}\n{input}")
+    };
+    msgs.push(ChatMessage::new("user", user));
+    msgs.push(ChatMessage::new("assistant", output));
+    r.add_system(cols, &mut msgs)?;
+    Ok(Example::Chat { messages: msgs })
+}
+
+/// An alpaca `history` (a list of `[user, assistant]` pairs, or null) as chat turns.
+fn alpaca_history(r: &Row, h: &Value, msgs: &mut Vec<ChatMessage>) -> Result<(), DataError> {
+    match h {
+        Value::Null => {}
+        Value::Array(turns) => {
+            for t in turns {
+                let pair = t.as_array().filter(|p| p.len() == 2).ok_or_else(|| {
+                    r.bad("`history` must be a list of [user, assistant] pairs".into())
+                })?;
+                let (Some(u), Some(a)) = (value_to_text(&pair[0]), value_to_text(&pair[1])) else {
+                    return Err(r.bad("`history` pairs must hold text".into()));
+                };
+                msgs.push(ChatMessage::new("user", u));
+                msgs.push(ChatMessage::new("assistant", a));
+            }
+        }
+        other => {
+            return Err(r.bad(format!(
+                "`history` must be a list of [user, assistant] pairs, found {}",
+                kind(other)
+            )))
+        }
+    }
+    Ok(())
+}
+
+/// `chat`, `sharegpt` and LLaMA-Factory v1: a list of messages, with the system column.
+fn chat_example(r: &Row, cols: &ColumnMapping, format: Format) -> Result<Example, DataError> {
+    let default = if format == Format::ShareGpt && !r.obj.contains_key("messages") {
+        "conversations"
+    } else {
+        "messages"
+    };
+    let name = col(&cols.messages, default);
+    let v = r
+        .obj
+        .get(name)
+        .ok_or_else(|| r.missing(name, "data.columns.messages"))?;
+    let mut msgs = parse_messages(v, format == Format::ShareGpt, &|m| r.bad(m))?;
+    r.add_system(cols, &mut msgs)?;
+    Ok(Example::Chat { messages: msgs })
+}
+
+/// `pretokenized`: `input_ids`, with optional `labels` and `attention_mask` of the same length.
+fn pretokenized_example(r: &Row) -> Result<Example, DataError> {
+    let bad = |m| r.bad(m);
+    let ids_v = r
+        .obj
+        .get("input_ids")
+        .ok_or_else(|| r.missing("input_ids", "data.format = \"pretokenized\""))?;
+    let input_ids = int_list(ids_v, "input_ids", &bad)?
+        .into_iter()
+        .map(|x| {
+            u32::try_from(x).map_err(|_| {
+                bad(format!(
+                    "input_ids holds {x}, which is not a token id (0..2^32)"
+                ))
+            })
+        })
+        .collect::<Result<Vec<u32>, _>>()?;
+    let labels = match r.obj.get("labels") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(int_list(v, "labels", &bad)?),
+    };
+    let attention_mask = match r.obj.get("attention_mask") {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(
+            int_list(v, "attention_mask", &bad)?
+                .into_iter()
+                .map(|x| u32::from(x != 0))
+                .collect::<Vec<u32>>(),
+        ),
+    };
+    for (name, n) in [
+        ("labels", labels.as_ref().map(Vec::len)),
+        ("attention_mask", attention_mask.as_ref().map(Vec::len)),
+    ] {
+        if let Some(n) = n {
+            if n != input_ids.len() {
+                return Err(bad(format!(
+                    "{name} has {n} entries but input_ids has {}; they must be the same length",
+                    input_ids.len()
+                )));
+            }
+        }
+    }
+    Ok(Example::Pretokenized {
+        input_ids,
+        labels,
+        attention_mask,
+    })
 }
 
 fn int_list(

@@ -185,19 +185,13 @@ pub fn label_example(
         blank: ex.is_blank(),
     };
     let eos = ctx.tok.eos_token_id;
-    let (mut ids, mut labels, mut weights): (Vec<u32>, Vec<i64>, Option<Vec<f32>>);
+    let (mut ids, mut labels, weights): (Vec<u32>, Vec<i64>, Option<Vec<f32>>);
     match ex {
         Example::Text { text } => {
             ids = ctx.tok.encode(text, true).map_err(enc_err)?;
             labels = ids.iter().map(|&i| i as i64).collect();
             weights = None;
-            if let Some(e) = eos {
-                if ids.last() != Some(&e) {
-                    ids.push(e);
-                    labels.push(e as i64);
-                    out.eos_appended = true;
-                }
-            }
+            out.eos_appended = push_eos(&mut ids, &mut labels, eos);
             if ctx.keep_text {
                 out.text = Some(text.clone());
             }
@@ -216,13 +210,7 @@ pub fn label_example(
                     *l = IGNORE_INDEX;
                 }
             }
-            if let Some(e) = eos {
-                if ids.last() != Some(&e) {
-                    ids.push(e);
-                    labels.push(e as i64);
-                    out.eos_appended = true;
-                }
-            }
+            out.eos_appended = push_eos(&mut ids, &mut labels, eos);
             if ctx.keep_text {
                 out.text = Some(full);
             }
@@ -247,44 +235,91 @@ pub fn label_example(
             labels: given,
             attention_mask,
         } => {
-            ids = Vec::with_capacity(input_ids.len());
-            labels = Vec::with_capacity(input_ids.len());
+            (ids, labels) = label_pretokenized(
+                input_ids,
+                given.as_deref(),
+                attention_mask.as_deref(),
+                ctx,
+                &mut out,
+                location,
+            )?;
             weights = None;
-            for (i, &id) in input_ids.iter().enumerate() {
-                let label = given.as_ref().map_or(id as i64, |l| l[i]);
-                if attention_mask.as_ref().is_some_and(|m| m[i] == 0) {
-                    if label != IGNORE_INDEX {
-                        out.padding_trained += 1;
-                    }
-                    continue;
-                }
-                ids.push(id);
-                labels.push(label);
-            }
-            let mismatched: Vec<usize> = (0..ids.len())
-                .filter(|&i| labels[i] != IGNORE_INDEX && labels[i] != ids[i] as i64)
-                .collect();
-            out.labels_mismatch = mismatched.len();
-            if !mismatched.is_empty() {
-                let shifted = mismatched
-                    .iter()
-                    .filter(|&&i| i + 1 < ids.len() && labels[i] == ids[i + 1] as i64)
-                    .count();
-                out.labels_pre_shifted = shifted * 10 >= mismatched.len() * 9;
-            }
-            out.missing_eos = eos.is_some_and(|e| !ids.contains(&e));
-            let vocab = ctx.tok.vocab_size() as u32;
-            if let Some(bad) = ids.iter().find(|&&i| i >= vocab) {
-                return Err(DataError::BadRow {
-                    location: location(),
-                    message: format!(
-                        "input_ids holds {bad}, outside the tokenizer's vocabulary of {vocab}; was the data tokenised with another tokenizer?"
-                    ),
-                });
-            }
         }
     }
 
+    Ok(finish(out, ids, labels, weights, ctx))
+}
+
+/// Appends the EOS token (trained) unless the ids end with it; whether it was appended.
+fn push_eos(ids: &mut Vec<u32>, labels: &mut Vec<i64>, eos: Option<u32>) -> bool {
+    match eos {
+        Some(e) if ids.last() != Some(&e) => {
+            ids.push(e);
+            labels.push(e as i64);
+            true
+        }
+        _ => false,
+    }
+}
+
+/// Pretokenized rows: the attended ids with their labels (the ids themselves when none are
+/// given), noting trained padding, labels that differ from the ids (or look pre-shifted), a
+/// missing EOS, and ids outside the vocabulary (an error).
+fn label_pretokenized(
+    input_ids: &[u32],
+    given: Option<&[i64]>,
+    attention_mask: Option<&[u32]>,
+    ctx: &LabelContext<'_>,
+    out: &mut LabelledRow,
+    location: &dyn Fn() -> String,
+) -> Result<(Vec<u32>, Vec<i64>), DataError> {
+    let eos = ctx.tok.eos_token_id;
+    let mut ids = Vec::with_capacity(input_ids.len());
+    let mut labels = Vec::with_capacity(input_ids.len());
+    for (i, &id) in input_ids.iter().enumerate() {
+        let label = given.map_or(id as i64, |l| l[i]);
+        if attention_mask.is_some_and(|m| m[i] == 0) {
+            if label != IGNORE_INDEX {
+                out.padding_trained += 1;
+            }
+            continue;
+        }
+        ids.push(id);
+        labels.push(label);
+    }
+    let mismatched: Vec<usize> = (0..ids.len())
+        .filter(|&i| labels[i] != IGNORE_INDEX && labels[i] != ids[i] as i64)
+        .collect();
+    out.labels_mismatch = mismatched.len();
+    if !mismatched.is_empty() {
+        let shifted = mismatched
+            .iter()
+            .filter(|&&i| i + 1 < ids.len() && labels[i] == ids[i + 1] as i64)
+            .count();
+        out.labels_pre_shifted = shifted * 10 >= mismatched.len() * 9;
+    }
+    out.missing_eos = eos.is_some_and(|e| !ids.contains(&e));
+    let vocab = ctx.tok.vocab_size() as u32;
+    if let Some(bad) = ids.iter().find(|&&i| i >= vocab) {
+        return Err(DataError::BadRow {
+            location: location(),
+            message: format!(
+                "input_ids holds {bad}, outside the tokenizer's vocabulary of {vocab}; was the data tokenised with another tokenizer?"
+            ),
+        });
+    }
+    Ok((ids, labels))
+}
+
+/// Truncates to `max_length`, keeps the weights only when they are not all 0/1, and drops a
+/// row left with nothing to train (saying why).
+fn finish(
+    mut out: LabelledRow,
+    mut ids: Vec<u32>,
+    mut labels: Vec<i64>,
+    mut weights: Option<Vec<f32>>,
+    ctx: &LabelContext<'_>,
+) -> LabelledRow {
     out.full_len = ids.len();
     out.first_trained = labels.iter().position(|&l| l != IGNORE_INDEX);
     if ids.len() > ctx.max_length {
@@ -316,7 +351,7 @@ pub fn label_example(
             _ => DropReason::NoTrainedTokens,
         });
     }
-    Ok(out)
+    out
 }
 
 struct ChatLabels {

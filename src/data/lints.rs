@@ -126,18 +126,13 @@ pub fn blocking<'a>(lints: &'a [Lint], allow: &[String]) -> Vec<&'a Lint> {
 
 const MAX_EXAMPLES: usize = 5;
 
+#[derive(Default)]
 struct Acc {
     count: usize,
     examples: Vec<usize>,
 }
 
 impl Acc {
-    fn new() -> Self {
-        Acc {
-            count: 0,
-            examples: Vec::new(),
-        }
-    }
     fn add(&mut self, row: usize) {
         self.count += 1;
         if self.examples.len() < MAX_EXAMPLES {
@@ -161,148 +156,183 @@ pub struct LintContext {
 
 /// Lints over labelled rows (most severe first).
 pub fn lint_rows(rows: &[LabelledRow], ctx: &LintContext) -> Vec<Lint> {
-    let n = rows.len();
-    let mut mismatch = Acc::new();
-    let mut mismatch_tokens = 0usize;
-    let mut shifted = 0usize;
-    let mut pad_trained = Acc::new();
-    let mut zero = Acc::new();
-    let mut trunc = Acc::new();
-    let mut trunc_away = 0usize;
-    let mut missing_eos = Acc::new();
-    let mut eos_appended = Acc::new();
-    let mut empty = Acc::new();
-    let mut dup = Acc::new();
-    let mut too_long = Acc::new();
-    let mut unstable = Acc::new();
-    let mut weights = Acc::new();
-    let mut seen: HashMap<u64, usize> = HashMap::with_capacity(n);
-    for r in rows {
-        let row = r.sample.row;
-        if r.labels_mismatch > 0 {
-            mismatch.add(row);
-            mismatch_tokens += r.labels_mismatch;
-            shifted += usize::from(r.labels_pre_shifted);
-        }
-        if r.padding_trained > 0 {
-            pad_trained.add(row);
-        }
-        match r.dropped {
-            Some(DropReason::NoTrainedTokens) => zero.add(row),
-            Some(DropReason::PromptTooLong) => too_long.add(row),
-            Some(DropReason::Empty) => empty.add(row),
-            _ => {}
-        }
-        if r.blank && r.dropped != Some(DropReason::Empty) {
-            empty.add(row);
-        }
-        if r.completion_truncated {
-            trunc.add(row);
-            trunc_away += usize::from(r.dropped == Some(DropReason::CompletionTruncatedAway));
-        }
-        if r.missing_eos {
-            missing_eos.add(row);
-        }
-        if r.eos_appended {
-            eos_appended.add(row);
-        }
-        if r.prefix_unstable {
-            unstable.add(row);
-        }
-        if r.non_binary_weights {
-            weights.add(row);
-        }
-        if !r.sample.input_ids.is_empty() {
-            let h = hash_ids(&r.sample.input_ids, &r.sample.labels);
-            if seen.insert(h, row).is_some() {
-                dup.add(row);
+    let t = Tally::of(rows);
+    let mut out = Vec::new();
+    label_lints(&mut out, &t, ctx);
+    format_lints(&mut out, &t, ctx);
+    out.sort_by_key(|l| std::cmp::Reverse(l.severity));
+    out
+}
+
+/// The rows behind each lint, counted in one pass over the labelled rows.
+#[derive(Default)]
+struct Tally {
+    rows: usize,
+    mismatch: Acc,
+    mismatch_tokens: usize,
+    shifted: usize,
+    pad_trained: Acc,
+    zero: Acc,
+    trunc: Acc,
+    trunc_away: usize,
+    missing_eos: Acc,
+    eos_appended: Acc,
+    empty: Acc,
+    dup: Acc,
+    too_long: Acc,
+    unstable: Acc,
+    weights: Acc,
+}
+
+impl Tally {
+    fn of(rows: &[LabelledRow]) -> Self {
+        let mut t = Tally {
+            rows: rows.len(),
+            ..Tally::default()
+        };
+        let mut seen: HashMap<u64, usize> = HashMap::with_capacity(rows.len());
+        for r in rows {
+            let row = r.sample.row;
+            if r.labels_mismatch > 0 {
+                t.mismatch.add(row);
+                t.mismatch_tokens += r.labels_mismatch;
+                t.shifted += usize::from(r.labels_pre_shifted);
+            }
+            if r.padding_trained > 0 {
+                t.pad_trained.add(row);
+            }
+            match r.dropped {
+                Some(DropReason::NoTrainedTokens) => t.zero.add(row),
+                Some(DropReason::PromptTooLong) => t.too_long.add(row),
+                Some(DropReason::Empty) => t.empty.add(row),
+                _ => {}
+            }
+            if r.blank && r.dropped != Some(DropReason::Empty) {
+                t.empty.add(row);
+            }
+            if r.completion_truncated {
+                t.trunc.add(row);
+                t.trunc_away += usize::from(r.dropped == Some(DropReason::CompletionTruncatedAway));
+            }
+            for (flag, acc) in [
+                (r.missing_eos, &mut t.missing_eos),
+                (r.eos_appended, &mut t.eos_appended),
+                (r.prefix_unstable, &mut t.unstable),
+                (r.non_binary_weights, &mut t.weights),
+            ] {
+                if flag {
+                    acc.add(row);
+                }
+            }
+            if !r.sample.input_ids.is_empty() {
+                let h = hash_ids(&r.sample.input_ids, &r.sample.labels);
+                if seen.insert(h, row).is_some() {
+                    t.dup.add(row);
+                }
             }
         }
+        t
     }
-    let pct = |c: usize| 100.0 * c as f64 / n.max(1) as f64;
-    let mut out = Vec::new();
-    let push = |out: &mut Vec<Lint>, kind, severity, acc: Acc, message: String| {
-        if acc.count > 0 {
-            out.push(Lint {
-                kind,
-                severity,
-                count: acc.count,
-                examples: acc.examples,
-                message,
-            });
-        }
-    };
-    let shift_note = if shifted * 2 >= mismatch.count.max(1) {
+
+    /// `c` rows as a percentage of all rows.
+    fn pct(&self, c: usize) -> f64 {
+        100.0 * c as f64 / self.rows.max(1) as f64
+    }
+}
+
+/// A lint for the rows in `acc`, when there are any.
+fn push(out: &mut Vec<Lint>, kind: LintKind, severity: Severity, acc: &Acc, message: String) {
+    if acc.count > 0 {
+        out.push(Lint {
+            kind,
+            severity,
+            count: acc.count,
+            examples: acc.examples.clone(),
+            message,
+        });
+    }
+}
+
+/// What the labels and the truncation do to the rows: wrong labels, trained padding, prompts
+/// or completions cut by max_length, rows with nothing to train, empty rows.
+fn label_lints(out: &mut Vec<Lint>, t: &Tally, ctx: &LintContext) {
+    let shift_note = if t.shifted * 2 >= t.mismatch.count.max(1) {
         " They look pre-shifted (labels[i] == input_ids[i+1]): causal LMs shift labels themselves, so give labels aligned with input_ids."
     } else {
         ""
     };
-    let c = mismatch.count;
+    let c = t.mismatch.count;
     push(
-        &mut out,
+        out,
         LintKind::LabelsMismatch,
         Severity::Error,
-        mismatch,
+        &t.mismatch,
         format!(
-            "{c} rows ({:.1}%) have {mismatch_tokens} trained labels that differ from their input_ids; labels must equal input_ids where trained and -100 elsewhere.{shift_note}",
-            pct(c)
+            "{c} rows ({:.1}%) have {} trained labels that differ from their input_ids; labels must equal input_ids where trained and -100 elsewhere.{shift_note}",
+            t.pct(c),
+            t.mismatch_tokens
         ),
     );
-    let c = pad_trained.count;
+    let c = t.pad_trained.count;
     push(
-        &mut out,
+        out,
         LintKind::PaddingTrained,
         Severity::Error,
-        pad_trained,
+        &t.pad_trained,
         format!("{c} rows train on padding (attention_mask 0 with a label other than -100); set those labels to -100. The padded positions are dropped here."),
     );
-    let c = too_long.count;
+    let c = t.too_long.count;
     push(
-        &mut out,
+        out,
         LintKind::PromptTooLong,
         Severity::Warning,
-        too_long,
+        &t.too_long,
         format!(
             "{c} rows ({:.1}%) have a prompt of at least max_length = {} tokens, leaving nothing to train; they are dropped. Raise max_length or shorten the prompts.",
-            pct(c),
+            t.pct(c),
             ctx.max_length
         ),
     );
-    let c = trunc.count;
+    let c = t.trunc.count;
     push(
-        &mut out,
+        out,
         LintKind::CompletionTruncated,
         Severity::Warning,
-        trunc,
+        &t.trunc,
         format!(
-            "{c} rows ({:.1}%) lose trained tokens to truncation at max_length = {} ({trunc_away} lose all of them and are dropped); the model will not learn how those answers end. Raise max_length.",
-            pct(c),
-            ctx.max_length
+            "{c} rows ({:.1}%) lose trained tokens to truncation at max_length = {} ({} lose all of them and are dropped); the model will not learn how those answers end. Raise max_length.",
+            t.pct(c),
+            ctx.max_length,
+            t.trunc_away
         ),
     );
-    let c = zero.count;
+    let c = t.zero.count;
     // Some rows without a trained token are normal (a system-only row); all of them means
     // the labels or the mask are wrong and nothing would be learned.
-    let zero_severity = if c == n && n > 0 {
+    let zero_severity = if c == t.rows && t.rows > 0 {
         Severity::Error
     } else {
         Severity::Warning
     };
     push(
-        &mut out,
+        out,
         LintKind::ZeroTrainedTokens,
         zero_severity,
-        zero,
+        &t.zero,
         format!("{c} rows have no trained token (e.g. no assistant turn, or every label -100) and are dropped."),
     );
-    let c = empty.count;
+    let c = t.empty.count;
     push(
-        &mut out,
+        out,
         LintKind::EmptyRows,
         Severity::Warning,
-        empty,
+        &t.empty,
         format!("{c} rows have an empty or whitespace-only text/completion (empty plain-text rows are dropped; an empty completion teaches the model to stop at once)."),
     );
+}
+
+/// The format around the tokens: the chat template, EOS, duplicates, loss weights, padding.
+fn format_lints(out: &mut Vec<Lint>, t: &Tally, ctx: &LintContext) {
     if ctx.is_chat && ctx.no_chat_template {
         out.push(Lint {
             kind: LintKind::ChatWithoutTemplate,
@@ -312,44 +342,44 @@ pub fn lint_rows(rows: &[LabelledRow], ctx: &LintContext) -> Vec<Lint> {
             message: "chat data, but the tokenizer has no chat template; a ChatML fallback is used, so the model learns a new format. Add chat_template.jinja to the model folder if the model has its own.".into(),
         });
     }
-    let c = unstable.count;
+    let c = t.unstable.count;
     push(
-        &mut out,
+        out,
         LintKind::TemplateNotPrefixStable,
         Severity::Warning,
-        unstable,
+        &t.unstable,
         format!("in {c} rows the chat template renders a conversation prefix differently from the same turns inside the full conversation (e.g. it drops earlier reasoning); masks follow token counts of the prefixes and may be off by a few tokens. Check these rows in the preview."),
     );
-    let c = missing_eos.count;
+    let c = t.missing_eos.count;
     push(
-        &mut out,
+        out,
         LintKind::MissingEos,
         Severity::Warning,
-        missing_eos,
+        &t.missing_eos,
         format!("{c} pre-tokenised rows contain no EOS token; the model will not learn to stop. Append the EOS id when tokenising."),
     );
-    let c = dup.count;
+    let c = t.dup.count;
     push(
-        &mut out,
+        out,
         LintKind::DuplicateRows,
-        if pct(c) > 5.0 { Severity::Warning } else { Severity::Info },
-        dup,
-        format!("{c} rows ({:.1}%) repeat an earlier row's tokens exactly; duplicates weigh those examples more.", pct(c)),
+        if t.pct(c) > 5.0 { Severity::Warning } else { Severity::Info },
+        &t.dup,
+        format!("{c} rows ({:.1}%) repeat an earlier row's tokens exactly; duplicates weigh those examples more.", t.pct(c)),
     );
-    let c = weights.count;
+    let c = t.weights.count;
     push(
-        &mut out,
+        out,
         LintKind::NonBinaryLossWeights,
         Severity::Info,
-        weights,
+        &t.weights,
         format!("{c} rows use per-turn loss weights other than 0/1; the batches carry per-token weights."),
     );
-    let c = eos_appended.count;
+    let c = t.eos_appended.count;
     push(
-        &mut out,
+        out,
         LintKind::EosAppended,
         Severity::Info,
-        eos_appended,
+        &t.eos_appended,
         format!("{c} rows did not end with EOS; it was appended and is trained so the model learns to stop."),
     );
     if ctx.no_pad_token {
@@ -361,8 +391,6 @@ pub fn lint_rows(rows: &[LabelledRow], ctx: &LintContext) -> Vec<Lint> {
             message: "the tokenizer has no pad token; EOS pads batches. Padding is masked by position (labels -100, attention 0), so trained EOS tokens are unaffected.".into(),
         });
     }
-    out.sort_by_key(|l| std::cmp::Reverse(l.severity));
-    out
 }
 
 fn hash_ids(ids: &[u32], labels: &[i64]) -> u64 {

@@ -181,78 +181,14 @@ impl TokenizerBundle {
             .clone()
             .unwrap_or_else(|| PathBuf::from("tokenizer_config.json"));
 
-        let token_str = |key: &str| -> Result<Option<String>, DataError> {
-            match config.get(key) {
-                None | Some(Value::Null) => Ok(None),
-                Some(Value::String(s)) => Ok(Some(s.clone())),
-                Some(Value::Object(o)) => match o.get("content") {
-                    Some(Value::String(s)) => Ok(Some(s.clone())),
-                    _ => Err(DataError::TokenizerConfig {
-                        path: cfg_path.clone(),
-                        message: format!("`{key}` is an object without a string `content`"),
-                    }),
-                },
-                Some(other) => Err(DataError::TokenizerConfig {
-                    path: cfg_path.clone(),
-                    message: format!(
-                        "`{key}` must be a string or {{\"content\": ...}}, found {other}"
-                    ),
-                }),
-            }
-        };
+        let token_str = |key: &str| config_token(&config, &cfg_path, key);
         let bos_token = token_str("bos_token")?;
         let eos_token = token_str("eos_token")?;
         let pad_token = token_str("pad_token")?;
         let unk_token = token_str("unk_token")?;
         let id_of = |t: &Option<String>| t.as_deref().and_then(|s| tokenizer.token_to_id(s));
 
-        let mut chat_template = None;
-        let mut chat_template_origin = None;
-        if let Some(p) = &paths.chat_template {
-            let text = std::fs::read_to_string(p).map_err(|e| DataError::io(p, e))?;
-            chat_template = Some(text);
-            chat_template_origin = Some(p.display().to_string());
-        } else {
-            match config.get("chat_template") {
-                None | Some(Value::Null) => {}
-                Some(Value::String(s)) => {
-                    chat_template = Some(s.clone());
-                    chat_template_origin = Some(cfg_path.display().to_string());
-                }
-                Some(Value::Array(list)) => {
-                    // transformers: a list of {name, template}; "default" is used.
-                    let named = |n: &str| {
-                        list.iter().find_map(|t| {
-                            (t.get("name").and_then(Value::as_str) == Some(n))
-                                .then(|| t.get("template").and_then(Value::as_str))
-                                .flatten()
-                        })
-                    };
-                    match named("default") {
-                        Some(t) => {
-                            chat_template = Some(t.to_string());
-                            chat_template_origin =
-                                Some(format!("{}#default", cfg_path.display()));
-                        }
-                        None => {
-                            return Err(DataError::TokenizerConfig {
-                                path: cfg_path.clone(),
-                                message: "`chat_template` is a list without a template named \"default\"; add one or put the template in chat_template.jinja".into(),
-                            })
-                        }
-                    }
-                }
-                Some(other) => {
-                    return Err(DataError::TokenizerConfig {
-                        path: cfg_path.clone(),
-                        message: format!(
-                            "`chat_template` must be a string or a list of {{name, template}}, found {}",
-                            type_name(other)
-                        ),
-                    })
-                }
-            }
-        }
+        let (chat_template, chat_template_origin) = chat_template_of(paths, &config, &cfg_path)?;
 
         let model_max_length = config
             .get("model_max_length")
@@ -483,4 +419,80 @@ fn type_name(v: &Value) -> &'static str {
         Value::Array(_) => "a list",
         Value::Object(_) => "an object",
     }
+}
+
+/// A special token of tokenizer_config.json: a string, or `{"content": ...}` (absent or null: none).
+fn config_token(config: &Value, cfg_path: &Path, key: &str) -> Result<Option<String>, DataError> {
+    match config.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(Value::Object(o)) => match o.get("content") {
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            _ => Err(DataError::TokenizerConfig {
+                path: cfg_path.to_path_buf(),
+                message: format!("`{key}` is an object without a string `content`"),
+            }),
+        },
+        Some(other) => Err(DataError::TokenizerConfig {
+            path: cfg_path.to_path_buf(),
+            message: format!("`{key}` must be a string or {{\"content\": ...}}, found {other}"),
+        }),
+    }
+}
+
+/// The chat template and where it came from: chat_template.jinja when there is one, else
+/// tokenizer_config.json's `chat_template` (a string, or the list entry named "default").
+fn chat_template_of(
+    paths: &TokenizerPaths,
+    config: &Value,
+    cfg_path: &Path,
+) -> Result<(Option<String>, Option<String>), DataError> {
+    let mut chat_template = None;
+    let mut chat_template_origin = None;
+    if let Some(p) = &paths.chat_template {
+        let text = std::fs::read_to_string(p).map_err(|e| DataError::io(p, e))?;
+        chat_template = Some(text);
+        chat_template_origin = Some(p.display().to_string());
+    } else {
+        match config.get("chat_template") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) => {
+                chat_template = Some(s.clone());
+                chat_template_origin = Some(cfg_path.display().to_string());
+            }
+            Some(Value::Array(list)) => {
+                // transformers: a list of {name, template}; "default" is used.
+                let named = |n: &str| {
+                    list.iter().find_map(|t| {
+                        (t.get("name").and_then(Value::as_str) == Some(n))
+                            .then(|| t.get("template").and_then(Value::as_str))
+                            .flatten()
+                    })
+                };
+                match named("default") {
+                    Some(t) => {
+                        chat_template = Some(t.to_string());
+                        chat_template_origin =
+                            Some(format!("{}#default", cfg_path.display()));
+                    }
+                    None => {
+                        return Err(DataError::TokenizerConfig {
+                            path: cfg_path.to_path_buf(),
+                            message: "`chat_template` is a list without a template named \"default\"; add one or put the template in chat_template.jinja".into(),
+                        })
+                    }
+                }
+            }
+            Some(other) => {
+                return Err(DataError::TokenizerConfig {
+                    path: cfg_path.to_path_buf(),
+                    message: format!(
+                    "`chat_template` must be a string or a list of {{name, template}}, found {}",
+                    type_name(other)
+                ),
+                })
+            }
+        }
+    }
+    Ok((chat_template, chat_template_origin))
 }

@@ -672,64 +672,11 @@ struct GridPoint {
 }
 
 fn step_memory_grid(o: &CheckOptions) -> Result<Outcome, DevicesError> {
-    use crate::plan::{self, DeviceSpec, PlanRequest, Precision};
+    use crate::plan::{self, DeviceSpec, PlanRequest};
     let device = main_device(o.mode)?;
     let (config, origin) = bench_config(o)?;
     let inv = super::discover();
-    let grid: Vec<GridPoint> = match o.mode {
-        CheckMode::Gpu => vec![
-            GridPoint {
-                precision: Precision::Fp32,
-                micro_batch: 1,
-                seq_len: 256,
-                checkpointing: false,
-            },
-            GridPoint {
-                precision: Precision::Fp32,
-                micro_batch: 4,
-                seq_len: 512,
-                checkpointing: false,
-            },
-            GridPoint {
-                precision: Precision::Fp32,
-                micro_batch: 4,
-                seq_len: 512,
-                checkpointing: true,
-            },
-            GridPoint {
-                precision: Precision::Bf16Mixed,
-                micro_batch: 4,
-                seq_len: 512,
-                checkpointing: false,
-            },
-            GridPoint {
-                precision: Precision::Bf16Mixed,
-                micro_batch: 8,
-                seq_len: 1024,
-                checkpointing: false,
-            },
-            GridPoint {
-                precision: Precision::Bf16Mixed,
-                micro_batch: 8,
-                seq_len: 1024,
-                checkpointing: true,
-            },
-        ],
-        CheckMode::Cpu => vec![
-            GridPoint {
-                precision: Precision::Fp32,
-                micro_batch: 1,
-                seq_len: 64,
-                checkpointing: false,
-            },
-            GridPoint {
-                precision: Precision::Fp32,
-                micro_batch: 2,
-                seq_len: 128,
-                checkpointing: true,
-            },
-        ],
-    };
+    let grid = memory_grid(o.mode);
     let spec = match o.mode {
         CheckMode::Gpu => DeviceSpec::cuda(
             0,
@@ -759,52 +706,18 @@ fn step_memory_grid(o: &CheckOptions) -> Result<Outcome, DevicesError> {
             strategy: Strategy::Single,
             devices: vec![spec.clone()],
             ops: crate::model::OpsMode::from_env().unwrap_or_default(),
+            process: None,
         };
         let the_plan =
             plan::plan(&req).map_err(|e| DevicesError::Input(format!("planner: {e}")))?;
         let Some(dp) = the_plan.per_device.first() else {
             continue;
         };
-        let (dtype, master) = match g.precision {
-            Precision::Fp32 => (DType::F32, false),
-            Precision::Bf16 => (DType::BF16, false),
-            Precision::Bf16Mixed => (DType::BF16, true),
-            Precision::Fp16Mixed => (DType::F16, true),
-        };
         let predicted = dp.peak_bytes.saturating_sub(dp.overhead_bytes);
-        let build = || -> Result<(CausalLm, AdamW, DeviceBatch), DevicesError> {
-            let mut model = CausalLm::random_init(&config, 0, dtype, &device)?;
-            model.set_activation_checkpointing(g.checkpointing);
-            let opt = AdamW::new(model.params(), AdamWConfig::default(), master)?;
-            let batch = random_batch(config.vocab_size, g.micro_batch, g.seq_len, &device, 2)?;
-            Ok((model, opt, batch))
-        };
-        let measured = match o.mode {
-            CheckMode::Gpu => {
-                synchronize(&device)?;
-                let before = super::cuda_pool::used_bytes(0)?;
-                super::cuda_pool::reset_peak(0)?;
-                let (model, mut opt, batch) = build()?;
-                train_step(&model, &mut opt, &batch)?;
-                synchronize(&device)?;
-                let peak = super::cuda_pool::peak_used_bytes(0)?;
-                drop((model, opt, batch));
-                synchronize(&device)?;
-                Some(peak.saturating_sub(before))
-            }
-            CheckMode::Cpu => {
-                // The planner's dry run measures the step (allocator or RSS);
-                // weights and moments exist before it, as in a real run.
-                let (model, mut opt, batch) = build()?;
-                let report = plan::dry_run(&the_plan, 0, || {
-                    train_step(&model, &mut opt, &batch).map(|_| ())
-                });
-                if !report.ok() {
-                    return Ok(Outcome::Fail(format!("dry run failed: {}", report.summary)));
-                }
-                cpu_method = report.method.to_string();
-                report.measured_peak_bytes
-            }
+        let measured = match measure_point(o.mode, &config, &device, g, &the_plan, &mut cpu_method)?
+        {
+            Ok(m) => m,
+            Err(summary) => return Ok(Outcome::Fail(format!("dry run failed: {summary}"))),
         };
         let label = format!(
             "{} mb{}×{}{}",
@@ -866,4 +779,119 @@ fn step_memory_grid(o: &CheckOptions) -> Result<Outcome, DevicesError> {
     } else {
         Outcome::FailWith(detail, metrics)
     })
+}
+
+/// The memory grid of a mode: precisions, batch shapes and checkpointing that a GPU holds
+/// easily, and two small points on the CPU.
+fn memory_grid(mode: CheckMode) -> Vec<GridPoint> {
+    use crate::plan::Precision;
+    match mode {
+        CheckMode::Gpu => vec![
+            GridPoint {
+                precision: Precision::Fp32,
+                micro_batch: 1,
+                seq_len: 256,
+                checkpointing: false,
+            },
+            GridPoint {
+                precision: Precision::Fp32,
+                micro_batch: 4,
+                seq_len: 512,
+                checkpointing: false,
+            },
+            GridPoint {
+                precision: Precision::Fp32,
+                micro_batch: 4,
+                seq_len: 512,
+                checkpointing: true,
+            },
+            GridPoint {
+                precision: Precision::Bf16Mixed,
+                micro_batch: 4,
+                seq_len: 512,
+                checkpointing: false,
+            },
+            GridPoint {
+                precision: Precision::Bf16Mixed,
+                micro_batch: 8,
+                seq_len: 1024,
+                checkpointing: false,
+            },
+            GridPoint {
+                precision: Precision::Bf16Mixed,
+                micro_batch: 8,
+                seq_len: 1024,
+                checkpointing: true,
+            },
+        ],
+        CheckMode::Cpu => vec![
+            GridPoint {
+                precision: Precision::Fp32,
+                micro_batch: 1,
+                seq_len: 64,
+                checkpointing: false,
+            },
+            GridPoint {
+                precision: Precision::Fp32,
+                micro_batch: 2,
+                seq_len: 128,
+                checkpointing: true,
+            },
+        ],
+    }
+}
+
+/// The measured peak of one grid point's training step, in bytes beyond what was in use
+/// before (`None`: not measurable here); on the CPU `cpu_method` says how it was measured.
+/// `Ok(Err(summary))` when the CPU dry run failed.
+fn measure_point(
+    mode: CheckMode,
+    config: &ModelConfig,
+    device: &Device,
+    g: &GridPoint,
+    the_plan: &crate::plan::Plan,
+    cpu_method: &mut String,
+) -> Result<Result<Option<u64>, String>, DevicesError> {
+    use crate::plan::Precision;
+    let (dtype, master) = match g.precision {
+        Precision::Fp32 => (DType::F32, false),
+        Precision::Bf16 => (DType::BF16, false),
+        Precision::Bf16Mixed => (DType::BF16, true),
+        Precision::Fp16Mixed => (DType::F16, true),
+    };
+    let build = || -> Result<(CausalLm, AdamW, DeviceBatch), DevicesError> {
+        let mut model = CausalLm::random_init(config, 0, dtype, device)?;
+        model.set_activation_checkpointing(g.checkpointing);
+        let opt = AdamW::new(model.params(), AdamWConfig::default(), master)?;
+        let batch = random_batch(config.vocab_size, g.micro_batch, g.seq_len, device, 2)?;
+        Ok((model, opt, batch))
+    };
+    let measured = match mode {
+        CheckMode::Gpu => {
+            synchronize(device)?;
+            let before = super::cuda_pool::used_bytes(0)?;
+            super::cuda_pool::reset_peak(0)?;
+            let (model, mut opt, batch) = build()?;
+            train_step(&model, &mut opt, &batch)?;
+            synchronize(device)?;
+            let peak = super::cuda_pool::peak_used_bytes(0)?;
+            drop((model, opt, batch));
+            synchronize(device)?;
+            Some(peak.saturating_sub(before))
+        }
+        CheckMode::Cpu => {
+            // The planner's dry run measures the step (allocator or RSS);
+            // weights and moments exist before it, as in a real run.
+            let (model, mut opt, batch) = build()?;
+            let report = crate::plan::dry_run(the_plan, 0, || {
+                train_step(&model, &mut opt, &batch).map(|_| ())
+            });
+            if !report.ok() {
+                return Ok(Err(report.summary));
+            }
+            *cpu_method = report.method.to_string();
+            report.measured_peak_bytes
+        }
+    };
+    Ok(Ok(measured))
 }

@@ -541,7 +541,12 @@ pub fn plan_request(
     config: &RunConfig,
     devices: Vec<DeviceSpec>,
 ) -> Result<PlanRequest, String> {
-    Ok(train::plan_request(config, model.clone(), devices))
+    let mut req = train::plan_request(config, model.clone(), devices);
+    // The studio trains in its own process: its window is part of the resident set.
+    if let Some(p) = req.process.as_mut() {
+        p.gui = true;
+    }
+    Ok(req)
 }
 
 /// Reads runs: each folder with a `metrics.jsonl`, or its sub-folders that have one.

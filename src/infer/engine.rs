@@ -9,7 +9,9 @@
 
 use super::error::InferError;
 use crate::model::{ops, rope_inv_freq, CausalLm, ModelConfig, ModelError};
+use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Tensor};
+use std::sync::Arc;
 
 /// The LoRA factors of one linear layer (kept unmerged).
 #[derive(Clone)]
@@ -29,6 +31,8 @@ struct Linear {
     w: Tensor,
     b: Option<Tensor>,
     lora: Option<Lora>,
+    /// The quantized base weight (QLoRA); `w` is then an empty placeholder on its device.
+    quant: Option<Arc<QTensor>>,
 }
 
 impl Linear {
@@ -36,7 +40,15 @@ impl Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor, InferError> {
         // The frozen-linear kernel multiplies straight out of the weight's storage and starts
         // from the bias: one pass, no transpose copy, no graph.
-        let mut y = ops::frozen_linear(x, &self.w, self.b.as_ref())?;
+        let mut y = match &self.quant {
+            // Dequantized for the call only (the training op's numerics: the first step's
+            // logits stay equal to `CausalLm::logits`).
+            Some(q) => {
+                let w = q.dequantize(x.device())?.to_dtype(x.dtype())?;
+                ops::frozen_linear(x, &w, self.b.as_ref())?
+            }
+            None => ops::frozen_linear(x, &self.w, self.b.as_ref())?,
+        };
         if let Some(l) = &self.lora {
             let delta = ops::frozen_linear(&ops::frozen_linear(x, &l.a, None)?, &l.b, None)?;
             y = (y + (delta * l.scale)?)?;
@@ -169,7 +181,12 @@ fn opt_param(model: &CausalLm, name: &str) -> Option<Tensor> {
 }
 
 fn linear(model: &CausalLm, prefix: &str) -> Result<Linear, InferError> {
-    let w = param(model, &format!("{prefix}.weight"))?;
+    let wname = format!("{prefix}.weight");
+    let quant = model.quantized_weight(&wname).cloned();
+    let w = match &quant {
+        Some(q) => Tensor::zeros(0, model.dtype(), &q.device())?,
+        None => param(model, &wname)?,
+    };
     let b = opt_param(model, &format!("{prefix}.bias"));
     let lora = match (
         model.lora_config(),
@@ -183,7 +200,7 @@ fn linear(model: &CausalLm, prefix: &str) -> Result<Linear, InferError> {
         }),
         _ => None,
     };
-    Ok(Linear { w, b, lora })
+    Ok(Linear { w, b, lora, quant })
 }
 
 /// The additive mask `[tq, tk]` (f32) for queries at positions `offset..offset+tq` over keys

@@ -35,6 +35,8 @@ pub struct ModelSpec {
     pub device: Device,
     /// Refuse an adapter whose `base_model_name_or_path` names another model.
     pub check_adapter_base: bool,
+    /// Run the base quantized (QLoRA's base, e.g. to try an adapter trained on it).
+    pub quantize: crate::settings::Quantization,
 }
 
 impl ModelSpec {
@@ -46,6 +48,7 @@ impl ModelSpec {
             tokenizer: None,
             dtype: DType::F32,
             device: Device::Cpu,
+            quantize: crate::settings::Quantization::None,
             check_adapter_base: true,
         }
     }
@@ -242,7 +245,8 @@ impl Generator {
     /// Loads the model (and adapter) and its tokenizer.
     pub fn load(spec: &ModelSpec) -> Result<Self, InferError> {
         let files = resolve_model(&spec.model)?;
-        let mut lm = CausalLm::load_files(&files, spec.dtype, &spec.device)?;
+        let mut lm =
+            CausalLm::load_files_quantized(&files, spec.dtype, &spec.device, spec.quantize)?;
         let mut name = spec.model.clone();
         if let Some(adapter) = &spec.adapter {
             if spec.check_adapter_base {

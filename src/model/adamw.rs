@@ -8,9 +8,10 @@
 
 use super::error::ModelError;
 use super::gradients::{Gradients, NamedParam};
-use super::ops::contiguous_slice;
+use super::ops::{contiguous_slice, Elem};
 use candle_core::{CpuStorage, InplaceOp2, Layout};
 use candle_core::{DType, Device, Tensor, Var};
+use half::{bf16, f16};
 use rayon::prelude::*;
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -383,12 +384,15 @@ fn host_update(
     decay: f32,
     c: Coeffs,
 ) -> Result<(), ModelError> {
-    // f32 parameters on the CPU are updated where they live: no copies of the parameter or
-    // the gradient (four weight-sized buffers per tensor otherwise).
-    if master.is_none() && in_place_ok(var.as_tensor(), g) {
+    // Parameters on the CPU are updated where they live, the f32 master copy (mixed
+    // precision) beside them: no copies of the parameter or the gradient (four weight-sized
+    // buffers per tensor otherwise; on SmolLM2-135M bf16-mixed the optimizer step took 0.18 s
+    // against 0.09 s for fp32 that way).
+    if in_place_ok(var.as_tensor(), g) {
         let op = InPlaceUpdate {
             m: Mutex::new(m),
             v: Mutex::new(v),
+            master: Mutex::new(master.as_mut()),
             decay,
             c,
         };
@@ -489,11 +493,68 @@ fn update(
     Ok(())
 }
 
-/// Whether the parameter can be updated in its own storage: f32 on the CPU, contiguous, with
-/// an f32 CPU gradient of the same shape.
+/// The same update for a parameter stored as `T` (its f32 master copy, when there is one,
+/// holds the value updated; the parameter becomes its rounding) and a gradient stored as `G`:
+/// the arithmetic of [`update`] on the widened values, element by element.
+#[allow(clippy::too_many_arguments)]
+fn update_typed<T: Elem, G: Elem>(
+    p: &mut [T],
+    master: Option<&mut [f32]>,
+    m: &mut [f32],
+    v: &mut [f32],
+    g: &[G],
+    decay: f32,
+    c: Coeffs,
+) -> candle_core::Result<()> {
+    if g.len() != p.len()
+        || m.len() != p.len()
+        || v.len() != p.len()
+        || master.as_ref().is_some_and(|w| w.len() != p.len())
+    {
+        candle_core::bail!("adamw: parameter, gradient, moments and master copy differ in length");
+    }
+    let step = |p: &mut T, w: Option<&mut f32>, m: &mut f32, v: &mut f32, g: &G| {
+        let gi = g.f() * c.mult;
+        let pi = w.as_ref().map_or(p.f(), |w| **w) * decay;
+        let mi = *m + c.one_m_b1 * (gi - *m);
+        let vi = *v * c.b2 + c.one_m_b2 * gi * gi;
+        let denom = vi.sqrt() / c.bc2_sqrt + c.eps;
+        *m = mi;
+        *v = vi;
+        let new = pi - c.step_size * (mi / denom);
+        if let Some(w) = w {
+            *w = new;
+        }
+        *p = T::of(new);
+    };
+    let chunks = p
+        .par_chunks_mut(CHUNK)
+        .zip(m.par_chunks_mut(CHUNK))
+        .zip(v.par_chunks_mut(CHUNK))
+        .zip(g.par_chunks(CHUNK));
+    match master {
+        Some(w) => chunks
+            .zip(w.par_chunks_mut(CHUNK))
+            .for_each(|((((p, m), v), g), w)| {
+                for ((((p, m), v), g), w) in p.iter_mut().zip(m).zip(v).zip(g).zip(w) {
+                    step(p, Some(w), m, v, g);
+                }
+            }),
+        None => chunks.for_each(|(((p, m), v), g)| {
+            for (((p, m), v), g) in p.iter_mut().zip(m).zip(v).zip(g) {
+                step(p, None, m, v, g);
+            }
+        }),
+    }
+    Ok(())
+}
+
+/// Whether the parameter can be updated in its own storage: an f32, bf16 or f16 contiguous
+/// CPU tensor with a float CPU gradient of the same shape.
 fn in_place_ok(p: &Tensor, g: &Tensor) -> bool {
-    p.dtype() == DType::F32
-        && g.dtype() == DType::F32
+    let float = |d: DType| matches!(d, DType::F32 | DType::BF16 | DType::F16);
+    float(p.dtype())
+        && float(g.dtype())
         && p.device().is_cpu()
         && g.device().is_cpu()
         && p.is_contiguous()
@@ -504,8 +565,41 @@ fn in_place_ok(p: &Tensor, g: &Tensor) -> bool {
 struct InPlaceUpdate<'a> {
     m: Mutex<&'a mut Vec<f32>>,
     v: Mutex<&'a mut Vec<f32>>,
+    /// The f32 master copy (mixed precision).
+    master: Mutex<Option<&'a mut Vec<f32>>>,
     decay: f32,
     c: Coeffs,
+}
+
+impl InPlaceUpdate<'_> {
+    /// Updates `p` with the gradient in `s2`, whatever float type it has.
+    fn update_with_grad<T: Elem>(
+        &self,
+        p: &mut [T],
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<()> {
+        let mut m = self.m.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v = self.v.lock().unwrap_or_else(|e| e.into_inner());
+        let mut master = self.master.lock().unwrap_or_else(|e| e.into_inner());
+        let w = master.as_deref_mut().map(|w| w.as_mut_slice());
+        let (d, c) = (self.decay, self.c);
+        match s2 {
+            CpuStorage::F32(_) => {
+                let g = contiguous_slice::<f32>(s2, l2, "adamw")?;
+                update_typed(p, w, &mut m, &mut v, g, d, c)
+            }
+            CpuStorage::BF16(_) => {
+                let g = contiguous_slice::<bf16>(s2, l2, "adamw")?;
+                update_typed(p, w, &mut m, &mut v, g, d, c)
+            }
+            CpuStorage::F16(_) => {
+                let g = contiguous_slice::<f16>(s2, l2, "adamw")?;
+                update_typed(p, w, &mut m, &mut v, g, d, c)
+            }
+            _ => candle_core::bail!("adamw: the gradient is not a float tensor (internal error)"),
+        }
+    }
 }
 
 impl InplaceOp2 for InPlaceUpdate<'_> {
@@ -520,18 +614,34 @@ impl InplaceOp2 for InPlaceUpdate<'_> {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<()> {
-        let g = contiguous_slice::<f32>(s2, l2, "adamw")?;
         let Some((start, end)) = l1.contiguous_offsets() else {
             candle_core::bail!("adamw: the parameter is not contiguous (internal error)")
         };
-        let CpuStorage::F32(p) = s1 else {
-            candle_core::bail!("adamw: the in-place update needs an f32 parameter (internal error)")
-        };
-        let Some(p) = p.get_mut(start..end) else {
-            candle_core::bail!("adamw: parameter layout out of bounds (internal error)")
-        };
-        let mut m = self.m.lock().unwrap_or_else(|e| e.into_inner());
-        let mut v = self.v.lock().unwrap_or_else(|e| e.into_inner());
-        update(p, &mut m, &mut v, g, self.decay, self.c)
+        let oob = || candle_core::Error::Msg("adamw: parameter layout out of bounds".into());
+        let no_master = self
+            .master
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_none();
+        match s1 {
+            // The plain f32 loop (no master copy, f32 gradient) is the fastest: keep it.
+            CpuStorage::F32(p) if no_master && matches!(s2, CpuStorage::F32(_)) => {
+                let g = contiguous_slice::<f32>(s2, l2, "adamw")?;
+                let p = p.get_mut(start..end).ok_or_else(oob)?;
+                let mut m = self.m.lock().unwrap_or_else(|e| e.into_inner());
+                let mut v = self.v.lock().unwrap_or_else(|e| e.into_inner());
+                update(p, &mut m, &mut v, g, self.decay, self.c)
+            }
+            CpuStorage::F32(p) => {
+                self.update_with_grad(p.get_mut(start..end).ok_or_else(oob)?, s2, l2)
+            }
+            CpuStorage::BF16(p) => {
+                self.update_with_grad(p.get_mut(start..end).ok_or_else(oob)?, s2, l2)
+            }
+            CpuStorage::F16(p) => {
+                self.update_with_grad(p.get_mut(start..end).ok_or_else(oob)?, s2, l2)
+            }
+            _ => candle_core::bail!("adamw: the parameter is not a float tensor (internal error)"),
+        }
     }
 }

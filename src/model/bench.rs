@@ -5,6 +5,7 @@ use super::adamw::{AdamW, AdamWConfig, StatePlacement};
 use super::config::ModelConfig;
 use super::decoder::CausalLm;
 use super::error::ModelError;
+use super::lora::LoraConfig;
 use super::ops_mode::OpsMode;
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
@@ -34,6 +35,10 @@ pub struct BenchConfig {
     pub seed: u64,
     /// The training-ops path: native CPU kernels or the device-generic ops a GPU runs.
     pub ops: OpsMode,
+    /// AdamW keeps f32 master weights (mixed precision: `bf16-mixed`, `fp16-mixed`).
+    pub master_weights: bool,
+    /// LoRA adapters on a frozen base (None: full fine-tuning).
+    pub lora: Option<LoraConfig>,
 }
 
 impl Default for BenchConfig {
@@ -52,6 +57,8 @@ impl Default for BenchConfig {
             activation_checkpointing: false,
             seed: 0,
             ops: OpsMode::Auto,
+            master_weights: false,
+            lora: None,
         }
     }
 }
@@ -61,6 +68,8 @@ impl Default for BenchConfig {
 pub struct BenchReport {
     /// Parameters of the model (transformers' count).
     pub num_parameters: u64,
+    /// Parameters the optimizer updates (all of them, or the LoRA adapters).
+    pub trainable_parameters: u64,
     /// Tokens per step (batch × seq_len).
     pub tokens_per_step: usize,
     /// Rayon threads used.
@@ -156,7 +165,16 @@ fn run_inner(cfg: &BenchConfig, threads: usize) -> Result<BenchReport, ModelErro
     let mut model = CausalLm::random_init(&config, cfg.seed, cfg.dtype, &device)?;
     model.set_activation_checkpointing(cfg.activation_checkpointing);
     model.set_ops_mode(cfg.ops);
-    let mut opt = AdamW::new(model.params(), AdamWConfig::default(), false)?;
+    if let Some(lora) = &cfg.lora {
+        model.apply_lora(lora, cfg.seed)?;
+    }
+    let mut opt = AdamW::new(model.params(), AdamWConfig::default(), cfg.master_weights)?;
+    let trainable_parameters = model
+        .params()
+        .iter()
+        .filter(|p| p.trainable)
+        .map(|p| p.var.elem_count() as u64)
+        .sum();
     if cfg.ops == OpsMode::Generic {
         opt.set_state_placement(StatePlacement::Device)?;
     }
@@ -201,6 +219,7 @@ fn run_inner(cfg: &BenchConfig, threads: usize) -> Result<BenchReport, ModelErro
     let num_parameters = config.num_parameters();
     Ok(BenchReport {
         num_parameters,
+        trainable_parameters,
         tokens_per_step: n_tok,
         threads,
         median_step_secs: med,

@@ -183,6 +183,51 @@ fn parse_rope_scaling(obj: &Value, origin: &str) -> Result<Option<RopeScaling>, 
     }
 }
 
+/// The architecture named by `model_type` (Llama, Mistral or Qwen2).
+fn architecture_of(raw: &Value, origin: &str) -> Result<Architecture, ModelError> {
+    let model_type = raw
+        .get("model_type")
+        .and_then(|t| t.as_str())
+        .ok_or_else(|| cfg_err(origin, "required field `model_type` is missing"))?;
+    match model_type {
+        "llama" => Ok(Architecture::Llama),
+        "mistral" => Ok(Architecture::Mistral),
+        "qwen2" => Ok(Architecture::Qwen2),
+        other => Err(ModelError::UnsupportedArchitecture {
+            origin: origin.to_string(),
+            model_type: other.to_string(),
+        }),
+    }
+}
+
+/// RoPE's theta (the architecture's default when unset) and scaling. transformers 5 moved
+/// both into `rope_parameters`; older configs keep `rope_theta` / `rope_scaling` at the top
+/// level.
+fn rope_of(
+    raw: &Value,
+    origin: &str,
+    architecture: Architecture,
+) -> Result<(f64, Option<RopeScaling>), ModelError> {
+    let rope_params = raw.get("rope_parameters").filter(|v| v.is_object());
+    let rope_theta = match rope_params.and_then(|p| p.get("rope_theta")) {
+        Some(t) => t
+            .as_f64()
+            .ok_or_else(|| cfg_err(origin, "`rope_parameters.rope_theta` must be a number"))?,
+        None => get_f64(raw, "rope_theta", origin)?.unwrap_or(match architecture {
+            Architecture::Qwen2 => 1_000_000.0,
+            _ => 10_000.0,
+        }),
+    };
+    let rope_scaling = match rope_params {
+        Some(p) => parse_rope_scaling(p, origin)?,
+        None => match raw.get("rope_scaling") {
+            Some(s) if s.is_object() => parse_rope_scaling(s, origin)?,
+            _ => None,
+        },
+    };
+    Ok((rope_theta, rope_scaling))
+}
+
 impl ModelConfig {
     /// Reads and parses a `config.json`.
     pub fn from_file(path: &Path) -> Result<Self, ModelError> {
@@ -203,21 +248,7 @@ impl ModelConfig {
         if !raw.is_object() {
             return Err(cfg_err(origin, "the top level must be a JSON object"));
         }
-        let model_type = raw
-            .get("model_type")
-            .and_then(|t| t.as_str())
-            .ok_or_else(|| cfg_err(origin, "required field `model_type` is missing"))?;
-        let architecture = match model_type {
-            "llama" => Architecture::Llama,
-            "mistral" => Architecture::Mistral,
-            "qwen2" => Architecture::Qwen2,
-            other => {
-                return Err(ModelError::UnsupportedArchitecture {
-                    origin: origin.to_string(),
-                    model_type: other.to_string(),
-                })
-            }
-        };
+        let architecture = architecture_of(&raw, origin)?;
         let vocab_size = req_usize(&raw, "vocab_size", origin)?;
         let hidden_size = req_usize(&raw, "hidden_size", origin)?;
         let intermediate_size = req_usize(&raw, "intermediate_size", origin)?;
@@ -253,25 +284,7 @@ impl ModelConfig {
             ));
         }
         let rms_norm_eps = get_f64(&raw, "rms_norm_eps", origin)?.unwrap_or(1e-6);
-        // transformers 5 moved theta and scaling into `rope_parameters`; older configs keep
-        // `rope_theta` / `rope_scaling` at the top level.
-        let rope_params = raw.get("rope_parameters").filter(|v| v.is_object());
-        let rope_theta = match rope_params.and_then(|p| p.get("rope_theta")) {
-            Some(t) => t
-                .as_f64()
-                .ok_or_else(|| cfg_err(origin, "`rope_parameters.rope_theta` must be a number"))?,
-            None => get_f64(&raw, "rope_theta", origin)?.unwrap_or(match architecture {
-                Architecture::Qwen2 => 1_000_000.0,
-                _ => 10_000.0,
-            }),
-        };
-        let rope_scaling = match rope_params {
-            Some(p) => parse_rope_scaling(p, origin)?,
-            None => match raw.get("rope_scaling") {
-                Some(s) if s.is_object() => parse_rope_scaling(s, origin)?,
-                _ => None,
-            },
-        };
+        let (rope_theta, rope_scaling) = rope_of(&raw, origin, architecture)?;
         let max_position_embeddings =
             get_usize(&raw, "max_position_embeddings", origin)?.unwrap_or(2048);
         let tie_word_embeddings =

@@ -16,6 +16,8 @@ use super::ops;
 use super::ops_mode::OpsMode;
 use super::weights::Checkpoint;
 use super::{checkpoint, kernels};
+use crate::settings::Quantization;
+use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
@@ -74,6 +76,9 @@ pub(crate) struct Linear {
     pub b: Option<Tensor>,
     /// Frozen weights go through a matmul whose backward computes only the input gradient.
     pub frozen: bool,
+    /// The quantized base weight (QLoRA, see [`super::quant`]); `w` is then an empty
+    /// placeholder and the layer never runs as a native layer op.
+    pub quant: Option<Arc<QTensor>>,
     pub lora: Option<LoraFactors>,
     /// Distinguishes dropout masks of different layers.
     pub key: u64,
@@ -146,6 +151,10 @@ pub struct CausalLm {
     /// Run qualifying layers as one native op (see [`native_layer`]).
     pub(crate) native_layers: bool,
     pub(crate) lora: Option<LoraConfig>,
+    /// Base linears stored quantized (QLoRA), by HF weight name; they are not in `params`.
+    pub(crate) quantized: HashMap<String, Arc<QTensor>>,
+    /// What `quantized` holds ([`Quantization::None`] for a dense base).
+    pub(crate) quantization: Quantization,
     pub(crate) modules: Modules,
     /// Parameter gradients produced outside candle's graph: by native layers and inside
     /// checkpointed layers' backward passes.
@@ -316,7 +325,9 @@ fn dropout(x: &Tensor, p: f64, seed: u64) -> Result<Tensor, ModelError> {
 impl Linear {
     /// `x`: `[n, in]` → `[n, out]`.
     pub(crate) fn forward(&self, x: &Tensor, ctx: &Ctx) -> Result<Tensor, ModelError> {
-        let mut y = if self.frozen {
+        let mut y = if let Some(q) = &self.quant {
+            super::quant::quant_linear(x, q, ctx.ops)?
+        } else if self.frozen {
             kernels::frozen_linear(x, &self.w, ctx.ops)?
         } else {
             x.matmul(&self.w.t()?)?
@@ -428,6 +439,7 @@ impl CausalLm {
         dtype: DType,
         device: &Device,
         source: String,
+        quantized: (Quantization, HashMap<String, Arc<QTensor>>),
     ) -> Result<Self, ModelError> {
         let mut params = Vec::with_capacity(tensors.len());
         let mut index = HashMap::new();
@@ -459,6 +471,8 @@ impl CausalLm {
             ops: kernels::OpsKind::Fused,
             native_layers: true,
             lora: None,
+            quantized: quantized.1,
+            quantization: quantized.0,
             side_grads: Arc::new(Mutex::new(HashMap::new())),
             side_routed: Mutex::new(Default::default()),
             forward_counter: AtomicU64::new(0),
@@ -482,11 +496,41 @@ impl CausalLm {
         dtype: DType,
         device: &Device,
     ) -> Result<Self, ModelError> {
+        Self::load_files_quantized(files, dtype, device, Quantization::None)
+    }
+
+    /// Loads a model whose base linears are quantized as they are read (QLoRA, see
+    /// [`super::quant`]): no dense copy of them is ever made on `device`. The quantized base is
+    /// cached on disk ([`super::quant::cache`]) and read from there on later loads.
+    pub fn load_files_quantized(
+        files: &ModelFiles,
+        dtype: DType,
+        device: &Device,
+        quantize: Quantization,
+    ) -> Result<Self, ModelError> {
+        let cache = super::quant::cache::cache_dir();
+        Self::load_files_quantized_in(files, dtype, device, quantize, cache.as_deref())
+    }
+
+    /// [`CausalLm::load_files_quantized`] with the cache in `cache_dir` (`None`: no cache).
+    pub fn load_files_quantized_in(
+        files: &ModelFiles,
+        dtype: DType,
+        device: &Device,
+        quantize: Quantization,
+        cache_dir: Option<&Path>,
+    ) -> Result<Self, ModelError> {
         check_dtype(dtype)?;
         let config = ModelConfig::from_file(&files.config)?;
         let ckpt = Checkpoint::open(&files.weights)?;
+        let quantized = super::quant::cache::load_quantized(
+            files, &config, &ckpt, quantize, device, cache_dir,
+        )?;
         let mut tensors = Vec::new();
         for (name, shape) in config.parameter_shapes() {
+            if quantized.contains_key(&name) {
+                continue;
+            }
             let t = ckpt.load(&name, Some(&shape), dtype, device)?;
             tensors.push((name, t));
         }
@@ -496,6 +540,7 @@ impl CausalLm {
             dtype,
             device,
             files.dir.display().to_string(),
+            (quantize, quantized),
         )
     }
 
@@ -526,7 +571,14 @@ impl CausalLm {
             let t = Tensor::from_vec(data, shape, device)?.to_dtype(dtype)?;
             tensors.push((name, t));
         }
-        Self::from_params(config.clone(), tensors, dtype, device, "random-init".into())
+        Self::from_params(
+            config.clone(),
+            tensors,
+            dtype,
+            device,
+            "random-init".into(),
+            (Quantization::None, HashMap::new()),
+        )
     }
 
     /// The parsed configuration.
@@ -617,7 +669,7 @@ impl CausalLm {
 
     /// How many decoder layers the next training forward pass runs natively.
     pub fn native_layer_count(&self) -> usize {
-        if !self.native_layers || !self.native_kernels() || self.dtype != DType::F32 {
+        if !self.native_layers || !self.native_kernels() {
             return 0;
         }
         self.modules
@@ -657,6 +709,7 @@ impl CausalLm {
             }
         }
         self.layer_devices = devices.to_vec();
+        self.place_quantized()?;
         self.rebuild()
     }
 
@@ -681,7 +734,11 @@ impl CausalLm {
         trainable: &mut Vec<(String, Tensor)>,
     ) -> Result<Linear, ModelError> {
         let wname = format!("{prefix}.weight");
-        let (w, w_tr) = self.view(&wname)?;
+        let quant = self.quantized.get(&wname).cloned();
+        let (w, w_tr) = match &quant {
+            Some(q) => (Tensor::zeros(0, self.dtype, &q.device())?, false),
+            None => self.view(&wname)?,
+        };
         if w_tr {
             trainable.push((wname, w.clone()));
         }
@@ -720,6 +777,7 @@ impl CausalLm {
             w,
             b,
             frozen: !w_tr,
+            quant,
             lora,
             key,
         })
@@ -812,6 +870,7 @@ impl CausalLm {
     }
 
     /// Runs embeddings, every layer and the final norm: `[b, t, hidden]` in the model dtype.
+    #[allow(clippy::too_many_lines)] // the forward pass in order (embeddings, layers, norm); to split
     pub(crate) fn hidden_states(
         &self,
         input_ids: &Tensor,
@@ -992,6 +1051,24 @@ impl CausalLm {
     ) -> Result<LossOutput, ModelError> {
         let h = self.hidden_states(input_ids, attention_mask, true)?;
         super::loss::causal_lm_loss(self, &h, labels)
+    }
+
+    /// The summed loss for evaluation: no dropout, no graph kept, and the same chunked loss
+    /// op training uses, which holds one chunk of logits at a time (the diagnostic
+    /// [`CausalLm::token_losses`] holds three: logits, `logits − max` and their `exp`, which
+    /// made evaluation the demo's largest moment, 323 MiB against 150 MiB for the step).
+    pub fn eval_loss(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: Option<&Tensor>,
+        labels: &Tensor,
+    ) -> Result<(f64, usize), ModelError> {
+        let h = self
+            .hidden_states(input_ids, attention_mask, false)?
+            .detach();
+        let loss = super::loss::causal_lm_loss(self, &h, labels)?;
+        let sum = loss.sum.detach().to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        Ok((sum, loss.num_tokens))
     }
 
     /// Per-token cross-entropy `[b, t-1]` of the shifted labels (0 where ignored), f32.

@@ -237,6 +237,9 @@ impl CausalLm {
             .clone()
             .ok_or_else(|| ModelError::Lora("no adapter is attached to merge".into()))?;
         let scale = cfg.scale();
+        // A quantized base is merged into its dequantized weights (as PEFT does for QLoRA):
+        // the merged model is dense.
+        self.dequantize_base()?;
         let names: Vec<String> = self
             .params
             .iter()

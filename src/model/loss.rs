@@ -77,6 +77,22 @@ fn chunked_ce(model: &CausalLm, rows: &Tensor, labels: &Tensor) -> Result<Tensor
     Ok(Tensor::cat(&parts, 0)?)
 }
 
+/// [`CausalLm::loss`] in its two parts, calling `between` after the decoder (embeddings,
+/// layers, final norm) and before the head (`lm_head` and the chunked loss): a measuring
+/// harness reads the heap there to tell the decoder's activations from the head's part
+/// (`tests/plan_support/harness.rs`). The result is exactly `CausalLm::loss`'s.
+pub fn loss_in_parts(
+    model: &CausalLm,
+    input_ids: &Tensor,
+    attention_mask: Option<&Tensor>,
+    labels: &Tensor,
+    between: impl FnOnce(),
+) -> Result<LossOutput, ModelError> {
+    let h = model.hidden_states(input_ids, attention_mask, true)?;
+    between();
+    causal_lm_loss(model, &h, labels)
+}
+
 /// The summed loss of the non-ignored shifted labels.
 pub(crate) fn causal_lm_loss(
     model: &CausalLm,

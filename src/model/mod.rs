@@ -6,6 +6,7 @@
 //! [`weights`] memory-maps safetensors; [`decoder`] is the model; [`loss`] the chunked
 //! causal-LM loss; [`checkpoint`] activation checkpointing; [`lora`] PEFT adapters;
 //! [`adamw`] the optimizer; [`save`] `save_pretrained`; [`bench`] the training benchmark.
+//! [`quant`] stores the frozen base quantized for QLoRA (GGML blocks, a GGUF cache).
 //! [`reference_ops`] holds the composite differentiable ops and [`ops`] the fused kernels.
 
 pub mod adamw;
@@ -23,6 +24,7 @@ mod native_embedding;
 mod native_layer;
 pub mod ops;
 pub mod ops_mode;
+pub mod quant;
 pub mod reference_ops;
 pub mod save;
 pub mod weights;
@@ -37,4 +39,5 @@ pub use hub::{resolve_model, resolve_model_in, HubOptions, ModelFiles};
 pub use lora::LINEAR_MODULES;
 pub use lora::{parse_adapter_config, LoraConfig};
 pub use ops_mode::{OpsMode, OPS_ENV};
+pub use quant::QuantSummary;
 pub use save::dtype_name;

@@ -76,6 +76,12 @@ impl CausalLm {
                 "cannot save weights as {dtype:?}; choose f32, bf16 or f16"
             )));
         }
+        if self.quantization().is_on() {
+            return Err(ModelError::Input(format!(
+                "the base is quantized ({}): merge the adapter first (merge_lora dequantizes it) or save the adapter alone",
+                self.quantization()
+            )));
+        }
         let elem = dtype.size_in_bytes() as u64;
         let tensors: Vec<(String, Tensor)> = self
             .config

@@ -1,7 +1,7 @@
 //! The dry run: one real forward/backward/optimizer step on the longest batch
 //! before training, measured against the plan's prediction.
 
-use super::{format_bytes, Plan};
+use super::{format_bytes, ComponentReport, ComponentSet, Plan};
 use crate::mem;
 use std::fmt;
 use std::time::Instant;
@@ -67,6 +67,10 @@ pub struct DryRunReport {
     pub step_secs: f64,
     /// The outcome in words.
     pub summary: String,
+    /// The plan's components for the device, next to the measured ones when the step
+    /// measured them ([`dry_run_with_components`]); render it with
+    /// [`ComponentReport::render`]. `None` when the step did not run.
+    pub components: Option<ComponentReport>,
 }
 
 impl DryRunReport {
@@ -76,13 +80,39 @@ impl DryRunReport {
     }
 }
 
-/// Whether an error message is an out-of-memory error (CUDA, candle, or the OS).
-fn is_oom(message: &str) -> bool {
-    let m = message.to_ascii_lowercase();
-    m.contains("out of memory")
-        || m.contains("out_of_memory")
-        || m.contains("cannot allocate memory")
-        || m.contains("memory allocation")
+/// How this process can measure a step's peak: on the CPU the counting allocator when a binary
+/// installed it, else the peak RSS where it can be reset; nothing for a GPU here.
+fn measure_method(on_cpu: bool) -> MeasureMethod {
+    if !on_cpu {
+        MeasureMethod::Unavailable
+    } else if mem::is_installed() {
+        MeasureMethod::CountingAllocator
+    } else if reset_peak_rss() && mem::process_rss_bytes().is_some() {
+        MeasureMethod::ProcessRss
+    } else {
+        MeasureMethod::Unavailable
+    }
+}
+
+/// Starts a measurement (the allocator's peak is reset): the bytes in use before the step.
+fn start_measuring(method: MeasureMethod) -> Option<u64> {
+    match method {
+        MeasureMethod::CountingAllocator => {
+            mem::reset_peak();
+            Some(mem::current_bytes())
+        }
+        MeasureMethod::ProcessRss => mem::process_rss_bytes(),
+        MeasureMethod::Unavailable => None,
+    }
+}
+
+/// The peak since [`start_measuring`].
+fn measured_peak(method: MeasureMethod) -> Option<u64> {
+    match method {
+        MeasureMethod::CountingAllocator => Some(mem::peak_bytes()),
+        MeasureMethod::ProcessRss => mem::peak_rss_bytes(),
+        MeasureMethod::Unavailable => None,
+    }
 }
 
 /// Runs `step` (one forward/backward/optimizer step on the run's longest batch, built
@@ -97,6 +127,18 @@ pub fn dry_run<E: fmt::Display>(
     plan: &Plan,
     device_index: usize,
     step: impl FnOnce() -> Result<(), E>,
+) -> DryRunReport {
+    dry_run_with_components(plan, device_index, || step().map(|()| None))
+}
+
+/// [`dry_run`] with a step that may measure its own components (weights, optimizer state,
+/// gradients, activations, logits/loss, as defined in `plan::components`): the report's
+/// [`DryRunReport::components`] then shows them next to the plan's, so a user sees which
+/// part of the prediction is off. A step that returns `None` gets the predicted column only.
+pub fn dry_run_with_components<E: fmt::Display>(
+    plan: &Plan,
+    device_index: usize,
+    step: impl FnOnce() -> Result<Option<ComponentSet>, E>,
 ) -> DryRunReport {
     let Some(dev) = plan.per_device.get(device_index) else {
         return DryRunReport {
@@ -114,6 +156,7 @@ pub fn dry_run<E: fmt::Display>(
             relative_error: None,
             step_secs: 0.0,
             summary: "dry run skipped: no such device in the plan".into(),
+            components: None,
         };
     };
     let predicted = dev.peak_bytes;
@@ -127,6 +170,7 @@ pub fn dry_run<E: fmt::Display>(
         relative_error: None,
         step_secs: 0.0,
         summary: String::new(),
+        components: None,
     };
     if !dev.fits {
         report.outcome = DryRunOutcome::PredictedOutOfMemory;
@@ -141,33 +185,19 @@ pub fn dry_run<E: fmt::Display>(
         return report;
     }
     let on_cpu = dev.device.kind == super::DeviceKind::Cpu;
-    let method = if !on_cpu {
-        MeasureMethod::Unavailable
-    } else if mem::is_installed() {
-        MeasureMethod::CountingAllocator
-    } else if reset_peak_rss() && mem::process_rss_bytes().is_some() {
-        MeasureMethod::ProcessRss
-    } else {
-        MeasureMethod::Unavailable
-    };
-    let baseline = match method {
-        MeasureMethod::CountingAllocator => {
-            mem::reset_peak();
-            Some(mem::current_bytes())
-        }
-        MeasureMethod::ProcessRss => mem::process_rss_bytes(),
-        MeasureMethod::Unavailable => None,
-    };
+    let method = measure_method(on_cpu);
+    let baseline = start_measuring(method);
     let start = Instant::now();
     let result = step();
     report.step_secs = start.elapsed().as_secs_f64();
+    report.components = Some(ComponentReport::with_measured(
+        &dev.predicted_components(),
+        result.as_ref().ok().and_then(|m| m.as_ref()),
+    ));
+    let result = result.map(|_| ());
     report.method = method;
     report.baseline_bytes = baseline;
-    report.measured_peak_bytes = match method {
-        MeasureMethod::CountingAllocator => Some(mem::peak_bytes()),
-        MeasureMethod::ProcessRss => mem::peak_rss_bytes(),
-        MeasureMethod::Unavailable => None,
-    };
+    report.measured_peak_bytes = measured_peak(method);
     report.relative_error = report
         .measured_peak_bytes
         .filter(|&m| m > 0)
@@ -194,7 +224,7 @@ pub fn dry_run<E: fmt::Display>(
         }
         Err(e) => {
             let message = e.to_string();
-            if is_oom(&message) {
+            if mem::is_out_of_memory_message(&message) {
                 report.summary = format!(
                     "out of memory on {} during the dry run ({} predicted of {}): {message}",
                     dev.device.name,
@@ -222,19 +252,5 @@ fn reset_peak_rss() -> bool {
     #[cfg(not(target_os = "linux"))]
     {
         false
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::is_oom;
-
-    #[test]
-    fn recognises_oom_messages() {
-        assert!(is_oom(
-            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")"
-        ));
-        assert!(is_oom("Cannot allocate memory (os error 12)"));
-        assert!(!is_oom("shape mismatch in matmul"));
     }
 }

@@ -144,7 +144,7 @@ pub fn layer_costs(req: &PlanRequest) -> LayerCosts {
         let memory = LayerMemory {
             name: kind.to_string(),
             parameters: params.total,
-            weights_bytes: params.total * dims.weight_bytes + params.extra_weight_bytes,
+            weights_bytes: params.weight_bytes(&dims),
             master_weights_bytes: params.trainable * dims.master_bytes,
             gradients_bytes: grad_bytes,
             optimizer_states_bytes: params.trainable * dims.optimizer_bytes,
@@ -291,11 +291,38 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
     let mut per_device = Vec::with_capacity(n_used);
     let tied_split =
         req.model.tie_word_embeddings && req.strategy == Strategy::LayerSplit && n_used > 1;
+    // The process's own terms ride on the first CPU device (logical CPU devices share one
+    // process).
+    let process_device = req.process.as_ref().and_then(|_| {
+        req.devices[..n_used]
+            .iter()
+            .position(|d| d.kind == DeviceKind::Cpu)
+    });
     for (d, (layers, blocks)) in placed.into_iter().enumerate() {
         let device = req.devices[d].clone();
         let dp = device_timeline(&costs, &dims, req, &blocks, d == n_used - 1 && tied_split);
         let overhead = device.overhead_bytes();
-        let peak = dp.peak + overhead;
+        let tensors_peak = dp.peak + overhead;
+        let process = match (&req.process, process_device == Some(d)) {
+            (Some(inputs), true) => {
+                let held: Vec<&Block> = blocks.iter().map(|&i| &costs.blocks[i]).collect();
+                let weights: u64 = held.iter().map(|b| b.memory.weights_bytes).sum();
+                let resident = weights
+                    + held
+                        .iter()
+                        .map(|b| b.memory.master_weights_bytes + b.memory.optimizer_states_bytes)
+                        .sum::<u64>();
+                Some(super::process::footprint(
+                    inputs,
+                    &dims,
+                    resident,
+                    weights,
+                    tensors_peak,
+                ))
+            }
+            _ => None,
+        };
+        let peak = process.as_ref().map_or(tensors_peak, |p| p.peak_bytes);
         let fits = peak <= device.capacity_bytes;
         let phases: Vec<PhaseBytes> = dp
             .phases
@@ -322,7 +349,10 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
             temporaries_bytes: dp.parts.temporaries,
             overhead_bytes: overhead,
             peak_bytes: peak,
+            training_tensors_bytes: tensors_peak,
+            process,
             peak_phase: dp.peak_phase,
+            components: dp.components,
             phases,
             first_oom_phase,
             fits,
@@ -436,10 +466,13 @@ struct Timeline {
     peak: u64,
     peak_phase: StepPhase,
     parts: Parts,
+    /// The step's full-size components (the per-component report's predicted side).
+    components: super::StepComponents,
 }
 
 /// Walks one training step (the last micro-batch of an accumulation cycle, the
 /// worst one, then the optimizer step) over the blocks this device holds.
+#[allow(clippy::too_many_lines)] // one step's memory phases in order, read as one timeline; to split
 fn device_timeline(
     costs: &LayerCosts,
     dims: &StepDims,
@@ -581,10 +614,33 @@ fn device_timeline(
             best
         }
     });
+    let kept_by = |head: bool| -> u64 {
+        blocks
+            .iter()
+            .filter(|b| matches!(b.kind, BlockKind::Head) == head)
+            .map(|b| b.terms.kept_bytes)
+            .sum()
+    };
+    // The final norm's output counts as the decoder's (a measuring harness reads the heap
+    // after `hidden_states`, which ends with the norm); the head keeps the rest.
+    let norm_out = if blocks.iter().any(|b| matches!(b.kind, BlockKind::Head)) {
+        dims.tokens * dims.hidden * dims.act_bytes
+    } else {
+        0
+    };
+    let components = super::StepComponents {
+        weights_bytes: weights,
+        optimizer_bytes: master + optimizer,
+        gradients_bytes: fresh_total,
+        activations_bytes: kept_by(false) + norm_out,
+        logits_and_loss_bytes: kept_by(true).saturating_sub(norm_out),
+        accumulating,
+    };
     Timeline {
         phases,
         peak: parts.total(),
         peak_phase,
         parts,
+        components,
     }
 }

@@ -10,11 +10,11 @@
 use super::estimate::{plan_without_fixes, TIGHT_HEADROOM};
 use super::{
     format_bytes, Change, DeviceKind, Fix, LoraSpec, Plan, PlanError, PlanRequest, Precision,
-    Strategy,
+    Quantization, Strategy,
 };
 
 /// LoRA rank auto-fit proposes when nothing else fits.
-const AUTO_LORA_RANK: usize = 16;
+pub(crate) const AUTO_LORA_RANK: usize = 16;
 
 /// The result of [`auto_fit`].
 #[derive(Debug, Clone)]
@@ -33,7 +33,10 @@ pub struct AutoFit {
 
 /// How much a change alters what training learns (lower is preferred).
 fn quality_tier(original: &PlanRequest, r: &PlanRequest) -> u8 {
-    if r.lora.is_some() && original.lora.is_none() {
+    let quantized = |q: &PlanRequest| q.lora.as_ref().is_some_and(|l| l.quantize.is_on());
+    if quantized(r) && !quantized(original) {
+        3
+    } else if r.lora.is_some() && original.lora.is_none() {
         2
     } else if r.precision == Precision::Bf16 && original.precision != Precision::Bf16 {
         1
@@ -66,12 +69,31 @@ pub fn relative_throughput(req: &PlanRequest) -> f64 {
     } else {
         0.0
     };
-    let flops_per_token = fwd + bwd + recompute + attn;
     let kind = req
         .devices
         .first()
         .map(|d| d.kind)
         .unwrap_or(DeviceKind::Cpu);
+    // A quantized base is dequantized once per weight and pass (forward, backward, and the
+    // recomputation under checkpointing), whatever the number of tokens. Dequantizing is
+    // memory-bound (≈ 0.5 byte read, 2–4 written a weight): in matmul-FLOP equivalents about
+    // 256 a weight on a GPU (≈ 100 FLOP per byte of bandwidth) and 16 on a CPU, spread over
+    // the micro-batch's tokens. At 512 tokens on a GPU that is ≈ 25 % slower than LoRA, in
+    // line with QLoRA's reported overhead.
+    let dequant = match &req.lora {
+        Some(l) if l.quantize.is_on() => {
+            let passes = if req.activation_checkpointing {
+                3.0
+            } else {
+                2.0
+            };
+            let tokens = (req.micro_batch * req.seq_len).max(1) as f64;
+            let per_weight = if kind == DeviceKind::Cpu { 16.0 } else { 256.0 };
+            per_weight * passes * n_params / tokens
+        }
+        _ => 0.0,
+    };
+    let flops_per_token = fwd + bwd + recompute + attn + dequant;
     let speed = match (kind, req.precision) {
         (DeviceKind::Cuda, Precision::Fp32) => 1.0,
         (DeviceKind::Cuda, _) => 3.0,
@@ -168,6 +190,13 @@ fn candidate_changes(req: &PlanRequest) -> Vec<Change> {
     if req.lora.is_none() {
         out.push(Change::Lora(LoraSpec::all_linear(AUTO_LORA_RANK)));
     }
+    if req
+        .lora
+        .as_ref()
+        .is_none_or(|l| l.quantize != Quantization::Q4K)
+    {
+        out.push(Change::Quantize(Quantization::Q4K));
+    }
     let on_gpu = req.used_devices().iter().any(|d| d.kind != DeviceKind::Cpu);
     if on_gpu && !req.optimizer_offload {
         out.push(Change::OptimizerOffload);
@@ -239,6 +268,7 @@ fn divisors(n: usize) -> Vec<usize> {
 /// Finds settings that fit every device with ≥ 5 % headroom, keeping the effective
 /// batch, with the highest estimated throughput (see the module docs for the order
 /// of preference), and explains each change.
+#[allow(clippy::too_many_lines)] // the search in its order of preference (module docs); to split
 pub fn auto_fit(req: &PlanRequest) -> Result<AutoFit, PlanError> {
     // Validates the request (errors such as zero devices surface here).
     let original_plan = super::plan(req)?;
@@ -265,9 +295,18 @@ pub fn auto_fit(req: &PlanRequest) -> Result<AutoFit, PlanError> {
     } else {
         vec![false, true]
     };
+    // QLoRA 4-bit last: it changes what is learned the most (tier 3).
     let loras = match &req.lora {
-        Some(l) => vec![Some(l.clone())],
-        None => vec![None, Some(LoraSpec::all_linear(AUTO_LORA_RANK))],
+        Some(l) if l.quantize.is_on() => vec![Some(l.clone())],
+        Some(l) => vec![
+            Some(l.clone()),
+            Some(l.clone().quantized(Quantization::Q4K)),
+        ],
+        None => vec![
+            None,
+            Some(LoraSpec::all_linear(AUTO_LORA_RANK)),
+            Some(LoraSpec::all_linear(AUTO_LORA_RANK).quantized(Quantization::Q4K)),
+        ],
     };
 
     // (tier, throughput, number of changes, request, plan)
@@ -344,7 +383,7 @@ pub fn auto_fit(req: &PlanRequest) -> Result<AutoFit, PlanError> {
             let (_, r, p) = least_bad.unwrap_or((0.0, req.clone(), original_plan.clone()));
             let mut changes = explain_changes(req, &original_plan, &r);
             changes.push(format!(
-                "nothing fits these devices with {:.0} % headroom, even with LoRA r={}: use larger or more devices, or shorter sequences",
+                "nothing fits these devices with {:.0} % headroom, even with QLoRA 4-bit r={}: use larger or more devices, or shorter sequences",
                 100.0 * TIGHT_HEADROOM,
                 AUTO_LORA_RANK
             ));
@@ -381,8 +420,12 @@ fn explain_changes(from: &PlanRequest, from_plan: &Plan, to: &PlanRequest) -> Ve
     if to.activation_checkpointing && !from.activation_checkpointing {
         steps.push(Change::ActivationCheckpointing);
     }
+    let quantize = |r: &PlanRequest| r.lora.as_ref().map_or(Quantization::None, |l| l.quantize);
     if let (Some(l), None) = (&to.lora, &from.lora) {
-        steps.push(Change::Lora(l.clone()));
+        steps.push(Change::Lora(l.clone().quantized(Quantization::None)));
+    }
+    if quantize(to) != quantize(from) {
+        steps.push(Change::Quantize(quantize(to)));
     }
     if to.optimizer_offload && !from.optimizer_offload {
         steps.push(Change::OptimizerOffload);

@@ -16,6 +16,7 @@
 //! kind of memory, the peak and its phase, the verdict) → [`auto_fit`] when it
 //! does not fit. [`dry_run`] checks the prediction against one real step.
 
+mod components;
 mod device;
 mod dry_run;
 mod estimate;
@@ -23,16 +24,19 @@ mod fit;
 mod gpu_catalog;
 mod model_source;
 pub mod placement;
+mod process;
 pub mod step_model;
 
+pub use components::{Component, ComponentReport, ComponentRow, ComponentSet, StepComponents};
 pub use device::{
     format_bytes, parse_bytes, parse_devices, parse_devices_with, DeviceKind, DeviceSpec,
 };
-pub use dry_run::{dry_run, DryRunOutcome, DryRunReport, MeasureMethod};
+pub use dry_run::{dry_run, dry_run_with_components, DryRunOutcome, DryRunReport, MeasureMethod};
 pub use estimate::{balance_layers, layer_costs, layer_ranges, plan, LayerCosts};
 pub use fit::{auto_fit, relative_throughput, AutoFit};
 pub use gpu_catalog::{find_gpu_model, gpu_model_by_size_text, GpuModel, GPU_CATALOG};
 pub use model_source::model_config_path;
+pub use process::{ProcessFootprint, ProcessInputs, ProcessTerm};
 
 use crate::model::{ModelConfig, OpsMode};
 use std::fmt;
@@ -97,7 +101,7 @@ pub enum PlanError {
 
 /// Numeric precision and device strategy: the run config's own types, shared through
 /// [`crate::settings`] (the planner imports nothing from the trainer).
-pub use crate::settings::{Precision, Strategy};
+pub use crate::settings::{Precision, Quantization, Strategy};
 
 impl From<crate::settings::UnknownPrecision> for PlanError {
     fn from(e: crate::settings::UnknownPrecision) -> Self {
@@ -126,6 +130,10 @@ pub struct LoraSpec {
     pub r: usize,
     /// Short names of the adapted linear layers (`q_proj`, `v_proj`, ...).
     pub target_modules: Vec<String>,
+    /// How the frozen base linears are stored (QLoRA: `q8_0`, `q4_k`; see
+    /// [`crate::settings::Quantization`]).
+    #[serde(default)]
+    pub quantize: Quantization,
 }
 
 impl LoraSpec {
@@ -137,7 +145,14 @@ impl LoraSpec {
                 .iter()
                 .map(|s| s.to_string())
                 .collect(),
+            quantize: Quantization::None,
         }
+    }
+
+    /// The same adapters on a base quantized as `q`.
+    pub fn quantized(mut self, q: Quantization) -> Self {
+        self.quantize = q;
+        self
     }
 }
 
@@ -168,6 +183,10 @@ pub struct PlanRequest {
     /// The training-ops path the trainer will run (`TUNESTUDIO_OPS`): under `Generic` a CPU
     /// runs the GPU's code, so the plan models graphs of ops instead of the native layers.
     pub ops: OpsMode,
+    /// What the process loads besides the model (tokenizer, dataset, mapped weights, the
+    /// GUI): with it the first CPU device's peak is the process's resident set
+    /// ([`ProcessFootprint`]); `None` plans the training tensors only.
+    pub process: Option<ProcessInputs>,
 }
 
 impl PlanRequest {
@@ -214,6 +233,9 @@ impl PlanRequest {
                 l.r,
                 l.target_modules.join("/")
             ));
+            if l.quantize.is_on() {
+                s.push_str(&format!(", base quantized {}", l.quantize));
+            }
         }
         s
     }
@@ -279,10 +301,20 @@ pub struct DevicePlan {
     pub temporaries_bytes: u64,
     /// Runtime overhead (≈ 500 MiB CUDA context per CUDA device; 0 on CPU).
     pub overhead_bytes: u64,
-    /// The predicted high-water mark.
+    /// The predicted high-water mark (on the first CPU device of a request with
+    /// [`PlanRequest::process`], the process's peak resident set).
     pub peak_bytes: u64,
+    /// The training step's tensors at their peak (the components above plus the overhead):
+    /// `peak_bytes` without the process terms.
+    pub training_tensors_bytes: u64,
+    /// The process's resident set, term by term (first CPU device, with
+    /// [`PlanRequest::process`]).
+    pub process: Option<ProcessFootprint>,
     /// The phase in which the peak occurs.
     pub peak_phase: StepPhase,
+    /// The step's full-size components (weights, optimizer state, gradients, activations,
+    /// logits/loss) for the per-component report ([`DevicePlan::predicted_components`]).
+    pub components: StepComponents,
     /// Each phase's high-water mark, in time order.
     pub phases: Vec<PhaseBytes>,
     /// The first phase (in time order) whose need exceeds the capacity, if any.
@@ -377,6 +409,8 @@ pub enum Change {
     SeqLen(usize),
     /// Keep the optimizer's state in host RAM (GPU runs).
     OptimizerOffload,
+    /// Quantize the frozen base (QLoRA); turns LoRA on (rank 16 on every linear) when it is off.
+    Quantize(Quantization),
 }
 
 impl Change {
@@ -406,6 +440,13 @@ impl Change {
             Change::Lora(l) => r.lora = Some(l.clone()),
             Change::SeqLen(t) => r.seq_len = *t,
             Change::OptimizerOffload => r.optimizer_offload = true,
+            Change::Quantize(q) => {
+                let lora = r
+                    .lora
+                    .take()
+                    .unwrap_or_else(|| LoraSpec::all_linear(fit::AUTO_LORA_RANK));
+                r.lora = Some(lora.quantized(*q));
+            }
         }
         r
     }
@@ -440,11 +481,31 @@ impl Change {
                 "micro-batch {} × accumulation {} (was {} × {})",
                 micro_batch, gradient_accumulation, req.micro_batch, req.gradient_accumulation
             ),
+            Change::Lora(l) if l.quantize.is_on() => format!(
+                "QLoRA r={} on {} (base frozen, quantized {})",
+                l.r,
+                l.target_modules.join(", "),
+                l.quantize
+            ),
             Change::Lora(l) => format!(
                 "LoRA r={} on {} (base frozen)",
                 l.r,
                 l.target_modules.join(", ")
             ),
+            Change::Quantize(q) => {
+                let bits = match q {
+                    Quantization::Q4K => "QLoRA 4-bit",
+                    Quantization::Q8_0 => "QLoRA 8-bit",
+                    Quantization::None => "dense base",
+                };
+                match &req.lora {
+                    Some(l) => format!("{bits} (base linears as {q}, LoRA r={} kept)", l.r),
+                    None => format!(
+                        "{bits} (base linears as {q}, LoRA r={} on every linear)",
+                        fit::AUTO_LORA_RANK
+                    ),
+                }
+            }
             Change::SeqLen(t) => format!("sequence length {} (was {})", t, req.seq_len),
             Change::OptimizerOffload => {
                 "optimizer state in host RAM (training.optimizer_offload = \"host\")".into()

@@ -37,8 +37,14 @@
 //!   op each: they keep a fixed set of activations, free them as soon as their backward
 //!   ends, and write each trained tensor's gradient once (frozen base weights get none);
 //!   none of the graph terms above apply.
+//! * **A quantized base** (QLoRA, `model::quant`): the seven base linears of each layer are
+//!   GGML blocks — Q8_0 34 bytes per 32 weights, Q4_K 144 bytes per 256 (Q5_0, 22 per 32,
+//!   where the input width is not a multiple of 256), scales included — and each linear's
+//!   forward and backward dequantizes its weight for the call: one weight in f32 (plus its
+//!   cast in half precision) on top of the layer's transient. Such layers never run as native
+//!   layer ops (the graph terms apply).
 
-use super::{PlanRequest, Precision};
+use super::{PlanRequest, Precision, Quantization};
 use std::fmt;
 
 /// A block of the model, in forward order.
@@ -89,6 +95,8 @@ pub struct StepDims {
     pub vocab: u64,
     /// q/k/v biases.
     pub qkv_bias: bool,
+    /// A sliding window shorter than the sequence: the forward builds a second mask.
+    pub sliding_mask: bool,
     /// o_proj bias.
     pub o_bias: bool,
     /// MLP biases.
@@ -113,12 +121,17 @@ pub struct StepDims {
     pub checkpointing: bool,
     /// LoRA rank and targets.
     pub lora: Option<(u64, Vec<String>)>,
+    /// How the frozen base linears are stored (QLoRA; `None` without LoRA).
+    pub quantize: Quantization,
     /// Whether the embedding matrix is trained.
     pub embeddings_trainable: bool,
-    /// Decoder layers run as native ops (CPU, f32, full fine-tuning or LoRA; see
+    /// Decoder layers run as native ops (CPU; f32, bf16 or f16; full fine-tuning or LoRA; see
     /// `model::native_layer`) instead of graphs of candle ops.
     pub native_layers: bool,
-    /// AdamW updates parameters in their own storage (f32 parameters on the CPU).
+    /// The embedding lookup and the lm-head gradient go through the side table
+    /// (`model::native_embedding`: CPU, f32, embeddings trained).
+    pub native_embedding: bool,
+    /// AdamW updates parameters (and their f32 master copies) in their own storage (CPU).
     pub in_place_optimizer: bool,
     /// The device-generic ops run (`model::ops::generic`: any GPU, or `TUNESTUDIO_OPS=generic`):
     /// the loss is the generic chunked op and AdamW's state is updated with tensor ops.
@@ -143,6 +156,7 @@ impl StepDims {
         // is the device: nothing moves).
         let offloaded = req.optimizer_offload && any_gpu;
         let master = if req.precision.master_weights() { 4 } else { 0 };
+        let quantize = req.lora.as_ref().map_or(Quantization::None, |l| l.quantize);
         StepDims {
             micro_batch: req.micro_batch as u64,
             seq_len: req.seq_len as u64,
@@ -156,6 +170,7 @@ impl StepDims {
             head_dim: m.head_dim as u64,
             vocab: m.vocab_size as u64,
             qkv_bias: m.qkv_bias(),
+            sliding_mask: m.sliding_window.is_some_and(|w| w < req.seq_len),
             o_bias: m.o_bias(),
             mlp_bias: m.mlp_bias,
             tied: m.tie_word_embeddings,
@@ -172,15 +187,19 @@ impl StepDims {
                 .as_ref()
                 .map(|l| (l.r as u64, l.target_modules.clone())),
             embeddings_trainable: req.lora.is_none(),
-            native_layers: all_cpu && req.precision == Precision::Fp32,
-            in_place_optimizer: all_cpu && req.precision == Precision::Fp32,
+            quantize,
+            // Quantized layers run as graphs of ops (`native_layer::layer_qualifies`).
+            native_layers: all_cpu && !quantize.is_on(),
+            native_embedding: all_cpu && req.precision == Precision::Fp32 && req.lora.is_none(),
+            in_place_optimizer: all_cpu,
             generic_ops,
         }
     }
 
     fn lora_targets(&self, module: &str) -> Option<u64> {
         match &self.lora {
-            Some((r, t)) if t.iter().any(|m| m == module) => Some(*r),
+            // `all-linear` is PEFT's (and the run config's) name for every linear layer.
+            Some((r, t)) if t.iter().any(|m| m == module || m == "all-linear") => Some(*r),
             _ => None,
         }
     }
@@ -210,6 +229,36 @@ pub struct BlockParams {
     pub largest_trainable: u64,
     /// Weight bytes that are not `total × weight_bytes` (none today).
     pub extra_weight_bytes: u64,
+    /// Parameters stored quantized (QLoRA base linears), counted in `total`.
+    pub quantized: u64,
+    /// Their bytes in the quantized formats, block scales included.
+    pub quantized_bytes: u64,
+}
+
+impl BlockParams {
+    /// Bytes of the block's weights: dense parameters in the compute dtype, quantized ones in
+    /// their blocks.
+    pub fn weight_bytes(&self, d: &StepDims) -> u64 {
+        (self.total - self.quantized) * d.weight_bytes
+            + self.quantized_bytes
+            + self.extra_weight_bytes
+    }
+}
+
+/// The transient of dequantizing a layer's largest quantized weight for one call: f32, plus
+/// its cast to the compute dtype in half precision (0 when nothing is quantized).
+pub fn dequant_transient_bytes(d: &StepDims) -> u64 {
+    let per_elem = 4 + if d.weight_bytes == 4 {
+        0
+    } else {
+        d.weight_bytes
+    };
+    d.linears()
+        .iter()
+        .filter(|(_, i, _, _)| d.quantize.format_for(*i).is_some())
+        .map(|(_, i, o, _)| i * o * per_elem)
+        .max()
+        .unwrap_or(0)
 }
 
 /// Parameters of a block (LoRA adapters included, trainable flags applied).
@@ -222,7 +271,7 @@ pub fn block_parameters(d: &StepDims, kind: BlockKind) -> BlockParams {
                 total: n,
                 trainable: if full { n } else { 0 },
                 largest_trainable: if full { n } else { 0 },
-                extra_weight_bytes: 0,
+                ..BlockParams::default()
             }
         }
         BlockKind::Head => {
@@ -232,7 +281,7 @@ pub fn block_parameters(d: &StepDims, kind: BlockKind) -> BlockParams {
                 total: n,
                 trainable: if full { n } else { 0 },
                 largest_trainable: if full { head.max(d.hidden) } else { 0 },
-                extra_weight_bytes: 0,
+                ..BlockParams::default()
             }
         }
         BlockKind::Layer(_) => {
@@ -240,6 +289,10 @@ pub fn block_parameters(d: &StepDims, kind: BlockKind) -> BlockParams {
             for (name, i, o, bias) in d.linears() {
                 let base = i * o + if bias { o } else { 0 };
                 p.total += base;
+                if let (false, Some(f)) = (full, d.quantize.format_for(i)) {
+                    p.quantized += i * o;
+                    p.quantized_bytes += f.matrix_bytes(i, o);
+                }
                 if full {
                     p.trainable += base;
                     p.largest_trainable = p.largest_trainable.max(i * o);
@@ -411,15 +464,29 @@ fn native_saved(d: &StepDims) -> u64 {
 }
 
 /// A native layer's terms: its saved activations are freed as soon as its backward ends,
-/// and its weight gradients are written once (no zero-then-add).
-fn native_layer_terms(d: &StepDims, own_grads: u64) -> BlockTerms {
+/// and its trained tensors' gradients are written once (no zero-then-add).
+fn native_layer_terms(d: &StepDims, params: &BlockParams) -> BlockTerms {
     let n = d.tokens;
     let (h, q, kv, i) = (d.hidden, d.q_dim, d.kv_dim, d.intermediate);
     let saved = native_saved(d);
-    let out = n * h * 4;
+    let out = n * h * d.act_bytes;
+    // Half precision: the op widens the layer's tensors and its input (backward: and the
+    // incoming gradient) to f32 for the call, builds the output in f32 before rounding it,
+    // and collects the gradients in f32 before rounding each to the parameter dtype.
+    let half = d.act_bytes != 4;
+    let widened = if half {
+        params.total * 4 + n * h * 4
+    } else {
+        0
+    };
+    let own_grads = params.trainable * d.grad_bytes;
+    let own_grads_f32 = params.trainable * 4;
     // Forward scratch: the per-head attention outputs before they are interleaved, or the
     // SwiGLU product feeding down_proj.
-    let fwd_scratch = n * q.max(i) * 4;
+    // While the layers run, the forward's `Ctx` holds the masks and rope tables as tensors
+    // too (the rope tables in the compute dtype) next to the native copies.
+    let ctx_tensors = native_ctx_bytes(d) - 2 * d.seq_len * d.head_dim * (4 - d.act_bytes);
+    let fwd_scratch = n * q.max(i) * 4 + widened + if half { n * h * 4 } else { 0 } + ctx_tensors;
     // Backward moments (bytes above what was stored before the layer, own gradients
     // included as they appear): SwiGLU backward (da, dgate, dup + down's gradient), the
     // gate/up backward, the attention backward (per-head parts and the assembled dq, dk,
@@ -431,8 +498,8 @@ fn native_layer_terms(d: &StepDims, own_grads: u64) -> BlockTerms {
     let m1 = (3 * n * i + wg * h * i) * 4;
     let m2 = (2 * n * i + n * h) * 4 + wg * 3 * h * i * 4;
     let m3 = wg * (3 * h * i + h + h * q) * 4 + (2 * n * h + 5 * n * q + 2 * n * kv) * 4;
-    let m4 = own_grads + 3 * n * h * 4;
-    let bwd = m1.max(m2).max(m3).max(m4);
+    let m4 = own_grads_f32 + 3 * n * h * 4;
+    let bwd = m1.max(m2).max(m3).max(m4) + if half { widened + n * h * 4 } else { 0 };
     if d.checkpointing {
         BlockTerms {
             kept_bytes: out + NATIVE_LAYER_METADATA_BYTES,
@@ -455,6 +522,22 @@ fn native_layer_terms(d: &StepDims, own_grads: u64) -> BlockTerms {
     }
 }
 
+/// The tables one forward pass shares with its native layers (`NativeCtx` in
+/// `model::native_layer`), kept by every layer op until the loss is dropped: the additive
+/// attention mask as f32 `[rows, t, t]` — rows = micro-batch, since the trainer always passes
+/// the padding mask (`train/step.rs`) — a second one for a sliding window shorter than the
+/// sequence, and the rope cos/sin tables `[t, head_dim]` as f32 (0 without native layers).
+/// Measured on tiny-llama at seq 3072 (tests/plan_heldout.rs): the activations were 37 MiB
+/// (one 3072² f32 mask) above the plan without it; at seq ≤ 256 it is ≤ 1 MiB, hidden in
+/// the SmolLM2 grid.
+pub fn native_ctx_bytes(d: &StepDims) -> u64 {
+    if !d.native_layers {
+        return 0;
+    }
+    let masks = 1 + u64::from(d.sliding_mask);
+    masks * d.micro_batch * d.seq_len * d.seq_len * 4 + 2 * d.seq_len * d.head_dim * 4
+}
+
 /// Per-layer bookkeeping of a native layer (op node, output tensor, saved `Vec` headers).
 const NATIVE_LAYER_METADATA_BYTES: u64 = 2_048;
 
@@ -467,8 +550,8 @@ pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
     let full = d.lora.is_none();
     match kind {
         BlockKind::Embeddings => {
-            // index_select output [n, h] (the first layer's input).
-            let kept = n * h * a;
+            // index_select output [n, h] (the first layer's input), the native layers' tables.
+            let kept = n * h * a + native_ctx_bytes(d);
             if !full {
                 // Frozen embeddings: the lookup is not part of the graph.
                 return BlockTerms {
@@ -477,7 +560,7 @@ pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
                 };
             }
             let e = v * h * g;
-            if d.native_layers {
+            if d.native_embedding {
                 // The native lookup adds its rows into the side-table gradient in place:
                 // tied, into the head's gradient; untied, into one fresh zeroed matrix.
                 return BlockTerms {
@@ -497,18 +580,17 @@ pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
                 freed_kept_bytes: 0,
             }
         }
-        BlockKind::Layer(_) if d.native_layers => {
-            native_layer_terms(d, block_parameters(d, kind).trainable * g)
-        }
+        BlockKind::Layer(_) if d.native_layers => native_layer_terms(d, &block_parameters(d, kind)),
         BlockKind::Layer(_) => {
             let full_kept = layer_kept_full(d);
             let own_grads = block_parameters(d, kind).trainable * g;
-            let peak = layer_backward_peak(d);
+            let dequant = dequant_transient_bytes(d);
+            let peak = layer_backward_peak(d) + dequant;
             if d.checkpointing {
                 // Kept: the layer's output copy (its input is the previous output).
                 let kept = n * h * a + 512;
                 // Forward: the layer's graph exists until its output is copied out.
-                let fwd = full_kept + n * h * a;
+                let fwd = full_kept + n * h * a + dequant;
                 // Backward: input copied into a Var, the layer's graph rebuilt,
                 // out·grad seeded, then the normal layer backward.
                 let bwd = n * h * a + full_kept + n * h * a + peak;
@@ -523,7 +605,7 @@ pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
             } else {
                 BlockTerms {
                     kept_bytes: full_kept,
-                    forward_transient_bytes: 0,
+                    forward_transient_bytes: dequant,
                     backward_transient_bytes: peak,
                     backward_grad_bytes: own_grads,
                     residue_bytes: layer_residue(d),
@@ -562,7 +644,7 @@ pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
             // A frozen head (LoRA) gets no weight gradient at all.
             let head_w = if full { v * h * 4 } else { 0 };
             let in_op = head_w + rows * h * 4 + rows * 8 + chunk * h * 4;
-            let weight_bufs = if d.native_layers { 1 } else { 3 };
+            let weight_bufs = if d.native_embedding { 1 } else { 3 };
             let f32_head =
                 in_op.max((weight_bufs * head_w + 2 * rows * h * 4).saturating_sub(last_chunk));
             // Earlier chunks are recomputed in full-size buffers once the cached last one is

@@ -7,7 +7,9 @@
 //! import the trainer: `tests/it/layering.rs` checks it).
 
 mod precision;
+mod quantize;
 mod strategy;
 
 pub use precision::{Precision, UnknownPrecision};
+pub use quantize::{QuantFormat, Quantization, UnknownQuantization};
 pub use strategy::{Strategy, UnknownStrategy};

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use super::error::{ConfigError, ConfigProblem};
 use super::precision::Precision;
 use super::schedule::ScheduleKind;
-use crate::settings::Strategy;
+use crate::settings::{Quantization, Strategy};
 
 /// A complete training run description (`run.toml`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -69,6 +69,9 @@ pub struct ModelSection {
     /// `pretrained` loads the weights, `random` initialises from `training.seed`,
     /// `auto` loads the weights when the folder has any and initialises randomly otherwise.
     pub init: InitMode,
+    /// QLoRA: store the frozen base linears quantized (`none`, `q8_0`, `q4_k`; needs
+    /// `[lora] enabled`). See [`crate::settings::Quantization`].
+    pub quantize: Quantization,
 }
 
 impl Default for ModelSection {
@@ -77,6 +80,7 @@ impl Default for ModelSection {
             source: String::new(),
             dtype: ModelDtype::Auto,
             init: InitMode::Auto,
+            quantize: Quantization::None,
         }
     }
 }

@@ -292,11 +292,7 @@ pub(crate) fn step_error(
     settings: &str,
 ) -> TrainError {
     let message = err.to_string();
-    let lower = message.to_lowercase();
-    let out_of_memory = ["out of memory", "alloc", "oom", "cannot allocate", "memory"]
-        .iter()
-        .any(|k| lower.contains(k));
-    let hint = if out_of_memory {
+    let hint = if crate::mem::is_out_of_memory_message(&message) {
         format!(
             "ran out of memory in the {phase} pass ({settings}); lower `training.micro_batch` \
              (raise `training.gradient_accumulation` to keep the effective batch), lower \

@@ -37,7 +37,8 @@ pub use export::{export_adapter, export_full, export_merged};
 pub use metrics::{read_metrics, MetricsWriter, RunCurves, METRICS_FILE};
 pub use placement::{DeviceLayers, RunPlacement};
 pub use plan_adapter::{
-    local_plan_request, plan_devices, plan_model, plan_request, read_run_config_leniently,
+    local_plan_request, plan_devices, plan_model, plan_request, process_inputs,
+    read_run_config_leniently,
 };
 pub use precision::{LossScaler, Precision, UnknownPrecision};
 pub use schedule::{LrSchedule, ScheduleKind};

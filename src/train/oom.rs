@@ -34,17 +34,7 @@ pub(crate) fn injected_failure(step: u64, phase: Phase) -> Option<String> {
 /// Whether a training error is a device running out of memory.
 pub fn is_out_of_memory(err: &TrainError) -> bool {
     match err {
-        TrainError::Step { message, .. } => {
-            let m = message.to_lowercase();
-            [
-                "out of memory",
-                "out_of_memory",
-                "cannot allocate",
-                "allocation failed",
-            ]
-            .iter()
-            .any(|k| m.contains(k))
-        }
+        TrainError::Step { message, .. } => crate::mem::is_out_of_memory_message(message),
         _ => false,
     }
 }

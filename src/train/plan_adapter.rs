@@ -22,10 +22,13 @@
 //! # What the planner reads
 //! The model's shape (`[model] source`, see [`plan_model`]); `[training] precision`,
 //! `micro_batch`, `gradient_accumulation`, `activation_checkpointing` and
-//! `optimizer_offload`; `[data] max_length`; `[lora] enabled`, and when it is on `r` and
-//! `target_modules`; `[devices] devices` (see [`plan_devices`]) and `strategy`; and the
-//! training-ops path (`TUNESTUDIO_OPS`). Nothing else changes memory: the learning rate,
-//! schedule, seeds, evaluation and checkpoint settings, paths, `[lora] alpha` (a scale) and
+//! `optimizer_offload`; `[data] max_length`; `[lora] enabled`, and when it is on `r`,
+//! `target_modules` and `[model] quantize` (QLoRA: a quantized base exists only under LoRA); `[devices] devices` (see [`plan_devices`]) and `strategy`; and the
+//! training-ops path (`TUNESTUDIO_OPS`). For the process's own terms ([`process_inputs`]): the
+//! sizes on disk of the tokenizer, the dataset (`[data] path`, `validation_path`) and the
+//! mapped weights (none under `[model] init = "random"`), and whether the run evaluates
+//! (`[data] validation_ratio`). Nothing else changes memory: the learning
+//! rate, schedule, seeds, evaluation and checkpoint settings, `[lora] alpha` (a scale) and
 //! `[model] dtype` (implied by the precision; validation rejects a dtype that disagrees).
 //! `tests/it/plan_request.rs` proves it, field by field.
 //!
@@ -48,9 +51,10 @@ use super::config::RunConfig;
 use super::error::ConfigProblem;
 
 /// The planner's request for `config`, planning `model` on `devices`: the one place a run
-/// config becomes a [`PlanRequest`] (see the module doc). Pure: no file or device is read
-/// (except the `TUNESTUDIO_OPS` variable); values are passed on as they are, so the planner
-/// reports a bad one (`micro_batch = 0`) by its setting's name.
+/// config becomes a [`PlanRequest`] (see the module doc). No file is read but the sizes of
+/// the tokenizer, dataset and weight files ([`process_inputs`]), and no device (nor any
+/// variable but `TUNESTUDIO_OPS`); values are passed on as they are, so the planner reports a
+/// bad one (`micro_batch = 0`) by its setting's name.
 pub fn plan_request(
     config: &RunConfig,
     model: ModelConfig,
@@ -61,6 +65,7 @@ pub fn plan_request(
     let lora = config.lora.enabled.then(|| LoraSpec {
         r: config.lora.r,
         target_modules: config.lora.target_modules.clone(),
+        quantize: config.model.quantize,
     });
     PlanRequest {
         model,
@@ -74,6 +79,80 @@ pub fn plan_request(
         strategy: config.devices.strategy,
         devices,
         ops: OpsMode::from_env().unwrap_or_default(),
+        process: Some(process_inputs(config)),
+    }
+}
+
+/// What the run's process loads besides the model, for the planner's process terms
+/// ([`crate::plan::ProcessInputs`]): the sizes on disk of the model's `tokenizer.json`, of the
+/// dataset files and of the safetensors weights the loader maps (none for a random
+/// initialisation), and whether the run evaluates. Only file sizes are read (a `stat` each; a
+/// file that is not there counts 0). The studio sets `gui` itself.
+pub fn process_inputs(config: &RunConfig) -> crate::plan::ProcessInputs {
+    let base = if config.base_dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        config.base_dir.as_path()
+    };
+    let resolve = |p: &str| {
+        let p = Path::new(p);
+        if p.is_absolute() {
+            p.to_path_buf()
+        } else {
+            base.join(p)
+        }
+    };
+    let model_dir = plan::model_config_path(config.model.source.trim(), base)
+        .ok()
+        .and_then(|c| c.parent().map(Path::to_path_buf));
+    let tokenizer_file_bytes = model_dir
+        .as_ref()
+        .map_or(0, |d| file_bytes(&d.join("tokenizer.json")));
+    let mapped_weights_bytes = match (config.model.init, &model_dir) {
+        (super::config::InitMode::Random, _) | (_, None) => 0,
+        (_, Some(d)) => files_bytes(d, "safetensors"),
+    };
+    let data = &config.data;
+    let dataset_file_bytes = data_bytes(&resolve(&data.path))
+        + data
+            .validation_path
+            .as_deref()
+            .map_or(0, |v| data_bytes(&resolve(v)));
+    crate::plan::ProcessInputs {
+        tokenizer_file_bytes,
+        dataset_file_bytes,
+        mapped_weights_bytes,
+        // The trainer evaluates at the end of every run with a validation split (and every
+        // `eval_every` steps), so the split alone decides.
+        evaluation: data.validation_ratio > 0.0 || data.validation_path.is_some(),
+        gui: false,
+    }
+}
+
+fn file_bytes(path: &Path) -> u64 {
+    std::fs::metadata(path).map_or(0, |m| if m.is_file() { m.len() } else { 0 })
+}
+
+/// The bytes of the files in `dir` whose extension is `ext` (not recursive).
+fn files_bytes(dir: &Path, ext: &str) -> u64 {
+    std::fs::read_dir(dir).map_or(0, |entries| {
+        entries
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == ext))
+            .map(|p| file_bytes(&p))
+            .sum()
+    })
+}
+
+/// A dataset's bytes: the file, or the files of a folder (not recursive); 0 for a hub id.
+fn data_bytes(path: &Path) -> u64 {
+    if path.is_dir() {
+        std::fs::read_dir(path).map_or(0, |entries| {
+            entries.flatten().map(|e| file_bytes(&e.path())).sum()
+        })
+    } else {
+        file_bytes(path)
     }
 }
 

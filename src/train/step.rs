@@ -186,11 +186,23 @@ pub fn build_model(config: &RunConfig, device: &Device) -> Result<(CausalLm, Pat
             format!("cannot initialise the model of `{}`", config_path.display()),
         ))?
     } else {
-        CausalLm::load(&dir, dtype, device).map_err(model_err(format!(
-            "cannot load the model `{}`",
-            dir.display()
-        )))?
+        // QLoRA: the base linears are quantized as they are read (or come from the cache).
+        crate::model::ModelFiles::from_dir(&dir)
+            .and_then(|files| {
+                CausalLm::load_files_quantized(&files, dtype, device, config.model.quantize)
+            })
+            .map_err(model_err(format!(
+                "cannot load the model `{}`",
+                dir.display()
+            )))?
     };
+    if config.model.quantize.is_on() {
+        model
+            .quantize_base(config.model.quantize)
+            .map_err(model_err(
+                "cannot quantize the base (model.quantize)".into(),
+            ))?;
+    }
     model.set_activation_checkpointing(config.training.activation_checkpointing);
     if config.lora.enabled {
         model
@@ -867,27 +879,7 @@ impl TrainingRun {
                     1.0
                 };
                 let multiplier = clip / denominator;
-                if let Some(message) = super::oom::injected_failure(step, Phase::Optimizer) {
-                    return Err(step_error(
-                        Phase::Optimizer,
-                        step,
-                        shape,
-                        message,
-                        &settings,
-                    ));
-                }
-                // Every rank steps its own optimizer on the same all-reduced gradients (as
-                // DDP does): no weights travel after the step, and each rank's AdamW state
-                // stays with its replica, where the planner counts it.
-                self.optimizer
-                    .step(grads, lr, multiplier)
-                    .map_err(|e| step_error(Phase::Optimizer, step, shape, e, &settings))?;
-                for (replica, grads) in self.replicas.iter_mut().zip(&acc.grads[1..]) {
-                    replica
-                        .optimizer
-                        .step(grads, lr, multiplier)
-                        .map_err(|e| step_error(Phase::Optimizer, step, shape, e, &settings))?;
-                }
+                self.apply_update(step, lr, &acc.grads, multiplier, shape, &settings)?;
             } else {
                 skipped = true;
                 grad_norm = f64::NAN;
@@ -926,6 +918,35 @@ impl TrainingRun {
             loss_scale: self.scaler.as_ref().map(|s| s.scale),
             batch_shapes: shapes,
         })
+    }
+
+    /// One optimizer step on every rank with `grads` (rank 0's first) scaled by `multiplier`
+    /// (the clip over the mean-loss denominator).
+    fn apply_update(
+        &mut self,
+        step: u64,
+        lr: f64,
+        grads: &[Gradients],
+        multiplier: f64,
+        shape: (usize, usize),
+        settings: &str,
+    ) -> Result<(), TrainError> {
+        if let Some(message) = super::oom::injected_failure(step, Phase::Optimizer) {
+            return Err(step_error(Phase::Optimizer, step, shape, message, settings));
+        }
+        // Every rank steps its own optimizer on the same all-reduced gradients (as DDP does):
+        // no weights travel after the step, and each rank's AdamW state stays with its
+        // replica, where the planner counts it.
+        self.optimizer
+            .step(&grads[0], lr, multiplier)
+            .map_err(|e| step_error(Phase::Optimizer, step, shape, e, settings))?;
+        for (replica, grads) in self.replicas.iter_mut().zip(&grads[1..]) {
+            replica
+                .optimizer
+                .step(grads, lr, multiplier)
+                .map_err(|e| step_error(Phase::Optimizer, step, shape, e, settings))?;
+        }
+        Ok(())
     }
 
     fn non_finite_hint(&self) -> String {
@@ -1006,11 +1027,10 @@ impl TrainingRun {
             let batch = samples::collate(&picked, self.pad_id, max_length, &self.device)
                 .map_err(|e| step_error(Phase::Eval, self.step, (chunk.len(), 0), e, &settings))?;
             let shape = (batch.rows, batch.seq_len);
-            // token_losses runs without dropout and without building a backward graph.
-            let v = self
+            // Without dropout, without a backward graph, one logits chunk at a time.
+            let (v, _) = self
                 .model
-                .token_losses(&batch.input_ids, Some(&batch.attention_mask), &batch.labels)
-                .and_then(|t| Ok(t.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?))
+                .eval_loss(&batch.input_ids, Some(&batch.attention_mask), &batch.labels)
                 .map_err(|e| step_error(Phase::Eval, self.step, shape, e, &settings))?;
             loss_sum += v;
             tokens += batch.trained_tokens as u64;

@@ -204,6 +204,8 @@ enum Control {
     Stop,
 }
 
+/// The trainer thread: waits for Start (unless told to start at once), checks the memory plan,
+/// builds or resumes the run, then trains until done, stopped or failed.
 fn thread_main(
     config: RunConfig,
     options: TrainerOptions,
@@ -221,20 +223,39 @@ fn thread_main(
         })
     };
 
-    if !options.start_immediately {
-        loop {
-            match commands.recv() {
-                Ok(Command::Start) => break,
-                Ok(Command::Stop) | Err(_) => return finish(em, FinishReason::Stopped, None),
-                Ok(_) => {}
-            }
+    if !options.start_immediately && !wait_for_start(&commands) {
+        return finish(em, FinishReason::Stopped, None);
+    }
+    if !check_memory_plan(&config, &options, em) {
+        return finish(em, FinishReason::Failed, None);
+    }
+    let Some(mut run) = build_run(&config, &options, em) else {
+        return finish(em, FinishReason::Failed, None);
+    };
+    announce(&run, em);
+    let reason = train_loop(&mut run, &commands, &options, em);
+    finish(em, reason, Some(&run));
+}
+
+/// Waits for [`Command::Start`]; false when told to stop (or the front end went away) first.
+fn wait_for_start(commands: &Receiver<Command>) -> bool {
+    loop {
+        match commands.recv() {
+            Ok(Command::Start) => return true,
+            Ok(Command::Stop) | Err(_) => return false,
+            Ok(_) => {}
         }
     }
+}
 
+/// The planner's verdict before anything loads: a warning when it predicts out of memory or
+/// a tight fit; false (after an error event) when a CPU run is predicted not to fit, since
+/// running out of host memory would end the program.
+fn check_memory_plan(config: &RunConfig, options: &TrainerOptions, em: &mut Emitter) -> bool {
     em.emit(Event::Status {
         message: "checking the memory plan".into(),
     });
-    match super::memory::check_plan(&config) {
+    match super::memory::check_plan(config) {
         super::memory::PlanCheck::OutOfMemory {
             summary,
             fixes,
@@ -255,7 +276,7 @@ fn thread_main(
                     phase: Some(Phase::Setup),
                     step: None,
                 });
-                return finish(em, FinishReason::Failed, None);
+                return false;
             }
             em.emit(Event::Warning {
                 message: format!("the memory plan predicts: {summary}; {hint}"),
@@ -266,6 +287,16 @@ fn thread_main(
         }),
         super::memory::PlanCheck::Fits | super::memory::PlanCheck::Unavailable { .. } => {}
     }
+    true
+}
+
+/// Loads the model, tokenizer and data: a new run, or a resumed one when asked. `None` (after
+/// an error event) when that fails, panics, or a new run would write into another run's folder.
+fn build_run(
+    config: &RunConfig,
+    options: &TrainerOptions,
+    em: &mut Emitter,
+) -> Option<TrainingRun> {
     em.emit(Event::Status {
         message: "loading the model, tokenizer and data".into(),
     });
@@ -284,18 +315,18 @@ fn thread_main(
                 phase: Some(Phase::Setup),
                 step: None,
             });
-            return finish(em, FinishReason::Failed, None);
+            return None;
         }
     }
     let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &resume_dir {
         Some(dir) => TrainingRun::resume(config.clone(), dir),
         None => TrainingRun::new(config.clone()),
     }));
-    let mut run = match built {
-        Ok(Ok(run)) => run,
+    match built {
+        Ok(Ok(run)) => Some(run),
         Ok(Err(e)) => {
             em.error(&e, None);
-            return finish(em, FinishReason::Failed, None);
+            None
         }
         Err(payload) => {
             em.error(
@@ -305,10 +336,14 @@ fn thread_main(
                 },
                 None,
             );
-            return finish(em, FinishReason::Failed, None);
+            None
         }
-    };
+    }
+}
 
+/// Opens metrics.jsonl and tells the front end what was built: the `Started` event, the data
+/// warnings and the lints the run trains despite.
+fn announce(run: &TrainingRun, em: &mut Emitter) {
     let out = run.config().output_path();
     match MetricsWriter::open(&out.join(METRICS_FILE)) {
         Ok(m) => em.metrics = Some(m),
@@ -341,10 +376,20 @@ fn thread_main(
     for lint in allowed {
         em.emit(Event::LintAllowed { lint });
     }
-    let mut memory = super::memory::MemoryMonitor::new(run.config(), options.nvml_library.clone());
+}
 
+/// Steps until the run is done, stopped or failed: the queued commands between steps (and,
+/// while paused, waiting for more), then a step with its events, memory samples, evaluation
+/// and checkpoint when due.
+fn train_loop(
+    run: &mut TrainingRun,
+    commands: &Receiver<Command>,
+    options: &TrainerOptions,
+    em: &mut Emitter,
+) -> FinishReason {
+    let mut memory = super::memory::MemoryMonitor::new(run.config(), options.nvml_library.clone());
     let mut paused = false;
-    let reason = 'training: loop {
+    'training: loop {
         // Commands between steps: everything queued now, and while paused, wait for more.
         loop {
             let cmd = if paused {
@@ -361,7 +406,7 @@ fn thread_main(
                 }
             };
             let Some(cmd) = cmd else { break };
-            match handle_command(cmd, &mut run, &mut paused, em) {
+            match handle_command(cmd, run, &mut paused, em) {
                 Control::Continue => {}
                 Control::Stop => break 'training FinishReason::Stopped,
             }
@@ -373,7 +418,7 @@ fn thread_main(
             Ok(o) => o,
             Err(e) => {
                 if super::oom::is_out_of_memory(&e) {
-                    report_out_of_memory(&mut run, &e, em);
+                    report_out_of_memory(run, &e, em);
                 }
                 em.error(&e, Some(run.step_index() + 1));
                 break FinishReason::Failed;
@@ -397,10 +442,9 @@ fn thread_main(
             }
         }
         if run.save_due() {
-            save(&mut run, em);
+            save(run, em);
         }
-    };
-    finish(em, reason, Some(&run));
+    }
 }
 
 /// Out of memory: a checkpoint of the last good step, then the report with the fitted

@@ -10,9 +10,19 @@ use crate::settings::Strategy;
 /// Every problem of `config` (empty = usable).
 pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
     let mut p = Vec::new();
-    let mut bad = |field: &str, message: String| p.push(ConfigProblem::new(field, message));
+    model_problems(config, &mut p);
+    training_problems(config, &mut p);
+    lora_problems(config, &mut p);
+    data_problems(config, &mut p);
+    // [checkpoint] / [eval] have no invalid values (0 = off / keep all) beyond their types.
+    devices_problems(config, &mut p);
+    output_dir_problems(config, &mut p);
+    p
+}
 
-    // [model]
+/// `[model]`: the source is a model folder or a hub id; the dtype matches the precision.
+fn model_problems(config: &RunConfig, p: &mut Vec<ConfigProblem>) {
+    let mut bad = |field: &str, message: String| p.push(ConfigProblem::new(field, message));
     let src = config.model.source.trim();
     if src.is_empty() {
         bad(
@@ -59,8 +69,20 @@ pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
             );
         }
     }
+    if config.model.quantize.is_on() && !config.lora.enabled {
+        bad(
+            "model.quantize",
+            format!(
+                "is `{}` but `[lora] enabled` is false: a quantized base is frozen, so it trains only LoRA adapters (QLoRA); set `lora.enabled = true` or `quantize = \"none\"`",
+                config.model.quantize
+            ),
+        );
+    }
+}
 
-    // [training]
+/// `[training]`: batch, length, optimizer and loss-scale settings in range.
+fn training_problems(config: &RunConfig, p: &mut Vec<ConfigProblem>) {
+    let mut bad = |field: &str, message: String| p.push(ConfigProblem::new(field, message));
     let t = &config.training;
     if t.micro_batch < 1 {
         bad(
@@ -141,7 +163,7 @@ pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
             format!("must be > 0 (got {})", t.adam_epsilon),
         );
     }
-    if precision == Precision::Fp16Mixed {
+    if t.precision == Precision::Fp16Mixed {
         if !(t.initial_loss_scale.is_finite() && t.initial_loss_scale >= 1.0) {
             bad(
                 "training.initial_loss_scale",
@@ -155,8 +177,11 @@ pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
             );
         }
     }
+}
 
-    // [lora]
+/// `[lora]` (when enabled): rank, alpha, dropout and target modules.
+fn lora_problems(config: &RunConfig, p: &mut Vec<ConfigProblem>) {
+    let mut bad = |field: &str, message: String| p.push(ConfigProblem::new(field, message));
     let l = &config.lora;
     if l.enabled {
         if l.r < 1 {
@@ -178,18 +203,22 @@ pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
             );
         }
     }
+}
 
-    // [data]: the data module checks its own ranges; its message names the setting.
+/// `[data]`: the data module checks its own ranges; its message names the setting.
+fn data_problems(config: &RunConfig, p: &mut Vec<ConfigProblem>) {
+    let mut bad = |field: &str, message: String| p.push(ConfigProblem::new(field, message));
     if let Err(e) = config.data.validate() {
         match &e {
             crate::data::DataError::Config { setting, message } => bad(setting, message.clone()),
             other => bad("data", other.to_string()),
         }
     }
+}
 
-    // [checkpoint] / [eval] have no invalid values (0 = off / keep all) beyond their types.
-
-    // [devices]
+/// `[devices]`: device names, and a strategy that matches their count.
+fn devices_problems(config: &RunConfig, p: &mut Vec<ConfigProblem>) {
+    let mut bad = |field: &str, message: String| p.push(ConfigProblem::new(field, message));
     let d = &config.devices;
     if d.devices.is_empty() {
         bad(
@@ -216,8 +245,11 @@ pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
             ),
         );
     }
+}
 
-    // output_dir
+/// `output_dir`: set, and a folder that takes files (or can be created).
+fn output_dir_problems(config: &RunConfig, p: &mut Vec<ConfigProblem>) {
+    let mut bad = |field: &str, message: String| p.push(ConfigProblem::new(field, message));
     if config.output_dir.as_os_str().is_empty() {
         bad(
             "output_dir",
@@ -226,8 +258,6 @@ pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
     } else if let Err(msg) = check_writable(&config.output_path()) {
         bad("output_dir", msg);
     }
-
-    p
 }
 
 fn dtype_name(d: ModelDtype) -> &'static str {

@@ -192,6 +192,7 @@ fn bytes_placed_per_logical_device_equal_the_planners() {
             strategy: plan::Strategy::LayerSplit,
             devices: vec![DeviceSpec::cpu(1 << 30), DeviceSpec::cpu(1 << 30)],
             ops: tunestudio::model::OpsMode::Auto,
+            process: None,
         };
         let the_plan = plan::plan(&req).unwrap();
         let expected = planner_bytes(&the_plan);

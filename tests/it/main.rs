@@ -2,6 +2,13 @@
 //! file). Tests that need a process of their own — a counting global allocator, environment variables —
 //! are separate binaries beside this folder (`tests/*.rs`).
 
+// Test code: helpers outside `#[test]` functions unwrap too (clippy's `allow-unwrap-in-tests`
+// covers only the tests themselves); a panic here is a failed test, not a user's crash.
+#![allow(clippy::unwrap_used)]
+// A test reads top to bottom as one scenario (or one table, `plan_request::keys`); splitting it
+// into helpers would hide the story, so long tests are allowed here.
+#![allow(clippy::too_many_lines)]
+
 mod data_support;
 mod support;
 #[path = "../train_common/mod.rs"]
@@ -24,10 +31,12 @@ mod model_io;
 mod model_lora;
 mod model_native_layer;
 mod model_parity;
+mod model_qlora;
 mod model_train;
 mod ops_bench;
 mod ops_grad;
 mod plan_request;
+mod plan_rss;
 mod plan_verdicts;
 mod text_shaping;
 mod train_config;

@@ -179,8 +179,8 @@ fn bench_softmax_only() -> Result<()> {
 /// must finish and print every figure it promises, with a loss near ln(vocab) for random weights.
 #[test]
 fn bench_command_reports_its_figures_on_a_tiny_model() {
-    let native = bench_figures("native");
-    let generic = bench_figures("generic");
+    let native = bench_figures("native", &[]);
+    let generic = bench_figures("generic", &[]);
     // The same seeded steps through the GPU's code path: the same losses.
     assert!(
         (native - generic).abs() < 1e-4,
@@ -188,12 +188,30 @@ fn bench_command_reports_its_figures_on_a_tiny_model() {
     );
 }
 
-/// Runs `tunestudio bench --ops OPS` on tiny-llama, checks every figure, returns the last loss.
-fn bench_figures(ops: &str) -> f64 {
+/// `tunestudio bench --lora-r R` and `--precision bf16-mixed`: the LoRA and half-precision
+/// steps the bench compares with PyTorch + PEFT. LoRA trains only the adapters (r × (in + out)
+/// per linear layer) and gives the same losses on the native and the generic path.
+#[test]
+fn bench_command_times_lora_and_half_precision() {
+    let lora = ["--lora-r", "4"];
+    let native = bench_figures("native", &lora);
+    let generic = bench_figures("generic", &lora);
+    assert!(
+        (native - generic).abs() < 1e-4,
+        "LoRA last loss native {native} vs generic {generic}"
+    );
+    bench_figures("native", &["--precision", "bf16-mixed"]);
+    bench_figures("native", &["--precision", "bf16", "--lora-r", "4"]);
+}
+
+/// Runs `tunestudio bench --ops OPS EXTRA…` on tiny-llama, checks every figure, returns the last
+/// loss.
+fn bench_figures(ops: &str, extra: &[&str]) -> f64 {
     let config = tunestudio::paths::shared_dir().join("fixtures/tiny-llama/config.json");
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tunestudio"))
         .args(["bench", "--seq-len", "16", "--steps", "2", "--threads", "1"])
         .args(["--ops", ops])
+        .args(extra)
         .arg("--model-config")
         .arg(&config)
         .output()
@@ -220,6 +238,22 @@ fn bench_figures(ops: &str) -> f64 {
         .contains(&field("matmul SIMD").as_str()));
     assert_eq!(field("ops"), ops);
     assert_eq!(field("tokens/step"), "16");
+    let cfg = tunestudio::model::ModelConfig::from_file(&config).unwrap();
+    let trainable: u64 = field("trainable").parse().unwrap();
+    let want = match extra.iter().position(|a| *a == "--lora-r") {
+        Some(i) => {
+            let r: u64 = extra[i + 1].parse().unwrap();
+            let (h, inter) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
+            let (q, kv) = (
+                (cfg.num_attention_heads * cfg.head_dim) as u64,
+                (cfg.num_key_value_heads * cfg.head_dim) as u64,
+            );
+            let per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + inter) + (inter + h);
+            r * per_layer * cfg.num_hidden_layers as u64
+        }
+        None => cfg.num_parameters(),
+    };
+    assert_eq!(trainable, want, "trainable parameters with {extra:?}");
     let tokens_per_sec: f64 = field("tokens/s").parse().unwrap();
     assert!(tokens_per_sec > 0.0);
     let vocab = tunestudio::model::ModelConfig::from_file(&config)

@@ -13,7 +13,7 @@ use proptest::test_runner::{Config, TestRunner};
 use std::collections::BTreeSet;
 use tunestudio::data::{ColumnMapping, DataConfig, Format, TxtSplit};
 use tunestudio::model::OptimizerOffload;
-use tunestudio::settings::{Precision, Strategy as DeviceStrategy};
+use tunestudio::settings::{Precision, Quantization, Strategy as DeviceStrategy};
 use tunestudio::train::{
     self, CheckpointSection, DevicesSection, EvalSection, InitMode, LoraSection, ModelDtype,
     ModelSection, RunConfig, ScheduleKind, TrainingSection,
@@ -26,6 +26,9 @@ enum Reads {
     Yes,
     /// Only with `[lora] enabled = true` (LoRA's shape); without it, a change changes nothing.
     WhenLoraIsOn,
+    /// For the process's terms (`train::process_inputs`: file sizes, whether the run
+    /// evaluates): a change changes the request exactly when it changes what is derived.
+    ForProcess,
     /// Never: a change must leave the request equal.
     No,
 }
@@ -107,25 +110,31 @@ fn keys() -> Vec<Key> {
         },
         Key {
             name: "model.init",
-            reads: No,
+            reads: ForProcess,
             change: |c| {
                 let all = [InitMode::Auto, InitMode::Pretrained, InitMode::Random];
                 c.model.init = next(&all, c.model.init);
             },
         },
+        // QLoRA: the base's bytes (a quantized base exists only under LoRA).
+        Key {
+            name: "model.quantize",
+            reads: WhenLoraIsOn,
+            change: |c| c.model.quantize = next(&Quantization::ALL, c.model.quantize),
+        },
         Key {
             name: "data.path",
-            reads: No,
+            reads: ForProcess,
             change: |c| c.data.path.push_str(".2"),
         },
         Key {
             name: "data.validation_path",
-            reads: No,
+            reads: ForProcess,
             change: |c| toggle(&mut c.data.validation_path),
         },
         Key {
             name: "data.validation_ratio",
-            reads: No,
+            reads: ForProcess,
             change: |c| {
                 c.data.validation_ratio = if c.data.validation_ratio > 0.5 {
                     0.0
@@ -577,6 +586,9 @@ fn changing_a_key_the_planner_reads_changes_the_request_and_no_other_does() {
                 let must_differ = match key.reads {
                     Reads::Yes => true,
                     Reads::WhenLoraIsOn => config.lora.enabled,
+                    Reads::ForProcess => {
+                        train::process_inputs(&changed) != train::process_inputs(&config)
+                    }
                     Reads::No => false,
                 };
                 if must_differ {

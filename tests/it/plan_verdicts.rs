@@ -34,6 +34,7 @@ fn dictalm_request() -> PlanRequest {
         strategy: Strategy::Single,
         devices: parse_devices("2x80GiB").unwrap(),
         ops: tunestudio::model::OpsMode::Auto,
+        process: None,
     }
 }
 

@@ -21,6 +21,8 @@ pub struct Case {
     pub micro_batch: usize,
     pub seq_len: usize,
     pub accumulation: usize,
+    /// LoRA rank (on all seven linears) when `lora` is on.
+    pub lora_r: usize,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -37,6 +39,56 @@ pub struct Measured {
     pub opt_peak: u64,
     pub peak: u64,
     pub secs: f64,
+    /// Heap rise while the model was built (and its adapters added), measured when its group
+    /// started: the weights.
+    pub weights: u64,
+    /// Heap rise of `AdamW::new` (moments, and master copies in mixed precision).
+    pub optimizer: u64,
+    /// Σ bytes of the tensors in `Gradients` when the last backward returned.
+    pub gradients: u64,
+    /// Heap after the decoder's forward (embeddings, layers, final norm) − heap when the
+    /// last micro-batch's forward started: the decoder's activations.
+    pub decoder_kept: u64,
+    /// Heap after the loss − heap after the decoder's forward: what the head keeps.
+    pub head_kept: u64,
+    /// Resident set − counted heap after the step (`VmRSS`), when readable.
+    pub rss_baseline: Option<u64>,
+}
+
+impl Measured {
+    /// The phase of the measured peak.
+    pub fn peak_phase(&self) -> StepPhase {
+        let bwd = self.bwd_peak.max(self.acc_peak);
+        if self.opt_peak >= bwd && self.opt_peak >= self.fwd_peak {
+            StepPhase::OptimizerStep
+        } else if bwd >= self.fwd_peak {
+            StepPhase::Backward
+        } else {
+            StepPhase::Forward
+        }
+    }
+
+    /// The measured side of the per-component report (definitions in `plan::components`).
+    pub fn components(&self, c: &Case) -> plan::ComponentSet {
+        plan::ComponentSet {
+            step: plan::StepComponents {
+                weights_bytes: self.weights,
+                optimizer_bytes: self.optimizer,
+                gradients_bytes: self.gradients,
+                activations_bytes: self.decoder_kept,
+                logits_and_loss_bytes: self.head_kept,
+                accumulating: c.accumulation > 1,
+            },
+            peak_bytes: self.peak,
+            peak_phase: self.peak_phase(),
+            baseline_bytes: self.rss_baseline,
+        }
+    }
+}
+
+/// The per-component report of one measured case.
+pub fn component_report(c: &Case, m: &Measured, d: &DevicePlan) -> plan::ComponentReport {
+    plan::ComponentReport::new(&d.predicted_components(), &m.components(c))
 }
 
 pub fn model_config() -> ModelConfig {
@@ -46,9 +98,9 @@ pub fn model_config() -> ModelConfig {
     ModelConfig::from_file(&path).expect("smollm2-135m.json")
 }
 
-fn lora_cfg() -> LoraConfig {
+fn lora_cfg(r: usize) -> LoraConfig {
     LoraConfig {
-        r: 8,
+        r,
         alpha: 16.0,
         dropout: 0.0,
         target_modules: vec![
@@ -73,13 +125,15 @@ pub fn request(cfg: &ModelConfig, c: &Case) -> PlanRequest {
         activation_checkpointing: c.checkpointing,
         optimizer_offload: false,
         lora: c.lora.then(|| LoraSpec {
-            r: lora_cfg().r,
-            target_modules: lora_cfg().target_modules,
+            r: c.lora_r,
+            target_modules: lora_cfg(c.lora_r).target_modules,
+            quantize: Default::default(),
         }),
         strategy: Strategy::Single,
         devices: vec![DeviceSpec::cpu(1 << 40)],
         // The models below read TUNESTUDIO_OPS too, so the plan follows the same path.
         ops: tunestudio::model::OpsMode::from_env().expect("TUNESTUDIO_OPS"),
+        process: None,
     }
 }
 
@@ -89,13 +143,17 @@ pub fn measure(model: &mut CausalLm, c: &Case, zero: u64, seed: u64) -> Measured
     model.set_activation_checkpointing(c.checkpointing);
     let vocab = model.config().vocab_size as u32;
     let master = matches!(c.precision, Precision::Bf16Mixed | Precision::Fp16Mixed);
+    let pre_opt = mem::current_bytes();
     let mut opt = AdamW::new(model.params(), AdamWConfig::default(), master).expect("adamw");
     if model.ops_mode() == tunestudio::model::OpsMode::Generic {
         // As the trainer does: the GPU's optimizer code, state as tensors.
         opt.set_state_placement(tunestudio::model::StatePlacement::Device)
             .expect("state placement");
     }
+    let optimizer = mem::current_bytes() - pre_opt;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    // As the trainer does (`train/step.rs`): the padding mask is always passed (all ones here).
+    let mask = Tensor::ones((c.micro_batch, c.seq_len), DType::U32, &Device::Cpu).unwrap();
     let batches: Vec<(Tensor, Tensor)> = (0..c.accumulation)
         .map(|_| {
             let ids: Vec<u32> = (0..c.micro_batch * c.seq_len)
@@ -108,6 +166,7 @@ pub fn measure(model: &mut CausalLm, c: &Case, zero: u64, seed: u64) -> Measured
         .collect();
     let mut m = Measured {
         before: mem::current_bytes() - zero,
+        weights: pre_opt - zero,
         ..Default::default()
     };
     let start = Instant::now();
@@ -117,7 +176,15 @@ pub fn measure(model: &mut CausalLm, c: &Case, zero: u64, seed: u64) -> Measured
     let mut grads = tunestudio::model::Gradients::new();
     let mut tokens = 0usize;
     for (ids, labels) in &batches {
-        let loss = model.loss(ids, None, labels).expect("loss");
+        let fwd_start = mem::current_bytes();
+        let mut decoder_end = 0;
+        // `CausalLm::loss` in its two parts, to read the heap between decoder and head.
+        let loss = tunestudio::model::loss::loss_in_parts(model, ids, Some(&mask), labels, || {
+            decoder_end = mem::current_bytes();
+        })
+        .expect("loss");
+        m.decoder_kept = decoder_end - fwd_start;
+        m.head_kept = mem::current_bytes() - decoder_end;
         m.fwd_peak = m.fwd_peak.max(mem::reset_peak() - zero);
         m.after_fwd = mem::current_bytes() - zero;
         tokens += loss.num_tokens;
@@ -129,9 +196,15 @@ pub fn measure(model: &mut CausalLm, c: &Case, zero: u64, seed: u64) -> Measured
         m.bwd_peak = m.bwd_peak.max(mem::reset_peak() - zero);
         m.after_bwd = mem::current_bytes() - zero;
     }
+    m.gradients = grads
+        .iter()
+        .map(|(_, g)| (g.elem_count() * g.dtype().size_in_bytes()) as u64)
+        .sum();
     opt.step(&grads, 1e-4, 1.0 / tokens.max(1) as f64)
         .expect("step");
     m.opt_peak = mem::reset_peak() - zero;
+    m.rss_baseline = mem::process_rss_bytes().map(|rss| rss.saturating_sub(mem::current_bytes()));
+    m.optimizer = optimizer;
     drop(grads);
     drop(opt);
     m.peak = m.fwd_peak.max(m.bwd_peak).max(m.acc_peak).max(m.opt_peak);
@@ -153,22 +226,25 @@ pub fn run_grid_with(cfg: &ModelConfig, cases: &[Case]) -> Vec<(Case, Measured, 
     warm_up_process();
     let cfg = cfg.clone();
     let mut out = Vec::new();
-    // Group by dtype and LoRA so each model is built once (LoRA freezes the base for good).
-    for dtype in [DType::F32, DType::BF16] {
-        for lora in [false, true] {
+    // Group by dtype and LoRA rank so each model is built once (LoRA freezes the base for
+    // good), in the order the cases first name them.
+    let mut keys: Vec<(DType, Option<usize>)> = Vec::new();
+    for c in cases {
+        let key = (dtype_of(c.precision), c.lora.then_some(c.lora_r));
+        if !keys.contains(&key) {
+            keys.push(key);
+        }
+    }
+    for (dtype, lora) in keys {
+        {
             let group: Vec<&Case> = cases
                 .iter()
-                .filter(|c| {
-                    (c.precision.compute_bytes() == 4) == (dtype == DType::F32) && c.lora == lora
-                })
+                .filter(|c| dtype_of(c.precision) == dtype && c.lora.then_some(c.lora_r) == lora)
                 .collect();
-            if group.is_empty() {
-                continue;
-            }
             let zero = mem::current_bytes();
             let mut model = CausalLm::random_init(&cfg, 7, dtype, &Device::Cpu).expect("init");
-            if lora {
-                model.apply_lora(&lora_cfg(), 3).expect("lora");
+            if let Some(r) = lora {
+                model.apply_lora(&lora_cfg(r), 3).expect("lora");
             }
             for (i, c) in group.into_iter().enumerate() {
                 let m = measure(&mut model, c, zero, 11 + i as u64);
@@ -182,6 +258,15 @@ pub fn run_grid_with(cfg: &ModelConfig, cases: &[Case]) -> Vec<(Case, Measured, 
         }
     }
     out
+}
+
+/// The dtype the trainer builds the model in for a precision.
+pub fn dtype_of(p: Precision) -> DType {
+    match p {
+        Precision::Fp32 => DType::F32,
+        Precision::Bf16Mixed | Precision::Bf16 => DType::BF16,
+        Precision::Fp16Mixed => DType::F16,
+    }
 }
 
 /// The first training step of a process keeps 3.15 MB for good (rayon's pool and matmul
@@ -257,6 +342,7 @@ pub fn case(p: Precision, ckpt: bool, lora: bool, b: usize, t: usize) -> Case {
         micro_batch: b,
         seq_len: t,
         accumulation: 1,
+        lora_r: 8,
     }
 }
 

@@ -18,6 +18,13 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         "JSON, JSONL, CSV, Parquet or text files, a folder of them, or a hub dataset id. The format is detected from the first row.",
     );
 
+    source(ui, s, actions);
+    format_and_columns(ui, s);
+    split_and_labels(ui, s, actions);
+}
+
+/// Where the rows come from: the path or hub id, recent datasets, and what was read.
+fn source(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     theme::card(ui, |ui| {
         egui::Grid::new("data-source")
             .num_columns(2)
@@ -97,7 +104,10 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             );
         }
     });
+}
 
+/// The format (auto names what it detected), its column names, and the first row.
+fn format_and_columns(ui: &mut Ui, s: &mut AppState) {
     theme::section(ui, "Format and columns");
     theme::card(ui, |ui| {
         egui::Grid::new("data-format").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
@@ -172,7 +182,10 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             }
         }
     });
+}
 
+/// The validation split, which tokens train, and how text files become documents.
+fn split_and_labels(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     theme::section(ui, "Split and labels");
     theme::card(ui, |ui| {
         egui::Grid::new("data-split").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {

@@ -26,6 +26,34 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     let entries = s.config.devices.devices.clone();
     s.devices.planner.sync_from(&entries);
 
+    devices_section(ui, s, actions);
+
+    theme::section(ui, "Memory plan");
+    if let Some(e) = &s.plan.error {
+        theme::job_error(ui, "No plan", e);
+    }
+    if s.model.info.is_none() {
+        theme::note(ui, "Load a model to see the memory plan.");
+        return;
+    }
+    let Some(plan) = s.plan.plan.clone() else {
+        ui.horizontal(|ui| {
+            ui.add(egui::Spinner::new());
+            ui.label("planning…");
+        });
+        return;
+    };
+    plan_bars(ui, s, &plan);
+    autofit_and_dry_run(ui, s, actions);
+    if !plan.fixes.is_empty() {
+        theme::section(ui, "Fixes, best first");
+        fixes(ui, &plan, actions);
+    }
+    memory_per_block(ui, &plan);
+}
+
+/// Which machine to plan for, its devices and the strategy; the note when planning elsewhere.
+fn devices_section(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     theme::section(ui, "Devices");
     theme::card(ui, |ui| {
         plan_for(ui, s);
@@ -52,23 +80,11 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             planning_only_note(ui, s, actions);
         });
     }
+}
 
-    theme::section(ui, "Memory plan");
-    if let Some(e) = &s.plan.error {
-        theme::job_error(ui, "No plan", e);
-    }
-    if s.model.info.is_none() {
-        theme::note(ui, "Load a model to see the memory plan.");
-        return;
-    }
-    let Some(plan) = s.plan.plan.clone() else {
-        ui.horizontal(|ui| {
-            ui.add(egui::Spinner::new());
-            ui.label("planning…");
-        });
-        return;
-    };
-    verdict(ui, &plan);
+/// The verdict and one bar per device, the idle devices, the legend and the settings line.
+fn plan_bars(ui: &mut Ui, s: &AppState, plan: &Plan) {
+    verdict(ui, plan);
     ui.add_space(6.0);
     for d in &plan.per_device {
         device_bar(ui, d);
@@ -92,7 +108,10 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         .small()
         .weak(),
     );
+}
 
+/// The Auto-fit and Dry run buttons, and what each last did.
+fn autofit_and_dry_run(ui: &mut Ui, s: &AppState, actions: &mut Vec<Action>) {
     ui.add_space(8.0);
     ui.horizontal(|ui| {
         let r = ui
@@ -133,14 +152,18 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             let color = if r.ok() { theme::OK } else { theme::ERROR };
             ui.label(RichText::new("Dry run").strong().color(color));
             ui.add(egui::Label::new(&r.summary).wrap());
+            // Which part of the prediction is off (measured where the step measured it).
+            if let Some(c) = &r.components {
+                egui::CollapsingHeader::new("By component").show(ui, |ui| {
+                    ui.label(RichText::new(c.render()).monospace());
+                });
+            }
         });
     }
+}
 
-    if !plan.fixes.is_empty() {
-        theme::section(ui, "Fixes, best first");
-        fixes(ui, &plan, actions);
-    }
-
+/// The plan's memory per block, by kind (collapsed by default).
+fn memory_per_block(ui: &mut Ui, plan: &Plan) {
     egui::CollapsingHeader::new("Memory per block").show(ui, |ui| {
         egui::Grid::new("per-layer")
             .num_columns(6)

@@ -28,6 +28,12 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         "Save the trained weights in Hugging Face layout, and the run config that reproduces the run.",
     );
 
+    weights(ui, s, actions);
+    run_config(ui, s, actions);
+}
+
+/// The checkpoint to export, what to write (adapter, merged or full), its dtype and folder.
+fn weights(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     theme::section(ui, "Weights");
     theme::card(ui, |ui| {
         if s.export.checkpoint.is_empty() {
@@ -112,7 +118,10 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             None => {}
         }
     });
+}
 
+/// Saving and loading the run config, and the CLI command that reruns it headless.
+fn run_config(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     theme::section(ui, "Run config");
     theme::card(ui, |ui| {
         if s.export.config_path.is_empty() {

@@ -7,7 +7,7 @@ use tunestudio::train::InitMode;
 
 use crate::gui::app::Action;
 use crate::gui::jobs::PickTarget;
-use crate::gui::state::AppState;
+use crate::gui::state::{AppState, ModelInfo};
 use crate::gui::theme;
 
 /// Draws the Model panel.
@@ -18,6 +18,20 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         "The base model to fine-tune: a local Hugging Face folder or a hub id (downloaded once, then used offline from the cache).",
     );
 
+    source(ui, s, actions);
+    recent_and_cached(ui, s, actions);
+
+    let Some(info) = &s.model.info else {
+        if s.model.loading.is_none() && s.model.error.is_none() {
+            theme::note(ui, "No model loaded yet.");
+        }
+        return;
+    };
+    about(ui, info);
+}
+
+/// The folder or hub id, the initialisation, and the load in progress or its error.
+fn source(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     theme::card(ui, |ui| {
         egui::Grid::new("model-source").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
             let r = theme::text_row(
@@ -71,7 +85,10 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             theme::job_error(ui, "The model could not be loaded", e);
         }
     });
+}
 
+/// One-click buttons for recent models and those in the local hub cache.
+fn recent_and_cached(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     if !s.settings.recent_models.is_empty() || !s.model.cached.is_empty() {
         theme::section(ui, "Recent and cached models");
         ui.horizontal_wrapped(|ui| {
@@ -101,13 +118,10 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             }
         });
     }
+}
 
-    let Some(info) = &s.model.info else {
-        if s.model.loading.is_none() && s.model.error.is_none() {
-            theme::note(ui, "No model loaded yet.");
-        }
-        return;
-    };
+/// What the loaded model is: architecture, size, shape, weights, tokenizer, template.
+fn about(ui: &mut Ui, info: &ModelInfo) {
     theme::section(ui, "About this model");
     theme::card(ui, |ui| {
         let c = &info.config;

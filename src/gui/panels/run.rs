@@ -472,7 +472,11 @@ fn memory_chart(ui: &mut Ui, s: &AppState) {
                 "{d}: peak {}{}{}",
                 theme::bytes(v.peak_bytes),
                 v.predicted_peak_bytes
-                    .map(|p| format!(" (predicted {})", theme::bytes(p)))
+                    .map(|p| format!(
+                        " (predicted {}, {:+.1} %)",
+                        theme::bytes(p),
+                        100.0 * (p as f64 - v.peak_bytes as f64) / v.peak_bytes as f64
+                    ))
                     .unwrap_or_default(),
                 v.total_bytes
                     .map(|t| format!(" of {}", theme::bytes(t)))

@@ -2,6 +2,7 @@
 
 use eframe::egui::{self, RichText, Ui};
 
+use tunestudio::settings::Quantization;
 use tunestudio::train::{Precision, ScheduleKind};
 
 use crate::gui::app::Action;
@@ -25,119 +26,148 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     };
 
     ui.columns(2, |cols| {
-        let ui = &mut cols[0];
-        theme::section(ui, "Batch and precision");
-        theme::card(ui, |ui| {
-            egui::Grid::new("train-batch").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
-                let t = &mut s.config.training;
-                theme::combo_row(
-                    ui,
-                    "precision",
-                    "Precision",
-                    "fp32: exact, most memory. bf16-mixed: bf16 compute with f32 master weights — about half the activation memory, same quality. \
-                     bf16: no f32 copy, least memory, small updates can be lost. fp16-mixed: like bf16-mixed with loss scaling (older GPUs).",
-                    &mut t.precision,
-                    &[
-                        (Precision::Fp32, "fp32"),
-                        (Precision::Bf16Mixed, "bf16-mixed"),
-                        (Precision::Bf16, "bf16"),
-                        (Precision::Fp16Mixed, "fp16-mixed"),
-                    ],
-                );
-                theme::drag_row(
-                    ui,
-                    "Micro-batch",
-                    "Rows per forward/backward pass. Activation memory grows linearly with it; larger is faster per row.",
-                    &mut t.micro_batch,
-                    1..=1024,
-                    0.1,
-                    " rows",
-                );
-                theme::drag_row(
-                    ui,
-                    "Gradient accumulation",
-                    "Micro-batches summed before each optimizer step. Raises the effective batch without more activation memory, \
-                     at the cost of more passes per step.",
-                    &mut t.gradient_accumulation,
-                    1..=1024,
-                    0.1,
-                    "",
-                );
-                let eff = t.micro_batch * t.gradient_accumulation * ranks;
-                ui.label(RichText::new("Effective batch").weak());
-                ui.label(
-                    RichText::new(format!(
-                        "{eff} rows per step ({} × {}{})",
-                        t.micro_batch,
-                        t.gradient_accumulation,
-                        if ranks > 1 { format!(" × {ranks} devices") } else { String::new() }
-                    ))
-                    .strong(),
-                )
-                .on_hover_text("micro-batch × accumulation × data-parallel devices: what the optimizer sees per step");
-                ui.end_row();
-                theme::drag_row(
-                    ui,
-                    "Max length",
-                    "Tokens per row; longer rows are truncated (see the histogram in Preview). Activation and logits memory grow with it.",
-                    &mut s.config.data.max_length,
-                    2..=131072,
-                    4.0,
-                    " tokens",
-                );
-                theme::check_row(
-                    ui,
-                    "Packing",
-                    "Concatenate short rows into full max_length sequences: no padding waste, fewer steps.",
-                    &mut s.config.data.packing,
-                    "pack rows",
-                );
-                theme::check_row(
-                    ui,
-                    "Group by length",
-                    "Batch rows of similar length together: less padding, slightly less random order.",
-                    &mut s.config.data.group_by_length,
-                    "group",
-                );
-                theme::check_row(
-                    ui,
-                    "Activation checkpointing",
-                    "Recompute each layer's activations during backward instead of keeping them: far less activation memory, \
-                     about 30 % more compute.",
-                    &mut s.config.training.activation_checkpointing,
-                    "recompute activations",
-                );
-                let mut offload =
-                    s.config.training.optimizer_offload == tunestudio::model::OptimizerOffload::Host;
-                theme::check_row(
-                    ui,
-                    "Optimizer state in host RAM",
-                    "Keep AdamW's moments (and fp32 master weights) in host RAM instead of on the GPU: \
-                     8–12 bytes per parameter leave the GPU, for a host↔device copy of every gradient and \
-                     parameter per step. No effect on a CPU run.",
-                    &mut offload,
-                    "offload",
-                );
-                s.config.training.optimizer_offload = if offload {
-                    tunestudio::model::OptimizerOffload::Host
-                } else {
-                    tunestudio::model::OptimizerOffload::None
-                };
-            });
-        });
+        batch_and_precision(&mut cols[0], s, ranks);
+        method(&mut cols[0], s);
+        optimizer_and_schedule(&mut cols[1], s);
+        length_eval_and_checkpoints(&mut cols[1], s, actions);
+    });
+}
 
-        theme::section(ui, "Method");
-        theme::card(ui, |ui| {
-            let l = &mut s.config.lora;
-            ui.horizontal(|ui| {
-                ui.radio_value(&mut l.enabled, false, "Full fine-tune")
-                    .on_hover_text("Train every weight: best quality, needs gradients and optimizer states for all parameters.");
-                ui.radio_value(&mut l.enabled, true, "LoRA")
-                    .on_hover_text("Freeze the base model and train small low-rank adapters: a fraction of the memory.");
-            });
-            if l.enabled {
-                egui::Grid::new("lora").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
-                    theme::drag_row(ui, "Rank r", "Adapter rank: capacity of the update (8–64 typical).", &mut l.r, 1..=1024, 0.2, "");
+/// Batch, precision, sequence length and the memory savers (one grid).
+fn batch_and_precision(ui: &mut Ui, s: &mut AppState, ranks: usize) {
+    theme::section(ui, "Batch and precision");
+    theme::card(ui, |ui| {
+        egui::Grid::new("train-batch").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
+            let t = &mut s.config.training;
+            theme::combo_row(
+                ui,
+                "precision",
+                "Precision",
+                "fp32: exact, most memory. bf16-mixed: bf16 compute with f32 master weights — about half the activation memory, same quality. \
+                 bf16: no f32 copy, least memory, small updates can be lost. fp16-mixed: like bf16-mixed with loss scaling (older GPUs).",
+                &mut t.precision,
+                &[
+                    (Precision::Fp32, "fp32"),
+                    (Precision::Bf16Mixed, "bf16-mixed"),
+                    (Precision::Bf16, "bf16"),
+                    (Precision::Fp16Mixed, "fp16-mixed"),
+                ],
+            );
+            theme::drag_row(
+                ui,
+                "Micro-batch",
+                "Rows per forward/backward pass. Activation memory grows linearly with it; larger is faster per row.",
+                &mut t.micro_batch,
+                1..=1024,
+                0.1,
+                " rows",
+            );
+            theme::drag_row(
+                ui,
+                "Gradient accumulation",
+                "Micro-batches summed before each optimizer step. Raises the effective batch without more activation memory, \
+                 at the cost of more passes per step.",
+                &mut t.gradient_accumulation,
+                1..=1024,
+                0.1,
+                "",
+            );
+            let eff = t.micro_batch * t.gradient_accumulation * ranks;
+            ui.label(RichText::new("Effective batch").weak());
+            ui.label(
+                RichText::new(format!(
+                    "{eff} rows per step ({} × {}{})",
+                    t.micro_batch,
+                    t.gradient_accumulation,
+                    if ranks > 1 { format!(" × {ranks} devices") } else { String::new() }
+                ))
+                .strong(),
+            )
+            .on_hover_text("micro-batch × accumulation × data-parallel devices: what the optimizer sees per step");
+            ui.end_row();
+            theme::drag_row(
+                ui,
+                "Max length",
+                "Tokens per row; longer rows are truncated (see the histogram in Preview). Activation and logits memory grow with it.",
+                &mut s.config.data.max_length,
+                2..=131072,
+                4.0,
+                " tokens",
+            );
+            memory_saver_rows(ui, s);
+        });
+    });
+}
+
+/// Packing, grouping, activation checkpointing and optimizer offload: the settings that
+/// trade speed or order for memory (rows of the "Batch and precision" grid).
+fn memory_saver_rows(ui: &mut Ui, s: &mut AppState) {
+    theme::check_row(
+        ui,
+        "Packing",
+        "Concatenate short rows into full max_length sequences: no padding waste, fewer steps.",
+        &mut s.config.data.packing,
+        "pack rows",
+    );
+    theme::check_row(
+        ui,
+        "Group by length",
+        "Batch rows of similar length together: less padding, slightly less random order.",
+        &mut s.config.data.group_by_length,
+        "group",
+    );
+    theme::check_row(
+        ui,
+        "Activation checkpointing",
+        "Recompute each layer's activations during backward instead of keeping them: far less activation memory, \
+         about 30 % more compute.",
+        &mut s.config.training.activation_checkpointing,
+        "recompute activations",
+    );
+    let mut offload =
+        s.config.training.optimizer_offload == tunestudio::model::OptimizerOffload::Host;
+    theme::check_row(
+        ui,
+        "Optimizer state in host RAM",
+        "Keep AdamW's moments (and fp32 master weights) in host RAM instead of on the GPU: \
+         8–12 bytes per parameter leave the GPU, for a host↔device copy of every gradient and \
+         parameter per step. No effect on a CPU run.",
+        &mut offload,
+        "offload",
+    );
+    s.config.training.optimizer_offload = if offload {
+        tunestudio::model::OptimizerOffload::Host
+    } else {
+        tunestudio::model::OptimizerOffload::None
+    };
+}
+
+/// Full fine-tune or LoRA, and the LoRA settings.
+fn method(ui: &mut Ui, s: &mut AppState) {
+    theme::section(ui, "Method");
+    theme::card(ui, |ui| {
+        let l = &mut s.config.lora;
+        let quantize = &mut s.config.model.quantize;
+        ui.horizontal(|ui| {
+            ui.radio_value(&mut l.enabled, false, "Full fine-tune")
+                .on_hover_text("Train every weight: best quality, needs gradients and optimizer states for all parameters.");
+            ui.radio_value(&mut l.enabled, true, "LoRA")
+                .on_hover_text("Freeze the base model and train small low-rank adapters: a fraction of the memory.");
+        });
+        if l.enabled {
+            egui::Grid::new("lora")
+                .num_columns(2)
+                .spacing([12.0, 8.0])
+                .show(ui, |ui| {
+                    theme::drag_row(
+                        ui,
+                        "Rank r",
+                        "Adapter rank: capacity of the update (8–64 typical).",
+                        &mut l.r,
+                        1..=1024,
+                        0.2,
+                        "",
+                    );
                     theme::drag_row(
                         ui,
                         "Alpha",
@@ -156,33 +186,53 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                         0.01,
                         "",
                     );
+                    theme::combo_row(
+                        ui,
+                        "quantize",
+                        "Base",
+                        "QLoRA: store the frozen base's linear layers quantized. q4_k (4.5 bits a weight) takes about 0.28× of the bf16 base, q8_0 about 0.53×; \
+                         embeddings, norms, the lm-head and the adapters stay in the compute dtype. Each layer's weight is dequantized for its matmul (a little slower).",
+                        quantize,
+                        &[
+                            (Quantization::None, "full precision"),
+                            (Quantization::Q8_0, "QLoRA 8-bit (q8_0)"),
+                            (Quantization::Q4K, "QLoRA 4-bit (q4_k)"),
+                        ],
+                    );
                 });
-                ui.label(RichText::new("Adapted layers").weak());
-                ui.horizontal_wrapped(|ui| {
-                    for m in LORA_MODULES {
-                        let mut on = l.target_modules.iter().any(|t| t == m);
-                        if ui.checkbox(&mut on, m).changed() {
-                            if on {
-                                l.target_modules.push(m.to_string());
-                            } else {
-                                l.target_modules.retain(|t| t != m);
-                            }
+            ui.label(RichText::new("Adapted layers").weak());
+            ui.horizontal_wrapped(|ui| {
+                for m in LORA_MODULES {
+                    let mut on = l.target_modules.iter().any(|t| t == m);
+                    if ui.checkbox(&mut on, m).changed() {
+                        if on {
+                            l.target_modules.push(m.to_string());
+                        } else {
+                            l.target_modules.retain(|t| t != m);
                         }
                     }
-                });
-            }
-        });
+                }
+            });
+        }
+    });
+}
 
-        let ui = &mut cols[1];
-        theme::section(ui, "Optimizer and schedule");
-        theme::card(ui, |ui| {
-            egui::Grid::new("train-opt").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
+/// Optimizer, learning rate and its schedule, decay, clipping and seed.
+fn optimizer_and_schedule(ui: &mut Ui, s: &mut AppState) {
+    theme::section(ui, "Optimizer and schedule");
+    theme::card(ui, |ui| {
+        egui::Grid::new("train-opt")
+            .num_columns(2)
+            .spacing([12.0, 8.0])
+            .show(ui, |ui| {
                 let t = &mut s.config.training;
                 ui.label(RichText::new("Optimizer").weak());
                 ui.label("AdamW (f32 moments)")
                     .on_hover_text("Two f32 moment buffers per trained parameter: 8 bytes each.");
                 ui.end_row();
-                let l = ui.label("Learning rate").on_hover_text("Peak learning rate after warm-up.");
+                let l = ui
+                    .label("Learning rate")
+                    .on_hover_text("Peak learning rate after warm-up.");
                 let lr_speed = t.learning_rate.max(1e-7) * 0.02;
                 ui.add(
                     egui::DragValue::new(&mut t.learning_rate)
@@ -233,89 +283,99 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                     0.01,
                     "",
                 );
-                theme::drag_row(ui, "Seed", "Seed of initialisation, data order and dropout.", &mut t.seed, 0..=u64::MAX, 1.0, "");
+                theme::drag_row(
+                    ui,
+                    "Seed",
+                    "Seed of initialisation, data order and dropout.",
+                    &mut t.seed,
+                    0..=u64::MAX,
+                    1.0,
+                    "",
+                );
             });
-        });
+    });
+}
 
-        theme::section(ui, "Length, evaluation and checkpoints");
-        theme::card(ui, |ui| {
-            egui::Grid::new("train-len").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
-                let t = &mut s.config.training;
-                let mut by_steps = t.max_steps.is_some();
-                ui.label("Train for");
-                ui.horizontal(|ui| {
-                    if ui.radio_value(&mut by_steps, false, "epochs").changed() {
-                        t.max_steps = None;
-                    }
-                    if ui.radio_value(&mut by_steps, true, "steps").changed() {
-                        t.max_steps = Some(100);
-                    }
-                });
-                ui.end_row();
-                match &mut t.max_steps {
-                    Some(steps) => {
-                        theme::drag_row(ui, "Optimizer steps", "Total optimizer steps of the run.", steps, 1..=10_000_000, 1.0, "");
-                    }
-                    None => {
-                        theme::drag_row(ui, "Epochs", "Passes over the training split.", &mut t.epochs, 1..=1000, 0.05, "");
-                    }
+/// Run length, evaluation cadence, checkpoints and the output folder.
+fn length_eval_and_checkpoints(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
+    theme::section(ui, "Length, evaluation and checkpoints");
+    theme::card(ui, |ui| {
+        egui::Grid::new("train-len").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
+            let t = &mut s.config.training;
+            let mut by_steps = t.max_steps.is_some();
+            ui.label("Train for");
+            ui.horizontal(|ui| {
+                if ui.radio_value(&mut by_steps, false, "epochs").changed() {
+                    t.max_steps = None;
                 }
-                let e = &mut s.config.eval;
-                theme::drag_row(
-                    ui,
-                    "Evaluate every",
-                    "Compute the validation loss every N steps (and at the end); 0 = only at the end.",
-                    &mut e.eval_every,
-                    0..=1_000_000,
-                    0.5,
-                    " steps",
-                );
-                theme::drag_row(
-                    ui,
-                    "Eval batches",
-                    "Cap on validation micro-batches per evaluation; 0 = the whole split.",
-                    &mut e.max_batches,
-                    0..=1_000_000,
-                    0.5,
-                    "",
-                );
-                let c = &mut s.config.checkpoint;
-                theme::drag_row(
-                    ui,
-                    "Save every",
-                    "Write a resumable checkpoint every N steps; 0 = only at the end.",
-                    &mut c.save_every,
-                    0..=1_000_000,
-                    0.5,
-                    " steps",
-                );
-                theme::drag_row(
-                    ui,
-                    "Keep last",
-                    "Keep only the newest K checkpoints; 0 keeps all.",
-                    &mut c.keep_last,
-                    0..=1000,
-                    0.1,
-                    "",
-                );
-                theme::check_row(ui, "Final checkpoint", "Save when training completes.", &mut c.save_final, "save at the end");
-                let mut out = s.config.output_dir.display().to_string();
-                let r = theme::text_row(
-                    ui,
-                    "Output folder",
-                    "Checkpoints, metrics.jsonl and exports go here (relative to the run config's folder).",
-                    &mut out,
-                    "runs/my-run",
-                );
-                if r.changed() {
-                    s.config.output_dir = out.into();
+                if ui.radio_value(&mut by_steps, true, "steps").changed() {
+                    t.max_steps = Some(100);
                 }
-                ui.label("");
-                if ui.button("Browse output folder…").clicked() {
-                    actions.push(Action::Pick(PickTarget::OutputDir));
-                }
-                ui.end_row();
             });
+            ui.end_row();
+            match &mut t.max_steps {
+                Some(steps) => {
+                    theme::drag_row(ui, "Optimizer steps", "Total optimizer steps of the run.", steps, 1..=10_000_000, 1.0, "");
+                }
+                None => {
+                    theme::drag_row(ui, "Epochs", "Passes over the training split.", &mut t.epochs, 1..=1000, 0.05, "");
+                }
+            }
+            let e = &mut s.config.eval;
+            theme::drag_row(
+                ui,
+                "Evaluate every",
+                "Compute the validation loss every N steps (and at the end); 0 = only at the end.",
+                &mut e.eval_every,
+                0..=1_000_000,
+                0.5,
+                " steps",
+            );
+            theme::drag_row(
+                ui,
+                "Eval batches",
+                "Cap on validation micro-batches per evaluation; 0 = the whole split.",
+                &mut e.max_batches,
+                0..=1_000_000,
+                0.5,
+                "",
+            );
+            let c = &mut s.config.checkpoint;
+            theme::drag_row(
+                ui,
+                "Save every",
+                "Write a resumable checkpoint every N steps; 0 = only at the end.",
+                &mut c.save_every,
+                0..=1_000_000,
+                0.5,
+                " steps",
+            );
+            theme::drag_row(
+                ui,
+                "Keep last",
+                "Keep only the newest K checkpoints; 0 keeps all.",
+                &mut c.keep_last,
+                0..=1000,
+                0.1,
+                "",
+            );
+            theme::check_row(ui, "Final checkpoint", "Save when training completes.", &mut c.save_final, "save at the end");
+            let mut out = s.config.output_dir.display().to_string();
+            let r = theme::text_row(
+                ui,
+                "Output folder",
+                "Checkpoints, metrics.jsonl and exports go here (relative to the run config's folder).",
+                &mut out,
+                "runs/my-run",
+            );
+            if r.changed() {
+                s.config.output_dir = out.into();
+            }
+            ui.label("");
+            if ui.button("Browse output folder…").clicked() {
+                actions.push(Action::Pick(PickTarget::OutputDir));
+            }
+            ui.end_row();
         });
     });
 }

@@ -1,0 +1,201 @@
+//! What a CPU run's *process* holds besides the training tensors: the resident set (`VmHWM`,
+//! what `top` and `/usr/bin/time -v` show) is the training step's heap plus the terms below,
+//! and the step is not always the process's largest moment (the evaluation and the loading of
+//! the weights can be larger).
+//!
+//! Every constant was measured on this project's binary (mimalloc with purging off, see
+//! `src/main.rs`) on the bundled demo (`assets/demo.toml`) with `examples/rss_breakdown.rs`
+//! (stage-by-stage `VmRSS`/`VmHWM` next to the heap counted on top of mimalloc) and
+//! `/usr/bin/time -v`; how, and the numbers, are next to each constant. The training-tensor
+//! figure of [`super::estimate`] stays one line of the breakdown.
+
+use super::step_model::StepDims;
+
+/// What the process loads besides the model's tensors: sizes on disk the planner turns into
+/// resident bytes. Filled by the run-config adapter (`train::plan_request`); `None` in a
+/// [`super::PlanRequest`] plans the training tensors only (what the counting allocator sees).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ProcessInputs {
+    /// Bytes of the model's `tokenizer.json` (0 when there is none).
+    pub tokenizer_file_bytes: u64,
+    /// Bytes of the dataset files (training and validation) on disk.
+    pub dataset_file_bytes: u64,
+    /// Bytes of the safetensors weights the loader maps (0 for a random initialisation).
+    pub mapped_weights_bytes: u64,
+    /// Whether the run evaluates on a validation split.
+    pub evaluation: bool,
+    /// Whether the studio (the GUI) runs in the same process.
+    pub gui: bool,
+}
+
+/// One named term of the process's resident set.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ProcessTerm {
+    /// What it is ("tokenizer", "allocator retention", ...).
+    pub name: &'static str,
+    /// Its resident bytes.
+    pub bytes: u64,
+    /// Where the figure comes from (measured how, or derived from what).
+    pub source: &'static str,
+}
+
+/// The process's resident set at its peak, on the device that carries it (the first CPU
+/// device): the largest moment's heap and the terms that stay resident around it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ProcessFootprint {
+    /// The moment whose heap is the largest: "training step", "evaluation" or "loading".
+    pub largest_moment: &'static str,
+    /// The training step's tensors (the planner's step figure, as before).
+    pub training_tensors_bytes: u64,
+    /// The evaluation's heap (0 without evaluation).
+    pub evaluation_bytes: u64,
+    /// The heap while the weights are loaded (mapped file pages + loaded tensors).
+    pub loading_bytes: u64,
+    /// Everything else, named, with its source.
+    pub terms: Vec<ProcessTerm>,
+    /// The process's predicted peak resident set.
+    pub peak_bytes: u64,
+}
+
+impl ProcessFootprint {
+    /// The terms' sum (the resident set besides the largest moment's heap).
+    pub fn baseline_bytes(&self) -> u64 {
+        self.terms.iter().map(|t| t.bytes).sum()
+    }
+}
+
+const MIB: u64 = 1 << 20;
+
+/// The binary, its libraries and the runtime's threads before any model or data: measured
+/// 12.9 MiB peak RSS for `tunestudio --version` (`/usr/bin/time -v`, 13,192 KiB).
+const RUNTIME_BYTES: u64 = 13 * MIB;
+
+/// Resident bytes per byte of `tokenizer.json` once the tokenizer has been loaded (its parse
+/// touches pages mimalloc keeps; the tokenizer itself is dropped after tokenising): 54.2 MiB
+/// for SmolLM2's 3,522,871-byte tokenizer (`examples/rss_breakdown.rs`: RSS 8.9 → 63.1 MiB).
+const TOKENIZER_RSS_PER_FILE_BYTE: f64 = 16.1;
+
+/// Resident bytes per byte of dataset file (the parsed rows, their chat template rendering and
+/// the tokenized samples): `tunestudio preview` of 999 Alpaca rows (859,893 bytes) peaks
+/// 12.3 MiB above a one-row preview (84,780 vs 72,224 KiB).
+const DATASET_RSS_PER_FILE_BYTE: f64 = 15.0;
+
+/// The studio's window, fonts and GL buffers when the GUI runs in the process. Not measured
+/// in a session with a display: an estimate of eframe/glow's footprint, to be replaced by a
+/// measurement.
+const GUI_BYTES: u64 = 120 * MIB;
+
+/// mimalloc with purging off keeps freed pages resident, and blocks of one size are not always
+/// reused for another, so the resident set sits above the heap's high-water mark. Fitted on
+/// the demo with `group_by_length` (so step 1 is the planned longest batch) and
+/// `/usr/bin/time -v`: 7.1 MiB above the step's heap and the other terms without a validation
+/// split; 29.2 MiB with one (also 31.3 MiB at seq 256 and 34.3 MiB with checkpointing): the
+/// evaluation's logits chunks are allocated after the step's buffers were freed, in blocks of
+/// other sizes.
+const RETENTION_BYTES: u64 = 7 * MIB;
+/// See [`RETENTION_BYTES`]: the extra retention of a run that evaluates.
+const EVALUATION_RETENTION_BYTES: u64 = 24 * MIB;
+
+/// Rows per chunk of the evaluation's loss (`LOSS_CHUNK_TOKENS`).
+const EVAL_CHUNK_ROWS: u64 = 1024;
+
+/// The evaluation's heap above what stays resident (weights, master copy, moments): the
+/// forward without a graph (the final norm output and its shifted copy) and the loss,
+/// chunk by chunk (`CausalLm::eval_loss`, the op training uses): on the CPU the fused op holds
+/// one chunk's f32 logits (and, in half precision, f32 copies of the head and of the rows); the
+/// device-generic op holds three chunk-sized f32 tensors (logits, `logits − max`, `exp`) plus
+/// the compute-dtype matmul output in half precision.
+pub(crate) fn evaluation_transient_bytes(d: &StepDims) -> u64 {
+    let rows = d.micro_batch * d.seq_len.saturating_sub(1);
+    let chunk = rows.min(EVAL_CHUNK_ROWS) * d.vocab;
+    let half = d.act_bytes != 4;
+    let loss = if d.generic_ops {
+        chunk * (12 + if half { d.act_bytes } else { 0 })
+    } else {
+        chunk * 4
+            + if half {
+                (d.vocab + rows) * d.hidden * 4
+            } else {
+                0
+            }
+    };
+    2 * d.tokens * d.hidden * d.act_bytes + loss
+}
+
+/// The process footprint of a CPU run: `resident` is the step's bytes that stay between steps
+/// (weights, master copy, moments), `step_peak` the step's predicted peak.
+pub(crate) fn footprint(
+    inputs: &ProcessInputs,
+    d: &StepDims,
+    resident: u64,
+    weights: u64,
+    step_peak: u64,
+) -> ProcessFootprint {
+    let evaluation_bytes = if inputs.evaluation {
+        resident + evaluation_transient_bytes(d)
+    } else {
+        0
+    };
+    let loading_bytes = if inputs.mapped_weights_bytes > 0 {
+        inputs.mapped_weights_bytes + weights
+    } else {
+        0
+    };
+    let (largest_moment, heap) = [
+        ("training step", step_peak),
+        ("evaluation", evaluation_bytes),
+        ("loading", loading_bytes),
+    ]
+    .into_iter()
+    .fold(("training step", 0), |best, cur| {
+        if cur.1 > best.1 {
+            cur
+        } else {
+            best
+        }
+    });
+    let mut terms = vec![
+        ProcessTerm {
+            name: "binary, libraries, threads",
+            bytes: RUNTIME_BYTES,
+            source: "measured: peak RSS of `tunestudio --version`",
+        },
+        ProcessTerm {
+            name: "tokenizer (pages its load touched)",
+            bytes: (inputs.tokenizer_file_bytes as f64 * TOKENIZER_RSS_PER_FILE_BYTE) as u64,
+            source: "16.1 × tokenizer.json bytes (measured on SmolLM2's tokenizer)",
+        },
+        ProcessTerm {
+            name: "dataset (parsed and tokenized)",
+            bytes: (inputs.dataset_file_bytes as f64 * DATASET_RSS_PER_FILE_BYTE) as u64,
+            source: "15 × dataset file bytes (measured with `tunestudio preview`)",
+        },
+        ProcessTerm {
+            name: "allocator retention (mimalloc, purging off)",
+            bytes: RETENTION_BYTES
+                + if inputs.evaluation {
+                    EVALUATION_RETENTION_BYTES
+                } else {
+                    0
+                },
+            source: "7 MiB, + 24 MiB when the run evaluates (fitted on the demo)",
+        },
+    ];
+    if inputs.gui {
+        terms.push(ProcessTerm {
+            name: "studio window (GUI)",
+            bytes: GUI_BYTES,
+            source: "estimate (not measured yet)",
+        });
+    }
+    let mut f = ProcessFootprint {
+        largest_moment,
+        training_tensors_bytes: step_peak,
+        evaluation_bytes,
+        loading_bytes,
+        terms,
+        peak_bytes: 0,
+    };
+    f.peak_bytes = heap + f.baseline_bytes();
+    f
+}
