@@ -513,40 +513,57 @@ fn update_typed<T: Elem, G: Elem>(
     {
         candle_core::bail!("adamw: parameter, gradient, moments and master copy differ in length");
     }
-    let step = |p: &mut T, w: Option<&mut f32>, m: &mut f32, v: &mut f32, g: &G| {
-        let gi = g.f() * c.mult;
-        let pi = w.as_ref().map_or(p.f(), |w| **w) * decay;
-        let mi = *m + c.one_m_b1 * (gi - *m);
-        let vi = *v * c.b2 + c.one_m_b2 * gi * gi;
-        let denom = vi.sqrt() / c.bc2_sqrt + c.eps;
-        *m = mi;
-        *v = vi;
-        let new = pi - c.step_size * (mi / denom);
-        if let Some(w) = w {
-            *w = new;
-        }
-        *p = T::of(new);
-    };
     let chunks = p
         .par_chunks_mut(CHUNK)
         .zip(m.par_chunks_mut(CHUNK))
         .zip(v.par_chunks_mut(CHUNK))
         .zip(g.par_chunks(CHUNK));
+    // Two plain loops (no per-element branch on the master copy) so both vectorise: the
+    // closure-with-Option version ran the bf16-mixed SmolLM2-135M update in 0.10 s, twice
+    // the f32 loop's 0.05 s.
     match master {
         Some(w) => chunks
             .zip(w.par_chunks_mut(CHUNK))
             .for_each(|((((p, m), v), g), w)| {
-                for ((((p, m), v), g), w) in p.iter_mut().zip(m).zip(v).zip(g).zip(w) {
-                    step(p, Some(w), m, v, g);
+                for (((m, v), g), w) in m.iter_mut().zip(v).zip(g).zip(w.iter_mut()) {
+                    *w = adam_elem(*w * decay, m, v, g.f() * c.mult, c);
+                }
+                // Rounding in a loop of its own vectorises; inside the update it ran the
+                // bf16-mixed update at half the f32 update's speed.
+                for (p, w) in p.iter_mut().zip(w.iter()) {
+                    *p = T::of(*w);
                 }
             }),
         None => chunks.for_each(|(((p, m), v), g)| {
-            for (((p, m), v), g) in p.iter_mut().zip(m).zip(v).zip(g) {
-                step(p, None, m, v, g);
+            let mut new = [0f32; 256];
+            for (((p, m), v), g) in p
+                .chunks_mut(256)
+                .zip(m.chunks_mut(256))
+                .zip(v.chunks_mut(256))
+                .zip(g.chunks(256))
+            {
+                for ((((p, m), v), g), new) in p.iter().zip(m).zip(v).zip(g).zip(new.iter_mut()) {
+                    *new = adam_elem(p.f() * decay, m, v, g.f() * c.mult, c);
+                }
+                for (p, new) in p.iter_mut().zip(new.iter()) {
+                    *p = T::of(*new);
+                }
             }
         }),
     }
     Ok(())
+}
+
+/// One element of AdamW in torch's order: updates the moments, returns the new parameter from
+/// the decayed one `pi` and the scaled gradient `gi`.
+#[inline(always)]
+fn adam_elem(pi: f32, m: &mut f32, v: &mut f32, gi: f32, c: Coeffs) -> f32 {
+    let mi = *m + c.one_m_b1 * (gi - *m);
+    let vi = *v * c.b2 + c.one_m_b2 * gi * gi;
+    let denom = vi.sqrt() / c.bc2_sqrt + c.eps;
+    *m = mi;
+    *v = vi;
+    pi - c.step_size * (mi / denom)
 }
 
 /// Whether the parameter can be updated in its own storage: an f32, bf16 or f16 contiguous

@@ -30,6 +30,7 @@ use super::ops::{
     contiguous_slice, cpu_storage_to_tensor, exp_shift_sum_in_place, min_rows_per_task, rms_norm,
     row_max, silu_mul, tensor_to_f32_vec, Elem,
 };
+use candle_core::quantized::QTensor;
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -140,12 +141,14 @@ pub(crate) fn applies(layer: &Layer, ctx: &Ctx, h: &Tensor) -> bool {
 /// op then computes no gradient for the frozen weights at all (only the input gradient through
 /// them).
 pub(crate) fn layer_qualifies(layer: &Layer) -> bool {
-    if linears(layer).iter().any(|l| l.quant.is_some()) {
-        return false; // quantized base (QLoRA): `model::quant`'s op runs it
-    }
     let mut tensors = vec![&layer.input_norm, &layer.post_norm];
     for l in linears(layer) {
-        tensors.push(&l.w);
+        match &l.quant {
+            // A quantized base weight is dequantized on the CPU for each product.
+            Some(q) if !q.device().is_cpu() => return false,
+            Some(_) => {}
+            None => tensors.push(&l.w),
+        }
         tensors.extend(l.b.as_ref());
         if let Some(f) = &l.lora {
             tensors.push(&f.a);
@@ -228,7 +231,7 @@ fn masked(x: &[f32], mask: &[f32]) -> Vec<f32> {
 
 /// A linear layer's tensors as slices: `w` is `[out, in]` row-major.
 struct Lin<'a> {
-    w: &'a [f32],
+    w: WeightRef<'a>,
     b: Option<&'a [f32]>,
     out: usize,
     inp: usize,
@@ -247,15 +250,47 @@ struct LinGrads {
     lora_b: Option<Vec<f32>>,
 }
 
+/// A linear layer's weight: `f32` data read in place; `bf16` / `f16` data, widened for each
+/// product that reads it; or a quantized frozen base weight (QLoRA), dequantized likewise. The
+/// f32 copy is dropped after the product, so at most one weight's copy exists at a time, and
+/// it is still in cache when gemm reads it (widening the whole layer up front held 4 bytes per
+/// parameter of the layer: 870 MB for a 7B model's layer).
+#[derive(Clone, Copy)]
+enum WeightRef<'a> {
+    Dense(&'a [f32]),
+    Bf16(&'a [bf16]),
+    F16(&'a [f16]),
+    Quantized(&'a QTensor),
+}
+
+/// The weight data of a storage, without copying it.
+fn weight_ref<'a>(cpu: &'a CpuStorage, layout: &Layout) -> Result<WeightRef<'a>> {
+    Ok(match cpu {
+        CpuStorage::F32(_) => WeightRef::Dense(contiguous_slice::<f32>(cpu, layout, OP)?),
+        CpuStorage::BF16(_) => WeightRef::Bf16(contiguous_slice::<bf16>(cpu, layout, OP)?),
+        CpuStorage::F16(_) => WeightRef::F16(contiguous_slice::<f16>(cpu, layout, OP)?),
+        _ => bail!("{OP}: expected f32, bf16 or f16 weights (internal error: use the graph path)"),
+    })
+}
+
 impl Lin<'_> {
-    fn w_mat(&self) -> MatRef<'_> {
-        MatRef::row_major(self.w, self.out, self.inp)
+    /// Runs `f` on the weight as a row-major `[out, in]` matrix.
+    fn with_w<R>(&self, f: impl FnOnce(MatRef<'_>) -> Result<R>) -> Result<R> {
+        match self.w {
+            WeightRef::Dense(w) => f(MatRef::row_major(w, self.out, self.inp)),
+            WeightRef::Bf16(w) => f(MatRef::row_major(&widen(w), self.out, self.inp)),
+            WeightRef::F16(w) => f(MatRef::row_major(&widen(w), self.out, self.inp)),
+            WeightRef::Quantized(q) => {
+                let dense = q.dequantize(&candle_core::Device::Cpu)?;
+                with_f32(&dense, |w| f(MatRef::row_major(w, self.out, self.inp)))
+            }
+        }
     }
 
     /// `x @ wᵀ (+ b) (+ s · dropout(x) Aᵀ Bᵀ)` for `n` rows; also returns the adapter's
     /// scaled down-projection `[n, r]`, which backward needs.
     fn forward(&self, x: &[f32], n: usize, seed: Option<u64>) -> Result<(Vec<f32>, LoraSaved)> {
-        let mut y = sgemm_new(MatRef::row_major(x, n, self.inp), self.w_mat().t())?;
+        let mut y = self.with_w(|w| sgemm_new(MatRef::row_major(x, n, self.inp), w.t()))?;
         if let Some(b) = self.b {
             y.par_chunks_mut(min_rows_per_task(self.out) * self.out)
                 .for_each(|rows| {
@@ -293,10 +328,13 @@ impl Lin<'_> {
         if self.train_w {
             grads.w = Some(sgemm_new(dy_m.t(), MatRef::row_major(x, n, self.inp))?);
         }
-        match dx {
-            Some(dx) => sgemm(dx, self.inp, 1, true, dy_m, self.w_mat())?,
-            None => *dx = Some(sgemm_new(dy_m, self.w_mat())?),
-        }
+        self.with_w(|w| {
+            match dx {
+                Some(dx) => sgemm(dx, self.inp, 1, true, dy_m, w)?,
+                None => *dx = Some(sgemm_new(dy_m, w)?),
+            }
+            Ok(())
+        })?;
         if self.train_b && self.b.is_some() {
             let mut s = vec![0f32; self.out];
             for row in dy.chunks_exact(self.out) {
@@ -390,11 +428,18 @@ fn with_params<R>(layer: &Layer, f: impl FnOnce(&Params<'_>) -> Result<R>) -> Re
     let tensors = layer_tensors(layer);
     let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
     let mut cows = Vec::with_capacity(guards.len());
-    for (storage, layout) in &guards {
+    let mut weights = Vec::with_capacity(7);
+    for (k, (storage, layout)) in guards.iter().enumerate() {
         let Storage::Cpu(cpu) = &**storage else {
             bail!("{OP}: runs on the CPU only (internal error: use the graph path)")
         };
-        cows.push(as_f32(cpu, layout)?);
+        if (2..9).contains(&k) {
+            // The seven weights stay in their dtype: each product widens its own.
+            weights.push(weight_ref(cpu, layout)?);
+            cows.push(Cow::Borrowed(&[][..]));
+        } else {
+            cows.push(as_f32(cpu, layout)?);
+        }
     }
     let slices: Vec<&[f32]> = cows.iter().map(|c| c.as_ref()).collect();
     let mut rest = slices[9..].iter().copied();
@@ -405,7 +450,7 @@ fn with_params<R>(layer: &Layer, f: impl FnOnce(&Params<'_>) -> Result<R>) -> Re
     };
     let mut lin = Vec::with_capacity(7);
     for (i, l) in lins.iter().enumerate() {
-        let (out, inp) = l.w.dims2()?;
+        let (out, inp) = weight_dims(l)?;
         let b = match l.b {
             Some(_) => Some(next()?),
             None => None,
@@ -422,7 +467,11 @@ fn with_params<R>(layer: &Layer, f: impl FnOnce(&Params<'_>) -> Result<R>) -> Re
             None => None,
         };
         lin.push(Lin {
-            w: slices[2 + i],
+            w: match (&l.quant, weights.get(i)) {
+                (Some(q), _) => WeightRef::Quantized(q),
+                (None, Some(w)) => *w,
+                (None, None) => bail!("{OP}: a weight of the layer is missing"),
+            },
             b,
             out,
             inp,
@@ -918,7 +967,7 @@ fn check_dims(layer: &Layer, d: &Dims) -> Result<()> {
         (d.kv_dim(), d.hidden),
         (d.hidden, d.q_dim()),
     ];
-    let inter = layer.gate.w.dim(0)?;
+    let inter = weight_dims(&layer.gate)?.0;
     let want = [
         want[0],
         want[1],
@@ -929,10 +978,10 @@ fn check_dims(layer: &Layer, d: &Dims) -> Result<()> {
         (d.hidden, inter),
     ];
     for (l, (out, inp)) in linears(layer).iter().zip(want) {
-        if l.w.dims() != [out, inp] {
+        let got = weight_dims(l)?;
+        if got != (out, inp) {
             bail!(
-                "{OP}: weight of shape {:?} where [{out}, {inp}] was expected (config and weights disagree)",
-                l.w.dims()
+                "{OP}: weight of shape {got:?} where [{out}, {inp}] was expected (config and weights disagree)"
             );
         }
     }
@@ -945,6 +994,14 @@ fn check_dims(layer: &Layer, d: &Dims) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `(out, in)` of a linear layer's weight, dense or quantized.
+fn weight_dims(l: &Linear) -> Result<(usize, usize)> {
+    match &l.quant {
+        Some(q) => q.shape().dims2(),
+        None => l.w.dims2(),
+    }
 }
 
 /// The tensor of `layer` a gradient slot stands for.
@@ -965,19 +1022,21 @@ fn slot_tensor(layer: &Layer, slot: Slot) -> Option<&Tensor> {
 /// weights and the layer input are exactly what the graph path reads, and the layer output
 /// and every gradient are rounded back to the half type).
 fn as_f32<'a>(cpu: &'a CpuStorage, layout: &Layout) -> Result<Cow<'a, [f32]>> {
-    fn widen<T: Elem>(s: &[T]) -> Vec<f32> {
-        let mut out = vec![0f32; s.len()];
-        out.par_chunks_mut(1 << 14)
-            .zip(s.par_chunks(1 << 14))
-            .for_each(|(o, s)| o.iter_mut().zip(s).for_each(|(o, s)| *o = s.f()));
-        out
-    }
     Ok(match cpu {
         CpuStorage::F32(_) => Cow::Borrowed(contiguous_slice::<f32>(cpu, layout, OP)?),
         CpuStorage::BF16(_) => Cow::Owned(widen(contiguous_slice::<bf16>(cpu, layout, OP)?)),
         CpuStorage::F16(_) => Cow::Owned(widen(contiguous_slice::<f16>(cpu, layout, OP)?)),
         _ => bail!("{OP}: expected f32, bf16 or f16 data (internal error: use the graph path)"),
     })
+}
+
+/// Half-precision data as `f32` (multithreaded).
+fn widen<T: Elem>(s: &[T]) -> Vec<f32> {
+    let mut out = vec![0f32; s.len()];
+    out.par_chunks_mut(1 << 14)
+        .zip(s.par_chunks(1 << 14))
+        .for_each(|(o, s)| o.iter_mut().zip(s).for_each(|(o, s)| *o = s.f()));
+    out
 }
 
 /// `v` as a CPU storage of `dtype` (f32 moved, half types rounded to nearest even).

@@ -189,7 +189,7 @@ impl StepDims {
             embeddings_trainable: req.lora.is_none(),
             quantize,
             // Quantized layers run as graphs of ops (`native_layer::layer_qualifies`).
-            native_layers: all_cpu && !quantize.is_on(),
+            native_layers: all_cpu,
             native_embedding: all_cpu && req.precision == Precision::Fp32 && req.lora.is_none(),
             in_place_optimizer: all_cpu,
             generic_ops,
@@ -246,13 +246,15 @@ impl BlockParams {
 }
 
 /// The transient of dequantizing a layer's largest quantized weight for one call: f32, plus
-/// its cast to the compute dtype in half precision (0 when nothing is quantized).
+/// its cast to the compute dtype in half precision on the graph path (the native layer op
+/// multiplies in f32); 0 when nothing is quantized.
 pub fn dequant_transient_bytes(d: &StepDims) -> u64 {
-    let per_elem = 4 + if d.weight_bytes == 4 {
+    let cast = if d.weight_bytes == 4 || d.native_layers {
         0
     } else {
         d.weight_bytes
     };
+    let per_elem = 4 + cast;
     d.linears()
         .iter()
         .filter(|(_, i, _, _)| d.quantize.format_for(*i).is_some())
@@ -474,10 +476,24 @@ fn native_layer_terms(d: &StepDims, params: &BlockParams) -> BlockTerms {
     // incoming gradient) to f32 for the call, builds the output in f32 before rounding it,
     // and collects the gradients in f32 before rounding each to the parameter dtype.
     let half = d.act_bytes != 4;
+    // The seven weights are not widened up front: each product widens (or dequantizes) its
+    // own, one weight's f32 copy at a time, in forward and in backward.
+    let weight_elems: u64 = d.linears().iter().map(|(_, i, o, _)| i * o).sum();
+    let largest_weight = d
+        .linears()
+        .iter()
+        .map(|(_, i, o, _)| i * o)
+        .max()
+        .unwrap_or(0);
     let widened = if half {
-        params.total * 4 + n * h * 4
+        params.total.saturating_sub(weight_elems) * 4 + n * h * 4
     } else {
         0
+    };
+    let jit = if half {
+        largest_weight * 4
+    } else {
+        dequant_transient_bytes(d)
     };
     let own_grads = params.trainable * d.grad_bytes;
     let own_grads_f32 = params.trainable * 4;
@@ -486,7 +502,8 @@ fn native_layer_terms(d: &StepDims, params: &BlockParams) -> BlockTerms {
     // While the layers run, the forward's `Ctx` holds the masks and rope tables as tensors
     // too (the rope tables in the compute dtype) next to the native copies.
     let ctx_tensors = native_ctx_bytes(d) - 2 * d.seq_len * d.head_dim * (4 - d.act_bytes);
-    let fwd_scratch = n * q.max(i) * 4 + widened + if half { n * h * 4 } else { 0 } + ctx_tensors;
+    let fwd_scratch =
+        n * q.max(i) * 4 + widened + if half { n * h * 4 } else { 0 } + ctx_tensors + jit;
     // Backward moments (bytes above what was stored before the layer, own gradients
     // included as they appear): SwiGLU backward (da, dgate, dup + down's gradient), the
     // gate/up backward, the attention backward (per-head parts and the assembled dq, dk,
@@ -499,7 +516,7 @@ fn native_layer_terms(d: &StepDims, params: &BlockParams) -> BlockTerms {
     let m2 = (2 * n * i + n * h) * 4 + wg * 3 * h * i * 4;
     let m3 = wg * (3 * h * i + h + h * q) * 4 + (2 * n * h + 5 * n * q + 2 * n * kv) * 4;
     let m4 = own_grads_f32 + 3 * n * h * 4;
-    let bwd = m1.max(m2).max(m3).max(m4) + if half { widened + n * h * 4 } else { 0 };
+    let bwd = m1.max(m2).max(m3).max(m4) + if half { widened + n * h * 4 } else { 0 } + jit;
     if d.checkpointing {
         BlockTerms {
             kept_bytes: out + NATIVE_LAYER_METADATA_BYTES,

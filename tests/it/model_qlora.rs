@@ -81,8 +81,13 @@ struct Outcome {
     grads: Gradients,
 }
 
-fn run(model: &mut CausalLm, mode: OpsMode, batch: &(Tensor, Option<Tensor>, Tensor)) -> Outcome {
+fn run(
+    model: &mut CausalLm,
+    (mode, native): (OpsMode, bool),
+    batch: &(Tensor, Option<Tensor>, Tensor),
+) -> Outcome {
     model.set_ops_mode(mode);
+    model.set_native_layers(native);
     let (ids, mask, labels) = batch;
     let logits = model.logits(ids, mask.as_ref()).unwrap();
     let loss = model.loss(ids, mask.as_ref(), labels).unwrap();
@@ -122,11 +127,17 @@ fn check(
     }
     assert_eq!(
         qm.native_layer_count(),
-        0,
-        "{case}: a quantized layer ran natively"
+        qm.config().num_hidden_layers,
+        "{case}: the quantized layers run as native ops on the CPU"
     );
 
-    for mode in [OpsMode::Auto, OpsMode::Generic] {
+    // The native layer op (dequantizing one weight per product), the graph of ops with the
+    // quantized frozen-linear op on the CPU kernels, and the device-generic path.
+    for mode in [
+        (OpsMode::Auto, true),
+        (OpsMode::Auto, false),
+        (OpsMode::Generic, true),
+    ] {
         let a = run(&mut dense, mode, batch);
         let b = run(&mut qm, mode, batch);
         let what = format!("{case} {q} {mode:?}");
@@ -216,7 +227,7 @@ fn quantized_base_with_checkpointing_matches_without() {
         m.apply_lora(&lora_cfg(), 1).unwrap();
         randomize_b(&m);
         m.set_activation_checkpointing(ckpt);
-        run(&mut m, OpsMode::Auto, &batch)
+        run(&mut m, (OpsMode::Auto, true), &batch)
     };
     let (a, b) = (outcome(false), outcome(true));
     assert!((a.loss - b.loss).abs() <= 1e-6);
