@@ -15,6 +15,7 @@
 #   3. generic-path bench   `tunestudio bench --ops generic` beside `--ops native` on the
 #                           CPU (the bench runs on the CPU): what the generic ops cost
 #   3c. memory truth        predicted vs measured (NVML / VmHWM) peak per device, small grid
+#   3d. QLoRA               LoRA on a q8_0 / q4_k base trained on the device vs the CPU
 #   4. PyTorch reference    the same training step in PyTorch (if installed) → speed ratio
 #
 # `--cpu` runs the same steps on the CPU (tiny shapes), so this script is tested
@@ -216,6 +217,65 @@ sys.exit(1 if bad else 0)
 EOF
 log "several devices: $([[ $multi_rc -eq 0 ]] && echo passed || echo FAILED)"
 [[ $multi_rc -eq 0 ]] || check_rc=1
+
+# --- 3d. QLoRA on the device ---------------------------------------------------------
+# LoRA on a quantized base (q8_0, q4_k) through `tunestudio train` on the device (the
+# generic path: a weight dequantized on the GPU per product) against the CPU's native layer
+# op: the same losses step by step. In --cpu mode the generic ops on the CPU stand in.
+log "step 3d: QLoRA (quantized base + LoRA) on the device vs the CPU"
+qlora_rc=0
+run_qlora() { # name, quantize, device, ops
+  local dir="$OUT_DIR/qlora-$1"
+  rm -rf "$dir"; mkdir -p "$dir"
+  cat >"$dir/run.toml" <<TOML
+output_dir = "$dir/out"
+[model]
+source = "$SHARED/fixtures/tiny-llama"
+init = "pretrained"
+quantize = "$2"
+[data]
+path = "$SHARED/datasets/alpaca_en_demo.json"
+format = "alpaca"
+max_length = 64
+[training]
+micro_batch = 2
+max_steps = 5
+learning_rate = 0.001
+[lora]
+enabled = true
+r = 8
+target_modules = ["all-linear"]
+[devices]
+devices = [$3]
+TOML
+  TUNESTUDIO_OPS="$4" TUNESTUDIO_QUANT_CACHE="$dir/cache" "$BIN" train --config "$dir/run.toml" >"$dir/train.log" 2>&1 \
+    || { log "train qlora-$1 failed:"; tail -n 5 "$dir/train.log"; qlora_rc=1; }
+}
+for q in q8_0 q4_k; do
+  run_qlora "$q-cpu" "$q" '"cpu"' auto
+  if [[ $MODE == cpu ]]; then run_qlora "$q-dev" "$q" '"cpu"' generic; else run_qlora "$q-dev" "$q" "$one" auto; fi
+done
+python3 - "$OUT_DIR" "$tol" <<'EOF' || qlora_rc=1
+import json, sys, os
+out, tol = sys.argv[1], float(sys.argv[2])
+def losses(name):
+    steps, path = {}, os.path.join(out, f"qlora-{name}", "out", "metrics.jsonl")
+    if os.path.exists(path):
+        for line in open(path):
+            e = json.loads(line)
+            if e.get("event") == "step": steps[e["step"]] = e["loss"]
+    return steps
+bad = 0
+for q in ("q8_0", "q4_k"):
+    ref, got = losses(f"{q}-cpu"), losses(f"{q}-dev")
+    worst = max(abs(got[s] - ref[s]) for s in ref) if ref and got.keys() == ref.keys() else float("inf")
+    ok = worst <= tol * max(1.0, max(abs(v) for v in ref.values()))
+    bad += not ok
+    print(f"[{'PASSED' if ok else 'FAILED':7}] qlora {q:<5} {len(got)} steps, worst |loss(device) - loss(cpu)| = {worst:.2e}")
+sys.exit(1 if bad else 0)
+EOF
+log "QLoRA: $([[ $qlora_rc -eq 0 ]] && echo passed || echo FAILED)"
+[[ $qlora_rc -eq 0 ]] || check_rc=1
 
 # --- 3c. memory truth: predicted vs measured peak per device (issue #17) ----------
 # Trains a small grid with `tunestudio train` and samples what the user's monitor shows:
