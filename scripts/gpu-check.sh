@@ -150,6 +150,32 @@ for ops in native generic; do
   grep -E '^(ops|step \(median\)|tokens/s|last loss)' "$OUT_DIR/bench-$ops.txt"
 done
 
+# Compares the step losses of runs under $OUT_DIR: each argument is RUN=REFERENCE (folder
+# names); a run passes when every step's loss is within $tol (relative, floor 1) of the
+# reference's. Exit status 1 when one does not.
+compare_losses() {
+  python3 - "$OUT_DIR" "$tol" "$@" <<'EOF'
+import json, sys, os
+out, tol, pairs = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
+def losses(name):
+    steps, path = {}, os.path.join(out, name, "out", "metrics.jsonl")
+    if os.path.exists(path):
+        for line in open(path):
+            e = json.loads(line)
+            if e.get("event") == "step": steps[e["step"]] = e["loss"]
+    return steps
+bad = 0
+for pair in pairs:
+    name, ref_name = pair.split("=")
+    ref, got = losses(ref_name), losses(name)
+    worst = max(abs(got[s] - ref[s]) for s in ref) if ref and got.keys() == ref.keys() else float("inf")
+    ok = worst <= tol * max(1.0, max(abs(v) for v in ref.values())) if ref else False
+    bad += not ok
+    print(f"[{'PASSED' if ok else 'FAILED':7}] {name:<18} {len(got)} steps, worst |loss - {ref_name}| = {worst:.2e}")
+sys.exit(1 if bad else 0)
+EOF
+}
+
 # --- 3b. several devices through `tunestudio train` -------------------------------
 # Data parallel and a layer split on two logical devices of one GPU (two streams), and on
 # two GPUs where there are two, must train like one device (same losses step by step).
@@ -192,29 +218,12 @@ if [[ $MODE == gpu && $gpus -ge 2 ]]; then
   run_multi dp-gpus 2 data-parallel '"cuda:0", "cuda:1"'
   run_multi split-gpus 4 layer-split '"cuda:0", "cuda:1"'
 fi
-python3 - "$OUT_DIR" "$tol" <<'EOF' || multi_rc=1
-import json, sys, os, glob
-out, tol = sys.argv[1], float(sys.argv[2])
-def losses(name):
-    steps = {}
-    path = os.path.join(out, f"multi-{name}", "out", "metrics.jsonl")
-    if os.path.exists(path):
-        for line in open(path):
-            e = json.loads(line)
-            if e.get("event") == "step": steps[e["step"]] = e["loss"]
-    return steps
-ref = losses("one")
-bad = 0 if ref else 1
-for d in sorted(glob.glob(os.path.join(out, "multi-*"))):
-    name = os.path.basename(d)[len("multi-"):]
-    if name == "one": continue
-    got = losses(name)
-    worst = max(abs(got[s] - ref[s]) for s in ref) if ref and got.keys() == ref.keys() else float("inf")
-    ok = worst <= tol * max(1.0, max(abs(v) for v in ref.values()))
-    bad += not ok
-    print(f"[{'PASSED' if ok else 'FAILED':7}] {name:<14} {len(got)} steps, worst |loss - one device| = {worst:.2e}")
-sys.exit(1 if bad else 0)
-EOF
+pairs=()
+for d in "$OUT_DIR"/multi-*; do
+  name=${d##*/multi-}
+  [[ $name == one ]] || pairs+=("multi-$name=multi-one")
+done
+compare_losses "${pairs[@]}" || multi_rc=1
 log "several devices: $([[ $multi_rc -eq 0 ]] && echo passed || echo FAILED)"
 [[ $multi_rc -eq 0 ]] || check_rc=1
 
@@ -255,25 +264,7 @@ for q in q8_0 q4_k; do
   run_qlora "$q-cpu" "$q" '"cpu"' auto
   if [[ $MODE == cpu ]]; then run_qlora "$q-dev" "$q" '"cpu"' generic; else run_qlora "$q-dev" "$q" "$one" auto; fi
 done
-python3 - "$OUT_DIR" "$tol" <<'EOF' || qlora_rc=1
-import json, sys, os
-out, tol = sys.argv[1], float(sys.argv[2])
-def losses(name):
-    steps, path = {}, os.path.join(out, f"qlora-{name}", "out", "metrics.jsonl")
-    if os.path.exists(path):
-        for line in open(path):
-            e = json.loads(line)
-            if e.get("event") == "step": steps[e["step"]] = e["loss"]
-    return steps
-bad = 0
-for q in ("q8_0", "q4_k"):
-    ref, got = losses(f"{q}-cpu"), losses(f"{q}-dev")
-    worst = max(abs(got[s] - ref[s]) for s in ref) if ref and got.keys() == ref.keys() else float("inf")
-    ok = worst <= tol * max(1.0, max(abs(v) for v in ref.values()))
-    bad += not ok
-    print(f"[{'PASSED' if ok else 'FAILED':7}] qlora {q:<5} {len(got)} steps, worst |loss(device) - loss(cpu)| = {worst:.2e}")
-sys.exit(1 if bad else 0)
-EOF
+compare_losses qlora-q8_0-dev=qlora-q8_0-cpu qlora-q4_k-dev=qlora-q4_k-cpu || qlora_rc=1
 log "QLoRA: $([[ $qlora_rc -eq 0 ]] && echo passed || echo FAILED)"
 [[ $qlora_rc -eq 0 ]] || check_rc=1
 

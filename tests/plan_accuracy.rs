@@ -13,33 +13,13 @@
 #[path = "plan_support/harness.rs"]
 mod harness;
 
-use harness::{err_pct, phase, Case, Measured};
+use harness::{err_pct, exclusive, generic_ops, phase, Case, Measured};
 use std::time::Instant;
 use tunestudio::mem::CountingAllocator;
 use tunestudio::plan::{DevicePlan, StepPhase};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator::new();
-
-/// The counting allocator is process-wide: tests that measure must not overlap.
-static MEASURING: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn exclusive() -> std::sync::MutexGuard<'static, ()> {
-    MEASURING.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Sets `TUNESTUDIO_OPS=generic` (models and plans follow it) until the returned guard drops,
-/// however the test ends, so later tests run the default path. Take [`exclusive`] first.
-fn generic_ops() -> impl Drop {
-    struct Unset;
-    impl Drop for Unset {
-        fn drop(&mut self) {
-            std::env::remove_var(tunestudio::model::OPS_ENV);
-        }
-    }
-    std::env::set_var(tunestudio::model::OPS_ENV, "generic");
-    Unset
-}
 
 fn check(rows: &[(Case, Measured, DevicePlan)]) {
     let mut worst = 0f64;

@@ -34,7 +34,7 @@
 #[path = "plan_support/harness.rs"]
 mod harness;
 
-use harness::{case, err_pct, phase, Case, Measured};
+use harness::{case, err_pct, exclusive, generic_ops, phase, Case, Measured};
 use std::time::Instant;
 use tunestudio::mem::CountingAllocator;
 use tunestudio::model::ModelConfig;
@@ -42,13 +42,6 @@ use tunestudio::plan::{DevicePlan, Precision, StepPhase};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator::new();
-
-/// The counting allocator is process-wide: tests that measure must not overlap.
-static MEASURING: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn exclusive() -> std::sync::MutexGuard<'static, ()> {
-    MEASURING.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// Peak bound (percent).
 const PEAK_BOUND: f64 = 3.0;
@@ -196,18 +189,6 @@ fn grid() -> Vec<Group> {
             cases: vec![case(F, false, false, 2, 256)],
         },
     ]
-}
-
-/// Sets `TUNESTUDIO_OPS=generic` (models and plans follow it) until the guard drops.
-fn generic_ops() -> impl Drop {
-    struct Unset;
-    impl Drop for Unset {
-        fn drop(&mut self) {
-            std::env::remove_var(tunestudio::model::OPS_ENV);
-        }
-    }
-    std::env::set_var(tunestudio::model::OPS_ENV, "generic");
-    Unset
 }
 
 /// One check's outcome.

@@ -298,6 +298,27 @@ pub fn phase(d: &DevicePlan, p: StepPhase) -> u64 {
 }
 
 /// Relative error of a prediction, in percent.
+/// The counting allocator is process-wide: tests that measure must not overlap.
+static MEASURING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Holds the measuring lock (one measurement at a time in a test binary).
+pub fn exclusive() -> std::sync::MutexGuard<'static, ()> {
+    MEASURING.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Sets `TUNESTUDIO_OPS=generic` (models and plans follow it) until the returned guard drops,
+/// however the test ends, so later tests run the default path. Take [`exclusive`] first.
+pub fn generic_ops() -> impl Drop {
+    struct Unset;
+    impl Drop for Unset {
+        fn drop(&mut self) {
+            std::env::remove_var(tunestudio::model::OPS_ENV);
+        }
+    }
+    std::env::set_var(tunestudio::model::OPS_ENV, "generic");
+    Unset
+}
+
 pub fn err_pct(predicted: u64, measured: u64) -> f64 {
     100.0 * (predicted as f64 - measured as f64) / measured.max(1) as f64
 }
