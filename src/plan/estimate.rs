@@ -88,12 +88,12 @@ fn validate(req: &PlanRequest) -> Result<(), PlanError> {
         if let Some(bad) = l
             .target_modules
             .iter()
-            .find(|m| !KNOWN.contains(&m.as_str()))
+            .find(|m| !KNOWN.contains(&m.as_str()) && m.as_str() != "all-linear")
         {
             return Err(PlanError::InvalidSetting {
                 setting: "lora.target_modules",
                 value: bad.clone(),
-                fix: format!("use some of {}", KNOWN.join(", ")),
+                fix: format!("use some of {}, or all-linear", KNOWN.join(", ")),
             });
         }
         if l.target_modules.is_empty() {

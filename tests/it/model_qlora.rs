@@ -483,3 +483,96 @@ fn planner_counts_the_quantized_bytes_the_model_holds() {
         }
     }
 }
+
+/// The setting through the real CLI, as a user runs it: `[model] quantize = "q8_0"` with
+/// `[lora]` trains (finite losses, a PEFT adapter in the checkpoint), `tunestudio plan` reads
+/// the same config as a quantized base, and without `[lora]` the run is refused with an error
+/// naming the setting.
+#[test]
+fn cli_trains_and_plans_a_quantized_base() {
+    let bin = env!("CARGO_BIN_EXE_tunestudio");
+    let dir = tempfile::tempdir().unwrap();
+    let shared = tunestudio::paths::shared_dir();
+    let config = |lora: bool, out: &str| {
+        let text = format!(
+            r#"output_dir = {out:?}
+[model]
+source = {model:?}
+quantize = "q8_0"
+[data]
+path = {data:?}
+format = "alpaca"
+max_length = 48
+[training]
+micro_batch = 2
+max_steps = 3
+learning_rate = 0.001
+[checkpoint]
+save_every = 3
+[lora]
+enabled = {lora}
+r = 4
+target_modules = ["all-linear"]
+"#,
+            out = dir.path().join(out).display().to_string(),
+            model = shared.join("fixtures/tiny-llama").display().to_string(),
+            data = shared
+                .join("datasets/alpaca_en_demo.json")
+                .display()
+                .to_string(),
+        );
+        let path = dir.path().join(format!("{out}.toml"));
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let run = |args: &[&str], path: &std::path::Path| {
+        std::process::Command::new(bin)
+            .args(args)
+            .arg(path)
+            .env("TUNESTUDIO_QUANT_CACHE", dir.path().join("cache"))
+            .output()
+            .unwrap()
+    };
+    let good = config(true, "run");
+    let out = run(&["train", "--config"], &good);
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let metrics = std::fs::read_to_string(dir.path().join("run/metrics.jsonl")).unwrap();
+    let losses: Vec<f64> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["event"] == "step")
+        .filter_map(|e| e["loss"].as_f64())
+        .collect();
+    assert_eq!(losses.len(), 3, "{metrics}");
+    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+    let adapter = dir
+        .path()
+        .join("run/checkpoint-3/adapter/adapter_config.json");
+    assert!(adapter.is_file(), "no adapter at {}", adapter.display());
+
+    let plan = run(&["plan", "--json", "--config"], &good);
+    assert!(
+        plan.status.success(),
+        "{}",
+        String::from_utf8_lossy(&plan.stderr)
+    );
+    let text = String::from_utf8_lossy(&plan.stdout);
+    assert!(
+        text.contains("q8_0"),
+        "the plan does not show the quantized base: {text}"
+    );
+
+    let bad = config(false, "refused");
+    let out = run(&["train", "--config"], &bad);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("quantize"),
+        "the error names the setting: {err}"
+    );
+}
