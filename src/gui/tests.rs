@@ -390,6 +390,17 @@ fn hebrew_text_renders_with_a_system_font() {
     h.run();
 }
 
+/// The Playground's error message ("" when there is none).
+fn playground_error(h: &Harness<'static, StudioApp>) -> String {
+    h.state()
+        .state
+        .playground
+        .error
+        .as_ref()
+        .map(ToString::to_string)
+        .unwrap_or_default()
+}
+
 /// Replaces the text of the field labelled `label` with `text`.
 fn type_into(h: &mut Harness<'static, StudioApp>, label: &str, text: &str) {
     h.get_by_label(label).focus();
@@ -443,14 +454,7 @@ fn playground_streams_both_sides_cancels_and_reports_errors() {
     h.get_by_label("Generate").click();
     h.step();
     h.step();
-    let err = h
-        .state()
-        .state
-        .playground
-        .error
-        .as_ref()
-        .map(ToString::to_string)
-        .unwrap_or_default();
+    let err = playground_error(&h);
     assert!(err.contains("empty"), "error: {err}");
     assert!(h.query_by_label_contains("the prompt is empty").is_some());
 
@@ -460,14 +464,7 @@ fn playground_streams_both_sides_cancels_and_reports_errors() {
     h.get_by_label("Generate").click();
     h.step();
     h.step();
-    let err = h
-        .state()
-        .state
-        .playground
-        .error
-        .as_ref()
-        .map(ToString::to_string)
-        .unwrap_or_default();
+    let err = playground_error(&h);
     assert!(err.contains("max_new_tokens"), "error: {err}");
 
     // Greedy, a few tokens: both sides stream and finish.

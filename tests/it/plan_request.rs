@@ -496,18 +496,7 @@ fn arb_config() -> impl Strategy<Value = RunConfig> {
         Just(vec!["cuda:0=80GiB".to_string(), "cuda:1=80GiB".to_string()]),
         Just(vec!["cpu:1=8GiB".to_string(), "cpu:2=8GiB".to_string()]),
     ];
-    let targets = proptest::sample::subsequence(
-        vec![
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
-        1..=7,
-    );
+    let targets = proptest::sample::subsequence(tunestudio::model::LINEAR_MODULES.to_vec(), 1..=7);
     (
         (
             0..MODELS.len(),
