@@ -50,24 +50,7 @@ const PART_BOUND: f64 = 10.0;
 
 /// Cases (by name) and checks the planner does not meet yet, with the reason. A check listed
 /// here is reported, not asserted; one that passes while listed fails the test (remove it).
-const KNOWN_GAPS: &[(&str, &str, &str)] = &[
-    (
-        "wide 2-layer generic fp32 ckpt=false lora=0 b=2 t=256",
-        "peak",
-        GENERIC_LAYER_BACKWARD,
-    ),
-    (
-        "wide 2-layer generic fp32 ckpt=false lora=0 b=2 t=256",
-        "backward part",
-        GENERIC_LAYER_BACKWARD,
-    ),
-];
-
-/// Why the generic path's full fine-tune of the wide model is a known gap.
-const GENERIC_LAYER_BACKWARD: &str = "the graph path's decoder-layer backward for full \
-     fine-tuning (`layer_backward_peak`) is 61 MiB under the measured (≈ 4.3 f32 MLP-weight \
-     buffers of this width); on the SmolLM2 grid the head's backward, not a layer's, sets \
-     the peak, so this term was never checked where it binds";
+const KNOWN_GAPS: &[(&str, &str, &str)] = &[];
 
 fn fixture(name: &str) -> ModelConfig {
     ModelConfig::from_file(

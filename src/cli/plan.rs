@@ -1,7 +1,10 @@
 //! `tunestudio plan`: predict every device's memory for a run, say where it runs
 //! out and by how much, rank the fixes, and (`--auto-fit`) fit it to the devices.
+//! `--config run.toml --dry-run` then trains one step of that run as the trainer would and
+//! compares its measured peak with the prediction, component by component.
 //!
-//! Exit status: 0 when the (fitted) plan fits, 2 when it does not, 1 on errors.
+//! Exit status: 0 when the (fitted) plan fits, 2 when it does not (or the dry run is out of
+//! memory, predicted or measured), 1 on errors (a dry run whose step fails included).
 
 use anyhow::Context;
 use std::path::{Path, PathBuf};
@@ -9,8 +12,8 @@ use std::process::ExitCode;
 use std::time::Instant;
 use tunestudio::model::ModelConfig;
 use tunestudio::plan::{
-    self, format_bytes, parse_devices, AutoFit, DevicePlan, LoraSpec, Plan, PlanRequest, Precision,
-    Strategy,
+    self, format_bytes, parse_devices, AutoFit, DevicePlan, DryRunOutcome, DryRunReport, LoraSpec,
+    PeakMoment, Plan, PlanRequest, Precision, Strategy,
 };
 use tunestudio::settings::Quantization;
 use tunestudio::train;
@@ -73,11 +76,18 @@ pub struct PlanArgs {
     /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// With --config: then train one step of the run as the trainer would (no checkpoint, no
+    /// evaluation) and compare its measured peak with the prediction, component by component.
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 /// Runs `tunestudio plan`.
 pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
-    let req = build_request(&args)?;
+    if args.dry_run {
+        check_dry_run_args(&args)?;
+    }
+    let (req, config) = request_and_config(&args)?;
     let started = Instant::now();
     let the_plan = plan::plan(&req)?;
     let plan_secs = started.elapsed().as_secs_f64();
@@ -90,83 +100,244 @@ pub fn run(args: PlanArgs) -> anyhow::Result<ExitCode> {
         Some(f) => f.found,
         None => the_plan.fits(),
     };
-    if args.json {
-        let value = serde_json::json!({
-            "model": model_summary(&req),
-            "request": request_json(&req),
-            "plan": the_plan,
-            "plan_ms": plan_secs * 1e3,
-            "auto_fit": fitted.as_ref().map(|f| serde_json::json!({
-                "found": f.found,
-                "changes": f.changes,
-                "relative_throughput": f.relative_throughput,
-                "request": request_json(&f.request),
-                "plan": f.plan,
-            })),
-        });
-        println!("{}", serde_json::to_string_pretty(&value)?);
+    let dry_config = config.filter(|_| args.dry_run);
+    let dry_run = if args.json {
+        let dry_run = dry_config.map(|c| run_dry_run(c, &req)).transpose()?;
+        print_json(
+            &req,
+            &the_plan,
+            plan_secs,
+            fitted.as_ref(),
+            dry_run.as_ref(),
+        )?;
+        dry_run
     } else {
-        println!("Model:    {}", model_summary(&req));
-        println!("Settings: {}", req.settings_summary());
-        println!(
-            "Effective batch: {} rows/step; {} trainable parameters",
-            req.effective_batch(),
-            human_count(the_plan.trainable_parameters)
-        );
-        println!();
-        print_plan(&req, &the_plan, args.per_layer);
-        if !the_plan.fixes.is_empty() {
-            println!();
-            println!("Fixes (best first):");
-            for (i, f) in the_plan.fixes.iter().enumerate() {
-                println!("  {}. {}", i + 1, f.description);
-            }
+        print_text(&args, &req, &the_plan, plan_secs, fitted.as_ref());
+        let dry_run = dry_config.map(|c| run_dry_run(c, &req)).transpose()?;
+        if let Some(d) = &dry_run {
+            print_dry_run(d);
         }
-        if let Some(f) = &fitted {
-            println!();
-            print_auto_fit(f);
+        dry_run
+    };
+    Ok(exit_code(final_fits, dry_run.as_ref().map(|d| &d.report)))
+}
+
+/// The exit status: 1 when the dry run's step failed, 2 when the plan does not fit or the
+/// dry run is out of memory (predicted, or measured), else 0.
+fn exit_code(fits: bool, dry_run: Option<&DryRunReport>) -> ExitCode {
+    match dry_run.map(|d| &d.outcome) {
+        Some(DryRunOutcome::Failed { .. }) => ExitCode::FAILURE,
+        Some(DryRunOutcome::OutOfMemory { .. } | DryRunOutcome::PredictedOutOfMemory) => {
+            ExitCode::from(2)
         }
-        println!();
-        println!("(planned in {:.2} ms)", plan_secs * 1e3);
+        _ if !fits => ExitCode::from(2),
+        _ => ExitCode::SUCCESS,
     }
-    Ok(if final_fits {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(2)
+}
+
+/// The flags that change what is planned, not what the run config trains.
+fn plan_only_flags(args: &PlanArgs) -> Vec<&'static str> {
+    [
+        ("--model-config", args.model_config.is_some()),
+        ("--devices", args.devices.is_some()),
+        ("--precision", args.precision.is_some()),
+        ("--micro-batch", args.micro_batch.is_some()),
+        ("--accumulation", args.accumulation.is_some()),
+        ("--seq-len", args.seq_len.is_some()),
+        ("--checkpointing", args.checkpointing),
+        ("--lora-r", args.lora_r.is_some()),
+        ("--lora-targets", args.lora_targets.is_some()),
+        ("--quantize", args.quantize.is_some()),
+        ("--strategy", args.strategy.is_some()),
+        ("--optimizer-offload", args.optimizer_offload),
+        ("--ops", args.ops.is_some()),
+        ("--auto-fit", args.auto_fit),
+    ]
+    .into_iter()
+    .filter_map(|(flag, given)| given.then_some(flag))
+    .collect()
+}
+
+/// `--dry-run` trains the run config as it is: it needs `--config`, and refuses the flags
+/// that would plan something other than what the step runs.
+fn check_dry_run_args(args: &PlanArgs) -> anyhow::Result<()> {
+    let Some(config) = &args.config else {
+        anyhow::bail!(
+            "--dry-run needs --config run.toml: it trains one step of that run as the trainer \
+             would (a model alone is not a run)"
+        );
+    };
+    let others = plan_only_flags(args);
+    if !others.is_empty() {
+        anyhow::bail!(
+            "--dry-run trains {} as it is, but {} would change only the plan: set {} in the run \
+             config, or plan without --dry-run",
+            config.display(),
+            others.join(", "),
+            if others.len() == 1 { "it" } else { "them" }
+        );
+    }
+    Ok(())
+}
+
+/// A dry run with the plan it was compared with.
+struct DryRun {
+    /// The plan of the dry run's request ([`PlanRequest::for_dry_run`]).
+    plan: Plan,
+    /// Whether that plan leaves out an evaluation the run makes.
+    without_evaluation: bool,
+    /// The outcome.
+    report: DryRunReport,
+}
+
+/// Plans the dry run (the run without evaluation: the dry run does not evaluate) and runs it.
+fn run_dry_run(config: train::RunConfig, req: &PlanRequest) -> anyhow::Result<DryRun> {
+    let dry_req = req.for_dry_run();
+    let dry_plan = plan::plan(&dry_req)?;
+    let report = train::dry_run(config, &dry_plan);
+    Ok(DryRun {
+        without_evaluation: dry_req != *req,
+        plan: dry_plan,
+        report,
     })
+}
+
+/// The dry run in text: what it compared, the summary line and the component table.
+fn print_dry_run(d: &DryRun) {
+    println!();
+    println!(
+        "Dry run: one training step of the run on {}, as the trainer takes it.",
+        d.report.device_name
+    );
+    if d.without_evaluation {
+        if let Some(dev) = d.plan.per_device.first() {
+            println!(
+                "  (it does not evaluate: compared with the plan of the same run without the \
+                 evaluation, peak {} at the {})",
+                format_bytes(dev.peak_bytes),
+                dev.peak_moment()
+            );
+        }
+    }
+    println!("{}", d.report.summary);
+    if let Some(c) = &d.report.components {
+        println!();
+        print!("{}", c.render());
+    }
+}
+
+/// The plan (and the auto-fit) as tables.
+fn print_text(
+    args: &PlanArgs,
+    req: &PlanRequest,
+    the_plan: &Plan,
+    plan_secs: f64,
+    fitted: Option<&AutoFit>,
+) {
+    println!("Model:    {}", model_summary(req));
+    println!("Settings: {}", req.settings_summary());
+    println!(
+        "Effective batch: {} rows/step; {} trainable parameters",
+        req.effective_batch(),
+        human_count(the_plan.trainable_parameters)
+    );
+    println!();
+    print_plan(req, the_plan, args.per_layer);
+    if !the_plan.fixes.is_empty() {
+        println!();
+        println!("Fixes (best first):");
+        for (i, f) in the_plan.fixes.iter().enumerate() {
+            println!("  {}. {}", i + 1, f.description);
+        }
+    }
+    if let Some(f) = fitted {
+        println!();
+        print_auto_fit(f);
+    }
+    println!();
+    println!("(planned in {:.2} ms)", plan_secs * 1e3);
+}
+
+/// The plan (the auto-fit, the dry run) as one JSON object.
+fn print_json(
+    req: &PlanRequest,
+    the_plan: &Plan,
+    plan_secs: f64,
+    fitted: Option<&AutoFit>,
+    dry_run: Option<&DryRun>,
+) -> anyhow::Result<()> {
+    let value = serde_json::json!({
+        "model": model_summary(req),
+        "request": request_json(req),
+        "plan": the_plan,
+        "plan_ms": plan_secs * 1e3,
+        "auto_fit": fitted.map(|f| serde_json::json!({
+            "found": f.found,
+            "changes": f.changes,
+            "relative_throughput": f.relative_throughput,
+            "request": request_json(&f.request),
+            "plan": f.plan,
+        })),
+        "dry_run": dry_run.map(|d| serde_json::json!({
+            "without_evaluation": d.without_evaluation,
+            "plan": d.plan,
+            "report": d.report,
+        })),
+    });
+    println!("{}", serde_json::to_string_pretty(&value)?);
+    Ok(())
+}
+
+/// The run config at `path` through the one adapter (`train::plan_adapter`), as the trainer's
+/// pre-flight and the studio plan it (`--model-config` and `--devices` replace its model and
+/// devices; the other flags override its settings later), with the config itself.
+fn config_request(
+    args: &PlanArgs,
+    path: &Path,
+    devices: Option<Vec<plan::DeviceSpec>>,
+    gpu_capacity: &dyn Fn(usize) -> Option<u64>,
+) -> anyhow::Result<(PlanRequest, train::RunConfig)> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the run config {}", path.display()))?;
+    let base = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let (config, ignored) =
+        train::read_run_config_leniently(&text, &path.display().to_string(), base)?;
+    for p in &ignored {
+        eprintln!("note: {} ignores {p}", path.display());
+    }
+    let model = match &args.model_config {
+        Some(m) => ModelConfig::from_file(&plan::model_config_path(m, Path::new("."))?)?,
+        None => train::plan_model(&config)?,
+    };
+    let devices = match devices {
+        Some(d) => d,
+        None => train::plan_devices(&config, gpu_capacity)?,
+    };
+    Ok((train::plan_request(&config, model, devices), config))
 }
 
 /// The request `tunestudio plan` plans for these arguments (the studio's tests compare
 /// their plans with it).
+#[cfg(all(test, feature = "gui"))]
 pub(crate) fn build_request(args: &PlanArgs) -> anyhow::Result<PlanRequest> {
+    Ok(request_and_config(args)?.0)
+}
+
+/// [`build_request`], with the run config it read (with `--config`).
+fn request_and_config(args: &PlanArgs) -> anyhow::Result<(PlanRequest, Option<train::RunConfig>)> {
+    let mut run_config = None;
     let gpu_capacity = tunestudio::devices::driver_gpu_capacity();
     let devices = match &args.devices {
         Some(d) => Some(plan::parse_devices_with(d, &gpu_capacity)?),
         None => None,
     };
     let mut req = if let Some(path) = &args.config {
-        // The run config through the one adapter (`train::plan_adapter`), as the trainer's
-        // pre-flight and the studio plan it; the flags then override its settings.
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read the run config {}", path.display()))?;
-        let base = path
-            .parent()
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or(Path::new("."));
-        let (config, ignored) =
-            train::read_run_config_leniently(&text, &path.display().to_string(), base)?;
-        for p in &ignored {
-            eprintln!("note: {} ignores {p}", path.display());
-        }
-        let model = match &args.model_config {
-            Some(m) => ModelConfig::from_file(&plan::model_config_path(m, Path::new("."))?)?,
-            None => train::plan_model(&config)?,
-        };
-        let devices = match devices {
-            Some(d) => d,
-            None => train::plan_devices(&config, &gpu_capacity)?,
-        };
-        train::plan_request(&config, model, devices)
+        let (req, config) = config_request(args, path, devices, &gpu_capacity)?;
+        run_config = Some(config);
+        req
     } else {
         let source = args.model_config.as_deref().context(
             "give the model: --model-config path/to/config.json (or a model folder), or --config run.toml",
@@ -238,7 +409,7 @@ pub(crate) fn build_request(args: &PlanArgs) -> anyhow::Result<PlanRequest> {
             None => {}
         }
     }
-    Ok(req)
+    Ok((req, run_config))
 }
 
 fn model_summary(req: &PlanRequest) -> String {
@@ -362,7 +533,7 @@ fn device_row(d: &DevicePlan) -> Vec<String> {
         )
     } else {
         let first = match d.first_oom_phase {
-            Some(ph) if ph != d.peak_phase => format!(", from the {ph}"),
+            Some(ph) if PeakMoment::Step(ph) != d.peak_moment() => format!(", from the {ph}"),
             _ => String::new(),
         };
         format!(
@@ -382,7 +553,7 @@ fn device_row(d: &DevicePlan) -> Vec<String> {
         gib(d.temporaries_bytes),
         gib(d.overhead_bytes),
         format_bytes(d.peak_bytes),
-        d.peak_phase.to_string(),
+        d.peak_moment().to_string(),
         format_bytes(d.device.capacity_bytes),
         status,
     ]

@@ -308,13 +308,9 @@ impl Jobs {
     /// One real training step measured against the plan.
     pub fn dry_run(&self, plan: Plan, config: RunConfig) {
         self.spawn("dry-run", move |_| {
-            // The error as text: TrainError is large, and the report only needs its message.
-            let report = plan::dry_run(&plan, 0, move || -> Result<(), String> {
-                let mut run = train::TrainingRun::new(config).map_err(|e| e.to_string())?;
-                run.step().map_err(|e| e.to_string())?;
-                Ok(())
-            });
-            Some(JobOutput::DryRun(report))
+            // One step as the trainer takes it, its components measured as far as the
+            // process can (the same dry run as `tunestudio plan --dry-run`).
+            Some(JobOutput::DryRun(train::dry_run(config, &plan)))
         });
     }
 

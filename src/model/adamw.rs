@@ -299,6 +299,23 @@ impl AdamW {
         self.steps
     }
 
+    /// Bytes of the state as allocated: every moment and master copy (f32), wherever it lives.
+    pub fn state_bytes(&self) -> u64 {
+        let f32_bytes = std::mem::size_of::<f32>() as u64;
+        let tensor = |t: &Tensor| (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+        self.slots
+            .iter()
+            .map(|s| match &s.state {
+                State::Host { m, v, master } => {
+                    (m.len() + v.len() + master.as_ref().map_or(0, Vec::len)) as u64 * f32_bytes
+                }
+                State::Device { m, v, master } => {
+                    tensor(m) + tensor(v) + master.as_ref().map_or(0, tensor)
+                }
+            })
+            .sum()
+    }
+
     /// The state for a checkpoint: `exp_avg.<name>`, `exp_avg_sq.<name>` and
     /// `master.<name>` (f32, CPU).
     pub fn state_tensors(&self) -> Result<HashMap<String, Tensor>, ModelError> {

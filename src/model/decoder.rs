@@ -591,6 +591,23 @@ impl CausalLm {
         &self.params
     }
 
+    /// Bytes of the weights as allocated: every parameter (frozen or trainable, adapters
+    /// included) and the quantized base of a QLoRA model. Frozen views share their
+    /// parameter's storage, so nothing is counted twice.
+    pub fn weights_bytes(&self) -> u64 {
+        let params: usize = self
+            .params
+            .iter()
+            .map(|p| p.var.elem_count() * p.var.dtype().size_in_bytes())
+            .sum();
+        let quantized: usize = self
+            .quantized
+            .values()
+            .map(|q| q.storage_size_in_bytes())
+            .sum();
+        (params + quantized) as u64
+    }
+
     /// The parameter named `name`.
     pub fn param(&self, name: &str) -> Option<&NamedParam> {
         self.index.get(name).map(|&i| &self.params[i])

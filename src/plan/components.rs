@@ -17,13 +17,22 @@
 //! | temporaries | the rest of the step's peak: peak − the components above that are alive in the peak's phase (signed) | the same rule on the measured peak and components |
 //! | baseline | the process terms besides the heap (binary, tokenizer, dataset, allocator retention, GUI) when the request has [`super::ProcessInputs`] | resident set − heap (`VmRSS` − counted heap), where both are readable |
 //!
+//! A process without the counting allocator (`tunestudio plan --dry-run`, the studio's dry
+//! run) measures less: [`StepReadings`] are the sizes of the tensors the trainer holds
+//! (weights, optimizer state, gradients: counted, on any device) and the meter around the
+//! step (the resident set on the CPU). The rest is derived, and the report says so, row by
+//! row ([`ComponentReport::from_readings`]): the baseline is the meter before the step minus
+//! the resident tensors, the step's peak is the resident tensors plus the meter's rise in the
+//! step, and activations, logits/loss and temporaries are measured together, as the rest of
+//! the step's peak once weights, optimizer state and gradients are taken away.
+//!
 //! Alive in the peak's phase: forward — weights, optimizer, activations, logits/loss (and the
 //! gradient buffer with accumulation); backward — all five (gradients counted whole: most
 //! exist by the backward's peak, and the rest shows as a negative temporary); optimizer step
 //! — weights, optimizer, gradients. With one rule on both sides the rows add up to the step's
 //! peak exactly, so the peak's error is the sum of the rows' errors.
 
-use super::{format_bytes, DevicePlan, StepPhase};
+use super::{format_bytes, DevicePlan, MeasureMethod, StepPhase};
 use std::fmt::Write as _;
 
 /// One component of a step's memory.
@@ -164,6 +173,61 @@ impl DevicePlan {
     }
 }
 
+/// Component sizes counted from the tensors themselves, on any device and without the
+/// counting allocator: what a trainer can report of its run (the trainer's
+/// `TrainingRun::tensor_bytes`). Definitions as in the module docs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct TensorBytes {
+    /// Σ bytes of the model's weights as allocated (parameters, adapters, a quantized base).
+    pub weights_bytes: u64,
+    /// Σ bytes of AdamW's state (moments, and master copies in mixed precision).
+    pub optimizer_bytes: u64,
+    /// Σ bytes of the gradient store when the last step's backward returned (`None` before a
+    /// step, or after one without a trained token).
+    pub gradients_bytes: Option<u64>,
+}
+
+/// What a dry run reads of a step it cannot look inside ([`super::dry_run_with_readings`]):
+/// the counted tensors and the meter (heap or resident set) around the step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct StepReadings {
+    /// What the meter reads ([`super::Meter::method`]).
+    pub method: MeasureMethod,
+    /// The tensors of the checked device (`None`: they cannot be told apart from other
+    /// devices' tensors, e.g. a run on several devices).
+    pub tensors: Option<TensorBytes>,
+    /// The meter just before the step (bytes in use: heap or `VmRSS`).
+    pub in_use_before_step: Option<u64>,
+    /// The meter's peak just before the step (the setup's: loading, tokenising).
+    pub peak_before_step: Option<u64>,
+    /// The meter's peak after the step.
+    pub peak_after_step: Option<u64>,
+}
+
+impl StepReadings {
+    /// Everything in use before the step besides the resident tensors (weights, optimizer
+    /// state): the measured baseline.
+    pub fn baseline_bytes(&self) -> Option<i64> {
+        let t = self.tensors?;
+        Some(self.in_use_before_step? as i64 - (t.weights_bytes + t.optimizer_bytes) as i64)
+    }
+
+    /// The step's peak: the resident tensors plus the meter's rise during the step. `None`
+    /// when the step did not raise the meter's peak (the setup's peak hides the step's).
+    pub fn step_peak_bytes(&self) -> Option<i64> {
+        let (before, after) = (self.peak_before_step?, self.peak_after_step?);
+        (after > before).then_some(after as i64 - self.baseline_bytes()?)
+    }
+}
+
+/// `(predicted − measured) / |measured|` in percent, when both are known and measured ≠ 0.
+fn error_pct(predicted: Option<i64>, measured: Option<i64>) -> Option<f64> {
+    match (predicted, measured) {
+        (Some(p), Some(m)) if m != 0 => Some(100.0 * (p - m) as f64 / (m as f64).abs()),
+        _ => None,
+    }
+}
+
 /// One row: a component predicted and measured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct ComponentRow {
@@ -173,15 +237,15 @@ pub struct ComponentRow {
     pub predicted: Option<i64>,
     /// Measured bytes (`None`: not measured).
     pub measured: Option<i64>,
+    /// How the measured figure was obtained, when not as the module docs define it (counted
+    /// from the tensors, derived from other figures); `None`: as defined.
+    pub how: Option<&'static str>,
 }
 
 impl ComponentRow {
     /// (predicted − measured) / |measured| in percent, when both are known and measured ≠ 0.
     pub fn error_pct(&self) -> Option<f64> {
-        match (self.predicted, self.measured) {
-            (Some(p), Some(m)) if m != 0 => Some(100.0 * (p - m) as f64 / (m as f64).abs()),
-            _ => None,
-        }
+        error_pct(self.predicted, self.measured)
     }
 
     /// predicted − measured, when both are known.
@@ -190,16 +254,45 @@ impl ComponentRow {
     }
 }
 
+/// Activations, logits/loss and temporaries as one figure: the step's peak minus weights,
+/// optimizer state and gradients, on both sides (for a measurement that cannot tell the three
+/// apart, see [`ComponentReport::from_readings`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct RestOfPeak {
+    /// Predicted bytes.
+    pub predicted: Option<i64>,
+    /// Measured (derived) bytes.
+    pub measured: Option<i64>,
+}
+
 /// Predicted against measured, component by component, with the step's peak.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct ComponentReport {
     /// One row per [`Component`], in [`Component::ALL`] order.
     pub rows: Vec<ComponentRow>,
+    /// Activations, logits/loss and temporaries measured together, when they were.
+    pub rest_of_peak: Option<RestOfPeak>,
     /// The predicted step peak and its phase.
     pub predicted_peak: (u64, StepPhase),
-    /// The measured step peak and its phase, when measured.
-    pub measured_peak: Option<(u64, StepPhase)>,
+    /// The measured step peak, when measured, and its phase when known.
+    pub measured_peak: Option<(u64, Option<StepPhase>)>,
+    /// How the measured peak was obtained, when not by the allocator's high-water mark.
+    pub peak_how: Option<&'static str>,
+    /// What to keep in mind reading the measured column, when something.
+    pub note: Option<&'static str>,
 }
+
+/// How [`ComponentReport::from_readings`] obtained each figure.
+const COUNTED_WEIGHTS: &str = "counted: Σ bytes of the model's weights";
+const COUNTED_OPTIMIZER: &str = "counted: Σ bytes of AdamW's state";
+const COUNTED_GRADIENTS: &str = "counted: Σ bytes of the gradients after backward";
+const IN_REST: &str = "in the rest of the peak";
+const DERIVED_REST: &str = "derived: step peak − weights − optimizer − gradients";
+const DERIVED_BASELINE: &str = "derived: in use before the step − weights − optimizer";
+const DERIVED_PEAK: &str = "derived: weights + optimizer + the peak's rise in the step";
+const RSS_NOTE: &str = "Measured with the resident set: memory the setup freed (the tokenizer's, \
+the data's) stays resident\nand the step reuses some of it, so the derived step rows are a lower \
+bound of the step's heap and the\nbaseline an upper bound; their sum, the process's peak, is exact.";
 
 impl ComponentReport {
     /// Both sides known.
@@ -216,10 +309,71 @@ impl ComponentReport {
                     component: c,
                     predicted: predicted.value(c),
                     measured: measured.and_then(|m| m.value(c)),
+                    how: None,
                 })
                 .collect(),
+            rest_of_peak: None,
             predicted_peak: (predicted.peak_bytes, predicted.peak_phase),
-            measured_peak: measured.map(|m| (m.peak_bytes, m.peak_phase)),
+            measured_peak: measured.map(|m| (m.peak_bytes, Some(m.peak_phase))),
+            peak_how: None,
+            note: None,
+        }
+    }
+
+    /// The prediction next to a dry run's readings: weights, optimizer state and gradients as
+    /// counted, the baseline and the step's peak derived from the meter, and activations,
+    /// logits/loss and temporaries together as the rest of the peak (each row says how).
+    pub fn from_readings(predicted: &ComponentSet, readings: &StepReadings) -> Self {
+        let t = readings.tensors;
+        let step_peak = readings.step_peak_bytes();
+        let gradients = t.and_then(|t| t.gradients_bytes);
+        let rest = match (step_peak, t, gradients) {
+            (Some(p), Some(t), Some(g)) => {
+                Some(p - (t.weights_bytes + t.optimizer_bytes + g) as i64)
+            }
+            _ => None,
+        };
+        let measured = |c: Component| -> (Option<i64>, Option<&'static str>) {
+            let counted = |v: Option<u64>, how| (v.map(|b| b as i64), v.map(|_| how));
+            match c {
+                Component::Weights => counted(t.map(|t| t.weights_bytes), COUNTED_WEIGHTS),
+                Component::Optimizer => counted(t.map(|t| t.optimizer_bytes), COUNTED_OPTIMIZER),
+                Component::Gradients => counted(gradients, COUNTED_GRADIENTS),
+                Component::Activations | Component::LogitsAndLoss | Component::Temporaries => {
+                    (None, rest.map(|_| IN_REST))
+                }
+                Component::Baseline => {
+                    let b = readings.baseline_bytes();
+                    (b, b.map(|_| DERIVED_BASELINE))
+                }
+            }
+        };
+        let s = &predicted.step;
+        ComponentReport {
+            rows: Component::ALL
+                .iter()
+                .map(|&c| {
+                    let (value, how) = measured(c);
+                    ComponentRow {
+                        component: c,
+                        predicted: predicted.value(c),
+                        measured: value,
+                        how,
+                    }
+                })
+                .collect(),
+            rest_of_peak: rest.map(|m| RestOfPeak {
+                predicted: Some(
+                    predicted.peak_bytes as i64
+                        - (s.weights_bytes + s.optimizer_bytes + s.gradients_bytes) as i64,
+                ),
+                measured: Some(m),
+            }),
+            predicted_peak: (predicted.peak_bytes, predicted.peak_phase),
+            measured_peak: step_peak.map(|p| (p.max(0) as u64, None)),
+            peak_how: step_peak.map(|_| DERIVED_PEAK),
+            note: (readings.method == MeasureMethod::ProcessRss && step_peak.is_some())
+                .then_some(RSS_NOTE),
         }
     }
 
@@ -228,54 +382,89 @@ impl ComponentReport {
         self.rows.iter().find(|r| r.component == c)
     }
 
-    /// The table in text, one line per component and one for the step's peak.
+    /// The table in text, one line per component (and the rest of the peak, when measured
+    /// together) and one for the step's peak; a last column says how a figure was measured
+    /// when it was not as the module docs define it.
     pub fn render(&self) -> String {
-        let mut out = format!(
-            "{:<12} {:>11} {:>11} {:>11} {:>8}\n",
-            "component", "predicted", "measured", "error", "error %"
-        );
-        let cell = |v: Option<i64>| match v {
-            Some(b) if b < 0 => format!("-{}", format_bytes(b.unsigned_abs())),
-            Some(b) => format_bytes(b as u64),
-            None => "—".to_string(),
+        let notes = self.peak_how.is_some() || self.rows.iter().any(|r| r.how.is_some());
+        let mut out = String::new();
+        line_header(&mut out, notes.then_some("measured how"));
+        let mut line = |name: &str, p: Option<i64>, m: Option<i64>, how: Option<&str>| {
+            let error = match (p, m) {
+                (Some(p), Some(m)) => signed_cell(p - m),
+                _ => "—".to_string(),
+            };
+            let pct = error_pct(p, m).map_or("—".to_string(), |e| format!("{e:+.1}"));
+            let row = format!(
+                "{name:<12} {:>11} {:>11} {error:>11} {pct:>8}  {}",
+                bytes_cell(p),
+                bytes_cell(m),
+                how.unwrap_or("")
+            );
+            let _ = writeln!(out, "{}", row.trim_end());
         };
-        let signed = |v: Option<i64>| match v {
-            Some(b) if b < 0 => format!("-{}", format_bytes(b.unsigned_abs())),
-            Some(b) => format!("+{}", format_bytes(b as u64)),
-            None => "—".to_string(),
-        };
-        let pct = |v: Option<f64>| v.map_or("—".to_string(), |e| format!("{e:+.1}"));
         for r in &self.rows {
-            let _ = writeln!(
-                out,
-                "{:<12} {:>11} {:>11} {:>11} {:>8}",
-                r.component.name(),
-                cell(r.predicted),
-                cell(r.measured),
-                signed(r.error_bytes()),
-                pct(r.error_pct())
+            line(r.component.name(), r.predicted, r.measured, r.how);
+        }
+        if let Some(rest) = &self.rest_of_peak {
+            line(
+                "rest of peak",
+                rest.predicted,
+                rest.measured,
+                Some(DERIVED_REST),
             );
         }
         let (pp, pphase) = self.predicted_peak;
-        let peak = ComponentRow {
-            component: Component::Temporaries,
-            predicted: Some(pp as i64),
-            measured: self.measured_peak.map(|(m, _)| m as i64),
-        };
         let phases = match self.measured_peak {
-            Some((_, m)) => format!("predicted at the {pphase}, measured at the {m}"),
-            None => format!("predicted at the {pphase}"),
+            Some((_, Some(m))) => format!("predicted at the {pphase}, measured at the {m}"),
+            _ => format!("predicted at the {pphase}"),
         };
-        let _ = writeln!(
-            out,
-            "{:<12} {:>11} {:>11} {:>11} {:>8}  ({phases})",
+        let how = match self.peak_how {
+            Some(h) => format!("{h} ({phases})"),
+            None => format!("({phases})"),
+        };
+        line(
             "step peak",
-            cell(peak.predicted),
-            cell(peak.measured),
-            signed(peak.error_bytes()),
-            pct(peak.error_pct())
+            Some(pp as i64),
+            self.measured_peak.map(|(m, _)| m as i64),
+            Some(&how),
         );
+        if let Some(note) = self.note {
+            let _ = writeln!(out, "{note}");
+        }
         out
+    }
+}
+
+/// The table's header line (with the "how" column when some row has a note).
+fn line_header(out: &mut String, how: Option<&str>) {
+    let row = format!(
+        "{:<12} {:>11} {:>11} {:>11} {:>8}  {}",
+        "component",
+        "predicted",
+        "measured",
+        "error",
+        "error %",
+        how.unwrap_or("")
+    );
+    let _ = writeln!(out, "{}", row.trim_end());
+}
+
+/// Bytes in a cell, signed when negative, `—` when unknown.
+fn bytes_cell(v: Option<i64>) -> String {
+    match v {
+        Some(b) if b < 0 => format!("-{}", format_bytes(b.unsigned_abs())),
+        Some(b) => format_bytes(b as u64),
+        None => "—".to_string(),
+    }
+}
+
+/// A difference in bytes, always signed.
+fn signed_cell(b: i64) -> String {
+    if b < 0 {
+        format!("-{}", format_bytes(b.unsigned_abs()))
+    } else {
+        format!("+{}", format_bytes(b as u64))
     }
 }
 
@@ -339,5 +528,71 @@ mod tests {
             assert!(text.contains(c.name()), "{text}");
         }
         assert!(text.contains("step peak"), "{text}");
+        assert!(
+            !text.contains("measured how"),
+            "no notes when all is counted: {text}"
+        );
+    }
+
+    #[test]
+    fn readings_count_the_tensors_and_derive_the_rest() {
+        let predicted = set(500, StepPhase::Backward);
+        let readings = StepReadings {
+            method: MeasureMethod::ProcessRss,
+            tensors: Some(TensorBytes {
+                weights_bytes: 100,
+                optimizer_bytes: 200,
+                gradients_bytes: Some(100),
+            }),
+            // 1000 besides the resident tensors; the step rises 180 above that: peak 480.
+            in_use_before_step: Some(1300),
+            peak_before_step: Some(1350),
+            peak_after_step: Some(1480),
+        };
+        let r = ComponentReport::from_readings(&predicted, &readings);
+        let measured = |c| r.row(c).unwrap().measured;
+        assert_eq!(measured(Component::Weights), Some(100));
+        assert_eq!(measured(Component::Optimizer), Some(200));
+        assert_eq!(measured(Component::Gradients), Some(100));
+        assert_eq!(measured(Component::Baseline), Some(1000));
+        for c in [
+            Component::Activations,
+            Component::LogitsAndLoss,
+            Component::Temporaries,
+        ] {
+            assert_eq!(measured(c), None, "{}", c.name());
+            assert!(r.row(c).unwrap().how.is_some());
+        }
+        // The rest of the peak on both sides: predicted 500 − 400, measured 480 − 400.
+        let rest = r.rest_of_peak.unwrap();
+        assert_eq!((rest.predicted, rest.measured), (Some(100), Some(80)));
+        assert_eq!(r.measured_peak, Some((480, None)));
+        let text = r.render();
+        for word in ["rest of peak", "counted", "derived", "resident set"] {
+            assert!(text.contains(word), "{word}: {text}");
+        }
+
+        // A step that did not raise the setup's peak: its own peak is not known.
+        let hidden = StepReadings {
+            peak_after_step: Some(1350),
+            ..readings
+        };
+        let r = ComponentReport::from_readings(&predicted, &hidden);
+        assert_eq!(r.measured_peak, None);
+        assert_eq!(r.rest_of_peak, None);
+        assert_eq!(r.row(Component::Baseline).unwrap().measured, Some(1000));
+
+        // No meter (a GPU): the counted tensors only.
+        let gpu = StepReadings {
+            method: MeasureMethod::Unavailable,
+            in_use_before_step: None,
+            peak_before_step: None,
+            peak_after_step: None,
+            ..readings
+        };
+        let r = ComponentReport::from_readings(&predicted, &gpu);
+        assert_eq!(r.row(Component::Weights).unwrap().measured, Some(100));
+        assert_eq!(r.row(Component::Baseline).unwrap().measured, None);
+        assert_eq!((r.measured_peak, r.note), (None, None));
     }
 }

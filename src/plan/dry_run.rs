@@ -1,7 +1,7 @@
 //! The dry run: one real forward/backward/optimizer step on the longest batch
 //! before training, measured against the plan's prediction.
 
-use super::{format_bytes, ComponentReport, ComponentSet, Plan};
+use super::{format_bytes, ComponentReport, ComponentSet, Plan, StepReadings};
 use crate::mem;
 use std::fmt;
 use std::time::Instant;
@@ -140,24 +140,73 @@ pub fn dry_run_with_components<E: fmt::Display>(
     device_index: usize,
     step: impl FnOnce() -> Result<Option<ComponentSet>, E>,
 ) -> DryRunReport {
+    dry_run_measuring(
+        plan,
+        device_index,
+        |_| step(),
+        |predicted, measured| {
+            ComponentReport::with_measured(predicted, measured.and_then(Option::as_ref))
+        },
+    )
+}
+
+/// [`dry_run`] with a step that cannot measure its components inside it (no hooks, no
+/// counting allocator: a whole `TrainingRun`), but reads the dry run's [`Meter`] around its
+/// step and counts the tensors it holds: the report's components are then those readings,
+/// the rest derived from them ([`ComponentReport::from_readings`]).
+pub fn dry_run_with_readings<E: fmt::Display>(
+    plan: &Plan,
+    device_index: usize,
+    step: impl FnOnce(&Meter) -> Result<StepReadings, E>,
+) -> DryRunReport {
+    dry_run_measuring(
+        plan,
+        device_index,
+        step,
+        |predicted, readings| match readings {
+            Some(r) => ComponentReport::from_readings(predicted, r),
+            None => ComponentReport::with_measured(predicted, None),
+        },
+    )
+}
+
+/// The meter a dry run measures with, as the step sees it ([`dry_run_with_readings`]): the
+/// counting allocator's heap, the process's resident set, or nothing (a GPU).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Meter {
+    method: MeasureMethod,
+}
+
+impl Meter {
+    /// What it reads.
+    pub fn method(&self) -> MeasureMethod {
+        self.method
+    }
+
+    /// Bytes in use now: the heap, or the resident set (`VmRSS`).
+    pub fn in_use_bytes(&self) -> Option<u64> {
+        match self.method {
+            MeasureMethod::CountingAllocator => Some(mem::current_bytes()),
+            MeasureMethod::ProcessRss => mem::process_rss_bytes(),
+            MeasureMethod::Unavailable => None,
+        }
+    }
+
+    /// The peak since the dry run started (it resets the peak before the step closure runs).
+    pub fn peak_bytes(&self) -> Option<u64> {
+        measured_peak(self.method)
+    }
+}
+
+/// The dry run, with what the step returns turned into the component report by `report`.
+fn dry_run_measuring<T, E: fmt::Display>(
+    plan: &Plan,
+    device_index: usize,
+    step: impl FnOnce(&Meter) -> Result<T, E>,
+    report_components: impl FnOnce(&ComponentSet, Option<&T>) -> ComponentReport,
+) -> DryRunReport {
     let Some(dev) = plan.per_device.get(device_index) else {
-        return DryRunReport {
-            outcome: DryRunOutcome::Failed {
-                message: format!(
-                    "the plan has {} device(s); there is no device {device_index}",
-                    plan.per_device.len()
-                ),
-            },
-            device_name: String::new(),
-            predicted_peak_bytes: 0,
-            measured_peak_bytes: None,
-            baseline_bytes: None,
-            method: MeasureMethod::Unavailable,
-            relative_error: None,
-            step_secs: 0.0,
-            summary: "dry run skipped: no such device in the plan".into(),
-            components: None,
-        };
+        return no_such_device(plan, device_index);
     };
     let predicted = dev.peak_bytes;
     let mut report = DryRunReport {
@@ -178,7 +227,7 @@ pub fn dry_run_with_components<E: fmt::Display>(
             "not run: {} would need {} at the {} but has {} (short by {}); apply a fix first",
             dev.device.name,
             format_bytes(predicted),
-            dev.peak_phase,
+            dev.peak_moment(),
             format_bytes(dev.device.capacity_bytes),
             format_bytes(dev.shortfall_bytes)
         );
@@ -188,13 +237,12 @@ pub fn dry_run_with_components<E: fmt::Display>(
     let method = measure_method(on_cpu);
     let baseline = start_measuring(method);
     let start = Instant::now();
-    let result = step();
+    let result = step(&Meter { method });
     report.step_secs = start.elapsed().as_secs_f64();
-    report.components = Some(ComponentReport::with_measured(
+    report.components = Some(report_components(
         &dev.predicted_components(),
-        result.as_ref().ok().and_then(|m| m.as_ref()),
+        result.as_ref().ok(),
     ));
-    let result = result.map(|_| ());
     report.method = method;
     report.baseline_bytes = baseline;
     report.measured_peak_bytes = measured_peak(method);
@@ -202,6 +250,38 @@ pub fn dry_run_with_components<E: fmt::Display>(
         .measured_peak_bytes
         .filter(|&m| m > 0)
         .map(|m| (m as f64 - predicted as f64) / m as f64);
+    conclude(&mut report, dev, result.map(|_| ()));
+    report
+}
+
+/// The report for a device index the plan does not have.
+fn no_such_device(plan: &Plan, device_index: usize) -> DryRunReport {
+    DryRunReport {
+        outcome: DryRunOutcome::Failed {
+            message: format!(
+                "the plan has {} device(s); there is no device {device_index}",
+                plan.per_device.len()
+            ),
+        },
+        device_name: String::new(),
+        predicted_peak_bytes: 0,
+        measured_peak_bytes: None,
+        baseline_bytes: None,
+        method: MeasureMethod::Unavailable,
+        relative_error: None,
+        step_secs: 0.0,
+        summary: "dry run skipped: no such device in the plan".into(),
+        components: None,
+    }
+}
+
+/// The outcome and the summary line of a step that ran (or failed).
+fn conclude<E: fmt::Display>(
+    report: &mut DryRunReport,
+    dev: &super::DevicePlan,
+    result: Result<(), E>,
+) {
+    let predicted = report.predicted_peak_bytes;
     match result {
         Ok(()) => {
             report.summary = match (report.measured_peak_bytes, report.relative_error) {
@@ -209,7 +289,7 @@ pub fn dry_run_with_components<E: fmt::Display>(
                     "dry run on {}: peak {} measured ({}), {} predicted ({:+.1} %), {:.1} s",
                     dev.device.name,
                     format_bytes(m),
-                    method,
+                    report.method,
                     format_bytes(predicted),
                     -100.0 * e,
                     report.step_secs
@@ -239,7 +319,6 @@ pub fn dry_run_with_components<E: fmt::Display>(
             }
         }
     }
-    report
 }
 
 /// Resets the kernel's peak-RSS counter (`VmHWM`) by writing 5 to

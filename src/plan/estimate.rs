@@ -3,8 +3,8 @@
 
 use super::step_model::{self, BlockKind, BlockTerms, StepDims};
 use super::{
-    fit, format_bytes, DeviceKind, DevicePlan, LayerMemory, PhaseBytes, Plan, PlanError,
-    PlanRequest, StepPhase, Strategy, Verdict,
+    fit, format_bytes, DeviceKind, DevicePlan, LayerMemory, PeakMoment, PhaseBytes, Plan,
+    PlanError, PlanRequest, StepPhase, Strategy, Verdict,
 };
 use std::ops::Range;
 
@@ -393,7 +393,7 @@ fn summarize(per_device: &[DevicePlan], verdict: Verdict) -> String {
             .filter(|d| !d.fits)
             .map(|d| {
                 let first = match d.first_oom_phase {
-                    Some(p) if p != d.peak_phase => {
+                    Some(p) if PeakMoment::Step(p) != d.peak_moment() => {
                         format!("; it already overflows in the {p}")
                     }
                     _ => String::new(),
@@ -401,7 +401,7 @@ fn summarize(per_device: &[DevicePlan], verdict: Verdict) -> String {
                 format!(
                     "{} is out of memory at the {}: needs {}, has {} (short by {}){}",
                     d.device.name,
-                    d.peak_phase,
+                    d.peak_moment(),
                     format_bytes(d.peak_bytes),
                     format_bytes(d.device.capacity_bytes),
                     format_bytes(d.shortfall_bytes),
@@ -427,7 +427,7 @@ fn summarize(per_device: &[DevicePlan], verdict: Verdict) -> String {
                     format_bytes(w.peak_bytes),
                     format_bytes(w.device.capacity_bytes),
                     w.device.name,
-                    w.peak_phase,
+                    w.peak_moment(),
                     format_bytes(w.headroom_bytes),
                     100.0 * w.headroom_fraction()
                 ),

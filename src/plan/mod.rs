@@ -27,11 +27,17 @@ pub mod placement;
 mod process;
 pub mod step_model;
 
-pub use components::{Component, ComponentReport, ComponentRow, ComponentSet, StepComponents};
+pub use components::{
+    Component, ComponentReport, ComponentRow, ComponentSet, RestOfPeak, StepComponents,
+    StepReadings, TensorBytes,
+};
 pub use device::{
     format_bytes, parse_bytes, parse_devices, parse_devices_with, DeviceKind, DeviceSpec,
 };
-pub use dry_run::{dry_run, dry_run_with_components, DryRunOutcome, DryRunReport, MeasureMethod};
+pub use dry_run::{
+    dry_run, dry_run_with_components, dry_run_with_readings, DryRunOutcome, DryRunReport,
+    MeasureMethod, Meter,
+};
 pub use estimate::{balance_layers, layer_costs, layer_ranges, plan, LayerCosts};
 pub use fit::{auto_fit, relative_throughput, AutoFit};
 pub use gpu_catalog::{find_gpu_model, gpu_model_by_size_text, GpuModel, GPU_CATALOG};
@@ -211,6 +217,17 @@ impl PlanRequest {
         }
     }
 
+    /// The request of the planner's dry run of this run: one training step, no evaluation.
+    /// The dry run does not evaluate, so the process's evaluation terms (the evaluation's
+    /// heap, the allocator retention it leaves) are left out of its prediction.
+    pub fn for_dry_run(&self) -> PlanRequest {
+        let mut req = self.clone();
+        if let Some(p) = req.process.as_mut() {
+            p.evaluation = false;
+        }
+        req
+    }
+
     /// A one-line description of the settings ("fp32, micro-batch 1 × 4, seq 512, ...").
     pub fn settings_summary(&self) -> String {
         let mut s = format!(
@@ -261,6 +278,29 @@ impl fmt::Display for StepPhase {
             StepPhase::Backward => "backward",
             StepPhase::OptimizerStep => "optimizer step",
         })
+    }
+}
+
+/// The moment of a run at which a device's memory peaks: a phase of the training step or,
+/// when the peak is the process's resident set ([`ProcessFootprint`]), the evaluation or the
+/// loading of the weights when that moment is the process's largest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+pub enum PeakMoment {
+    /// A phase of the training step.
+    Step(StepPhase),
+    /// The evaluation on the validation split (`CausalLm::eval_loss`).
+    Evaluation,
+    /// The loading of the weights (mapped files and the loaded tensors at once).
+    Loading,
+}
+
+impl fmt::Display for PeakMoment {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PeakMoment::Step(phase) => phase.fmt(f),
+            PeakMoment::Evaluation => f.write_str("evaluation"),
+            PeakMoment::Loading => f.write_str("loading of the weights"),
+        }
     }
 }
 
@@ -332,6 +372,17 @@ impl DevicePlan {
     pub fn headroom_fraction(&self) -> f64 {
         let cap = self.device.capacity_bytes.max(1) as f64;
         (self.device.capacity_bytes as f64 - self.peak_bytes as f64) / cap
+    }
+
+    /// The moment `peak_bytes` belongs to: the process's largest moment when the peak is the
+    /// process's resident set (the evaluation or the loading can be larger than the step),
+    /// else the step's phase ([`DevicePlan::peak_phase`]).
+    pub fn peak_moment(&self) -> PeakMoment {
+        match self.process.as_ref().map(|p| p.largest_moment) {
+            Some(process::EVALUATION) => PeakMoment::Evaluation,
+            Some(process::LOADING) => PeakMoment::Loading,
+            _ => PeakMoment::Step(self.peak_phase),
+        }
     }
 }
 

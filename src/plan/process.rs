@@ -66,6 +66,13 @@ impl ProcessFootprint {
 
 const MIB: u64 = 1 << 20;
 
+/// [`ProcessFootprint::largest_moment`]: the training step.
+pub(crate) const TRAINING_STEP: &str = "training step";
+/// [`ProcessFootprint::largest_moment`]: the evaluation on the validation split.
+pub(crate) const EVALUATION: &str = "evaluation";
+/// [`ProcessFootprint::largest_moment`]: the loading of the weights.
+pub(crate) const LOADING: &str = "loading";
+
 /// The binary, its libraries and the runtime's threads before any model or data: measured
 /// 12.9 MiB peak RSS for `tunestudio --version` (`/usr/bin/time -v`, 13,192 KiB).
 const RUNTIME_BYTES: u64 = 13 * MIB;
@@ -142,18 +149,21 @@ pub(crate) fn footprint(
         0
     };
     let (largest_moment, heap) = [
-        ("training step", step_peak),
-        ("evaluation", evaluation_bytes),
-        ("loading", loading_bytes),
+        (TRAINING_STEP, step_peak),
+        (EVALUATION, evaluation_bytes),
+        (LOADING, loading_bytes),
     ]
     .into_iter()
-    .fold(("training step", 0), |best, cur| {
-        if cur.1 > best.1 {
-            cur
-        } else {
-            best
-        }
-    });
+    .fold(
+        (TRAINING_STEP, 0),
+        |best, cur| {
+            if cur.1 > best.1 {
+                cur
+            } else {
+                best
+            }
+        },
+    );
     let mut terms = vec![
         ProcessTerm {
             name: "binary, libraries, threads",

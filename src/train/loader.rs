@@ -86,6 +86,20 @@ impl DataLoader {
         self.epoch as f64 + self.index as f64 / self.batches.len().max(1) as f64
     }
 
+    /// The longest optimizer step the data allows, without moving the position: `accumulation`
+    /// micro-batches of the longest samples, longest first (each is padded to its own longest
+    /// row). The planner plans every micro-batch as long as `max_length`; this is that worst
+    /// case as far as the rows reach it, whatever the order of the epochs.
+    pub fn longest_step(&self, accumulation: usize) -> Vec<Vec<usize>> {
+        let mut by_length: Vec<usize> = (0..self.lengths.len()).collect();
+        by_length.sort_by_key(|&i| std::cmp::Reverse(self.lengths[i]));
+        by_length
+            .chunks(self.micro_batch)
+            .take(accumulation.max(1))
+            .map(<[usize]>::to_vec)
+            .collect()
+    }
+
     /// The micro-batches of the next optimizer step: up to `accumulation` of them,
     /// starting a new epoch first when the current one is used up.
     pub fn next_step(&mut self, accumulation: usize) -> Vec<Vec<usize>> {
@@ -107,6 +121,21 @@ impl DataLoader {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_longest_step_takes_the_longest_rows_and_keeps_the_position() {
+        let mut l = DataLoader::new(vec![5, 90, 20, 90, 7, 60, 1], 2, false, 1);
+        let before = l.position();
+        assert_eq!(l.longest_step(2), vec![vec![1, 3], vec![5, 2]]);
+        assert_eq!(
+            l.longest_step(9).concat().len(),
+            7,
+            "no more rows than there are"
+        );
+        assert_eq!(l.position(), before);
+        let _ = l.next_step(1);
+        assert_eq!(l.longest_step(1), vec![vec![1, 3]]);
+    }
 
     #[test]
     fn epochs_are_seeded_and_positions_restore() {

@@ -10,6 +10,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod dry_run;
 pub mod error;
 pub mod events;
 pub mod export;
@@ -31,6 +32,7 @@ pub use config::{
     CheckpointSection, DevicesSection, EvalSection, InitMode, LoraSection, ModelDtype,
     ModelSection, RunConfig, TrainingSection,
 };
+pub use dry_run::dry_run;
 pub use error::{ConfigError, ConfigProblem, Phase, TrainError};
 pub use events::{Command, Event, FinishReason, LintFinding, MemoryScope};
 pub use export::{export_adapter, export_full, export_merged};

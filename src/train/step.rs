@@ -130,6 +130,8 @@ pub struct TrainingRun {
     resumed_from: Option<PathBuf>,
     pad_id: u32,
     model_dir: PathBuf,
+    /// Σ bytes of rank 0's gradient store when the last step's backward returned.
+    last_gradient_bytes: Option<u64>,
 }
 
 /// Parses a `[devices]` entry into a candle device.
@@ -378,6 +380,7 @@ impl TrainingRun {
             resumed_from: None,
             pad_id,
             model_dir,
+            last_gradient_bytes: None,
         };
         run.sync_replicas()?;
         Ok(run)
@@ -665,6 +668,18 @@ impl TrainingRun {
         )
     }
 
+    /// The bytes of the tensors rank 0 holds, counted from the tensors themselves (any
+    /// device, no allocator needed): its weights, its AdamW state, and its gradient store as
+    /// the last step's backward left it (the per-component report's definitions,
+    /// `plan::components`). Under a layer split they span every device of rank 0.
+    pub fn tensor_bytes(&self) -> crate::plan::TensorBytes {
+        crate::plan::TensorBytes {
+            weights_bytes: self.model.weights_bytes(),
+            optimizer_bytes: self.optimizer.state_bytes(),
+            gradients_bytes: self.last_gradient_bytes,
+        }
+    }
+
     /// Every rank's model, rank 0 first.
     fn rank_models(&self) -> Vec<&CausalLm> {
         std::iter::once(&self.model)
@@ -797,11 +812,31 @@ impl TrainingRun {
     /// Runs one optimizer step. Errors leave the thread (and process) alive; a panic inside the
     /// step is caught and returned as [`TrainError::Panic`].
     pub fn step(&mut self) -> Result<StepOutcome, TrainError> {
-        let step = self.step + 1;
-        match std::panic::catch_unwind(AssertUnwindSafe(|| self.step_inner())) {
+        self.guarded(Self::step_inner)
+    }
+
+    /// Runs one optimizer step on the longest rows of the training split (the planner's worst
+    /// case, see [`DataLoader::longest_step`]) without moving the data position: the step of
+    /// the planner's dry run (`train::dry_run`). Otherwise as [`TrainingRun::step`]: the
+    /// weights are updated and the step is counted.
+    pub fn step_longest(&mut self) -> Result<StepOutcome, TrainError> {
+        self.guarded(|run| {
+            let accumulation = run.config.training.gradient_accumulation;
+            let micro_batches = run.loader.longest_step(accumulation);
+            run.step_on(&micro_batches)
+        })
+    }
+
+    /// Runs `step`, a panic inside it caught and returned as [`TrainError::Panic`].
+    fn guarded(
+        &mut self,
+        step: impl FnOnce(&mut Self) -> Result<StepOutcome, TrainError>,
+    ) -> Result<StepOutcome, TrainError> {
+        let index = self.step + 1;
+        match std::panic::catch_unwind(AssertUnwindSafe(|| step(self))) {
             Ok(r) => r,
             Err(payload) => Err(TrainError::Panic {
-                step,
+                step: index,
                 message: panic_message(&payload),
             }),
         }
@@ -819,17 +854,23 @@ impl TrainingRun {
     }
 
     fn try_step(&mut self) -> Result<StepOutcome, TrainError> {
-        let started = Instant::now();
-        let step = self.step + 1;
-        let lr = self.schedule.lr_at(self.step);
         let micro_batches = self
             .loader
             .next_step(self.config.training.gradient_accumulation);
+        self.step_on(&micro_batches)
+    }
+
+    /// One optimizer step on `micro_batches` (rows of the training split).
+    fn step_on(&mut self, micro_batches: &[Vec<usize>]) -> Result<StepOutcome, TrainError> {
+        let started = Instant::now();
+        let step = self.step + 1;
+        let lr = self.schedule.lr_at(self.step);
         if micro_batches.is_empty() {
             return Err(TrainError::EmptyDataset("no rows left".into()));
         }
         let loss_scale = self.scaler.as_ref().map_or(1.0, |s| s.scale);
-        let acc = self.accumulate(&micro_batches, loss_scale)?;
+        let acc = self.accumulate(micro_batches, loss_scale)?;
+        self.last_gradient_bytes = acc.grads.first().map(gradient_bytes);
         let shape = acc.shapes.last().copied().unwrap_or((0, 0));
         let settings = self.settings_summary();
         let tokens = acc.tokens;
@@ -1115,6 +1156,14 @@ impl TrainingRun {
         self.elapsed_secs += started.elapsed().as_secs_f64();
         Ok(path)
     }
+}
+
+/// Σ bytes of the tensors of a gradient store.
+fn gradient_bytes(grads: &Gradients) -> u64 {
+    grads
+        .iter()
+        .map(|(_, g)| (g.elem_count() * g.dtype().size_in_bytes()) as u64)
+        .sum()
 }
 
 /// What one rank's micro-step gives: loss sum, trained tokens, and its accumulated gradients.

@@ -35,6 +35,7 @@ mod model_qlora;
 mod model_train;
 mod ops_bench;
 mod ops_grad;
+mod plan_dry_run;
 mod plan_request;
 mod plan_rss;
 mod plan_verdicts;

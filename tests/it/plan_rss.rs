@@ -9,7 +9,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 /// The demo config, with absolute paths and its output in `out`.
-fn demo_config(dir: &Path) -> std::path::PathBuf {
+pub(crate) fn demo_config(dir: &Path) -> std::path::PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let text = std::fs::read_to_string(root.join("assets/demo.toml")).unwrap();
     let quoted = |p: &Path| format!("{:?}", p.display().to_string());

@@ -523,3 +523,68 @@ fn accumulation_plans_one_gradient_copy_through_the_cli() {
         gib(grads as u64)
     );
 }
+
+/// Issue #17: a CPU plan's peak is the process's resident set, and its largest moment is not
+/// always the training step. The verdict names the moment that sets the peak: the loading of
+/// the weights here (a LoRA run on a big checkpoint: mapped file pages and the loaded weights
+/// at once outweigh a checkpointed step), never a step phase it is not.
+#[test]
+fn the_verdict_names_the_largest_moment_of_the_process() {
+    use tunestudio::plan::{LoraSpec, PeakMoment, ProcessInputs};
+    let mut req = PlanRequest {
+        model: config("smollm2-135m.json"),
+        precision: Precision::Bf16,
+        micro_batch: 1,
+        gradient_accumulation: 1,
+        seq_len: 64,
+        activation_checkpointing: true,
+        optimizer_offload: false,
+        lora: Some(LoraSpec::all_linear(8)),
+        strategy: Strategy::Single,
+        devices: vec![DeviceSpec::cpu(64 << 30)],
+        ops: tunestudio::model::OpsMode::Auto,
+        process: Some(ProcessInputs {
+            tokenizer_file_bytes: 3_522_871,
+            dataset_file_bytes: 1 << 20,
+            // An fp32 checkpoint, 4 bytes per parameter.
+            mapped_weights_bytes: 4 * 134_515_008,
+            evaluation: true,
+            gui: false,
+        }),
+    };
+    let p = plan::plan(&req).unwrap();
+    let d = &p.per_device[0];
+    let f = d.process.as_ref().unwrap();
+    assert_eq!(f.largest_moment, "loading", "{f:?}");
+    assert!(f.loading_bytes > f.training_tensors_bytes.max(f.evaluation_bytes));
+    assert_eq!(d.peak_moment(), PeakMoment::Loading);
+    assert!(
+        p.summary.contains("at the loading of the weights"),
+        "{}",
+        p.summary
+    );
+    assert!(
+        !p.summary.contains(&d.peak_phase.to_string()),
+        "{}",
+        p.summary
+    );
+
+    // The evaluation, when it is the largest, is named the same way.
+    let mut evaluating = d.clone();
+    if let Some(f) = evaluating.process.as_mut() {
+        f.largest_moment = "evaluation";
+    }
+    assert_eq!(evaluating.peak_moment(), PeakMoment::Evaluation);
+    assert_eq!(evaluating.peak_moment().to_string(), "evaluation");
+
+    // A random initialisation maps nothing: the step is the largest, named by its phase.
+    req.process.as_mut().unwrap().mapped_weights_bytes = 0;
+    let p = plan::plan(&req).unwrap();
+    let d = &p.per_device[0];
+    assert_eq!(d.peak_moment(), PeakMoment::Step(d.peak_phase));
+    assert!(
+        p.summary.contains(&format!("at the {}", d.peak_phase)),
+        "{}",
+        p.summary
+    );
+}

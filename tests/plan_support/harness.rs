@@ -297,13 +297,27 @@ pub fn phase(d: &DevicePlan, p: StepPhase) -> u64 {
         .unwrap_or(0)
 }
 
-/// Relative error of a prediction, in percent.
 /// The counting allocator is process-wide: tests that measure must not overlap.
 static MEASURING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// Holds the measuring lock (one measurement at a time in a test binary).
+/// Holds the measuring lock (one measurement at a time in a test binary), once the heap has
+/// settled: the previous test released the lock before its thread ended, and that thread's
+/// thread-locals (gemm's scratch buffer, ≈ 1 MiB) are freed afterwards. Freed inside the next
+/// test's measurement, they made its weights row read 1009 KiB low now and then.
 pub fn exclusive() -> std::sync::MutexGuard<'static, ()> {
-    MEASURING.lock().unwrap_or_else(|e| e.into_inner())
+    let guard = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
+    let mut last = mem::current_bytes();
+    let mut stable_reads = 0;
+    for _ in 0..100 {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        let now = mem::current_bytes();
+        stable_reads = if now == last { stable_reads + 1 } else { 0 };
+        last = now;
+        if stable_reads == 5 {
+            break;
+        }
+    }
+    guard
 }
 
 /// Sets `TUNESTUDIO_OPS=generic` (models and plans follow it) until the returned guard drops,
@@ -319,6 +333,7 @@ pub fn generic_ops() -> impl Drop {
     Unset
 }
 
+/// Relative error of a prediction, in percent.
 pub fn err_pct(predicted: u64, measured: u64) -> f64 {
     100.0 * (predicted as f64 - measured as f64) / measured.max(1) as f64
 }

@@ -551,7 +551,7 @@ fn device_bar(ui: &mut Ui, d: &DevicePlan) {
                 } else {
                     format!("{} short", theme::bytes(d.shortfall_bytes))
                 },
-                d.peak_phase
+                d.peak_moment()
             ))
             .color(color),
         );
