@@ -403,7 +403,7 @@ fn layer_backward_peak(d: &StepDims) -> u64 {
     // Activation gradients in flight once the MLP's backward reaches the gate projection:
     // measured 2·[n, i] + 6·[n, h] (the gate/up output gradients, the post-norm input's
     // accumulating gradient with its zero-then-add, the residual stream's gradient; see
-    // `mlp_backward_peak` for the MLP's earlier, larger moments in full fine-tuning).
+    // `mlp_backward_peak` for the MLP's moments in full fine-tuning).
     let acts = n * (2 * i + 6 * h) * a;
     let lora_scratch = match &d.lora {
         // Adapter gradients follow the same five-buffer pattern, on tiny matrices.
@@ -420,7 +420,10 @@ fn layer_backward_peak(d: &StepDims) -> u64 {
         return acts + lora_scratch + 5 * scores;
     }
     // Attention: at the last of q/k/v the MLP and o_proj gradients (and the other
-    // projections') are stored and q's backward holds five q-sized buffers.
+    // projections') are stored and q's backward holds five q-sized buffers. (Measured while
+    // the recomputing rope/rms_norm backwards returned tracked gradients; since they return
+    // detached ones this moment is lower: 121.3 MiB above the layer's start on the wide
+    // 2-layer generic case of tests/plan_heldout.rs against 130.7 predicted, not re-derived.)
     let attn = (3 * h * i + h * q + 2 * h * kv) * g + 5 * h * q * g - h * q * g
         + 4 * d.micro_batch * d.heads * d.seq_len * d.seq_len * 4;
     mlp_backward_peak(d).max(attn + acts)
@@ -439,22 +442,23 @@ fn layer_backward_peak(d: &StepDims) -> u64 {
 ///   `grad.matmul(w.t().t())` is tracked (the weight is a Var), so `silu_mul`'s output keeps
 ///   zero, product and sum (3 × `[n, i]`) and the `[n, h]` gradient they read; the weight
 ///   gradient `x.t().matmul(grad)` gives the five weight-sized buffers of the module docs.
-/// * **`silu_mul`'s backward (`generic::Recompute`) runs candle's autograd on a recomputed
-///   `silu(g) · u`** and returns the store's gradients of its two input copies as they are:
-///   tracked tensors that keep the inner backward's intermediates. `u`'s keeps its
-///   zero-then-add and the product's gradient (4 × `[n, i]`); `g`'s keeps the copy of `g`,
-///   `silu(g)` and SiLU's backward chain (`−g`, `exp`, `+1`, `recip`, `1 − silu`, the
-///   product, `+ silu`, times the gradient, zero, sum, the incoming gradient: 13 ×
-///   `[n, i]`). Candle's outer zero-then-add wraps each (+2), and `g`'s 15 live until the
-///   gate projection is processed — after `up_proj`'s five weight-sized buffers.
+/// * **`silu_mul`'s backward (`generic::SiluMul`) is analytic**, in f32 tensor ops on
+///   detached inputs, one op at a time: at most three `[n, i]` f32 temporaries (sigmoid,
+///   and an operand and result of the next product) plus, in half precision, the f32 casts
+///   of `g` and of `u` or the incoming gradient. It hands back two plain, untracked
+///   gradients, so candle's zero-then-add leaves one `[n, i]` each; while candle adds them
+///   into the store, the two returned gradients, `g`'s sum, and `u`'s zero and sum are
+///   alive (5 × `[n, i]`).
 ///
 /// Measured with the counting allocator on the wide 2-layer model of tests/plan_heldout.rs
 /// (hidden 1152, MLP 3072, micro-batch 2 × 256, fp32, `TUNESTUDIO_OPS=generic`), printing
-/// the heap on entry to and exit from every generic op's backward: `silu_mul`'s backward
-/// peaked 156.0 MiB (26 × `[n, i]`) above its entry and left 102.0 MiB (17 × `[n, i]`), and
-/// the layer's peak was that moment, 192 MiB above the layer's start, every moment below
-/// within 0.1 MiB of its sum of buffers. (The gate projection's moment, the only one
-/// modelled before, is 120 MiB there.)
+/// the heap on entry to and exit from every generic op's backward and the peak between
+/// them: `silu_mul`'s backward peaked 18.0 MiB (3 × `[n, i]`) above its entry and left
+/// 12.0 MiB (its two gradients), and each layer's MLP peaked at the gate projection's
+/// transpose, 120.0 MiB above the layer's start (predicted here to the 0.01 MiB). With the
+/// recomputing backward the tracked inner graph made `silu_mul` the peak, 192 MiB there
+/// (26 × `[n, i]` inside, 17 × `[n, i]` kept until the projections ran): the step's peak
+/// fell from 823.5 to 752.8 MiB.
 fn mlp_backward_peak(d: &StepDims) -> u64 {
     let (n, h, i) = (d.tokens, d.hidden, d.intermediate);
     let weight = h * i * d.grad_bytes;
@@ -465,29 +469,25 @@ fn mlp_backward_peak(d: &StepDims) -> u64 {
     // After down_proj: its weight gradient, and the tracked gradient of `silu_mul`'s
     // output (zero, product, sum) with the `[n, h]` gradient it read.
     let after_down = residual + weight + 3 * act_i + act_h;
-    // Inside `silu_mul`'s backward, at SiLU's node, per `[n, i]` element: the input copies
-    // (2), silu(g), silu(g)·u, their f32 casts in half precision (o32, and the incoming
-    // gradient's), the f32 seed product and its gradient, the product's gradient, the
-    // incoming gradient's tracked zero-then-add (3 f32), silu(g)'s and u's (3 + 3), and
-    // SiLU's backward chain with its zero-then-add (10).
+    // Inside `silu_mul`'s backward, per `[n, i]` element: three f32 temporaries and, in half
+    // precision, two f32 casts of inputs; then candle's accumulation of what it returns
+    // (both gradients, g's sum, u's zero and sum).
     let cast = if d.act_bytes == 4 { 0 } else { 4 };
-    let silu_inner = n * i * (21 * d.act_bytes + 2 * cast + 20);
+    let silu_inner = (n * i * (3 * 4 + 2 * cast)).max(5 * act_i);
     let silu = after_down + silu_inner;
-    // What `silu_mul` hands back, each wrapped in candle's zero-then-add: `g`'s gradient
-    // with SiLU's chain (15 × `[n, i]`), `u`'s (6). Its own output's gradient is gone.
-    let gate_chain = 15 * act_i;
-    let up_chain = 6 * act_i;
+    // What `silu_mul` hands back: one untracked gradient each for g and u.
+    let (g_grad, u_grad) = (act_i, act_i);
     // up_proj's matmul: the tracked input gradient into x's store (gradient, zero, sum) and
     // three weight-sized buffers.
-    let up_matmul = residual + weight + gate_chain + up_chain + 3 * act_h + 3 * weight;
-    // up_proj's transpose: u's chain is released but for its summed gradient, which x's
-    // tracked input gradient reads; two more weight-sized buffers.
+    let up_matmul = residual + weight + g_grad + u_grad + 3 * act_h + 3 * weight;
+    // up_proj's transpose: u's gradient, which x's tracked input gradient reads; two more
+    // weight-sized buffers.
     let x_store = 3 * act_h;
-    let up_t = residual + weight + gate_chain + act_i + x_store + 5 * weight;
-    // gate_proj's matmul and transpose (g's chain released after the former): the last
-    // moment, down's and up's gradients stored, x's store summing a second gradient.
-    let gate_matmul = residual + 2 * weight + gate_chain + act_i + x_store + 2 * act_h + 3 * weight;
-    let gate_t = residual + 2 * weight + 2 * act_i + x_store + 2 * act_h + 5 * weight;
+    let up_t = residual + weight + g_grad + u_grad + x_store + 5 * weight;
+    // gate_proj's matmul and transpose: the last moment, down's and up's gradients stored,
+    // x's store summing a second gradient (which reads g's).
+    let gate_matmul = residual + 2 * weight + g_grad + u_grad + x_store + 2 * act_h + 3 * weight;
+    let gate_t = residual + 2 * weight + g_grad + u_grad + x_store + 2 * act_h + 5 * weight;
     silu.max(up_matmul).max(up_t).max(gate_matmul).max(gate_t)
 }
 
