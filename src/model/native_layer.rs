@@ -1032,22 +1032,12 @@ fn as_f32<'a>(cpu: &'a CpuStorage, layout: &Layout) -> Result<Cow<'a, [f32]>> {
 
 /// Half-precision data as `f32` (multithreaded).
 fn widen<T: Elem>(s: &[T]) -> Vec<f32> {
-    let mut out = vec![0f32; s.len()];
-    out.par_chunks_mut(1 << 14)
-        .zip(s.par_chunks(1 << 14))
-        .for_each(|(o, s)| o.iter_mut().zip(s).for_each(|(o, s)| *o = s.f()));
-    out
+    super::ops::simd::widen_par(s)
 }
 
 /// `v` as a CPU storage of `dtype` (f32 moved, half types rounded to nearest even).
 fn narrow(v: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
-    fn round<T: Elem>(v: &[f32]) -> Vec<T> {
-        let mut out = vec![T::ZERO; v.len()];
-        out.par_chunks_mut(1 << 14)
-            .zip(v.par_chunks(1 << 14))
-            .for_each(|(o, s)| o.iter_mut().zip(s).for_each(|(o, s)| *o = T::of(*s)));
-        out
-    }
+    use super::ops::simd::narrow_par as round;
     Ok(match dtype {
         DType::F32 => CpuStorage::F32(v),
         DType::BF16 => CpuStorage::BF16(round(&v)),

@@ -254,7 +254,8 @@ pub(crate) fn linear_cross_entropy_with_sink(
     }
     let sink = sink.filter(|_| weight.dtype() == DType::F32 && weight.is_contiguous());
     let hidden = hidden.to_dtype(DType::F32)?.contiguous()?;
-    let mut weight = weight.to_dtype(DType::F32)?;
+    // In half precision the head is cast on every thread (see `cast`).
+    let mut weight = super::to_f32(weight)?;
     // A contiguous [v, h] or a transposed view of a contiguous [h, v] are used in place.
     if !(weight.is_contiguous() || weight.t()?.is_contiguous()) {
         weight = weight.contiguous()?;

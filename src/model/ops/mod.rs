@@ -12,6 +12,7 @@
 //! - falls back to a composite of differentiable candle ops ([`composite`]) on non-CPU devices
 //!   and for other dtypes, so callers never need a device check of their own.
 
+mod cast;
 pub mod composite;
 mod cross_entropy;
 mod frozen_linear;
@@ -20,8 +21,10 @@ pub(crate) mod matmul;
 pub(crate) mod rms_norm;
 mod rope;
 pub(crate) mod silu_mul;
+pub(crate) mod simd;
 mod softmax;
 
+pub(crate) use cast::to_f32;
 pub use cross_entropy::{cross_entropy_rows, linear_cross_entropy, IGNORE_INDEX};
 pub(crate) use cross_entropy::{linear_cross_entropy_with_sink, WeightGradSink};
 pub use frozen_linear::frozen_linear;
