@@ -129,7 +129,7 @@ pub struct StepDims {
     /// `model::native_layer`) instead of graphs of candle ops.
     pub native_layers: bool,
     /// The embedding lookup and the lm-head gradient go through the side table
-    /// (`model::native_embedding`: CPU, f32, embeddings trained).
+    /// (`model::native_embedding`: CPU, fused ops, embeddings trained; any float dtype).
     pub native_embedding: bool,
     /// AdamW updates parameters (and their f32 master copies) in their own storage (CPU).
     pub in_place_optimizer: bool,
@@ -190,7 +190,7 @@ impl StepDims {
             quantize,
             // Quantized layers run as graphs of ops (`native_layer::layer_qualifies`).
             native_layers: all_cpu,
-            native_embedding: all_cpu && req.precision == Precision::Fp32 && req.lora.is_none(),
+            native_embedding: all_cpu && req.lora.is_none(),
             in_place_optimizer: all_cpu,
             generic_ops,
         }
@@ -693,61 +693,74 @@ pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
             }
         }
         BlockKind::Head if d.generic_ops => generic_head_terms(d),
-        BlockKind::Head => {
-            let rows = d.micro_batch * d.seq_len.saturating_sub(1);
-            let chunk = rows.min(LOSS_CHUNK_ROWS);
-            let mut kept = n * h * a; // final norm output
-            if d.micro_batch > 1 {
-                // hidden[:, :-1] is not contiguous for b > 1: the reshape copies it.
-                kept += rows * h * a;
-            }
-            if a != 4 {
-                // The fused loss works in f32: casts of the hidden rows and of lm_head.
-                kept += rows * h * 4 + v * h * 4;
-            }
-            // Loss op state: labels (i64) and active rows (usize) copies, per-row
-            // log-sum-exp and loss (f32), and the last chunk's probabilities (each
-            // chunk's logits are a buffer of exactly its rows).
-            let last_rows = if rows == 0 {
-                0
-            } else {
-                rows - (rows.div_ceil(chunk) - 1) * chunk
-            };
-            let last_chunk = last_rows * v * 4;
-            kept += rows * (8 + 8 + 4 + 4) + last_chunk;
-            // Backward of the fused loss: while it runs, its f32 weight and hidden
-            // gradients next to the cached last chunk (kept); once it returns the chunk
-            // is gone and candle adds each gradient it receives into a zero tensor. With
-            // native layers the weight gradient goes to the side table instead (one
-            // weight-sized buffer, not three).
-            // A frozen head (LoRA) gets no weight gradient at all.
-            let head_w = if full { v * h * 4 } else { 0 };
-            let in_op = head_w + rows * h * 4 + rows * 8 + chunk * h * 4;
-            let weight_bufs = if d.native_embedding { 1 } else { 3 };
-            let f32_head =
-                in_op.max((weight_bufs * head_w + 2 * rows * h * 4).saturating_sub(last_chunk));
-            // Earlier chunks are recomputed in full-size buffers once the cached last one is
-            // consumed.
-            let multi_chunk_extra = (chunk - last_rows) * v * 4;
-            // Half precision: the f32 gradients flow back through the casts
-            // (f32 sum + half cast + zero + sum), after the chunk is freed.
-            let cast_back = if a != 4 && full {
-                (v * h * (4 + 3 * g)).saturating_sub(last_chunk)
-            } else {
-                0
-            };
-            // The norm's and lm_head's gradients appear here; with tied embeddings the
-            // shared matrix's gradient first appears here too.
-            let head_grads = if full { (v * h + h) * g } else { 0 };
-            BlockTerms {
-                kept_bytes: kept,
-                forward_transient_bytes: 0,
-                backward_transient_bytes: f32_head.max(cast_back) + multi_chunk_extra,
-                backward_grad_bytes: head_grads,
-                residue_bytes: 0,
-                freed_kept_bytes: last_chunk,
-            }
-        }
+        BlockKind::Head => fused_head_terms(d),
+    }
+}
+
+/// The head on the fused CPU path (`ops::linear_cross_entropy`).
+fn fused_head_terms(d: &StepDims) -> BlockTerms {
+    let n = d.tokens;
+    let (a, g, h, v) = (d.act_bytes, d.grad_bytes, d.hidden, d.vocab);
+    let full = d.lora.is_none();
+    let rows = d.micro_batch * d.seq_len.saturating_sub(1);
+    let chunk = rows.min(LOSS_CHUNK_ROWS);
+    let mut kept = n * h * a; // final norm output
+    if d.micro_batch > 1 {
+        // hidden[:, :-1] is not contiguous for b > 1: the reshape copies it.
+        kept += rows * h * a;
+    }
+    if a != 4 {
+        // The fused loss works in f32: casts of the hidden rows and of lm_head.
+        kept += rows * h * 4 + v * h * 4;
+    }
+    // Loss op state: labels (i64) and active rows (usize) copies, per-row
+    // log-sum-exp and loss (f32), and the last chunk's probabilities (each
+    // chunk's logits are a buffer of exactly its rows).
+    let last_rows = if rows == 0 {
+        0
+    } else {
+        rows - (rows.div_ceil(chunk) - 1) * chunk
+    };
+    let last_chunk = last_rows * v * 4;
+    kept += rows * (8 + 8 + 4 + 4) + last_chunk;
+    // Backward of the fused loss: while it runs, its f32 weight and hidden
+    // gradients next to the cached last chunk (kept); once it returns the chunk
+    // is gone and candle adds each gradient it receives into a zero tensor. With
+    // native layers the weight gradient goes to the side table instead (one
+    // weight-sized buffer, not three).
+    // A frozen head (LoRA) gets no weight gradient at all.
+    let head_w = if full { v * h * 4 } else { 0 };
+    let in_op = head_w + rows * h * 4 + rows * 8 + chunk * h * 4;
+    let weight_bufs = if d.native_embedding { 1 } else { 3 };
+    // In half precision the side table gets the gradient rounded inside the op, while
+    // its f32 original is still alive.
+    let rounded = if d.native_embedding && g != 4 && full {
+        v * h * g
+    } else {
+        0
+    };
+    let f32_head =
+        in_op.max((weight_bufs * head_w + rounded + 2 * rows * h * 4).saturating_sub(last_chunk));
+    // Earlier chunks are recomputed in full-size buffers once the cached last one is
+    // consumed.
+    let multi_chunk_extra = (chunk - last_rows) * v * 4;
+    // Half precision: the f32 gradients flow back through the casts
+    // (f32 sum + half cast + zero + sum), after the chunk is freed.
+    let cast_back = if a != 4 && full && !d.native_embedding {
+        (v * h * (4 + 3 * g)).saturating_sub(last_chunk)
+    } else {
+        0
+    };
+    // The norm's and lm_head's gradients appear here; with tied embeddings the
+    // shared matrix's gradient first appears here too.
+    let head_grads = if full { (v * h + h) * g } else { 0 };
+    BlockTerms {
+        kept_bytes: kept,
+        forward_transient_bytes: 0,
+        backward_transient_bytes: f32_head.max(cast_back) + multi_chunk_extra,
+        backward_grad_bytes: head_grads,
+        residue_bytes: 0,
+        freed_kept_bytes: last_chunk,
     }
 }
 

@@ -2,11 +2,13 @@
 //! projection so the full `[n, vocab]` logits never exist at once (`linear_cross_entropy`).
 
 use super::matmul::{sgemm, sgemm_new, MatRef};
+use super::simd::narrow_par;
 use super::{
     composite, contiguous_slice, cpu_storage_to_tensor, dispatch_float, exp_shift_sum,
     exp_shift_sum_in_place, fast_exp, min_rows_per_task, row_max, use_fused, with_cpu, Elem,
 };
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use half::{bf16, f16};
 use rayon::prelude::*;
 use std::sync::Mutex;
 
@@ -210,8 +212,9 @@ pub(crate) type WeightGradSink = Box<dyn Fn(Tensor) -> Result<()> + Send + Sync>
 
 /// [`linear_cross_entropy`]; with a `sink`, the fused CPU kernel hands the weight gradient to
 /// it and reports none to the graph, which saves the store's zero-fill-then-add of a
-/// `vocab × hidden` matrix. The sink is only used when the weight is an `f32` row-major
-/// `[v, h]` tensor (the parameter itself); otherwise the gradient flows as usual.
+/// `vocab × hidden` matrix. The sink is only used when the weight is a row-major `[v, h]`
+/// tensor (the parameter itself); it gets the gradient in the weight's dtype (a half-precision
+/// weight's rounded as the cast's backward rounds it). Otherwise the gradient flows as usual.
 pub(crate) fn linear_cross_entropy_with_sink(
     hidden: &Tensor,
     weight: &Tensor,
@@ -252,10 +255,20 @@ pub(crate) fn linear_cross_entropy_with_sink(
     {
         return composite::linear_cross_entropy(hidden, weight, labels, chunk_rows);
     }
-    let sink = sink.filter(|_| weight.dtype() == DType::F32 && weight.is_contiguous());
+    // The sink takes the gradient in the weight's own dtype (rounded as the cast's backward
+    // would), so half-precision heads use it too. It needs a row-major [v, h] weight (the
+    // backward writes a transposed one's gradient column-major).
+    let row_major = weight.is_contiguous() && (v <= 1 || weight.stride()[0] != 1);
+    let sink = sink.filter(|_| row_major);
+    let weight_dtype = weight.dtype();
     let hidden = hidden.to_dtype(DType::F32)?.contiguous()?;
     // In half precision the head is cast on every thread (see `cast`).
     let mut weight = super::to_f32(weight)?;
+    if sink.is_some() {
+        // The gradient goes to the sink, never to the graph: a tracked cast would be a node
+        // without a gradient, which candle's backward refuses.
+        weight = weight.detach();
+    }
     // A contiguous [v, h] or a transposed view of a contiguous [h, v] are used in place.
     if !(weight.is_contiguous() || weight.t()?.is_contiguous()) {
         weight = weight.contiguous()?;
@@ -268,6 +281,7 @@ pub(crate) fn linear_cross_entropy_with_sink(
             chunk_rows,
             saved: Mutex::new(None),
             sink,
+            weight_dtype,
         },
     )?;
     let sum = per_row.sum_all()?;
@@ -290,6 +304,8 @@ struct LinearCrossEntropy {
     saved: Mutex<Option<Saved>>,
     /// Where the weight gradient goes instead of the graph (see `linear_cross_entropy_with_sink`).
     sink: Option<WeightGradSink>,
+    /// The dtype of the weight the caller passed (the op computes on its f32 cast).
+    weight_dtype: DType,
 }
 
 /// The `[v, h]` weight as a strided view (contiguous or transposed-contiguous storage).
@@ -437,7 +453,7 @@ impl CustomOp2 for LinearCrossEntropy {
         // A frozen head (LoRA) gets no weight gradient: skipping it saves one of the head's
         // three `rows × vocab × hidden` products and a `vocab × hidden` f32 buffer (113 MB on
         // SmolLM2-135M) that candle would otherwise keep in its store until backward returns.
-        let want_w = weight_t.track_op();
+        let want_w = weight_t.track_op() || self.sink.is_some();
         let mut grad_h = vec![0f32; n * h];
         // Written by the first chunk's product (zeroed only when no row counts).
         let mut grad_w: Option<Vec<f32>> = None;
@@ -517,15 +533,35 @@ impl CustomOp2 for LinearCrossEntropy {
             return Ok((Some(gh), None));
         }
         let grad_w = grad_w.unwrap_or_else(|| vec![0f32; v * h]);
-        let gw = if w_transposed {
+        Ok((
+            Some(gh),
+            self.weight_grad(grad_w, (v, h), w_transposed, dev)?,
+        ))
+    }
+}
+
+impl LinearCrossEntropy {
+    /// The `[v, h]` weight gradient for the graph, or `None` once the sink has it (in the
+    /// weight's dtype).
+    fn weight_grad(
+        &self,
+        grad_w: Vec<f32>,
+        (v, h): (usize, usize),
+        w_transposed: bool,
+        dev: &candle_core::Device,
+    ) -> Result<Option<Tensor>> {
+        if let (Some(sink), false) = (&self.sink, w_transposed) {
+            sink(match self.weight_dtype {
+                DType::BF16 => Tensor::from_vec(narrow_par::<bf16>(&grad_w), (v, h), dev)?,
+                DType::F16 => Tensor::from_vec(narrow_par::<f16>(&grad_w), (v, h), dev)?,
+                _ => Tensor::from_vec(grad_w, (v, h), dev)?,
+            })?;
+            return Ok(None);
+        }
+        Ok(Some(if w_transposed {
             Tensor::from_vec(grad_w, (h, v), dev)?.t()?
         } else {
             Tensor::from_vec(grad_w, (v, h), dev)?
-        };
-        if let (Some(sink), false) = (&self.sink, w_transposed) {
-            sink(gw)?;
-            return Ok((Some(gh), None));
-        }
-        Ok((Some(gh), Some(gw)))
+        }))
     }
 }
