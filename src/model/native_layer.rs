@@ -26,9 +26,10 @@
 
 use super::decoder::{dropout_mask, lock, lora_dropout_seed, Ctx, Layer, Linear};
 use super::ops::matmul::{sgemm, sgemm_new, sgemm_on, MatRef};
+use super::ops::simd::widen_par as widen;
 use super::ops::{
     contiguous_slice, cpu_storage_to_tensor, exp_shift_sum_in_place, min_rows_per_task, rms_norm,
-    row_max, silu_mul, tensor_to_f32_vec, Elem,
+    row_max, silu_mul, tensor_to_f32_vec,
 };
 use candle_core::quantized::QTensor;
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Storage, Tensor};
@@ -1028,11 +1029,6 @@ fn as_f32<'a>(cpu: &'a CpuStorage, layout: &Layout) -> Result<Cow<'a, [f32]>> {
         CpuStorage::F16(_) => Cow::Owned(widen(contiguous_slice::<f16>(cpu, layout, OP)?)),
         _ => bail!("{OP}: expected f32, bf16 or f16 data (internal error: use the graph path)"),
     })
-}
-
-/// Half-precision data as `f32` (multithreaded).
-fn widen<T: Elem>(s: &[T]) -> Vec<f32> {
-    super::ops::simd::widen_par(s)
 }
 
 /// `v` as a CPU storage of `dtype` (f32 moved, half types rounded to nearest even).

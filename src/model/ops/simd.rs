@@ -54,14 +54,25 @@ use std::mem::MaybeUninit;
 /// Half-precision data as `f32` (multithreaded, no zero-fill first: the output is written
 /// once; the zero-fill was ≈ 1 % of the SmolLM2-135M bf16-mixed step).
 pub(crate) fn widen_par<T: Elem>(s: &[T]) -> Vec<f32> {
-    let mut out = Vec::with_capacity(s.len());
+    convert_par(s, widen_chunk_wide::<T>)
+}
+
+/// `v` rounded to `T` (multithreaded, no zero-fill first).
+pub(crate) fn narrow_par<T: Elem>(v: &[f32]) -> Vec<T> {
+    convert_par(v, narrow_chunk_wide::<T>)
+}
+
+/// `src` converted element by element by `chunk` (which writes every element of its output
+/// chunk), on every thread, into a vector that is never zero-filled.
+fn convert_par<S: Sync, D: Send>(src: &[S], chunk: fn(&mut [MaybeUninit<D>], &[S])) -> Vec<D> {
+    let mut out = Vec::with_capacity(src.len());
     out.spare_capacity_mut()
         .par_chunks_mut(1 << 14)
-        .zip(s.par_chunks(1 << 14))
-        .for_each(|(o, s)| widen_chunk_wide(o, s));
-    // SAFETY: the chunks of the spare capacity and of `s` pair up one to one and cover
-    // `s.len()` elements, and `widen_chunk` wrote every element of each.
-    unsafe { out.set_len(s.len()) };
+        .zip(src.par_chunks(1 << 14))
+        .for_each(|(o, s)| chunk(o, s));
+    // SAFETY: the chunks of the spare capacity and of `src` pair up one to one and cover
+    // `src.len()` elements, and `chunk` wrote every element of each.
+    unsafe { out.set_len(src.len()) };
     out
 }
 
@@ -90,18 +101,6 @@ wide_fn!(
     /// [`narrow_chunk`], compiled for the CPU's vector width.
     fn narrow_chunk_wide<T: Elem>(o: &mut [MaybeUninit<T>], v: &[f32]) => narrow_chunk
 );
-
-/// `v` rounded to `T` (multithreaded, no zero-fill first).
-pub(crate) fn narrow_par<T: Elem>(v: &[f32]) -> Vec<T> {
-    let mut out = Vec::with_capacity(v.len());
-    out.spare_capacity_mut()
-        .par_chunks_mut(1 << 14)
-        .zip(v.par_chunks(1 << 14))
-        .for_each(|(o, s)| narrow_chunk_wide(o, s));
-    // SAFETY: as in `widen_par`: every element of the first `v.len()` was written.
-    unsafe { out.set_len(v.len()) };
-    out
-}
 
 #[cfg(test)]
 mod tests {
