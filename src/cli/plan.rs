@@ -575,7 +575,7 @@ fn print_process(device: &str, f: &tunestudio::plan::ProcessFootprint) {
     rows.push(moment(
         "training tensors (step peak)",
         f.training_tensors_bytes,
-        "the columns above",
+        "the columns above (a layer split: every CPU stage's)",
     ));
     if f.evaluation_bytes > 0 {
         rows.push(moment(

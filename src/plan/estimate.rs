@@ -281,6 +281,45 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
     Ok(p)
 }
 
+/// The blocks whose tensors the process's resident set holds at its peak: the first CPU
+/// device's, and under a layer split every CPU stage's. Logical CPU devices (`cpu:0,cpu:1`)
+/// share one process and run their stages in turn, so its heap is the one-device step over
+/// all their blocks (measured on the demo with `examples/rss_breakdown.rs`: heap peak 119.1 MiB
+/// for one device and for the split alike), and a tied head needs no copy there (moving a
+/// tensor to the CPU it is on shares its storage). Data-parallel replicas run in turn too,
+/// but each holds its own weights and AdamW state, which this does not model yet.
+fn process_blocks(req: &PlanRequest, placed: &[(Range<usize>, Vec<usize>)]) -> Vec<usize> {
+    let cpu = |d: usize| req.devices[d].kind == DeviceKind::Cpu;
+    let Some(first) = (0..placed.len()).find(|&d| cpu(d)) else {
+        return Vec::new();
+    };
+    if req.strategy != Strategy::LayerSplit {
+        return placed[first].1.clone();
+    }
+    (0..placed.len())
+        .filter(|&d| cpu(d))
+        .flat_map(|d| placed[d].1.iter().copied())
+        .collect()
+}
+
+/// The process's footprint when its heap holds the tensors of `held` (block indices) and
+/// its training step peaks at `tensors_peak`.
+fn process_footprint(
+    inputs: &super::ProcessInputs,
+    costs: &LayerCosts,
+    dims: &StepDims,
+    held: &[usize],
+    tensors_peak: u64,
+) -> super::ProcessFootprint {
+    let held: Vec<&Block> = held.iter().map(|&i| &costs.blocks[i]).collect();
+    let weights: u64 = held.iter().map(|b| b.memory.weights_bytes).sum();
+    let state: u64 = held
+        .iter()
+        .map(|b| b.memory.master_weights_bytes + b.memory.optimizer_states_bytes)
+        .sum();
+    super::process::footprint(inputs, dims, weights + state, weights, tensors_peak)
+}
+
 /// The plan without the fix search (the fix search plans each candidate with this).
 pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
     validate(req)?;
@@ -298,6 +337,7 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
             .iter()
             .position(|d| d.kind == DeviceKind::Cpu)
     });
+    let process_blocks = process_blocks(req, &placed);
     for (d, (layers, blocks)) in placed.into_iter().enumerate() {
         let device = req.devices[d].clone();
         let dp = device_timeline(&costs, &dims, req, &blocks, d == n_used - 1 && tied_split);
@@ -305,19 +345,17 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
         let tensors_peak = dp.peak + overhead;
         let process = match (&req.process, process_device == Some(d)) {
             (Some(inputs), true) => {
-                let held: Vec<&Block> = blocks.iter().map(|&i| &costs.blocks[i]).collect();
-                let weights: u64 = held.iter().map(|b| b.memory.weights_bytes).sum();
-                let resident = weights
-                    + held
-                        .iter()
-                        .map(|b| b.memory.master_weights_bytes + b.memory.optimizer_states_bytes)
-                        .sum::<u64>();
-                Some(super::process::footprint(
+                let tensors = if process_blocks == blocks {
+                    tensors_peak
+                } else {
+                    device_timeline(&costs, &dims, req, &process_blocks, false).peak + overhead
+                };
+                Some(process_footprint(
                     inputs,
+                    &costs,
                     &dims,
-                    resident,
-                    weights,
-                    tensors_peak,
+                    &process_blocks,
+                    tensors,
                 ))
             }
             _ => None,
