@@ -281,43 +281,78 @@ pub fn plan(req: &PlanRequest) -> Result<Plan, PlanError> {
     Ok(p)
 }
 
-/// The blocks whose tensors the process's resident set holds at its peak: the first CPU
-/// device's, and under a layer split every CPU stage's. Logical CPU devices (`cpu:0,cpu:1`)
-/// share one process and run their stages in turn, so its heap is the one-device step over
-/// all their blocks (measured on the demo with `examples/rss_breakdown.rs`: heap peak 119.1 MiB
-/// for one device and for the split alike), and a tied head needs no copy there (moving a
-/// tensor to the CPU it is on shares its storage). Data-parallel replicas run in turn too,
-/// but each holds its own weights and AdamW state, which this does not model yet.
-fn process_blocks(req: &PlanRequest, placed: &[(Range<usize>, Vec<usize>)]) -> Vec<usize> {
-    let cpu = |d: usize| req.devices[d].kind == DeviceKind::Cpu;
-    let Some(first) = (0..placed.len()).find(|&d| cpu(d)) else {
-        return Vec::new();
-    };
-    if req.strategy != Strategy::LayerSplit {
-        return placed[first].1.clone();
-    }
-    (0..placed.len())
-        .filter(|&d| cpu(d))
-        .flat_map(|d| placed[d].1.iter().copied())
-        .collect()
+/// What the process's heap holds at its peak when several logical CPU devices (`cpu:0,cpu:1`)
+/// share it: they run in turn on the same cores (`train::step::run_ranks`), in one heap.
+#[derive(Debug, Clone, PartialEq)]
+struct ProcessScope {
+    /// The blocks of one rank in the process: the first CPU device's, and under a layer split
+    /// every CPU stage's.
+    blocks: Vec<usize>,
+    /// Data-parallel ranks on CPU devices (each a replica of `blocks`); 1 otherwise.
+    replicas: u64,
 }
 
-/// The process's footprint when its heap holds the tensors of `held` (block indices) and
-/// its training step peaks at `tensors_peak`.
+/// The process scope of a plan (see [`ProcessScope`]). Measured on the demo with
+/// `examples/rss_breakdown.rs` (heap peak): a layer split over `cpu:0,cpu:1` is the one-device
+/// step over all its blocks (119.1 MiB both ways; a tied head needs no copy there, as moving a
+/// tensor to the CPU it is on shares its storage); data parallel adds the replica's weights
+/// and AdamW state and the gradients of the rank that ran first (171.1 MiB).
+fn process_scope(req: &PlanRequest, placed: &[(Range<usize>, Vec<usize>)]) -> ProcessScope {
+    let cpus: Vec<usize> = (0..placed.len())
+        .filter(|&d| req.devices[d].kind == DeviceKind::Cpu)
+        .collect();
+    let Some(&first) = cpus.first() else {
+        return ProcessScope {
+            blocks: Vec::new(),
+            replicas: 1,
+        };
+    };
+    match req.strategy {
+        Strategy::LayerSplit => ProcessScope {
+            blocks: cpus
+                .iter()
+                .flat_map(|&d| placed[d].1.iter().copied())
+                .collect(),
+            replicas: 1,
+        },
+        Strategy::DataParallel => ProcessScope {
+            blocks: placed[first].1.clone(),
+            replicas: cpus.len() as u64,
+        },
+        Strategy::Single => ProcessScope {
+            blocks: placed[first].1.clone(),
+            replicas: 1,
+        },
+    }
+}
+
+/// The process's footprint: its heap holds `scope`, and one rank's training step peaks at
+/// `rank_peak` (the process device's own step, or under a layer split the step over every
+/// CPU stage). Data-parallel ranks run in turn, so while the last one is at its peak each
+/// earlier one holds its weights, AdamW state and finished gradients.
 fn process_footprint(
     inputs: &super::ProcessInputs,
     costs: &LayerCosts,
     dims: &StepDims,
-    held: &[usize],
-    tensors_peak: u64,
+    scope: &ProcessScope,
+    rank_peak: u64,
 ) -> super::ProcessFootprint {
-    let held: Vec<&Block> = held.iter().map(|&i| &costs.blocks[i]).collect();
+    let held: Vec<&Block> = scope.blocks.iter().map(|&i| &costs.blocks[i]).collect();
     let weights: u64 = held.iter().map(|b| b.memory.weights_bytes).sum();
     let state: u64 = held
         .iter()
         .map(|b| b.memory.master_weights_bytes + b.memory.optimizer_states_bytes)
         .sum();
-    super::process::footprint(inputs, dims, weights + state, weights, tensors_peak)
+    let gradients: u64 = held.iter().map(|b| b.terms.backward_grad_bytes).sum();
+    let others = scope.replicas - 1;
+    let tensors_peak = rank_peak + others * (weights + state + gradients);
+    super::process::footprint(
+        inputs,
+        dims,
+        scope.replicas * (weights + state),
+        scope.replicas * weights,
+        tensors_peak,
+    )
 }
 
 /// The plan without the fix search (the fix search plans each candidate with this).
@@ -337,7 +372,7 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
             .iter()
             .position(|d| d.kind == DeviceKind::Cpu)
     });
-    let process_blocks = process_blocks(req, &placed);
+    let scope = process_scope(req, &placed);
     for (d, (layers, blocks)) in placed.into_iter().enumerate() {
         let device = req.devices[d].clone();
         let dp = device_timeline(&costs, &dims, req, &blocks, d == n_used - 1 && tied_split);
@@ -345,18 +380,12 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
         let tensors_peak = dp.peak + overhead;
         let process = match (&req.process, process_device == Some(d)) {
             (Some(inputs), true) => {
-                let tensors = if process_blocks == blocks {
+                let rank_peak = if scope.blocks == blocks {
                     tensors_peak
                 } else {
-                    device_timeline(&costs, &dims, req, &process_blocks, false).peak + overhead
+                    device_timeline(&costs, &dims, req, &scope.blocks, false).peak + overhead
                 };
-                Some(process_footprint(
-                    inputs,
-                    &costs,
-                    &dims,
-                    &process_blocks,
-                    tensors,
-                ))
+                Some(process_footprint(inputs, &costs, &dims, &scope, rank_peak))
             }
             _ => None,
         };
