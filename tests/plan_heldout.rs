@@ -368,7 +368,6 @@ fn logical_cpu_devices_peak_at_the_planned_process_heap() {
 /// the plan's terms (the step's rise on top of every rank's weights and AdamW state), and the
 /// plan's process figure for it.
 fn logical_devices_step(fixture: &str, strategy: tunestudio::settings::Strategy) -> (u64, u64) {
-    use tunestudio::data::{DataConfig, Format};
     use tunestudio::settings::Strategy;
     let tmp = tempfile::tempdir().unwrap();
     let mut c = train_common::tiny_config(&tmp.path().join("out"), 1);
@@ -378,15 +377,7 @@ fn logical_devices_step(fixture: &str, strategy: tunestudio::settings::Strategy)
         .display()
         .to_string();
     c.model.init = tunestudio::train::InitMode::Random;
-    let mut d = DataConfig::new(
-        tunestudio::paths::shared_dir()
-            .join("datasets/c4_demo.jsonl")
-            .display()
-            .to_string(),
-    );
-    d.format = Format::Text;
-    d.max_length = 256;
-    c.data = d;
+    c.data = train_common::c4_text(256);
     c.devices.devices = vec!["cpu:0".into(), "cpu:1".into()];
     c.devices.strategy = strategy;
     let ranks = if strategy == Strategy::DataParallel {

@@ -8,7 +8,6 @@
 
 mod train_common;
 
-use tunestudio::data::{DataConfig, Format};
 use tunestudio::model::{CausalLm, ModelConfig, OpsMode};
 use tunestudio::train::{InitMode, TrainingRun};
 
@@ -47,15 +46,7 @@ fn checkpointing_case(mode: OpsMode) {
         let mut c = train_common::tiny_config(&tmp.path().join(format!("out-{ckpt}")), 1);
         c.model.source = model.display().to_string();
         c.model.init = InitMode::Random;
-        let mut d = DataConfig::new(
-            tunestudio::paths::shared_dir()
-                .join("datasets/c4_demo.jsonl")
-                .display()
-                .to_string(),
-        );
-        d.format = Format::Text;
-        d.max_length = 256;
-        c.data = d;
+        c.data = train_common::c4_text(256);
         c.training.micro_batch = 4;
         c.training.activation_checkpointing = ckpt;
         let mut run = TrainingRun::new(c).unwrap();

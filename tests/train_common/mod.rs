@@ -16,6 +16,19 @@ pub fn alpaca() -> PathBuf {
     tunestudio::paths::shared_dir().join("datasets/alpaca_en_demo.json")
 }
 
+/// The c4 demo rows as plain text (every token trained), cut at `max_length` tokens.
+pub fn c4_text(max_length: usize) -> DataConfig {
+    let mut d = DataConfig::new(
+        tunestudio::paths::shared_dir()
+            .join("datasets/c4_demo.jsonl")
+            .display()
+            .to_string(),
+    );
+    d.format = Format::Text;
+    d.max_length = max_length;
+    d
+}
+
 /// tiny-llama on alpaca_en_demo, fp32, seed 0, max_length 64, micro-batch 4, constant lr 1e-3,
 /// no evaluation or checkpoints unless a test turns them on.
 pub fn tiny_config(out: &Path, steps: u64) -> RunConfig {
