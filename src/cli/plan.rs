@@ -241,6 +241,15 @@ fn print_text(
         req.effective_batch(),
         human_count(the_plan.trainable_parameters)
     );
+    if req.trained_tokens.is_some() {
+        println!(
+            "Loss rows: {} per micro-batch, the most tokens any {} samples of the data train \
+             (of {} positions)",
+            req.loss_rows(),
+            req.micro_batch,
+            req.micro_batch * req.seq_len.saturating_sub(1)
+        );
+    }
     println!();
     print_plan(req, the_plan, args.per_layer);
     if !the_plan.fixes.is_empty() {
@@ -360,6 +369,7 @@ fn request_and_config(args: &PlanArgs) -> anyhow::Result<(PlanRequest, Option<tr
             },
             ops: tunestudio::model::OpsMode::from_env()?,
             process: None,
+            trained_tokens: None,
         }
     };
     if let Some(p) = &args.precision {
@@ -409,7 +419,29 @@ fn request_and_config(args: &PlanArgs) -> anyhow::Result<(PlanRequest, Option<tr
             None => {}
         }
     }
+    // A dry run measures this process's resident set, so the data is not tokenized here a
+    // second time: its plan counts every loss row (the upper bound).
+    if let Some(config) = run_config.as_ref().filter(|_| !args.dry_run) {
+        req.trained_tokens = data_trained_tokens(config);
+    }
     Ok((req, run_config))
+}
+
+/// The trained tokens of the run's data, for the loss's rows (`PlanRequest::trained_tokens`):
+/// the dataset tokenized as the trainer will (a flag's micro-batch or shorter sequence length
+/// applies to the counts). `None`, with a note, when it cannot be read: the plan then counts
+/// every position.
+fn data_trained_tokens(config: &train::RunConfig) -> Option<plan::TrainedTokens> {
+    match train::samples::trained_tokens(config) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!(
+                "note: the loss is planned for every position of every row, since the data \
+                 could not be tokenized: {e}"
+            );
+            None
+        }
+    }
 }
 
 fn model_summary(req: &PlanRequest) -> String {
@@ -436,6 +468,8 @@ fn request_json(req: &PlanRequest) -> serde_json::Value {
         "strategy": req.strategy,
         "devices": req.devices,
         "effective_batch": req.effective_batch(),
+        "loss_rows": req.loss_rows(),
+        "loss_rows_from_data": req.trained_tokens.is_some(),
     })
 }
 

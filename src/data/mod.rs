@@ -45,6 +45,6 @@ pub use preview::{
     SplitName, TokenClass, TokenSpan,
 };
 pub use readers::{Dataset, FileKind, ResolvedSource};
-pub use stats::{DataStats, LengthHistogram};
+pub use stats::{largest_trained_counts, DataStats, LengthHistogram};
 pub use template::{ChatMessage, ChatTemplate, TemplateTokens};
 pub use tokenizer::{PadToken, TokenizerBundle, TokenizerPaths};

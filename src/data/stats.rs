@@ -74,6 +74,11 @@ pub struct DataStats {
     pub histogram: LengthHistogram,
     /// Batch size the padding figures assume.
     pub batch_size: usize,
+    /// The trained tokens of the kept samples, largest first (at most
+    /// [`LARGEST_TRAINED_KEPT`]): the CPU loss computes logits for trained rows only, so the
+    /// memory plan sums the largest of them for its worst micro-batch.
+    #[serde(skip)]
+    pub trained_tokens_largest_first: Vec<usize>,
     /// Fraction of batch positions that are padding (batches in dataset
     /// order, padded to a multiple of 8).
     pub padding_waste: f64,
@@ -83,6 +88,21 @@ pub struct DataStats {
     pub packed_sequences: usize,
     /// Real tokens / (packed sequences × max_length).
     pub packing_efficiency: f64,
+}
+
+/// Counts [`largest_trained_counts`] keeps: more than any micro-batch.
+pub const LARGEST_TRAINED_KEPT: usize = 1024;
+
+/// The [`TokenizedSample::num_trained`] of `samples`, largest first, at most
+/// [`LARGEST_TRAINED_KEPT`] of them: the sum of the first `b` is the most trained tokens any
+/// batch of `b` samples can hold, whatever the sampler's order.
+pub fn largest_trained_counts<'a>(
+    samples: impl Iterator<Item = &'a TokenizedSample>,
+) -> Vec<usize> {
+    let mut counts: Vec<usize> = samples.map(TokenizedSample::num_trained).collect();
+    counts.sort_unstable_by(|a, b| b.cmp(a));
+    counts.truncate(LARGEST_TRAINED_KEPT);
+    counts
 }
 
 /// Computes stats for labelled rows (`kept` = samples not dropped).
@@ -153,6 +173,7 @@ pub fn compute_stats(rows: &[LabelledRow], batch_size: usize, max_length: usize)
         max_length_seen: max_seen,
         histogram: histogram(&lens, max_length),
         batch_size: bs,
+        trained_tokens_largest_first: largest_trained_counts(kept.iter().copied()),
         padding_waste,
         padding_waste_grouped,
         packed_sequences: packed,
@@ -191,5 +212,36 @@ fn histogram(lens: &[usize], cutoff: usize) -> LengthHistogram {
         bin_width: width,
         counts,
         cutoff,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::labels::IGNORE_INDEX;
+
+    fn sample(trained: usize, masked: usize) -> TokenizedSample {
+        let n = 1 + masked + trained;
+        let mut labels = vec![IGNORE_INDEX; 1 + masked];
+        labels.extend((0..trained).map(|i| i as i64));
+        TokenizedSample {
+            row: 0,
+            input_ids: vec![0; n],
+            labels,
+            weights: None,
+            segments: vec![n],
+            rows: vec![0],
+        }
+    }
+
+    /// Largest first, whatever the samples' order; the first `b` sum to the fullest batch.
+    #[test]
+    fn trained_counts_come_largest_first() {
+        let samples: Vec<TokenizedSample> = [(5, 50), (90, 1), (7, 0), (60, 30), (1, 0)]
+            .iter()
+            .map(|&(t, m)| sample(t, m))
+            .collect();
+        assert_eq!(largest_trained_counts(samples.iter()), [90, 60, 7, 5, 1]);
+        assert!(largest_trained_counts(std::iter::empty()).is_empty());
     }
 }

@@ -707,6 +707,7 @@ fn step_memory_grid(o: &CheckOptions) -> Result<Outcome, DevicesError> {
             devices: vec![spec.clone()],
             ops: crate::model::OpsMode::from_env().unwrap_or_default(),
             process: None,
+            trained_tokens: None,
         };
         let the_plan =
             plan::plan(&req).map_err(|e| DevicesError::Input(format!("planner: {e}")))?;

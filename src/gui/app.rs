@@ -352,8 +352,9 @@ impl StudioApp {
             match self.device_specs() {
                 Ok(devices) => {
                     self.state.plan.loading = true;
+                    let trained = self.state.trained_tokens();
                     self.jobs
-                        .plan(seq, model, self.state.config.clone(), devices);
+                        .plan(seq, model, self.state.config.clone(), devices, trained);
                 }
                 Err(e) => {
                     self.state.plan.error = Some(super::error::JobError::of(

@@ -287,9 +287,16 @@ impl Jobs {
     }
 
     /// Plans memory for `config` on `devices`.
-    pub fn plan(&self, seq: u64, model: ModelConfig, config: RunConfig, devices: Vec<DeviceSpec>) {
+    pub fn plan(
+        &self,
+        seq: u64,
+        model: ModelConfig,
+        config: RunConfig,
+        devices: Vec<DeviceSpec>,
+        trained_tokens: Option<plan::TrainedTokens>,
+    ) {
         self.spawn("plan", move |_| {
-            let result = plan_request(&model, &config, devices)
+            let result = plan_request(&model, &config, devices, trained_tokens)
                 .map_err(|e| JobError::of(ErrorKind::Config, e))
                 .and_then(|req| Ok(plan::plan(&req).map(|p| (req, p))?));
             Some(JobOutput::Plan { seq, result })
@@ -530,14 +537,18 @@ pub fn dataset_summary(cfg: &DataConfig) -> Result<DatasetSummary, JobError> {
 }
 
 /// The planner's request for the studio's settings: the run config through the one adapter
-/// ([`train::plan_request`]), with the model the studio has loaded and its devices. Its
-/// output is also the studio's "plan is stale" key ([`super::state::PlanKey`]).
+/// ([`train::plan_request`]), with the model the studio has loaded, its devices and the trained
+/// tokens of the dataset's preview scan (`None` before one, or with packing: the scan's samples
+/// are not packed). Its output is also the studio's "plan is stale" key
+/// ([`super::state::PlanKey`]).
 pub fn plan_request(
     model: &ModelConfig,
     config: &RunConfig,
     devices: Vec<DeviceSpec>,
+    trained_tokens: Option<plan::TrainedTokens>,
 ) -> Result<PlanRequest, String> {
     let mut req = train::plan_request(config, model.clone(), devices);
+    req.trained_tokens = trained_tokens;
     // The studio trains in its own process: its window is part of the resident set.
     if let Some(p) = req.process.as_mut() {
         p.gui = true;

@@ -1086,13 +1086,28 @@ impl AppState {
     /// Key of everything the plan depends on (`None` until a model is loaded).
     pub fn plan_key(&self) -> Option<PlanKey> {
         let model = &self.model.info.as_ref()?.config;
-        let request = self
-            .device_specs()
-            .and_then(|devices| super::jobs::plan_request(model, &self.config, devices));
+        let request = self.device_specs().and_then(|devices| {
+            super::jobs::plan_request(model, &self.config, devices, self.trained_tokens())
+        });
         Some(PlanKey {
             request,
             inventory_devices: self.devices.inventory.as_ref().map(|i| i.devices.len()),
         })
+    }
+
+    /// The trained tokens of the dataset, from the Preview's full scan of the training split:
+    /// the plan's loss rows. `None` while a scan is missing, partial or running, and with
+    /// packing (the scan's samples are not packed).
+    pub fn trained_tokens(&self) -> Option<tunestudio::plan::TrainedTokens> {
+        let p = self.preview.preview.as_ref()?;
+        let data = &self.config.data;
+        if !p.full_scan || self.preview.loading || data.packing || p.max_length != data.max_length {
+            return None;
+        }
+        Some(tunestudio::plan::TrainedTokens::from_counts(
+            p.max_length,
+            p.stats.trained_tokens_largest_first.iter().copied(),
+        ))
     }
 
     /// The devices the plan runs on: the selected ones, sized from discovery.

@@ -347,6 +347,55 @@ impl AdamW {
         Ok(out)
     }
 
+    /// Writes the state to a safetensors file under the names of [`AdamW::state_tensors`],
+    /// one tensor at a time: host vectors are written from their own memory and a device
+    /// tensor is copied to the host when its turn comes. Collecting the tensors first (as
+    /// `state_tensors` does) holds a second copy of every moment while the file is written:
+    /// 1.0 GiB more for SmolLM2-135M, twice the weights in f32 for any model — the process
+    /// peak of a checkpoint, and tens of GB for a 7B model's host-offloaded state.
+    pub fn save_state(&self, path: &std::path::Path) -> Result<(), ModelError> {
+        let failed = Mutex::new(None);
+        let mut views = Vec::with_capacity(3 * self.slots.len());
+        for s in &self.slots {
+            let shape = s.var.dims().to_vec();
+            let (m, v, master) = match &s.state {
+                State::Host { m, v, master } => (
+                    StateData::Host(m),
+                    StateData::Host(v),
+                    master.as_deref().map(StateData::Host),
+                ),
+                State::Device { m, v, master } => (
+                    StateData::Device(m),
+                    StateData::Device(v),
+                    master.as_ref().map(StateData::Device),
+                ),
+            };
+            let view = |data| StateView {
+                shape: shape.clone(),
+                data,
+                failed: &failed,
+            };
+            views.push((format!("exp_avg.{}", s.name), view(m)));
+            views.push((format!("exp_avg_sq.{}", s.name), view(v)));
+            if let Some(master) = master {
+                views.push((format!("master.{}", s.name), view(master)));
+            }
+        }
+        let written = safetensors::serialize_to_file(views, None, path);
+        let failed = failed.lock().map_or(None, |mut f| f.take());
+        match (written, failed) {
+            (_, Some(message)) => Err(ModelError::Candle(candle_core::Error::Msg(format!(
+                "cannot copy the optimizer state to the host for {}: {message}",
+                path.display()
+            )))),
+            (Err(e), None) => Err(ModelError::Io {
+                path: path.to_path_buf(),
+                source: std::io::Error::other(e.to_string()),
+            }),
+            (Ok(()), None) => Ok(()),
+        }
+    }
+
     /// Restores a state saved by [`AdamW::state_tensors`].
     pub fn load_state_tensors(
         &mut self,
@@ -741,5 +790,61 @@ impl InplaceOp2 for InPlaceUpdate<'_> {
             }
             _ => candle_core::bail!("adamw: the parameter is not a float tensor (internal error)"),
         }
+    }
+}
+
+/// Where one state tensor's values are when a checkpoint writes them.
+enum StateData<'a> {
+    Host(&'a [f32]),
+    Device(&'a Tensor),
+}
+
+/// One f32 state tensor as [`AdamW::save_state`] writes it; a failed device copy is recorded
+/// in `failed` (a `View` cannot return an error) and fails the save.
+struct StateView<'a> {
+    shape: Vec<usize>,
+    data: StateData<'a>,
+    failed: &'a Mutex<Option<String>>,
+}
+
+impl safetensors::View for StateView<'_> {
+    fn dtype(&self) -> safetensors::Dtype {
+        safetensors::Dtype::F32
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        match &self.data {
+            StateData::Host(values) => f32_le_bytes(values),
+            StateData::Device(t) => match t.flatten_all().and_then(|t| t.to_vec1::<f32>()) {
+                Ok(values) => std::borrow::Cow::Owned(f32_le_bytes(&values).into_owned()),
+                Err(e) => {
+                    if let Ok(mut f) = self.failed.lock() {
+                        f.get_or_insert_with(|| e.to_string());
+                    }
+                    std::borrow::Cow::Owned(vec![0; self.data_len()])
+                }
+            },
+        }
+    }
+
+    fn data_len(&self) -> usize {
+        self.shape.iter().product::<usize>() * std::mem::size_of::<f32>()
+    }
+}
+
+/// `values` as safetensors' little-endian bytes: borrowed on a little-endian host.
+fn f32_le_bytes(values: &[f32]) -> std::borrow::Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        // SAFETY: f32 has no padding and u8 has alignment 1; the length covers exactly the
+        // slice's bytes, and the borrow keeps `values` alive.
+        std::borrow::Cow::Borrowed(unsafe {
+            std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
+        })
+    } else {
+        std::borrow::Cow::Owned(values.iter().flat_map(|x| x.to_le_bytes()).collect())
     }
 }

@@ -193,9 +193,70 @@ pub struct PlanRequest {
     /// GUI): with it the first CPU device's peak is the process's resident set
     /// ([`ProcessFootprint`]); `None` plans the training tensors only.
     pub process: Option<ProcessInputs>,
+    /// The trained tokens of the data's samples, when the data has been tokenized: the CPU's
+    /// fused loss computes logits for those rows only (a dataset that trains completions has
+    /// far fewer than every position). `None` plans every position of every row, the upper
+    /// bound.
+    pub trained_tokens: Option<TrainedTokens>,
+}
+
+/// The trained tokens (rows the loss sees) of a tokenized dataset's samples, for the loss's
+/// share of the plan ([`PlanRequest::loss_rows`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct TrainedTokens {
+    /// The length the samples were truncated at (`[data] max_length`).
+    pub max_length: usize,
+    /// Trained tokens per sample, largest first: the largest [`TrainedTokens::KEPT`].
+    pub largest_first: Vec<usize>,
+}
+
+impl TrainedTokens {
+    /// Counts kept: enough for any micro-batch the planner or the auto-fit considers.
+    pub const KEPT: usize = 1024;
+
+    /// From every sample's trained tokens, truncated at `max_length`.
+    pub fn from_counts(max_length: usize, counts: impl IntoIterator<Item = usize>) -> Self {
+        let mut largest_first: Vec<usize> = counts.into_iter().collect();
+        largest_first.sort_unstable_by(|a, b| b.cmp(a));
+        largest_first.truncate(Self::KEPT);
+        TrainedTokens {
+            max_length,
+            largest_first,
+        }
+    }
+
+    /// The most trained tokens any `micro_batch` samples hold at rows of `seq_len`, whatever
+    /// the sampler's order; `None` when `seq_len` is longer than the samples were cut at (they
+    /// may train more there) or a micro-batch is larger than the counts kept.
+    pub fn max_per_micro_batch(&self, micro_batch: usize, seq_len: usize) -> Option<usize> {
+        let truncated = self.largest_first.len() >= Self::KEPT;
+        if seq_len > self.max_length || (truncated && micro_batch > self.largest_first.len()) {
+            return None;
+        }
+        // A shorter cut trains no more tokens than it keeps.
+        let cap = seq_len.saturating_sub(1);
+        Some(
+            self.largest_first
+                .iter()
+                .take(micro_batch)
+                .map(|&c| c.min(cap))
+                .sum(),
+        )
+    }
 }
 
 impl PlanRequest {
+    /// Rows the CPU's fused loss computes per micro-batch: the most trained tokens a
+    /// micro-batch of the data holds ([`Self::trained_tokens`]), else every position after the
+    /// first of each row.
+    pub fn loss_rows(&self) -> usize {
+        let rows = self.micro_batch * self.seq_len.saturating_sub(1);
+        self.trained_tokens
+            .as_ref()
+            .and_then(|t| t.max_per_micro_batch(self.micro_batch, self.seq_len))
+            .map_or(rows, |t| t.min(rows))
+    }
+
     /// Rows per optimizer step: micro-batch × accumulation × data-parallel ranks.
     pub fn effective_batch(&self) -> usize {
         self.micro_batch * self.gradient_accumulation * self.data_parallel_ranks()
@@ -218,12 +279,13 @@ impl PlanRequest {
     }
 
     /// The request of the planner's dry run of this run: one training step, no evaluation.
-    /// The dry run does not evaluate, so the process's evaluation terms (the evaluation's
-    /// heap, the allocator retention it leaves) are left out of its prediction.
+    /// The dry run does not evaluate, so the evaluation's heap is left out of its prediction,
+    /// and one step leaves no allocator retention from other batch shapes.
     pub fn for_dry_run(&self) -> PlanRequest {
         let mut req = self.clone();
         if let Some(p) = req.process.as_mut() {
             p.evaluation = false;
+            p.single_step = true;
         }
         req
     }

@@ -77,6 +77,10 @@ pub struct StepDims {
     pub seq_len: u64,
     /// micro_batch × seq_len.
     pub tokens: u64,
+    /// Rows the fused CPU loss computes logits for in the largest micro-batch: its trained
+    /// tokens when the data is known ([`PlanRequest::trained_tokens`]), else every
+    /// position, micro_batch × (seq_len − 1). (The device-generic loss computes every row.)
+    pub loss_rows: u64,
     /// Residual width.
     pub hidden: u64,
     /// MLP width.
@@ -161,6 +165,7 @@ impl StepDims {
             micro_batch: req.micro_batch as u64,
             seq_len: req.seq_len as u64,
             tokens,
+            loss_rows: req.loss_rows() as u64,
             hidden: m.hidden_size as u64,
             intermediate: m.intermediate_size as u64,
             q_dim: (m.num_attention_heads * m.head_dim) as u64,
@@ -703,7 +708,9 @@ fn fused_head_terms(d: &StepDims) -> BlockTerms {
     let (a, g, h, v) = (d.act_bytes, d.grad_bytes, d.hidden, d.vocab);
     let full = d.lora.is_none();
     let rows = d.micro_batch * d.seq_len.saturating_sub(1);
-    let chunk = rows.min(LOSS_CHUNK_ROWS);
+    // Logits exist for the trained rows only, chunk by chunk.
+    let active = d.loss_rows.min(rows);
+    let chunk = active.min(LOSS_CHUNK_ROWS);
     let mut kept = n * h * a; // final norm output
     if d.micro_batch > 1 {
         // hidden[:, :-1] is not contiguous for b > 1: the reshape copies it.
@@ -715,11 +722,15 @@ fn fused_head_terms(d: &StepDims) -> BlockTerms {
     }
     // Loss op state: labels (i64) and active rows (usize) copies, per-row
     // log-sum-exp and loss (f32), and the last chunk's probabilities (each
-    // chunk's logits are a buffer of exactly its rows).
-    let last_rows = if rows == 0 {
+    // chunk's logits are a buffer of exactly its rows). Another micro-batch of
+    // fewer trained rows may leave a larger last chunk, so past one chunk the
+    // plan keeps a whole one.
+    let last_rows = if active == 0 {
         0
+    } else if active > LOSS_CHUNK_ROWS && d.loss_rows < rows {
+        chunk
     } else {
-        rows - (rows.div_ceil(chunk) - 1) * chunk
+        active - (active.div_ceil(chunk) - 1) * chunk
     };
     let last_chunk = last_rows * v * 4;
     kept += rows * (8 + 8 + 4 + 4) + last_chunk;
@@ -841,6 +852,11 @@ pub fn accumulated_sum_temporaries(d: &StepDims, temporaries: u64, largest_elems
 pub fn accumulated_head_transient(d: &StepDims, logits: u64, head_elems: u64) -> u64 {
     let tensor = head_elems * d.grad_bytes;
     let rows = d.micro_batch * d.seq_len.saturating_sub(1);
+    let rows = if d.generic_ops {
+        rows
+    } else {
+        d.loss_rows.min(rows)
+    };
     let chunk_bytes = rows.min(LOSS_CHUNK_ROWS) * d.vocab * 4;
     if d.generic_ops || !d.native_layers {
         if tensor == 0 {

@@ -37,8 +37,12 @@ pub struct RunPlacement {
 
 impl RunPlacement {
     /// Opens the run's devices and, for a layer split, asks the planner for the ranges
-    /// (the same request `tunestudio plan --config` makes, so the two cannot differ).
-    pub fn open(config: &RunConfig) -> Result<Self, TrainError> {
+    /// (the same request `tunestudio plan --config` makes, with the training split's trained
+    /// tokens as it counts them, so the two cannot differ).
+    pub fn open(
+        config: &RunConfig,
+        trained_tokens: Option<crate::plan::TrainedTokens>,
+    ) -> Result<Self, TrainError> {
         let names = &config.devices.devices;
         let mut devices = Vec::with_capacity(names.len());
         for (index, name) in names.iter().enumerate() {
@@ -53,8 +57,9 @@ impl RunPlacement {
             Strategy::Single
         };
         let layer_ranges = if strategy == Strategy::LayerSplit {
-            let request =
+            let mut request =
                 super::plan_adapter::local_plan_request(config).map_err(|e| placement_error(&e))?;
+            request.trained_tokens = trained_tokens;
             crate::plan::layer_ranges(&request).map_err(|e| placement_error(&e))?
         } else {
             Vec::new()

@@ -80,6 +80,9 @@ pub fn plan_request(
         devices,
         ops: OpsMode::from_env().unwrap_or_default(),
         process: Some(process_inputs(config)),
+        // The data is not read here: the callers that have tokenized it set the bound
+        // (`samples::max_trained_tokens`).
+        trained_tokens: None,
     }
 }
 
@@ -126,6 +129,7 @@ pub fn process_inputs(config: &RunConfig) -> crate::plan::ProcessInputs {
         // `eval_every` steps), so the split alone decides.
         evaluation: data.validation_ratio > 0.0 || data.validation_path.is_some(),
         gui: false,
+        single_step: false,
     }
 }
 

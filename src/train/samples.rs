@@ -101,6 +101,35 @@ pub fn load_splits(config: &RunConfig, tok: &TokenizerBundle) -> Result<Splits, 
     })
 }
 
+/// The trained tokens of the run's data for the memory plan (`PlanRequest::trained_tokens`):
+/// loads the model's tokenizer and tokenizes the dataset as the trainer does before its first
+/// step, then [`split_trained_tokens`].
+pub fn trained_tokens(
+    config: &RunConfig,
+) -> Result<Option<crate::plan::TrainedTokens>, TrainError> {
+    let (model_dir, _, _) = super::step::locate_model(config)?;
+    let tok = load_tokenizer(&model_dir)?;
+    let splits = load_splits(config, &tok)?;
+    Ok(split_trained_tokens(config, &splits.train))
+}
+
+/// The trained tokens of the training split's samples: the rows the CPU's fused loss computes
+/// logits for. Every front end derives them the same way (the studio from its Preview scan of
+/// the same rows), so they plan the same layer split: the training split only (evaluation
+/// batches are taken to be no fuller), and `None` with packing (the studio's scan is not
+/// packed; a packed sequence trains nearly every position anyway).
+pub fn split_trained_tokens(
+    config: &RunConfig,
+    train: &[Sample],
+) -> Option<crate::plan::TrainedTokens> {
+    (!config.data.packing).then(|| {
+        crate::plan::TrainedTokens::from_counts(
+            config.data.max_length,
+            crate::data::largest_trained_counts(train.iter()),
+        )
+    })
+}
+
 /// Pads `samples` into a batch and moves it to `device`.
 pub fn collate(
     samples: &[&Sample],

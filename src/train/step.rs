@@ -105,6 +105,20 @@ struct Replica {
     optimizer: AdamW,
 }
 
+/// The model and optimizer of every data-parallel rank after the first (none otherwise).
+fn build_replicas(
+    config: &RunConfig,
+    placement: &super::placement::RunPlacement,
+) -> Result<Vec<Replica>, TrainError> {
+    let mut replicas = Vec::new();
+    for d in placement.devices.iter().take(placement.ranks()).skip(1) {
+        let (model, _) = build_model(config, &d.candle)?;
+        let optimizer = build_optimizer(config, &model)?;
+        replicas.push(Replica { model, optimizer });
+    }
+    Ok(replicas)
+}
+
 /// A training run, driven synchronously.
 pub struct TrainingRun {
     config: RunConfig,
@@ -252,7 +266,7 @@ fn build_optimizer(config: &RunConfig, model: &CausalLm) -> Result<AdamW, TrainE
 }
 
 /// The model's folder, its `config.json` and whether it has weights, without reading them.
-fn locate_model(config: &RunConfig) -> Result<(PathBuf, PathBuf, bool), TrainError> {
+pub(crate) fn locate_model(config: &RunConfig) -> Result<(PathBuf, PathBuf, bool), TrainError> {
     let source = config.model_source();
     let local = Path::new(&source);
     // A local folder without weights needs only its config.json (random initialisation);
@@ -314,7 +328,10 @@ impl TrainingRun {
                 config.data.path
             )));
         }
-        let placement = super::placement::RunPlacement::open(&config)?;
+        let placement = super::placement::RunPlacement::open(
+            &config,
+            samples::split_trained_tokens(&config, &splits.train),
+        )?;
         let device = placement.primary().clone();
         let (mut model, model_dir) = build_model(&config, &device)?;
         if let Some(per_layer) = placement.layer_devices(model.config().num_hidden_layers) {
@@ -325,15 +342,7 @@ impl TrainingRun {
                     cause,
                 })?;
         }
-        let mut replicas = Vec::new();
-        for d in placement.devices.iter().take(placement.ranks()).skip(1) {
-            let (replica, _) = build_model(&config, &d.candle)?;
-            let optimizer = build_optimizer(&config, &replica)?;
-            replicas.push(Replica {
-                model: replica,
-                optimizer,
-            });
-        }
+        let replicas = build_replicas(&config, &placement)?;
         let t = &config.training;
         // Under data parallel a micro-step draws `micro_batch` rows per rank.
         let loader = DataLoader::new(
@@ -1137,10 +1146,9 @@ impl TrainingRun {
                 .map(|p| (p.name.clone(), p.var.as_tensor().clone()))
                 .collect();
             checkpoint::save_tensors(&dir.join(checkpoint::TRAINABLE_FILE), &trainable)?;
-            let opt = optimizer
-                .state_tensors()
+            optimizer
+                .save_state(&dir.join(checkpoint::OPTIMIZER_FILE))
                 .map_err(|e| ck_err(format!("optimizer state: {e}")))?;
-            checkpoint::save_tensors(&dir.join(checkpoint::OPTIMIZER_FILE), &opt)?;
             if lora {
                 model
                     .save_adapter(&dir.join(checkpoint::ADAPTER_DIR))

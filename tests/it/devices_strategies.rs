@@ -193,6 +193,7 @@ fn bytes_placed_per_logical_device_equal_the_planners() {
             devices: vec![DeviceSpec::cpu(1 << 30), DeviceSpec::cpu(1 << 30)],
             ops: tunestudio::model::OpsMode::Auto,
             process: None,
+            trained_tokens: None,
         };
         let the_plan = plan::plan(&req).unwrap();
         let expected = planner_bytes(&the_plan);

@@ -186,6 +186,38 @@ fn adamw_state_round_trips() {
     ));
 }
 
+/// A checkpoint's optimizer file, written tensor by tensor from the state's own memory, holds
+/// exactly the state, under the names `load_state_tensors` reads: host vectors (the CPU's
+/// path), device tensors (the GPU's path, forced on the CPU) and fp32 master copies alike.
+#[test]
+fn adamw_state_file_is_the_state() {
+    use tunestudio::model::StatePlacement;
+    let r = reference("tiny-llama");
+    let dir = tempfile::tempdir().unwrap();
+    for (dtype, master, placement) in [
+        (DType::F32, false, StatePlacement::Auto),
+        (DType::F32, false, StatePlacement::Device),
+        (DType::BF16, true, StatePlacement::Auto),
+    ] {
+        let model = CausalLm::load(&fixture("tiny-llama"), dtype, &Device::Cpu).unwrap();
+        let mut opt = AdamW::new(model.params(), AdamWConfig::default(), master).unwrap();
+        opt.set_state_placement(placement).unwrap();
+        opt.step(&grads_of(&model, &r), 1e-3, 0.01).unwrap();
+        let path = dir.path().join("optimizer.safetensors");
+        opt.save_state(&path).unwrap();
+        let saved = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+        let state = opt.state_tensors().unwrap();
+        assert_eq!(saved.len(), state.len(), "{dtype:?} {placement:?}");
+        for (name, t) in &state {
+            assert_eq!(
+                max_diff(t, &saved[name]),
+                0.0,
+                "{name} ({dtype:?} {placement:?})"
+            );
+        }
+    }
+}
+
 #[test]
 fn bf16_model_trains_with_master_weights() {
     let r = reference("tiny-llama");

@@ -35,6 +35,7 @@ fn dictalm_request() -> PlanRequest {
         devices: parse_devices("2x80GiB").unwrap(),
         ops: tunestudio::model::OpsMode::Auto,
         process: None,
+        trained_tokens: None,
     }
 }
 
@@ -550,7 +551,9 @@ fn the_verdict_names_the_largest_moment_of_the_process() {
             mapped_weights_bytes: 4 * 134_515_008,
             evaluation: true,
             gui: false,
+            single_step: false,
         }),
+        trained_tokens: None,
     };
     let p = plan::plan(&req).unwrap();
     let d = &p.per_device[0];
@@ -586,5 +589,52 @@ fn the_verdict_names_the_largest_moment_of_the_process() {
         p.summary.contains(&format!("at the {}", d.peak_phase)),
         "{}",
         p.summary
+    );
+}
+
+/// The CPU's fused loss computes logits for trained rows only, so a dataset that trains
+/// completions plans a smaller loss than every position; the GPU's generic loss computes every
+/// row, so its plan does not change. The bound is the fullest micro-batch of the data, and a
+/// longer sequence than the data was cut at falls back to every position.
+#[test]
+fn the_cpu_loss_is_planned_for_the_trained_rows_of_the_data() {
+    use tunestudio::plan::TrainedTokens;
+    let mut req = dictalm_request();
+    // The demo's model: a small body under SmolLM2's vocabulary, so the loss sets the peak.
+    req.model = ModelConfig::from_file(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/demo-model/config.json"),
+    )
+    .unwrap();
+    req.micro_batch = 4;
+    req.seq_len = 128;
+    req.devices = vec![DeviceSpec::cpu(64 << 30)];
+    let every_row = plan::plan(&req).unwrap().per_device[0].peak_bytes;
+    assert_eq!(req.loss_rows(), 4 * 127);
+
+    // Completion-only rows: the fullest 4 train 90 + 80 + 70 + 60 tokens.
+    let counts = [10, 90, 60, 80, 5, 70, 20];
+    req.trained_tokens = Some(TrainedTokens::from_counts(128, counts));
+    assert_eq!(req.loss_rows(), 300);
+    let trained = plan::plan(&req).unwrap().per_device[0].peak_bytes;
+    // The last chunk's f32 logits shrink by (508 − 300) rows × vocab.
+    let logits_bytes = 208 * 49_152 * 4;
+    assert!(
+        every_row - trained >= logits_bytes,
+        "every row {every_row} vs trained rows {trained}: less than the {logits_bytes} bytes of logits"
+    );
+    // A shorter cut trains at most its positions; a longer one than the data's is unknown.
+    req.seq_len = 32;
+    assert_eq!(req.loss_rows(), 4 * 31);
+    req.seq_len = 256;
+    assert_eq!(req.loss_rows(), 4 * 255);
+
+    // The generic (GPU) loss computes every row either way.
+    req.seq_len = 128;
+    req.ops = tunestudio::model::OpsMode::Generic;
+    let generic_trained = plan::plan(&req).unwrap().per_device[0].peak_bytes;
+    req.trained_tokens = None;
+    assert_eq!(
+        plan::plan(&req).unwrap().per_device[0].peak_bytes,
+        generic_trained
     );
 }

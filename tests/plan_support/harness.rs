@@ -134,6 +134,7 @@ pub fn request(cfg: &ModelConfig, c: &Case) -> PlanRequest {
         // The models below read TUNESTUDIO_OPS too, so the plan follows the same path.
         ops: tunestudio::model::OpsMode::from_env().expect("TUNESTUDIO_OPS"),
         process: None,
+        trained_tokens: None,
     }
 }
 
