@@ -4,10 +4,12 @@
 //! the weights can be larger).
 //!
 //! Every constant was measured on this project's binary (mimalloc with purging off, see
-//! `src/main.rs`) on the bundled demo (`assets/demo.toml`) with `examples/rss_breakdown.rs`
-//! (stage-by-stage `VmRSS`/`VmHWM` next to the heap counted on top of mimalloc) and
-//! `/usr/bin/time -v`; how, and the numbers, are next to each constant. The training-tensor
-//! figure of [`super::estimate`] stays one line of the breakdown.
+//! `src/main.rs`) with `examples/rss_breakdown.rs` (stage-by-stage `VmRSS`/`VmHWM` next to the
+//! heap counted on top of mimalloc) and `/usr/bin/time -v`: the runtime, tokenizer and dataset
+//! terms on the bundled demo (`assets/demo.toml`), the allocator's retention on three other
+//! runs (the demo is what `tests/it/plan_rss.rs` checks); how, and the numbers, are next to
+//! each constant. The training-tensor figure of [`super::estimate`] stays one line of the
+//! breakdown.
 
 use super::step_model::StepDims;
 
