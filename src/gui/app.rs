@@ -137,6 +137,9 @@ struct Screenshot {
     train_steps: Option<u64>,
     /// Press this "Browse…" first (`TUNESTUDIO_SCREENSHOT_PICK`), to show the file dialog.
     pick: Option<PickTarget>,
+    /// The frame the picker was asked for: a new egui window is invisible on its first
+    /// (sizing) pass, so the screenshot waits a few frames after it.
+    picked_at_frame: Option<u64>,
     started: Instant,
     requested: bool,
     image: Arc<Mutex<Option<Arc<egui::ColorImage>>>>,
@@ -288,6 +291,7 @@ impl StudioApp {
                 path,
                 train_steps: opts.train_steps,
                 pick: opts.screenshot_pick,
+                picked_at_frame: None,
                 started: Instant::now(),
                 requested: false,
                 image: Arc::new(Mutex::new(None)),
@@ -1031,6 +1035,7 @@ impl StudioApp {
         let jobs_done = self.jobs.in_flight() == 0;
         if jobs_done && self.frame_count > 8 {
             if let Some(target) = shot.pick.take() {
+                shot.picked_at_frame = Some(self.frame_count);
                 self.actions.push(Action::Pick(target));
                 self.ctx.request_repaint();
                 return;
@@ -1053,8 +1058,14 @@ impl StudioApp {
             }
         };
         // Let a few frames settle layout (egui sizes some widgets on the first pass).
-        let ready =
-            jobs_done && steps_done && self.frame_count > 8 && elapsed > Duration::from_millis(800);
+        let picker_drawn = shot
+            .picked_at_frame
+            .is_none_or(|f| self.frame_count > f + 4);
+        let ready = jobs_done
+            && steps_done
+            && picker_drawn
+            && self.frame_count > 8
+            && elapsed > Duration::from_millis(800);
         if ready || elapsed > Duration::from_secs(180) {
             if shot.train_steps.is_some() {
                 if let Some(h) = &self.state.run.handle {
