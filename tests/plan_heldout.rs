@@ -400,3 +400,61 @@ fn logical_devices_step(fixture: &str, strategy: tunestudio::settings::Strategy)
     let process = plan.per_device[0].process.as_ref().unwrap();
     (measured, process.training_tensors_bytes)
 }
+
+/// Completion-only rows (Alpaca, prompts masked): the loss computes logits for the trained rows
+/// only, on the CPU's fused op and on the generic one (what a GPU runs), and the plan counts the
+/// fullest micro-batch of the tokenized data. One step through the trainer, longest batch
+/// first, tiny-llama (its vocabulary-sized head dominates), seq 256, micro-batch 4: the heap's
+/// peak against the plan's training-tensor figure, ±3 %, and more than 3 % under the plan that
+/// counts every position (so the bound is what brings it there).
+#[test]
+fn completion_only_rows_are_planned_by_their_trained_tokens() {
+    let _guard = exclusive();
+    harness::warm_up_process();
+    let mut failures = Vec::new();
+    for generic in [false, true] {
+        let _generic = generic.then(generic_ops);
+        let (measured, trained, every_row) = completion_only_step();
+        let e = err_pct(trained, measured);
+        let e_every = err_pct(every_row, measured);
+        println!(
+            "completion-only, {}: heap peak {:.1} MiB measured, {:.1} MiB planned ({e:+.2} %); \
+             {:.1} MiB counting every position ({e_every:+.2} %)",
+            if generic { "generic" } else { "fused" },
+            harness::mib(measured),
+            harness::mib(trained),
+            harness::mib(every_row)
+        );
+        if e.abs() > PEAK_BOUND || e_every <= PEAK_BOUND {
+            failures.push(format!(
+                "generic {generic}: {e:+.2} % (every row {e_every:+.2} %)"
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// One longest step of tiny-llama on Alpaca (random init, seq 256, micro-batch 4): the heap's
+/// peak in the plan's terms, and the plan's training tensors with the data's trained tokens and
+/// without them.
+fn completion_only_step() -> (u64, u64, u64) {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = train_common::tiny_config(&tmp.path().join("out"), 1);
+    c.model.init = tunestudio::train::InitMode::Random;
+    c.data.max_length = 256;
+    c.data.group_by_length = true;
+    let mut run = tunestudio::train::TrainingRun::new(c.clone()).unwrap();
+    let t = run.tensor_bytes();
+    let before = tunestudio::mem::current_bytes();
+    tunestudio::mem::reset_peak();
+    run.step_longest().unwrap();
+    let measured = tunestudio::mem::peak_bytes() - before + t.weights_bytes + t.optimizer_bytes;
+
+    let mut req = tunestudio::train::local_plan_request(&c).unwrap();
+    req.process = None;
+    let every_row = tunestudio::plan::plan(&req).unwrap().per_device[0].peak_bytes;
+    req.trained_tokens = tunestudio::train::samples::trained_tokens(&c).unwrap();
+    assert!(req.loss_rows() < 4 * 255, "the prompts are masked");
+    let trained = tunestudio::plan::plan(&req).unwrap().per_device[0].peak_bytes;
+    (measured, trained, every_row)
+}

@@ -121,13 +121,8 @@ const EVAL_CHUNK_ROWS: u64 = 1024;
 /// the compute-dtype matmul output in half precision.
 pub(crate) fn evaluation_transient_bytes(d: &StepDims) -> u64 {
     let rows = d.micro_batch * d.seq_len.saturating_sub(1);
-    // The fused op computes logits for the trained rows only.
-    let logit_rows = if d.generic_ops {
-        rows
-    } else {
-        d.loss_rows.min(rows)
-    };
-    let chunk = logit_rows.min(EVAL_CHUNK_ROWS) * d.vocab;
+    // Logits exist for the trained rows only (both ops).
+    let chunk = d.loss_rows.min(rows).min(EVAL_CHUNK_ROWS) * d.vocab;
     let half = d.act_bytes != 4;
     let loss = if d.generic_ops {
         chunk * (12 + if half { d.act_bytes } else { 0 })

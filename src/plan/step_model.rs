@@ -77,9 +77,9 @@ pub struct StepDims {
     pub seq_len: u64,
     /// micro_batch × seq_len.
     pub tokens: u64,
-    /// Rows the fused CPU loss computes logits for in the largest micro-batch: its trained
-    /// tokens when the data is known ([`PlanRequest::trained_tokens`]), else every
-    /// position, micro_batch × (seq_len − 1). (The device-generic loss computes every row.)
+    /// Rows the loss computes logits for in the fullest micro-batch (both the fused and the
+    /// generic op skip ignored rows): its trained tokens when the data is known
+    /// ([`PlanRequest::trained_tokens`]), else every position, micro_batch × (seq_len − 1).
     pub loss_rows: u64,
     /// Residual width.
     pub hidden: u64,
@@ -782,12 +782,21 @@ fn generic_head_terms(d: &StepDims) -> BlockTerms {
     let n = d.tokens;
     let (a, g, h, v) = (d.act_bytes, d.grad_bytes, d.hidden, d.vocab);
     let rows = d.micro_batch * d.seq_len.saturating_sub(1);
-    let chunk = rows.min(LOSS_CHUNK_ROWS);
+    // Only the rows that carry a label go through the head (`loss::causal_lm_loss` selects
+    // them first when some are ignored).
+    let active = d.loss_rows.min(rows);
+    let selected = active < rows;
+    let chunk = active.min(LOSS_CHUNK_ROWS);
     let full = d.lora.is_none();
-    let mut kept = n * h * a + rows * (4 + 4); // final norm output; log-sum-exp, labels
+    // Final norm output; log-sum-exp and target per active row.
+    let mut kept = n * h * a + active * (4 + 4);
     if d.micro_batch > 1 {
         // hidden[:, :-1] is not contiguous for b > 1: the reshape copies it.
         kept += rows * h * a;
+    }
+    if selected {
+        // The selected rows (a copy, the op's input) and their indices.
+        kept += active * (h * a + 4);
     }
     // Forward of a chunk: the logits, logits − max and their exp live until the
     // log-sum-exp statement ends (f32; in half precision the matmul output is cast first).
@@ -796,11 +805,16 @@ fn generic_head_terms(d: &StepDims) -> BlockTerms {
     // Backward of a chunk: the same three while the probabilities are formed, then at most
     // two (probabilities and their gradient). The rows' gradient is assembled from its
     // chunks (a cat), and candle adds it into a zero tensor.
-    let rows_grad = rows * h * a;
+    let rows_grad = active * h * a;
     // In half precision the chunk's matmul output lives until its f32 cast's statement ends.
     let half_logits = if a == 4 { 0 } else { chunk * v * a };
     let chunk_peak = 3 * logits_f32 + half_logits + rows_grad;
-    let rows_end = 3 * rows_grad;
+    let mut rows_end = 3 * rows_grad;
+    if selected {
+        // The selection's backward adds the rows' gradient into a zero tensor of every row
+        // (`index_add`: the zeros and the sum, next to the selected rows' gradient).
+        rows_end = rows_end.max(rows_grad + 2 * rows * h * a);
+    }
     // A trained head: its gradient per chunk (summed over chunks), then candle's zero-then-add
     // into the store, three weight-sized buffers at once.
     let weight = if full { 3 * v * h * g } else { 0 };
@@ -852,12 +866,7 @@ pub fn accumulated_sum_temporaries(d: &StepDims, temporaries: u64, largest_elems
 pub fn accumulated_head_transient(d: &StepDims, logits: u64, head_elems: u64) -> u64 {
     let tensor = head_elems * d.grad_bytes;
     let rows = d.micro_batch * d.seq_len.saturating_sub(1);
-    let rows = if d.generic_ops {
-        rows
-    } else {
-        d.loss_rows.min(rows)
-    };
-    let chunk_bytes = rows.min(LOSS_CHUNK_ROWS) * d.vocab * 4;
+    let chunk_bytes = d.loss_rows.min(rows).min(LOSS_CHUNK_ROWS) * d.vocab * 4;
     if d.generic_ops || !d.native_layers {
         if tensor == 0 {
             return logits;

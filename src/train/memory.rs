@@ -133,7 +133,7 @@ fn system_memory_bytes() -> Option<u64> {
     Some(kib * 1024)
 }
 
-/// What the memory planner predicts for a run, checked before anything is loaded.
+/// What the memory planner predicts for a run, checked before the model is loaded.
 #[derive(Debug, Clone, PartialEq)]
 pub enum PlanCheck {
     /// Fits with headroom.
@@ -160,11 +160,41 @@ pub enum PlanCheck {
     },
 }
 
-/// Asks [`crate::plan`] whether the run fits its devices.
+/// Asks [`crate::plan`] whether the run fits its devices ([`check_request`] on this machine's
+/// request, the data tokenized only when the first plan does not fit with headroom).
 pub fn check_plan(config: &RunConfig) -> PlanCheck {
+    match super::plan_adapter::local_plan_request(config) {
+        Ok(req) => check_request(req, || {
+            // The trainer reports the data's error itself when it loads it.
+            super::samples::trained_tokens(config).ok().flatten()
+        }),
+        Err(e) => PlanCheck::Unavailable {
+            reason: e.to_string(),
+        },
+    }
+}
+
+/// The verdict on `req`. Its first plan counts every loss row (the upper bound: nothing but
+/// file sizes has been read); when that one does not fit with headroom, `trained_tokens` (the
+/// data, tokenized) is asked for and the run planned with it, as `tunestudio plan --config` and
+/// the studio plan it, so a run they show fitting is not refused.
+pub fn check_request(
+    mut req: crate::plan::PlanRequest,
+    trained_tokens: impl FnOnce() -> Option<crate::plan::TrainedTokens>,
+) -> PlanCheck {
     use crate::plan::{DeviceKind, Verdict};
-    let plan =
-        super::plan_adapter::local_plan_request(config).and_then(|req| crate::plan::plan(&req));
+    let plan = crate::plan::plan(&req).and_then(|upper| {
+        if upper.verdict == Verdict::Fits {
+            return Ok(upper);
+        }
+        match trained_tokens() {
+            Some(t) => {
+                req.trained_tokens = Some(t);
+                crate::plan::plan(&req)
+            }
+            None => Ok(upper),
+        }
+    });
     let plan = match plan {
         Ok(p) => p,
         Err(e) => {

@@ -248,7 +248,7 @@ fn wait_for_start(commands: &Receiver<Command>) -> bool {
     }
 }
 
-/// The planner's verdict before anything loads: a warning when it predicts out of memory or
+/// The planner's verdict before the model loads: a warning when it predicts out of memory or
 /// a tight fit; false (after an error event) when a CPU run is predicted not to fit, since
 /// running out of host memory would end the program.
 fn check_memory_plan(config: &RunConfig, options: &TrainerOptions, em: &mut Emitter) -> bool {

@@ -140,3 +140,44 @@ fn check_planned_peak_rss(label: &str, config: &Path) {
         100.0 * err
     );
 }
+
+/// The trainer's pre-flight refuses a CPU run only when the plan the user sees does not fit:
+/// the demo (its run config as the trainer reads it, its data tokenized as the trainer does) on
+/// a host sized between its plan counting every loss row (about 295 MiB) and its plan with the
+/// data's trained tokens (251 MiB, what `plan --config` and the studio show) passes; on a host
+/// smaller than both it is refused; the data is tokenized only when the first plan is short.
+#[test]
+fn the_pre_flight_check_plans_the_trained_rows_the_plan_shows() {
+    use tunestudio::train::memory::{check_request, PlanCheck};
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tunestudio::train::RunConfig::load(&demo_config(tmp.path())).unwrap();
+    let with_host = |host: &str| {
+        let mut req = tunestudio::train::local_plan_request(&config).unwrap();
+        req.devices = tunestudio::plan::parse_devices(&format!("cpu={host}")).unwrap();
+        req
+    };
+    let trained = || tunestudio::train::samples::trained_tokens(&config).unwrap();
+    let mut asked = false;
+    let roomy = check_request(with_host("64GiB"), || {
+        asked = true;
+        trained()
+    });
+    assert_eq!(roomy, PlanCheck::Fits);
+    assert!(
+        !asked,
+        "a run that fits its upper bound is not tokenized again"
+    );
+    let between = check_request(with_host("275MiB"), trained);
+    assert!(
+        matches!(between, PlanCheck::Fits | PlanCheck::Tight { .. }),
+        "{between:?}"
+    );
+    assert!(matches!(
+        check_request(with_host("275MiB"), || None),
+        PlanCheck::OutOfMemory { on_cpu: true, .. }
+    ));
+    assert!(matches!(
+        check_request(with_host("200MiB"), trained),
+        PlanCheck::OutOfMemory { on_cpu: true, .. }
+    ));
+}

@@ -592,10 +592,10 @@ fn the_verdict_names_the_largest_moment_of_the_process() {
     );
 }
 
-/// The CPU's fused loss computes logits for trained rows only, so a dataset that trains
-/// completions plans a smaller loss than every position; the GPU's generic loss computes every
-/// row, so its plan does not change. The bound is the fullest micro-batch of the data, and a
-/// longer sequence than the data was cut at falls back to every position.
+/// The loss computes logits for trained rows only (the CPU's fused op and the generic one a
+/// GPU runs), so a dataset that trains completions plans a smaller loss than every position.
+/// The bound is the fullest micro-batch of the data, and a longer sequence than the data was
+/// cut at falls back to every position.
 #[test]
 fn the_cpu_loss_is_planned_for_the_trained_rows_of_the_data() {
     use tunestudio::plan::TrainedTokens;
@@ -628,13 +628,15 @@ fn the_cpu_loss_is_planned_for_the_trained_rows_of_the_data() {
     req.seq_len = 256;
     assert_eq!(req.loss_rows(), 4 * 255);
 
-    // The generic (GPU) loss computes every row either way.
+    // The generic loss (what a GPU runs) selects the trained rows too: its chunk-sized f32
+    // tensors (three at once in the forward) shrink with them.
     req.seq_len = 128;
     req.ops = tunestudio::model::OpsMode::Generic;
     let generic_trained = plan::plan(&req).unwrap().per_device[0].peak_bytes;
     req.trained_tokens = None;
-    assert_eq!(
-        plan::plan(&req).unwrap().per_device[0].peak_bytes,
-        generic_trained
+    let generic_every_row = plan::plan(&req).unwrap().per_device[0].peak_bytes;
+    assert!(
+        generic_every_row - generic_trained >= 2 * logits_bytes,
+        "generic: every row {generic_every_row} vs trained rows {generic_trained}"
     );
 }
