@@ -106,8 +106,11 @@ const GUI_BYTES: u64 = 120 * MIB;
 /// that are not the checks' (Alpaca and C4 rows of varying length, fp32, full fine-tuning):
 /// tiny-mistral, seq 256, micro-batch 4, 40 steps: 0.83; tiny-llama on C4, seq 256,
 /// micro-batch 2, with evaluation, 40 steps: 0.65; SmolLM2-135M, seq 128, micro-batch 4,
-/// 15 steps: 0.64. The median is taken. LoRA r 16 on the SmolLM2 run measured 0.30 (the
-/// plan is over by 14 % there), and the bundled demo over its full 60 steps 1.08.
+/// 15 steps: 0.64. The median is taken. The share varies from run to run of one config (which
+/// thread's heap keeps a freed block depends on timing): three more rounds of
+/// `scripts/rss-vs-plan.sh` measured 0.40–0.82, 0.86–0.90 and 0.55–0.60 for these runs, the
+/// bundled demo over its full 60 steps 0.74–1.07, and LoRA r 16 on the SmolLM2 run 0.23–0.33
+/// (the plan is over by 13–18 % there).
 const RETENTION_PER_TRANSIENT_BYTE: f64 = 0.65;
 
 /// Rows per chunk of the evaluation's loss (`LOSS_CHUNK_TOKENS`).
