@@ -194,6 +194,53 @@ fn precision_change_changes_the_planned_memory() {
     assert!(h.query_by_label_contains("memory of CPU").is_some());
 }
 
+/// Once the Preview has scanned the demo's data, the studio plans the loss for the trained rows
+/// of its fullest micro-batch, as `tunestudio plan --config` does for the same run: the same
+/// loss rows and the same training-tensor figure.
+#[test]
+fn the_studio_plans_the_trained_rows_the_cli_plans() {
+    use clap::Parser;
+    #[derive(clap::Parser)]
+    struct PlanCommand {
+        #[command(flatten)]
+        args: crate::cli::plan::PlanArgs,
+    }
+    let out = tempfile::tempdir().expect("tempdir");
+    let mut h = harness(Panel::Devices, out.path());
+    wait_ready(&mut h);
+    wait_for(
+        &mut h,
+        "the plan of the scanned data",
+        Duration::from_secs(60),
+        |a| {
+            a.jobs.in_flight() == 0
+                && a.state.plan.key == a.state.plan_key()
+                && a.state
+                    .plan
+                    .request
+                    .as_ref()
+                    .is_some_and(|r| r.trained_tokens.is_some())
+        },
+    );
+    let studio_req = h.state().state.plan.request.clone().expect("request");
+    let studio = h.state().state.plan.plan.clone().expect("plan");
+
+    let demo = tunestudio::paths::assets_dir().join("demo.toml");
+    let demo = demo.display().to_string();
+    let cmd = PlanCommand::try_parse_from(["plan", "--config", &demo]).expect("arguments");
+    let cli_req = crate::cli::plan::build_request(&cmd.args).expect("the CLI's request");
+    let cli = tunestudio::plan::plan(&cli_req).expect("the CLI's plan");
+    assert!(
+        studio_req.loss_rows() < 4 * 127,
+        "the demo trains completions only"
+    );
+    assert_eq!(studio_req.loss_rows(), cli_req.loss_rows());
+    assert_eq!(
+        studio.per_device[0].training_tensors_bytes,
+        cli.per_device[0].training_tensors_bytes
+    );
+}
+
 #[test]
 fn training_runs_pauses_and_stops_with_frame_times() {
     let out = tempfile::tempdir().expect("tempdir");
