@@ -199,36 +199,17 @@ fn precision_change_changes_the_planned_memory() {
 /// loss rows and the same training-tensor figure.
 #[test]
 fn the_studio_plans_the_trained_rows_the_cli_plans() {
-    use clap::Parser;
-    #[derive(clap::Parser)]
-    struct PlanCommand {
-        #[command(flatten)]
-        args: crate::cli::plan::PlanArgs,
-    }
     let out = tempfile::tempdir().expect("tempdir");
     let mut h = harness(Panel::Devices, out.path());
     wait_ready(&mut h);
-    wait_for(
-        &mut h,
-        "the plan of the scanned data",
-        Duration::from_secs(60),
-        |a| {
-            a.jobs.in_flight() == 0
-                && a.state.plan.key == a.state.plan_key()
-                && a.state
-                    .plan
-                    .request
-                    .as_ref()
-                    .is_some_and(|r| r.trained_tokens.is_some())
-        },
-    );
+    wait_for_current_plan(&mut h, "the plan of the scanned data", |r| {
+        r.trained_tokens.is_some()
+    });
     let studio_req = h.state().state.plan.request.clone().expect("request");
     let studio = h.state().state.plan.plan.clone().expect("plan");
 
     let demo = tunestudio::paths::assets_dir().join("demo.toml");
-    let demo = demo.display().to_string();
-    let cmd = PlanCommand::try_parse_from(["plan", "--config", &demo]).expect("arguments");
-    let cli_req = crate::cli::plan::build_request(&cmd.args).expect("the CLI's request");
+    let cli_req = cli_request(&["plan", "--config", &demo.display().to_string()]);
     let cli = tunestudio::plan::plan(&cli_req).expect("the CLI's plan");
     assert!(
         studio_req.loss_rows() < 4 * 127,
@@ -1043,12 +1024,6 @@ fn wait_for_plan_of(h: &mut Harness<'static, StudioApp>, entries: &[&str]) {
 
 /// What `tunestudio plan --model-config <DictaLM> --devices <devices>` plans with the same settings.
 fn cli_plan(devices: &str) -> tunestudio::plan::Plan {
-    use clap::Parser;
-    #[derive(clap::Parser)]
-    struct PlanCommand {
-        #[command(flatten)]
-        args: crate::cli::plan::PlanArgs,
-    }
     let model = tunestudio::paths::shared_dir().join("model-configs/dictalm2-7b.json");
     let model = model.display().to_string();
     let argv = [
@@ -1069,9 +1044,33 @@ fn cli_plan(devices: &str) -> tunestudio::plan::Plan {
         "--strategy",
         "single",
     ];
+    tunestudio::plan::plan(&cli_request(&argv)).expect("the CLI's plan")
+}
+
+/// The request `tunestudio plan` builds for `argv` (`argv[0]` is the subcommand).
+fn cli_request(argv: &[&str]) -> tunestudio::plan::PlanRequest {
+    use clap::Parser;
+    #[derive(clap::Parser)]
+    struct PlanCommand {
+        #[command(flatten)]
+        args: crate::cli::plan::PlanArgs,
+    }
     let cmd = PlanCommand::try_parse_from(argv).expect("the CLI's arguments");
-    let req = crate::cli::plan::build_request(&cmd.args).expect("the CLI's request");
-    tunestudio::plan::plan(&req).expect("the CLI's plan")
+    crate::cli::plan::build_request(&cmd.args).expect("the CLI's request")
+}
+
+/// Waits until the plan on screen is the plan of the current settings (no re-plan pending) and
+/// its request satisfies `cond`.
+fn wait_for_current_plan(
+    h: &mut Harness<'static, StudioApp>,
+    what: &str,
+    cond: impl Fn(&tunestudio::plan::PlanRequest) -> bool,
+) {
+    wait_for(h, what, Duration::from_secs(60), move |a| {
+        a.jobs.in_flight() == 0
+            && a.state.plan.key == a.state.plan_key()
+            && a.state.plan.request.as_ref().is_some_and(&cond)
+    });
 }
 
 /// Opens the combo box `combo`, picks `entry`, and waits for the re-plan it starts.
@@ -1152,14 +1151,8 @@ fn a_planned_machine_plans_like_the_cli_and_survives_a_reload() {
         .expect("an Apply button")
         .click();
     h.step();
-    wait_for(&mut h, "the fixed plan", Duration::from_secs(60), |a| {
-        a.jobs.in_flight() == 0
-            && a.state.plan.key == a.state.plan_key()
-            && a.state
-                .plan
-                .request
-                .as_ref()
-                .is_some_and(|r| r.settings_summary() == expected)
+    wait_for_current_plan(&mut h, "the fixed plan", |r| {
+        r.settings_summary() == expected
     });
     assert_eq!(
         h.state().state.config.devices.devices,
