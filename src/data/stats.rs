@@ -75,7 +75,7 @@ pub struct DataStats {
     /// Batch size the padding figures assume.
     pub batch_size: usize,
     /// The trained tokens of the kept samples, largest first (at most
-    /// [`LARGEST_TRAINED_KEPT`]): the CPU loss computes logits for trained rows only, so the
+    /// [`LARGEST_TRAINED_KEPT`]): the loss computes logits for trained rows only, so the
     /// memory plan sums the largest of them for its worst micro-batch.
     #[serde(skip)]
     pub trained_tokens_largest_first: Vec<usize>,

@@ -193,9 +193,9 @@ pub struct PlanRequest {
     /// GUI): with it the first CPU device's peak is the process's resident set
     /// ([`ProcessFootprint`]); `None` plans the training tensors only.
     pub process: Option<ProcessInputs>,
-    /// The trained tokens of the data's samples, when the data has been tokenized: the CPU's
-    /// fused loss computes logits for those rows only (a dataset that trains completions has
-    /// far fewer than every position). `None` plans every position of every row, the upper
+    /// The trained tokens of the data's samples, when the data has been tokenized: the loss
+    /// computes logits for those rows only, on the CPU's fused op and the generic one (a dataset
+    /// that trains completions has far fewer than every position). `None` plans every position of every row, the upper
     /// bound.
     pub trained_tokens: Option<TrainedTokens>,
 }
@@ -211,7 +211,8 @@ pub struct TrainedTokens {
 }
 
 impl TrainedTokens {
-    /// Counts kept: enough for any micro-batch the planner or the auto-fit considers.
+    /// Counts kept: enough for any micro-batch the planner or the auto-fit considers (the
+    /// studio's counts come capped at the same number, `data::stats::LARGEST_TRAINED_KEPT`).
     pub const KEPT: usize = 1024;
 
     /// From every sample's trained tokens, truncated at `max_length`.
@@ -246,7 +247,7 @@ impl TrainedTokens {
 }
 
 impl PlanRequest {
-    /// Rows the CPU's fused loss computes per micro-batch: the most trained tokens a
+    /// Rows the loss computes logits for per micro-batch: the most trained tokens a
     /// micro-batch of the data holds ([`Self::trained_tokens`]), else every position after the
     /// first of each row.
     pub fn loss_rows(&self) -> usize {

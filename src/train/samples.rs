@@ -113,7 +113,7 @@ pub fn trained_tokens(
     Ok(split_trained_tokens(config, &splits.train))
 }
 
-/// The trained tokens of the training split's samples: the rows the CPU's fused loss computes
+/// The trained tokens of the training split's samples: the rows the loss (fused or generic) computes
 /// logits for. Every front end derives them the same way (the studio from its Preview scan of
 /// the same rows), so they plan the same layer split: the training split only (evaluation
 /// batches are taken to be no fuller), and `None` with packing (the studio's scan is not
