@@ -15,16 +15,19 @@
 //! path `s · dropout(x) Aᵀ Bᵀ` and the gradients of `A` and `B`. Per adapted linear layer it
 //! keeps only the `[n, r]` down-projection; dropout masks are drawn again from their seed.
 //!
-//! Half-precision layers compute in f32 on their half values (weights and input widened once
-//! per call, output and gradients rounded back). candle's CPU matmul in bf16 ran the
-//! SmolLM2-135M step at ≈ 20 tokens/s against ≈ 150 in f32 (issue #23's table), so f32
-//! arithmetic is both faster and closer to the fp32 result than rounding after every op.
+//! Half-precision layers compute in f32 on their half values (input widened once per call,
+//! output and gradients rounded back). candle's CPU matmul in bf16 ran the SmolLM2-135M step
+//! at ≈ 20 tokens/s against ≈ 150 in f32 (issue #23's table). The products of a bf16 weight
+//! run on the CPU's bf16 dot-product instruction where it has one ([`bf16_gemm`]: the other
+//! operand rounded to bf16, sums in f32, as PyTorch's autocast does); elsewhere, and for f16,
+//! each product widens its weight and multiplies in f32.
 //!
 //! The graph path in `decoder.rs` stays the reference and covers what this op does not: GPUs. The fixture parity tests (logits, loss, every gradient, AdamW steps) run
 //! through this op, and `tests/it/model_native_layer.rs` compares it with the graph path on
 //! every architecture, with and without adapters and dropout.
 
 use super::decoder::{dropout_mask, lock, lora_dropout_seed, Ctx, Layer, Linear};
+use super::ops::bf16_gemm;
 use super::ops::matmul::{sgemm, sgemm_new, sgemm_on, MatRef};
 use super::ops::simd::widen_par as widen;
 use super::ops::{
@@ -288,10 +291,25 @@ impl Lin<'_> {
         }
     }
 
+    /// The weight as bf16 when its products run on the CPU's bf16 dot-product instruction
+    /// (see [`bf16_gemm`]); None when they run in f32.
+    fn bf16_weight(&self) -> Option<MatRef<'_, bf16>> {
+        match self.w {
+            WeightRef::Bf16(w) if bf16_gemm::available() => {
+                Some(MatRef::row_major(w, self.out, self.inp))
+            }
+            _ => None,
+        }
+    }
+
     /// `x @ wᵀ (+ b) (+ s · dropout(x) Aᵀ Bᵀ)` for `n` rows; also returns the adapter's
     /// scaled down-projection `[n, r]`, which backward needs.
     fn forward(&self, x: &[f32], n: usize, seed: Option<u64>) -> Result<(Vec<f32>, LoraSaved)> {
-        let mut y = self.with_w(|w| sgemm_new(MatRef::row_major(x, n, self.inp), w.t()))?;
+        let x_m = MatRef::row_major(x, n, self.inp);
+        let mut y = match self.bf16_weight() {
+            Some(w) => bf16_gemm::bf16_gemm_new(x_m, w.t())?,
+            None => self.with_w(|w| sgemm_new(x_m, w.t()))?,
+        };
         if let Some(b) = self.b {
             y.par_chunks_mut(min_rows_per_task(self.out) * self.out)
                 .for_each(|rows| {
@@ -326,16 +344,28 @@ impl Lin<'_> {
     ) -> Result<LinGrads> {
         let dy_m = MatRef::row_major(dy, n, self.out);
         let mut grads = LinGrads::default();
-        if self.train_w {
-            grads.w = Some(sgemm_new(dy_m.t(), MatRef::row_major(x, n, self.inp))?);
-        }
-        self.with_w(|w| {
-            match dx {
-                Some(dx) => sgemm(dx, self.inp, 1, true, dy_m, w)?,
-                None => *dx = Some(sgemm_new(dy_m, w)?),
+        let x_m = MatRef::row_major(x, n, self.inp);
+        if let Some(w) = self.bf16_weight() {
+            // A bf16 weight's gradient is rounded to bf16 anyway: its operands may be too.
+            if self.train_w {
+                grads.w = Some(bf16_gemm::bf16_gemm_new(dy_m.t(), x_m)?);
             }
-            Ok(())
-        })?;
+            match dx {
+                Some(dx) => bf16_gemm::bf16_gemm(dx, self.inp, true, dy_m, w)?,
+                None => *dx = Some(bf16_gemm::bf16_gemm_new(dy_m, w)?),
+            }
+        } else {
+            if self.train_w {
+                grads.w = Some(sgemm_new(dy_m.t(), x_m)?);
+            }
+            self.with_w(|w| {
+                match dx {
+                    Some(dx) => sgemm(dx, self.inp, 1, true, dy_m, w)?,
+                    None => *dx = Some(sgemm_new(dy_m, w)?),
+                }
+                Ok(())
+            })?;
+        }
         if self.train_b && self.b.is_some() {
             let mut s = vec![0f32; self.out];
             for row in dy.chunks_exact(self.out) {
@@ -986,7 +1016,7 @@ fn check_dims(layer: &Layer, d: &Dims) -> Result<()> {
             );
         }
     }
-    if d.kv_heads == 0 || d.heads % d.kv_heads != 0 || d.head_dim % 2 != 0 {
+    if d.kv_heads == 0 || !d.heads.is_multiple_of(d.kv_heads) || !d.head_dim.is_multiple_of(2) {
         bail!(
             "{OP}: {} heads over {} kv heads of width {} cannot be grouped",
             d.heads,

@@ -175,11 +175,11 @@ fn candidate_changes(req: &PlanRequest) -> Vec<Change> {
     }
     if req.micro_batch > 1 {
         let mut mbs = vec![1];
-        if req.micro_batch % 2 == 0 && req.micro_batch > 2 {
+        if req.micro_batch.is_multiple_of(2) && req.micro_batch > 2 {
             mbs.push(req.micro_batch / 2);
         }
         for mb in mbs {
-            if req.micro_batch % mb == 0 {
+            if req.micro_batch.is_multiple_of(mb) {
                 out.push(Change::MicroBatch {
                     micro_batch: mb,
                     gradient_accumulation: req.gradient_accumulation * (req.micro_batch / mb),
@@ -262,7 +262,7 @@ pub(crate) fn rank_fixes(req: &PlanRequest, plan: &Plan) -> Vec<Fix> {
 }
 
 fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|d| n % d == 0).collect()
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
 }
 
 /// Finds settings that fit every device with ≥ 5 % headroom, keeping the effective
@@ -319,7 +319,7 @@ pub fn auto_fit(req: &PlanRequest) -> Result<AutoFit, PlanError> {
         } else {
             1
         };
-        if effective % ranks != 0 {
+        if !effective.is_multiple_of(ranks) {
             continue;
         }
         let per_rank = effective / ranks;
@@ -440,7 +440,10 @@ fn explain_changes(from: &PlanRequest, from_plan: &Plan, to: &PlanRequest) -> Ve
             next.micro_batch = cur.micro_batch;
             next.gradient_accumulation = cur.gradient_accumulation;
             let ranks = next.data_parallel_ranks();
-            if from.effective_batch() % (ranks * next.micro_batch) == 0 {
+            if from
+                .effective_batch()
+                .is_multiple_of(ranks * next.micro_batch)
+            {
                 next.gradient_accumulation = from.effective_batch() / (ranks * next.micro_batch);
             }
         }

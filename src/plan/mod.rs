@@ -538,7 +538,7 @@ impl Change {
                 let effective = req.effective_batch();
                 r.strategy = *s;
                 let ranks = r.data_parallel_ranks();
-                if effective % (ranks * r.micro_batch) == 0 {
+                if effective.is_multiple_of(ranks * r.micro_batch) {
                     r.gradient_accumulation = effective / (ranks * r.micro_batch);
                 }
             }

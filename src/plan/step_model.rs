@@ -137,6 +137,10 @@ pub struct StepDims {
     pub native_embedding: bool,
     /// AdamW updates parameters (and their f32 master copies) in their own storage (CPU).
     pub in_place_optimizer: bool,
+    /// bf16 weights are multiplied on the CPU's bf16 dot-product instruction
+    /// (`model::ops::bf16_gemm`: native kernels, bf16 weights, AVX512-BF16): packing buffers
+    /// instead of each weight's f32 copy, and no f32 cast of the lm head.
+    pub bf16_products: bool,
     /// The device-generic ops run (`model::ops::generic`: any GPU, or `TUNESTUDIO_OPS=generic`):
     /// the loss is the generic chunked op and AdamW's state is updated with tensor ops.
     pub generic_ops: bool,
@@ -197,6 +201,9 @@ impl StepDims {
             native_layers: all_cpu,
             native_embedding: all_cpu && req.lora.is_none(),
             in_place_optimizer: all_cpu,
+            bf16_products: all_cpu
+                && matches!(req.precision, Precision::Bf16Mixed | Precision::Bf16)
+                && crate::model::ops::bf16_gemm::available(),
             generic_ops,
         }
     }
@@ -266,6 +273,45 @@ pub fn dequant_transient_bytes(d: &StepDims) -> u64 {
         .map(|(_, i, o, _)| i * o * per_elem)
         .max()
         .unwrap_or(0)
+}
+
+/// Packing buffers of the largest of `products` (`m × k × n`) on the bf16 dot-product path
+/// (`model::ops::bf16_gemm`, over all threads).
+fn bf16_pack_bytes(products: impl IntoIterator<Item = (u64, u64, u64)>) -> u64 {
+    products
+        .into_iter()
+        .map(|(m, k, n)| {
+            crate::model::ops::bf16_gemm::product_pack_bytes(m as usize, k as usize, n as usize)
+                as u64
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+/// What one product of a native layer's linear weight holds besides its operands and output:
+/// the packing buffers of the bf16 dot-product path, or the f32 copy of a half or quantized
+/// weight (one at a time), or nothing (f32).
+fn native_weight_transient_bytes(d: &StepDims) -> u64 {
+    let n = d.tokens;
+    let largest_weight = d
+        .linears()
+        .iter()
+        .map(|(_, i, o, _)| i * o)
+        .max()
+        .unwrap_or(0);
+    if d.bf16_products && d.quantize == Quantization::None {
+        // Forward `x Wᵀ`, input gradient `dy W`, weight gradient `dyᵀ x`.
+        return bf16_pack_bytes(
+            d.linears()
+                .iter()
+                .flat_map(|&(_, i, o, _)| [(n, i, o), (n, o, i), (o, n, i)]),
+        );
+    }
+    if d.act_bytes != 4 {
+        largest_weight * 4
+    } else {
+        dequant_transient_bytes(d)
+    }
 }
 
 /// Parameters of a block (LoRA adapters included, trainable flags applied).
@@ -546,22 +592,12 @@ fn native_layer_terms(d: &StepDims, params: &BlockParams) -> BlockTerms {
     // The seven weights are not widened up front: each product widens (or dequantizes) its
     // own, one weight's f32 copy at a time, in forward and in backward.
     let weight_elems: u64 = d.linears().iter().map(|(_, i, o, _)| i * o).sum();
-    let largest_weight = d
-        .linears()
-        .iter()
-        .map(|(_, i, o, _)| i * o)
-        .max()
-        .unwrap_or(0);
     let widened = if half {
         params.total.saturating_sub(weight_elems) * 4 + n * h * 4
     } else {
         0
     };
-    let jit = if half {
-        largest_weight * 4
-    } else {
-        dequant_transient_bytes(d)
-    };
+    let jit = native_weight_transient_bytes(d);
     let own_grads = params.trainable * d.grad_bytes;
     let own_grads_f32 = params.trainable * 4;
     // Forward scratch: the per-head attention outputs before they are interleaved, or the
@@ -717,9 +753,17 @@ fn fused_head_terms(d: &StepDims) -> BlockTerms {
         kept += rows * h * a;
     }
     if a != 4 {
-        // The fused loss works in f32: casts of the hidden rows and of lm_head.
-        kept += rows * h * 4 + v * h * 4;
+        // The fused loss works in f32: casts of the hidden rows and of lm_head (a bf16 head
+        // on the bf16 dot-product path is multiplied as it is).
+        kept += rows * h * 4 + if d.bf16_products { 0 } else { v * h * 4 };
     }
+    // The bf16 path's packing buffers, while a chunk's logits (forward) or its gradients
+    // (backward) are computed.
+    let packing = if d.bf16_products {
+        bf16_pack_bytes([(chunk, h, v), (chunk, v, h), (v, chunk, h)])
+    } else {
+        0
+    };
     // Loss op state: labels (i64) and active rows (usize) copies, per-row
     // log-sum-exp and loss (f32), and the last chunk's probabilities (each
     // chunk's logits are a buffer of exactly its rows). Another micro-batch of
@@ -741,7 +785,7 @@ fn fused_head_terms(d: &StepDims) -> BlockTerms {
     // weight-sized buffer, not three).
     // A frozen head (LoRA) gets no weight gradient at all.
     let head_w = if full { v * h * 4 } else { 0 };
-    let in_op = head_w + rows * h * 4 + rows * 8 + chunk * h * 4;
+    let in_op = head_w + rows * h * 4 + rows * 8 + chunk * h * 4 + packing;
     let weight_bufs = if d.native_embedding { 1 } else { 3 };
     // In half precision the side table gets the gradient rounded inside the op, while
     // its f32 original is still alive.
@@ -767,7 +811,7 @@ fn fused_head_terms(d: &StepDims) -> BlockTerms {
     let head_grads = if full { (v * h + h) * g } else { 0 };
     BlockTerms {
         kept_bytes: kept,
-        forward_transient_bytes: 0,
+        forward_transient_bytes: packing,
         backward_transient_bytes: f32_head.max(cast_back) + multi_chunk_extra,
         backward_grad_bytes: head_grads,
         residue_bytes: 0,

@@ -111,9 +111,9 @@ impl Quantization {
     pub fn format_for(self, in_dim: u64) -> Option<QuantFormat> {
         match self {
             Quantization::None => None,
-            _ if in_dim == 0 || in_dim % 32 != 0 => None,
+            _ if in_dim == 0 || !in_dim.is_multiple_of(32) => None,
             Quantization::Q8_0 => Some(QuantFormat::Q8_0),
-            Quantization::Q4K if in_dim % 256 == 0 => Some(QuantFormat::Q4K),
+            Quantization::Q4K if in_dim.is_multiple_of(256) => Some(QuantFormat::Q4K),
             Quantization::Q4K => Some(QuantFormat::Q5_0),
         }
     }

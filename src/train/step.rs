@@ -496,7 +496,7 @@ impl TrainingRun {
             Some(rows) if rows != self.rows_per_micro_batch() => {
                 let consumed = state.index_in_epoch * rows;
                 let now = self.rows_per_micro_batch();
-                if self.config.data.group_by_length || consumed % now != 0 {
+                if self.config.data.group_by_length || !consumed.is_multiple_of(now) {
                     return Err(ck_err(format!(
                         "the checkpoint was made with {rows} rows per micro-batch and the config has {now}; with data.group_by_length on (or row {consumed} not on a micro-batch boundary) the data order cannot continue: keep training.micro_batch as it was"
                     )));
@@ -653,13 +653,13 @@ impl TrainingRun {
         let every = self.config.eval.eval_every;
         !self.splits.eval.is_empty()
             && self.step > 0
-            && ((every > 0 && self.step % every == 0) || self.is_done())
+            && ((every > 0 && self.step.is_multiple_of(every)) || self.is_done())
     }
 
     /// Whether a periodic checkpoint is due after the step just done.
     pub fn save_due(&self) -> bool {
         let every = self.config.checkpoint.save_every;
-        (every > 0 && self.step > 0 && self.step % every == 0)
+        (every > 0 && self.step > 0 && self.step.is_multiple_of(every))
             || (self.is_done() && self.config.checkpoint.save_final)
     }
 

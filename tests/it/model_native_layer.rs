@@ -113,8 +113,9 @@ fn native_layers_handle_a_padded_batch_of_long_rows() {
     }
 }
 
-/// bf16 and f16 layers run natively (f32 arithmetic on the half values) and agree with the
-/// graph path, which rounds after every op, within half precision: the loss to 0.5 %, every
+/// bf16 and f16 layers run natively (f32 arithmetic on the half values; a bf16 weight's
+/// products on bf16 dot products where the CPU has them) and agree with the graph path, which
+/// rounds after every op, within half precision: the loss to 0.5 %, every
 /// gradient to 3 % of its largest element. Both are then held to the f32 reference.
 #[test]
 fn half_precision_layers_run_natively_and_match_the_graph_path() {

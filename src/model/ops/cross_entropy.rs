@@ -1,6 +1,7 @@
 //! Cross-entropy losses with backward: on logits (`cross_entropy_rows`) and fused with the lm-head
 //! projection so the full `[n, vocab]` logits never exist at once (`linear_cross_entropy`).
 
+use super::bf16_gemm;
 use super::matmul::{sgemm, sgemm_new, MatRef};
 use super::simd::narrow_par;
 use super::{
@@ -262,8 +263,18 @@ pub(crate) fn linear_cross_entropy_with_sink(
     let sink = sink.filter(|_| row_major);
     let weight_dtype = weight.dtype();
     let hidden = hidden.to_dtype(DType::F32)?.contiguous()?;
-    // In half precision the head is cast on every thread (see `cast`).
-    let mut weight = super::to_f32(weight)?;
+    // A bf16 head is multiplied as it is where the CPU has bf16 dot products, when its
+    // gradient goes to the sink (or it has none); otherwise the head is cast on every thread
+    // (see `cast`).
+    let bf16_head = weight_dtype == DType::BF16
+        && bf16_gemm::available()
+        && row_major
+        && (sink.is_some() || !weight.track_op());
+    let mut weight = if bf16_head {
+        weight.clone()
+    } else {
+        super::to_f32(weight)?
+    };
     if sink.is_some() {
         // The gradient goes to the sink, never to the graph: a tracked cast would be a node
         // without a gradient, which candle's backward refuses.
@@ -309,7 +320,7 @@ struct LinearCrossEntropy {
 }
 
 /// The `[v, h]` weight as a strided view (contiguous or transposed-contiguous storage).
-fn weight_view<'a>(data: &'a [f32], layout: &Layout) -> Result<(MatRef<'a>, &'a [f32])> {
+fn weight_view<'a, T>(data: &'a [T], layout: &Layout) -> Result<(MatRef<'a, T>, &'a [T])> {
     let (v, h) = layout.shape().dims2()?;
     let stride = layout.stride();
     let start = layout.start_offset();
@@ -334,6 +345,73 @@ fn weight_view<'a>(data: &'a [f32], layout: &Layout) -> Result<(MatRef<'a>, &'a 
     ))
 }
 
+/// The lm-head weight the op multiplies: `f32`, or bf16 on a CPU with the bf16 dot-product
+/// instruction (the products round their other operand to bf16, as autocast does).
+#[derive(Clone, Copy)]
+enum Head<'a> {
+    F32(MatRef<'a>),
+    Bf16(MatRef<'a, bf16>),
+}
+
+impl<'a> Head<'a> {
+    /// The weight of a CPU storage as a `[v, h]` view.
+    fn of(storage: &'a CpuStorage, layout: &Layout) -> Result<Self> {
+        Ok(match storage {
+            CpuStorage::BF16(data) => Head::Bf16(weight_view(data, layout)?.0),
+            other => Head::F32(weight_view(other.as_slice::<f32>()?, layout)?.0),
+        })
+    }
+
+    /// Vocabulary size (rows of the weight).
+    fn vocab(self) -> usize {
+        match self {
+            Head::F32(w) => w.rows,
+            Head::Bf16(w) => w.rows,
+        }
+    }
+
+    /// `logits[c, v] = hidden_chunk @ Wᵀ` as a new buffer.
+    fn logits(self, hc: &[f32], c: usize, h: usize) -> Result<Vec<f32>> {
+        let hm = MatRef::row_major(hc, c, h);
+        match self {
+            Head::F32(w) => sgemm_new(hm, w.t()),
+            Head::Bf16(w) => bf16_gemm::bf16_gemm_new(hm, w.t()),
+        }
+    }
+
+    /// `dst[c, h] = d @ W`.
+    fn input_grad(self, dst: &mut [f32], h: usize, d: MatRef<'_>) -> Result<()> {
+        match self {
+            Head::F32(w) => sgemm(dst, h, 1, false, d, w),
+            Head::Bf16(w) => bf16_gemm::bf16_gemm(dst, h, false, d, w),
+        }
+    }
+
+    /// `dW = dᵀ @ hidden_chunk` as a new row-major `[v, h]` buffer.
+    fn new_weight_grad(self, d: MatRef<'_>, hm: MatRef<'_>) -> Result<Vec<f32>> {
+        match self {
+            Head::F32(_) => sgemm_new(d.t(), hm),
+            Head::Bf16(_) => bf16_gemm::bf16_gemm_new(d.t(), hm),
+        }
+    }
+
+    /// `dW (+)= dᵀ @ hidden_chunk` into `gw` (`accumulate`), row stride `rs`, column stride
+    /// `cs`; a bf16 head's gradient (always row-major) rounds its operands like its products.
+    fn weight_grad(
+        self,
+        gw: &mut [f32],
+        (rs, cs): (usize, usize),
+        accumulate: bool,
+        d: MatRef<'_>,
+        hm: MatRef<'_>,
+    ) -> Result<()> {
+        match self {
+            Head::Bf16(_) if cs == 1 => bf16_gemm::bf16_gemm(gw, rs, accumulate, d.t(), hm),
+            _ => sgemm(gw, rs, cs, accumulate, d.t(), hm),
+        }
+    }
+}
+
 impl LinearCrossEntropy {
     /// The hidden rows of one chunk as a dense `[c, h]` matrix: borrowed when the rows are
     /// consecutive, gathered into `buf` otherwise.
@@ -353,11 +431,6 @@ impl LinearCrossEntropy {
         }
         buf
     }
-
-    /// `logits[c, v] = hidden_chunk @ W^T` as a new buffer.
-    fn chunk_logits(hc: &[f32], c: usize, h: usize, w: MatRef<'_>) -> Result<Vec<f32>> {
-        sgemm_new(MatRef::row_major(hc, c, h), w.t())
-    }
 }
 
 impl CustomOp2 for LinearCrossEntropy {
@@ -374,8 +447,8 @@ impl CustomOp2 for LinearCrossEntropy {
     ) -> Result<(CpuStorage, Shape)> {
         let (n, h) = l1.shape().dims2()?;
         let hidden = contiguous_slice::<f32>(s1, l1, "linear_cross_entropy")?;
-        let (w, _) = weight_view(s2.as_slice::<f32>()?, l2)?;
-        let v = w.rows;
+        let w = Head::of(s2, l2)?;
+        let v = w.vocab();
         let mut loss = vec![0f32; n];
         let mut lse = vec![0f32; n];
         let mut last_chunk = None;
@@ -386,7 +459,7 @@ impl CustomOp2 for LinearCrossEntropy {
             for (ci, rows) in self.active.chunks(c_max).enumerate() {
                 let c = rows.len();
                 let hc = Self::chunk_hidden(hidden, rows, h, &mut hbuf);
-                let mut logits = Self::chunk_logits(hc, c, h, w)?;
+                let mut logits = w.logits(hc, c, h)?;
                 let keep = ci + 1 == n_chunks;
                 // Per row: lse, loss; for the kept chunk turn the logits into probabilities.
                 let results: Vec<(f32, f32)> = logits[..c * v]
@@ -461,7 +534,7 @@ impl CustomOp2 for LinearCrossEntropy {
         with_cpu(hidden_t, "linear_cross_entropy", |hs, hl| {
             with_cpu(weight_t, "linear_cross_entropy", |ws, wl| {
                 let hidden = contiguous_slice::<f32>(hs, hl, "linear_cross_entropy")?;
-                let (w, _) = weight_view(ws.as_slice::<f32>()?, wl)?;
+                let w = Head::of(ws, wl)?;
                 if self.active.is_empty() || v == 0 {
                     return Ok(());
                 }
@@ -481,7 +554,7 @@ impl CustomOp2 for LinearCrossEntropy {
                     let have_probs = cached.is_some();
                     let mut probs = match cached {
                         Some(p) => p,
-                        None => Self::chunk_logits(hc, c, h, w)?,
+                        None => w.logits(hc, c, h)?,
                     };
                     // d = g_r * (softmax - onehot(label)), in place.
                     probs[..c * v]
@@ -505,7 +578,7 @@ impl CustomOp2 for LinearCrossEntropy {
                         });
                     let d = MatRef::row_major(&probs[..c * v], c, v);
                     // grad_hidden rows = d @ W
-                    sgemm(&mut gh_chunk[..c * h], h, 1, false, d, w)?;
+                    w.input_grad(&mut gh_chunk[..c * h], h, d)?;
                     for (i, &r) in rows.iter().enumerate() {
                         grad_h[r * h..(r + 1) * h].copy_from_slice(&gh_chunk[i * h..(i + 1) * h]);
                     }
@@ -515,13 +588,13 @@ impl CustomOp2 for LinearCrossEntropy {
                     }
                     let hm = MatRef::row_major(hc, c, h);
                     match grad_w.as_mut() {
-                        Some(gw) => sgemm(gw, gw_rs, gw_cs, true, d.t(), hm)?,
+                        Some(gw) => w.weight_grad(gw, (gw_rs, gw_cs), true, d, hm)?,
                         None if w_transposed => {
                             let mut gw = vec![0f32; v * h];
-                            sgemm(&mut gw, gw_rs, gw_cs, false, d.t(), hm)?;
+                            w.weight_grad(&mut gw, (gw_rs, gw_cs), false, d, hm)?;
                             grad_w = Some(gw);
                         }
-                        None => grad_w = Some(sgemm_new(d.t(), hm)?),
+                        None => grad_w = Some(w.new_weight_grad(d, hm)?),
                     }
                 }
                 Ok(())

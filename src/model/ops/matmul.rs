@@ -4,10 +4,9 @@
 
 use candle_core::{bail, Result};
 
-/// A read-only strided matrix view over an `f32` slice.
-#[derive(Clone, Copy)]
-pub(crate) struct MatRef<'a> {
-    pub data: &'a [f32],
+/// A read-only strided matrix view over a slice (of `f32` unless said otherwise).
+pub(crate) struct MatRef<'a, T = f32> {
+    pub data: &'a [T],
     pub rows: usize,
     pub cols: usize,
     /// Distance between consecutive rows, in elements.
@@ -16,9 +15,17 @@ pub(crate) struct MatRef<'a> {
     pub col_stride: usize,
 }
 
-impl<'a> MatRef<'a> {
+// Not derived: a derive would require `T: Copy`, and the view is a shared borrow either way.
+impl<T> Clone for MatRef<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for MatRef<'_, T> {}
+
+impl<'a, T> MatRef<'a, T> {
     /// A row-major `rows × cols` matrix.
-    pub fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Self {
+    pub fn row_major(data: &'a [T], rows: usize, cols: usize) -> Self {
         Self {
             data,
             rows,
@@ -39,7 +46,8 @@ impl<'a> MatRef<'a> {
         }
     }
 
-    fn check(&self, what: &str) -> Result<()> {
+    /// An error unless every element of the view lies inside its buffer.
+    pub(crate) fn check(&self, what: &str) -> Result<()> {
         if self.rows == 0 || self.cols == 0 {
             return Ok(());
         }
@@ -261,6 +269,83 @@ impl SendPtr {
     }
 }
 
+/// One thread's block of a product's destination: a range of its columns, or of its rows.
+#[derive(Clone, Copy)]
+pub(crate) struct ThreadBlock {
+    split_cols: bool,
+    start: usize,
+    count: usize,
+}
+
+impl ThreadBlock {
+    /// The whole `m × n` destination as one block.
+    pub(crate) fn whole(m: usize, _n: usize) -> Self {
+        Self {
+            split_cols: false,
+            start: 0,
+            count: m,
+        }
+    }
+
+    /// The operand views this block multiplies, and the offset of its first destination
+    /// element (in elements, for a destination with the given strides).
+    pub(crate) fn views<'a, A, B>(
+        self,
+        lhs: MatRef<'a, A>,
+        rhs: MatRef<'a, B>,
+        dst_row_stride: usize,
+        dst_col_stride: usize,
+    ) -> (MatRef<'a, A>, MatRef<'a, B>, usize) {
+        if self.split_cols {
+            let cols = MatRef {
+                data: &rhs.data[self.start * rhs.col_stride..],
+                cols: self.count,
+                ..rhs
+            };
+            (lhs, cols, self.start * dst_col_stride)
+        } else {
+            let rows = MatRef {
+                data: &lhs.data[self.start * lhs.row_stride..],
+                rows: self.count,
+                ..lhs
+            };
+            (rows, rhs, self.start * dst_row_stride)
+        }
+    }
+}
+
+/// Runs `block` once per thread on rayon's pool, each on a contiguous block of an `m × n`
+/// destination's columns (or rows, when there are more rows than columns), with inner
+/// boundaries rounded up to `align`.
+pub(crate) fn for_each_thread_block(
+    m: usize,
+    n: usize,
+    threads: usize,
+    align: usize,
+    block: impl Fn(ThreadBlock) + Sync + Send,
+) {
+    use rayon::prelude::*;
+    let split_cols = n >= m;
+    let len = if split_cols { n } else { m };
+    let bound = |part: usize| {
+        if part == threads {
+            len
+        } else {
+            (len * part / threads).next_multiple_of(align).min(len)
+        }
+    };
+    (0..threads).into_par_iter().for_each(|part| {
+        let (start, end) = (bound(part), bound(part + 1));
+        if end > start {
+            block(ThreadBlock {
+                split_cols,
+                start,
+                count: end - start,
+            });
+        }
+    });
+}
+
 /// One single-threaded gemm per thread, each on a contiguous block of the destination's columns
 /// (or rows, when there are more rows than columns).
 ///
@@ -279,39 +364,13 @@ unsafe fn split_across_threads(
     rhs: MatRef<'_>,
     threads: usize,
 ) {
-    use rayon::prelude::*;
     let (m, n) = (lhs.rows, rhs.cols);
-    let split_cols = n >= m;
-    let len = if split_cols { n } else { m };
-    // Even blocks with inner boundaries rounded up to SPLIT_ALIGN: with `len ≥ 2·SPLIT_ALIGN·threads`
-    // (see `split_ok`) every block is at least SPLIT_ALIGN wide.
-    let bound = |part: usize| {
-        if part == threads {
-            len
-        } else {
-            (len * part / threads).next_multiple_of(SPLIT_ALIGN)
-        }
-    };
     let dst = SendPtr(dst);
-    (0..threads).into_par_iter().for_each(|part| {
-        let (start, end) = (bound(part), bound(part + 1));
-        let count = end - start;
-        // Sub-views of the checked inputs: a block of the rhs's columns, or of the lhs's rows.
-        let (dst_offset, lhs_part, rhs_part) = if split_cols {
-            let cols = MatRef {
-                data: &rhs.data[start * rhs.col_stride..],
-                cols: count,
-                ..rhs
-            };
-            (start * dst_col_stride, lhs, cols)
-        } else {
-            let rows = MatRef {
-                data: &lhs.data[start * lhs.row_stride..],
-                rows: count,
-                ..lhs
-            };
-            (start * dst_row_stride, rows, rhs)
-        };
+    // With `max(m, n) ≥ 2·SPLIT_ALIGN·threads` (see `split_ok`) every block is at least
+    // SPLIT_ALIGN wide.
+    for_each_thread_block(m, n, threads, SPLIT_ALIGN, |block| {
+        let (lhs_part, rhs_part, dst_offset) =
+            block.views(lhs, rhs, dst_row_stride, dst_col_stride);
         // SAFETY: the block starts inside the checked destination view and blocks of different
         // parts do not overlap.
         unsafe {

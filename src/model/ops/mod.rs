@@ -12,6 +12,7 @@
 //! - falls back to a composite of differentiable candle ops ([`composite`]) on non-CPU devices
 //!   and for other dtypes, so callers never need a device check of their own.
 
+pub(crate) mod bf16_gemm;
 mod cast;
 pub mod composite;
 mod cross_entropy;
