@@ -121,7 +121,8 @@ const EVAL_CHUNK_ROWS: u64 = 1024;
 /// The evaluation's heap above what stays resident (weights, master copy, moments): the
 /// forward without a graph (the final norm output and its shifted copy) and the loss,
 /// chunk by chunk (`CausalLm::eval_loss`, the op training uses): on the CPU the fused op holds
-/// one chunk's f32 logits (and, in half precision, f32 copies of the head and of the rows); the
+/// one chunk's f32 logits (and, in half precision, f32 copies of the rows and, off the bf16
+/// dot-product path, of the head); the
 /// device-generic op holds three chunk-sized f32 tensors (logits, `logits − max`, `exp`) plus
 /// the compute-dtype matmul output in half precision.
 pub(crate) fn evaluation_transient_bytes(d: &StepDims) -> u64 {
@@ -132,9 +133,11 @@ pub(crate) fn evaluation_transient_bytes(d: &StepDims) -> u64 {
     let loss = if d.generic_ops {
         chunk * (12 + if half { d.act_bytes } else { 0 })
     } else {
+        // A bf16 head on the bf16 dot-product path is not cast.
+        let head_cast = if d.bf16_products { 0 } else { d.vocab };
         chunk * 4
             + if half {
-                (d.vocab + rows) * d.hidden * 4
+                (head_cast + rows) * d.hidden * 4
             } else {
                 0
             }
