@@ -48,13 +48,63 @@ macro_rules! wide_fn {
 pub(crate) use wide_fn;
 
 use super::Elem;
+use half::f16;
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
 
 /// Half-precision data as `f32` (multithreaded, no zero-fill first: the output is written
 /// once; the zero-fill was ≈ 1 % of the SmolLM2-135M bf16-mixed step).
 pub(crate) fn widen_par<T: Elem>(s: &[T]) -> Vec<f32> {
+    if let Some(h) = as_f16(s) {
+        if has_f16c() {
+            return convert_par(h, widen_f16_chunk);
+        }
+    }
     convert_par(s, widen_chunk_wide::<T>)
+}
+
+/// `s` as `f16` values when `T` is `f16`.
+fn as_f16<T: Elem>(s: &[T]) -> Option<&[f16]> {
+    (std::any::TypeId::of::<T>() == std::any::TypeId::of::<f16>()).then(|| {
+        // SAFETY: `T` is `f16` (same type id), so the slice is reinterpreted as itself.
+        unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<f16>(), s.len()) }
+    })
+}
+
+/// Whether this CPU converts f16 ↔ f32 in hardware (F16C, with AVX).
+fn has_f16c() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("f16c") && std::arch::is_x86_feature_detected!("avx")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Writes `s` widened into `o` (same length), eight values per F16C instruction. `half`
+/// converts one value per call (through the same instruction): on the fp16-mixed LoRA step of
+/// the SmolLM2-135M shape its calls and the loop around them were 16 % of the time.
+fn widen_f16_chunk(o: &mut [MaybeUninit<f32>], s: &[f16]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx,f16c")]
+        unsafe fn f16c(o: &mut [MaybeUninit<f32>], s: &[f16]) {
+            use std::arch::x86_64::{__m128i, _mm256_cvtph_ps, _mm256_storeu_ps, _mm_loadu_si128};
+            let whole = s.len() / 8 * 8;
+            for i in (0..whole).step_by(8) {
+                let v = _mm_loadu_si128(s.as_ptr().add(i).cast::<__m128i>());
+                _mm256_storeu_ps(o.as_mut_ptr().add(i).cast::<f32>(), _mm256_cvtph_ps(v));
+            }
+            widen_chunk(&mut o[whole..], &s[whole..]);
+        }
+        // SAFETY: only called when `has_f16c`; `o` and `s` have the same length (the loop
+        // reads and writes whole groups of eight below it).
+        unsafe { f16c(o, s) }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    widen_chunk(o, s)
 }
 
 /// `v` rounded to `T` (multithreaded, no zero-fill first).
@@ -105,7 +155,7 @@ wide_fn!(
 #[cfg(test)]
 mod tests {
     use crate::model::ops::{bf16_to_f32, f32_to_bf16, Elem};
-    use half::bf16;
+    use half::{bf16, f16};
 
     #[inline(always)]
     fn narrow_into<T: Elem>(out: &mut [T], xs: &[f32]) {
@@ -143,5 +193,23 @@ mod tests {
             .map(|x| x.to_bits())
             .collect();
         assert_eq!(par, back);
+        // f16 rounding in the wide build (the AdamW update's loop) equals `half`'s.
+        let f16_bits = |v: &[f16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let mut wide_f16 = vec![f16::ZERO; xs.len()];
+        narrow_wide(&mut wide_f16, &xs);
+        let want_f16: Vec<f16> = xs.iter().map(|&x| f16::from_f32(x)).collect();
+        assert_eq!(f16_bits(&wide_f16), f16_bits(&want_f16));
+        // f16 through F16C, eight at a time, equals `half`'s conversion (every bit pattern,
+        // NaNs and subnormals included, and a tail shorter than eight).
+        let halves: Vec<f16> = (0..=u16::MAX)
+            .chain([1, 2, 3])
+            .map(f16::from_bits)
+            .collect();
+        let want: Vec<u32> = halves.iter().map(|h| h.to_f32().to_bits()).collect();
+        let got: Vec<u32> = super::widen_par(&halves)
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
+        assert_eq!(got, want);
     }
 }
