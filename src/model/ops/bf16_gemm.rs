@@ -17,7 +17,7 @@
 //! extra, and `f32` operands are rounded while they are packed.
 
 use super::f32_to_bf16;
-use super::matmul::{for_each_thread_block, MatRef, ThreadBlock};
+use super::matmul::{for_each_thread_block, MatRef, SendPtr, ThreadBlock};
 use candle_core::{bail, Result};
 use half::bf16;
 
@@ -171,20 +171,6 @@ unsafe fn product<A: PackElem, B: PackElem>(
         for_each_thread_block(m, n, threads, NR, block);
     } else {
         block(ThreadBlock::whole(m, n));
-    }
-}
-
-/// A raw pointer that may cross to another rayon worker: each block writes its own part.
-#[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: the blocks write disjoint parts of the destination (see `bf16_gemm`).
-unsafe impl Send for SendPtr {}
-unsafe impl Sync for SendPtr {}
-
-impl SendPtr {
-    /// The pointer (a method, so closures capture the whole `Send` wrapper).
-    fn get(self) -> *mut f32 {
-        self.0
     }
 }
 
@@ -723,18 +709,7 @@ unsafe fn kernel(
 mod tests {
     use super::*;
     use crate::model::ops::bf16_to_f32;
-
-    fn filled(len: usize, seed: u64) -> Vec<f32> {
-        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..len)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect()
-    }
+    use crate::model::ops::matmul::tests::filled;
 
     /// `lhs @ rhs` of the bf16-rounded operands, in f64.
     fn reference(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {

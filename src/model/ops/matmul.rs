@@ -255,16 +255,17 @@ fn split_ok(m: usize, k: usize, n: usize, threads: usize) -> bool {
         && m.max(n) >= 2 * SPLIT_ALIGN * threads
 }
 
-/// A raw pointer that may cross to another rayon worker: each part writes its own block.
+/// A raw pointer to a product's destination that may cross to another rayon worker: each
+/// thread's block writes its own part (`split_across_threads`, `bf16_gemm`).
 #[derive(Clone, Copy)]
-struct SendPtr(*mut f32);
-// SAFETY: the parts write disjoint blocks of the destination (see `split_across_threads`).
+pub(crate) struct SendPtr(pub(crate) *mut f32);
+// SAFETY: the threads write disjoint blocks of the destination (see `for_each_thread_block`).
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
 impl SendPtr {
     /// The pointer (a method, so closures capture the whole `Send` wrapper, not its field).
-    fn get(self) -> *mut f32 {
+    pub(crate) fn get(self) -> *mut f32 {
         self.0
     }
 }
@@ -388,11 +389,11 @@ unsafe fn split_across_threads(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// A deterministic pseudo-random matrix in [-1, 1).
-    fn filled(len: usize, seed: u64) -> Vec<f32> {
+    pub(crate) fn filled(len: usize, seed: u64) -> Vec<f32> {
         let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         (0..len)
             .map(|_| {

@@ -436,21 +436,24 @@ pub(crate) fn fast_exp(x: f32) -> f32 {
 mod tests {
     use super::{bf16, bf16_to_f32, f16, f32_to_bf16, f32_to_f16, fast_exp};
 
+    /// Pseudo-random 32-bit patterns (xorshift) from `seed`.
+    fn random_bits(mut state: u64) -> impl Iterator<Item = u32> {
+        std::iter::repeat_with(move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u32
+        })
+    }
+
     /// Every upper half of the f32 bit patterns, each with the low halves that decide the
     /// rounding (ties, just below and above them, odd and even results), and random values.
     #[test]
     fn branch_free_f16_rounding_matches_half_bit_for_bit() {
         let lows = [0u32, 0x0FFF, 0x1000, 0x1001, 0x1FFF, 0x2000, 0x3000, 0xFFFF];
-        let mut state = 0x2545_F491_4F6C_DD1Du64;
-        let random = std::iter::repeat_with(move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u32
-        });
         let patterns = (0..=u16::MAX)
             .flat_map(|hi| lows.iter().map(move |lo| (u32::from(hi) << 16) | lo))
-            .chain(random.take(1_000_000));
+            .chain(random_bits(0x2545_F491_4F6C_DD1D).take(1_000_000));
         for b in patterns {
             let v = f32::from_bits(b);
             assert_eq!(
@@ -482,14 +485,10 @@ mod tests {
             0x3F81_8000,
             0x3F80_8001,
         ];
-        let mut state = 0x9E37_79B9_7F4A_7C15u64;
-        let random = std::iter::repeat_with(move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u32
-        });
-        for b in specials.into_iter().chain(random.take(2_000_000)) {
+        for b in specials
+            .into_iter()
+            .chain(random_bits(0x9E37_79B9_7F4A_7C15).take(2_000_000))
+        {
             let v = f32::from_bits(b);
             assert_eq!(
                 f32_to_bf16(v).to_bits(),
