@@ -254,8 +254,10 @@ struct LinGrads {
     lora_b: Option<Vec<f32>>,
 }
 
-/// A linear layer's weight: `f32` data read in place; `bf16` / `f16` data, widened for each
-/// product that reads it; or a quantized frozen base weight (QLoRA), dequantized likewise. The
+/// A linear layer's weight: `f32` data read in place (and `bf16` data too, by the bf16
+/// dot-product path where the CPU has one: `Lin::bf16_weight`); otherwise `bf16` / `f16`
+/// data, widened for each product that reads it; or a quantized frozen base weight (QLoRA),
+/// dequantized likewise. The
 /// f32 copy is dropped after the product, so at most one weight's copy exists at a time, and
 /// it is still in cache when gemm reads it (widening the whole layer up front held 4 bytes per
 /// parameter of the layer: 870 MB for a 7B model's layer).
@@ -465,7 +467,8 @@ fn with_params<R>(layer: &Layer, f: impl FnOnce(&Params<'_>) -> Result<R>) -> Re
             bail!("{OP}: runs on the CPU only (internal error: use the graph path)")
         };
         if (2..9).contains(&k) {
-            // The seven weights stay in their dtype: each product widens its own.
+            // The seven weights stay in their dtype: each product widens its own (or reads a
+            // bf16 one as it is).
             weights.push(weight_ref(cpu, layout)?);
             cows.push(Cow::Borrowed(&[][..]));
         } else {

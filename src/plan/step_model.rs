@@ -590,7 +590,8 @@ fn native_layer_terms(d: &StepDims, params: &BlockParams) -> BlockTerms {
     // and collects the gradients in f32 before rounding each to the parameter dtype.
     let half = d.act_bytes != 4;
     // The seven weights are not widened up front: each product widens (or dequantizes) its
-    // own, one weight's f32 copy at a time, in forward and in backward.
+    // own, one weight's f32 copy at a time, in forward and in backward; the bf16 dot-product
+    // path packs instead (`native_weight_transient_bytes`).
     let weight_elems: u64 = d.linears().iter().map(|(_, i, o, _)| i * o).sum();
     let widened = if half {
         params.total.saturating_sub(weight_elems) * 4 + n * h * 4
