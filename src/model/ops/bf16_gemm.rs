@@ -17,7 +17,7 @@
 //! extra, and `f32` operands are rounded while they are packed.
 
 use super::f32_to_bf16;
-use super::matmul::{for_each_thread_block, MatRef, SendPtr, ThreadBlock};
+use super::matmul::{check_dims, for_each_thread_block, MatRef, SendPtr, ThreadBlock};
 use candle_core::{bail, Result};
 use half::bf16;
 
@@ -129,17 +129,7 @@ fn check<A, B>(lhs: MatRef<'_, A>, rhs: MatRef<'_, B>) -> Result<()> {
     if !available() {
         bail!("bf16 gemm: this CPU has no AVX512-BF16 (internal error: check `available`)");
     }
-    if rhs.rows != lhs.cols {
-        bail!(
-            "bf16 gemm: inner dimensions differ ({}x{} @ {}x{})",
-            lhs.rows,
-            lhs.cols,
-            rhs.rows,
-            rhs.cols
-        );
-    }
-    lhs.check("lhs")?;
-    rhs.check("rhs")
+    check_dims(lhs, rhs)
 }
 
 /// The product into `dst`, split across rayon's threads when it is large enough.

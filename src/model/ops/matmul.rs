@@ -154,8 +154,9 @@ pub(crate) fn sgemm_new(lhs: MatRef<'_>, rhs: MatRef<'_>) -> Result<Vec<f32>> {
     Ok(out)
 }
 
-/// The inner dimensions agree and both views lie inside their buffers.
-fn check_dims(lhs: MatRef<'_>, rhs: MatRef<'_>) -> Result<()> {
+/// The inner dimensions agree and both views lie inside their buffers (any element types:
+/// the bf16 product checks its views here too).
+pub(crate) fn check_dims<A, B>(lhs: MatRef<'_, A>, rhs: MatRef<'_, B>) -> Result<()> {
     if rhs.rows != lhs.cols {
         bail!(
             "gemm: inner dimensions differ ({}x{} @ {}x{})",
