@@ -315,12 +315,13 @@ struct LinearCrossEntropy {
     saved: Mutex<Option<Saved>>,
     /// Where the weight gradient goes instead of the graph (see `linear_cross_entropy_with_sink`).
     sink: Option<WeightGradSink>,
-    /// The dtype of the weight the caller passed (the op computes on its f32 cast).
+    /// The dtype of the weight the caller passed (the op computes on its f32 cast, or on the
+    /// bf16 weight itself on the bf16 dot-product path).
     weight_dtype: DType,
 }
 
 /// The `[v, h]` weight as a strided view (contiguous or transposed-contiguous storage).
-fn weight_view<'a, T>(data: &'a [T], layout: &Layout) -> Result<(MatRef<'a, T>, &'a [T])> {
+fn weight_view<'a, T>(data: &'a [T], layout: &Layout) -> Result<MatRef<'a, T>> {
     let (v, h) = layout.shape().dims2()?;
     let stride = layout.stride();
     let start = layout.start_offset();
@@ -333,16 +334,13 @@ fn weight_view<'a, T>(data: &'a [T], layout: &Layout) -> Result<(MatRef<'a, T>, 
     if !dense && v > 1 && h > 1 {
         bail!("linear_cross_entropy: weight strides {stride:?} are neither row- nor column-major (internal error: make it contiguous)");
     }
-    Ok((
-        MatRef {
-            data: slice,
-            rows: v,
-            cols: h,
-            row_stride: if v > 1 { row_stride } else { h },
-            col_stride: if h > 1 { col_stride } else { 1 },
-        },
-        slice,
-    ))
+    Ok(MatRef {
+        data: slice,
+        rows: v,
+        cols: h,
+        row_stride: if v > 1 { row_stride } else { h },
+        col_stride: if h > 1 { col_stride } else { 1 },
+    })
 }
 
 /// The lm-head weight the op multiplies: `f32`, or bf16 on a CPU with the bf16 dot-product
@@ -357,8 +355,8 @@ impl<'a> Head<'a> {
     /// The weight of a CPU storage as a `[v, h]` view.
     fn of(storage: &'a CpuStorage, layout: &Layout) -> Result<Self> {
         Ok(match storage {
-            CpuStorage::BF16(data) => Head::Bf16(weight_view(data, layout)?.0),
-            other => Head::F32(weight_view(other.as_slice::<f32>()?, layout)?.0),
+            CpuStorage::BF16(data) => Head::Bf16(weight_view(data, layout)?),
+            other => Head::F32(weight_view(other.as_slice::<f32>()?, layout)?),
         })
     }
 
