@@ -1,6 +1,7 @@
 //! Memory accounting: a counting global allocator that test and bench builds
-//! install to measure the peak bytes of a training step on CPU, and the
-//! process's resident set size read from `/proc/self/status`.
+//! install to measure the peak bytes of a training step on CPU, the
+//! process's resident set size read from `/proc/self/status`, and the large-block
+//! pool the binary installs over mimalloc ([`LargeBlockPool`]).
 //!
 //! candle's CPU tensors are plain `Vec` allocations, so every tensor a training
 //! step creates goes through the global allocator and is seen here. Memory
@@ -19,6 +20,10 @@
 //! The counters are process-wide statics rather than fields of the allocator
 //! value, so library code ([`crate::plan::dry_run`]) can read them without
 //! knowing the name of the static the binary declared.
+
+mod large_blocks;
+
+pub use large_blocks::{free_block_bytes, release_free_blocks, LargeBlockPool, LARGE_BLOCK_BYTES};
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

@@ -100,23 +100,32 @@ const DATASET_RSS_PER_FILE_BYTE: f64 = 15.0;
 /// maps its own buffers, which this does not measure.
 const GUI_BYTES: u64 = 120 * MIB;
 
-/// mimalloc with purging off keeps freed pages resident, and a block freed by one batch shape
-/// is not always reused by the next shape's allocations, so over a run the resident set climbs
-/// above the heap's high-water mark by a share of the step's transient heap (its peak above
-/// the weights and optimizer state that stay) and then levels off. Measured as the whole run's
-/// `VmHWM` (`/usr/bin/time -v tunestudio train`) − the step's heap − the other terms, on runs
-/// that are not the checks' (Alpaca and C4 rows of varying length, fp32, full fine-tuning):
-/// tiny-mistral, seq 256, micro-batch 4, 40 steps: 0.83; tiny-llama on C4, seq 256,
-/// micro-batch 2, with evaluation, 40 steps: 0.65; SmolLM2-135M, seq 128, micro-batch 4,
-/// 15 steps: 0.64. The median is taken. The share varies from run to run of one config (which
-/// thread's heap keeps a freed block depends on timing): three more rounds of
-/// `scripts/rss-vs-plan.sh` measured 0.40–0.82, 0.86–0.90 and 0.55–0.60 for these runs, the
-/// bundled demo over its full 60 steps 0.74–1.07, and LoRA r 16 on the SmolLM2 run 0.23–0.33
-/// (the plan is over by 13–18 % there).
-const RETENTION_PER_TRANSIENT_BYTE: f64 = 0.65;
+/// The binary's large-block pool (`mem::LargeBlockPool`, on top of mimalloc with purging off)
+/// keeps freed blocks mapped and reuses them best fit, so over a run the resident set climbs
+/// above the heap's high-water mark only by the fragments a varying batch shape leaves among
+/// the step's many activation blocks. The loss's logits chunk, the step's largest block, is
+/// one block each step that the pool refits or grows in place: replaying the demo's large
+/// allocations, it left nothing behind, and the demo's whole runs retain 0.01 and −0.05 of
+/// their transient heap, which the logits dominate. So the share is of the transient heap
+/// besides one logits chunk. Measured as the whole run's `VmHWM` (`/usr/bin/time -v
+/// tunestudio train`) − the step's heap − the other terms, per byte of that heap, on the full
+/// fine-tunes of `scripts/rss-vs-plan.sh` that are not a check (Alpaca and C4 rows of varying
+/// length, fp32), three rounds each: tiny-mistral (seq 256, micro-batch 4, 40 steps) −0.02,
+/// 0.08, 0.26; SmolLM2-135M (seq 128, micro-batch 4, 15 steps) 0.24, 0.24, 0.26; tiny-llama
+/// on C4 (seq 256, micro-batch 2, with evaluation, 40 steps) 0.53, 0.72, 1.08. The median is
+/// taken; tiny-llama's rounds are the spread left.
+const RETENTION_PER_TRANSIENT_BYTE: f64 = 0.26;
 
-/// Rows per chunk of the evaluation's loss (`LOSS_CHUNK_TOKENS`).
-const EVAL_CHUNK_ROWS: u64 = 1024;
+/// One chunk of the loss's f32 logits: the rows the loss computes (trained rows only), at
+/// most a chunk.
+fn logits_chunk_bytes(d: &StepDims) -> u64 {
+    let rows = d.micro_batch * d.seq_len.saturating_sub(1);
+    d.loss_rows
+        .min(rows)
+        .min(crate::model::LOSS_CHUNK_TOKENS as u64)
+        * d.vocab
+        * 4
+}
 
 /// The evaluation's heap above what stays resident (weights, master copy, moments): the
 /// forward without a graph (the final norm output and its shifted copy) and the loss,
@@ -127,8 +136,8 @@ const EVAL_CHUNK_ROWS: u64 = 1024;
 /// the compute-dtype matmul output in half precision.
 pub(crate) fn evaluation_transient_bytes(d: &StepDims) -> u64 {
     let rows = d.micro_batch * d.seq_len.saturating_sub(1);
-    // Logits exist for the trained rows only (both ops).
-    let chunk = d.loss_rows.min(rows).min(EVAL_CHUNK_ROWS) * d.vocab;
+    // Logits exist for the trained rows only (both ops); the chunk in elements.
+    let chunk = logits_chunk_bytes(d) / 4;
     let half = d.act_bytes != 4;
     let loss = if d.generic_ops {
         chunk * (12 + if half { d.act_bytes } else { 0 })
@@ -197,13 +206,17 @@ pub(crate) fn footprint(
             source: "15 × dataset file bytes (measured with `tunestudio preview`)",
         },
         ProcessTerm {
-            name: "allocator retention (mimalloc, purging off)",
+            name: "allocator retention (large-block pool over mimalloc)",
             bytes: if inputs.single_step {
                 0
             } else {
-                (step_peak.saturating_sub(resident) as f64 * RETENTION_PER_TRANSIENT_BYTE) as u64
+                let fragmenting = step_peak
+                    .saturating_sub(resident)
+                    .saturating_sub(logits_chunk_bytes(d));
+                (fragmenting as f64 * RETENTION_PER_TRANSIENT_BYTE) as u64
             },
-            source: "0.65 × the step's transient heap (measured on three full runs, not the demo)",
+            source: "0.26 × the step's transient heap besides one logits chunk (measured on \
+                     three full runs, not the demo)",
         },
     ];
     if inputs.gui {

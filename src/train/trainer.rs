@@ -107,6 +107,9 @@ impl Trainer {
                 let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     thread_main(config, options, cmd_rx, &mut emitter)
                 }));
+                // The run's tensors are dropped: hand the pooled large blocks back to the OS so
+                // the studio's resident set falls to what it holds between runs.
+                crate::mem::release_free_blocks();
                 if let Err(payload) = result {
                     emitter.emit(Event::Error {
                         message: format!("internal error: {}", panic_message(&payload)),
