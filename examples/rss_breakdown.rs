@@ -1,5 +1,6 @@
 //! Where a CPU run's resident set goes, stage by stage: the process as the binary runs it
-//! (mimalloc with purging off, as `src/main.rs` sets it), with the heap counted on top.
+//! (the large-block pool over mimalloc with purging off, as `src/main.rs` sets it), with the
+//! heap counted on top.
 //!
 //! cargo run --example rss_breakdown -- assets/demo.toml [steps]
 //!
@@ -18,14 +19,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 static CURRENT: AtomicU64 = AtomicU64::new(0);
 static PEAK: AtomicU64 = AtomicU64::new(0);
 
-/// mimalloc, counted.
+/// The binary's allocator, counted.
 struct Counted;
 
-// SAFETY: every method forwards to mimalloc with the caller's arguments unchanged.
+static INNER: tunestudio::mem::LargeBlockPool<mimalloc::MiMalloc> =
+    tunestudio::mem::LargeBlockPool::new(mimalloc::MiMalloc);
+
+// SAFETY: every method forwards to the binary's allocator with the caller's arguments unchanged.
 unsafe impl GlobalAlloc for Counted {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         // SAFETY: forwarded verbatim.
-        let p = unsafe { mimalloc::MiMalloc.alloc(l) };
+        let p = unsafe { INNER.alloc(l) };
         if !p.is_null() {
             added(l.size());
         }
@@ -33,7 +37,7 @@ unsafe impl GlobalAlloc for Counted {
     }
     unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
         // SAFETY: forwarded verbatim.
-        let p = unsafe { mimalloc::MiMalloc.alloc_zeroed(l) };
+        let p = unsafe { INNER.alloc_zeroed(l) };
         if !p.is_null() {
             added(l.size());
         }
@@ -41,12 +45,12 @@ unsafe impl GlobalAlloc for Counted {
     }
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
         // SAFETY: forwarded verbatim.
-        unsafe { mimalloc::MiMalloc.dealloc(p, l) };
+        unsafe { INNER.dealloc(p, l) };
         CURRENT.fetch_sub(l.size() as u64, Ordering::Relaxed);
     }
     unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
         // SAFETY: forwarded verbatim.
-        let q = unsafe { mimalloc::MiMalloc.realloc(p, l, n) };
+        let q = unsafe { INNER.realloc(p, l, n) };
         if !q.is_null() {
             added(n);
             CURRENT.fetch_sub(l.size() as u64, Ordering::Relaxed);
@@ -72,13 +76,16 @@ fn report(stage: &str) {
     let hwm = tunestudio::mem::peak_rss_bytes().unwrap_or(0);
     let heap = CURRENT.load(Ordering::Relaxed);
     let peak = PEAK.load(Ordering::Relaxed);
+    // Freed large blocks the pool keeps mapped: resident, and taken by the next large tensors.
+    let pooled = tunestudio::mem::free_block_bytes();
     println!(
-        "{stage:<28} rss {:>8.1}  hwm {:>8.1}  heap {:>8.1}  heap peak {:>8.1}  hwm - heap peak {:>7.1} MiB",
+        "{stage:<28} rss {:>8.1}  hwm {:>8.1}  heap {:>8.1}  heap peak {:>8.1}  hwm - heap peak {:>7.1}  pool free {:>7.1} MiB",
         mib(rss),
         mib(hwm),
         mib(heap),
         mib(peak),
-        mib(hwm) - mib(peak)
+        mib(hwm) - mib(peak),
+        mib(pooled)
     );
 }
 

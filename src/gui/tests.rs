@@ -356,8 +356,8 @@ fn auto_fit_applies_settings_that_fit_a_small_device() {
     let out = tempfile::tempdir().expect("tempdir");
     let mut h = harness(Panel::Devices, out.path());
     wait_ready(&mut h);
-    // A device too small for the demo as configured (≈ 320 MiB with the studio's own
-    // footprint; the process terms alone are ≈ 190 MiB): 290 MiB.
+    // A device too small for the demo as configured (≈ 305 MiB with the studio's own
+    // footprint; the process terms alone are ≈ 175 MiB): 290 MiB.
     h.state_mut().state.config.devices.devices = vec!["cpu:290MiB".into()];
     wait_for(
         &mut h,

@@ -84,14 +84,25 @@ pub(crate) const LOADING: &str = "loading";
 const RUNTIME_BYTES: u64 = 13 * MIB;
 
 /// Resident bytes per byte of `tokenizer.json` once the tokenizer has been loaded (its parse
-/// touches pages mimalloc keeps; the tokenizer itself is dropped after tokenising): 54.2 MiB
-/// for SmolLM2's 3,522,871-byte tokenizer (`examples/rss_breakdown.rs`: RSS 8.9 → 63.1 MiB).
-const TOKENIZER_RSS_PER_FILE_BYTE: f64 = 16.1;
+/// touches pages the allocator keeps; the tokenizer itself is dropped after tokenising), less
+/// the freed large blocks the pool keeps, which the training step's tensors take over: for
+/// SmolLM2's 3,522,871-byte tokenizer, `examples/rss_breakdown.rs` reads RSS 8.2 → 46.6 MiB
+/// with 12.7 MiB of them free in the pool, so 25.7 MiB.
+const TOKENIZER_RSS_PER_FILE_BYTE: f64 = 7.65;
 
 /// Resident bytes per byte of dataset file (the parsed rows, their chat template rendering and
 /// the tokenized samples): `tunestudio preview` of 999 Alpaca rows (859,893 bytes) peaks
 /// 12.3 MiB above a one-row preview (84,780 vs 72,224 KiB).
 const DATASET_RSS_PER_FILE_BYTE: f64 = 15.0;
+
+/// What loading the model and the data leaves resident besides their tensors and the terms
+/// above (the config and weight parsing, the random initialisation's and the collation's
+/// freed buffers): the non-heap part of the resident set grows by 13.9 MiB from the tokenizer
+/// alone to the loaded demo, net of the pool's free blocks (`examples/rss_breakdown.rs`:
+/// `hwm − heap peak` 11.1 → 31.5 MiB, 6.5 MiB free in the pool). It varies with the run:
+/// 6.4 MiB for tiny-mistral on 999 Alpaca rows, 62.6 MiB for tiny-llama on 300 C4 documents
+/// (long rows hold more while tokenised than the per-byte dataset term counts).
+const LOADING_RESIDUE_BYTES: u64 = 14 * MIB;
 
 /// The studio's window, fonts and GL buffers when the GUI runs in the process. Measured under
 /// Xvfb with Mesa's llvmpipe (software GL): the studio idle with the demo loaded (model,
@@ -198,12 +209,17 @@ pub(crate) fn footprint(
         ProcessTerm {
             name: "tokenizer (pages its load touched)",
             bytes: (inputs.tokenizer_file_bytes as f64 * TOKENIZER_RSS_PER_FILE_BYTE) as u64,
-            source: "16.1 × tokenizer.json bytes (measured on SmolLM2's tokenizer)",
+            source: "7.65 × tokenizer.json bytes (measured on SmolLM2's tokenizer)",
         },
         ProcessTerm {
             name: "dataset (parsed and tokenized)",
             bytes: (inputs.dataset_file_bytes as f64 * DATASET_RSS_PER_FILE_BYTE) as u64,
             source: "15 × dataset file bytes (measured with `tunestudio preview`)",
+        },
+        ProcessTerm {
+            name: "model and data loading residue",
+            bytes: LOADING_RESIDUE_BYTES,
+            source: "measured: the loaded demo's resident set besides its heap and the terms above",
         },
         ProcessTerm {
             name: "allocator retention (large-block pool over mimalloc)",
