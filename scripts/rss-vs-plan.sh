@@ -3,7 +3,7 @@
 # to its end under `/usr/bin/time -v` (peak RSS = VmHWM), next to `tunestudio plan --config` for
 # the same config. Also prints the allocator retention each run implies, as a share of the
 # step's transient heap besides one logits chunk (`plan::process::RETENTION_PER_TRANSIENT_BYTE`
-# is the median of the three full fine-tunes that are not the demo).
+# is what the SmolLM2-135M full run retains; the small runs retain more per byte).
 #
 #   scripts/rss-vs-plan.sh [ROUNDS=1]     (about 3 minutes a round on 2 cores)
 #

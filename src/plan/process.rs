@@ -3,12 +3,12 @@
 //! and the step is not always the process's largest moment (the evaluation and the loading of
 //! the weights can be larger).
 //!
-//! Every constant was measured on this project's binary (mimalloc with purging off, see
-//! `src/main.rs`) with `examples/rss_breakdown.rs` (stage-by-stage `VmRSS`/`VmHWM` next to the
-//! heap counted on top of mimalloc) and `/usr/bin/time -v`: the runtime, tokenizer and dataset
-//! terms on the bundled demo (`assets/demo.toml`), the allocator's retention on three other
-//! runs (the demo is what `tests/it/plan_rss.rs` checks); how, and the numbers, are next to
-//! each constant. The training-tensor figure of [`super::estimate`] stays one line of the
+//! Every constant was measured on this project's binary (the large-block pool over mimalloc
+//! with purging off, see `src/main.rs`) with `examples/rss_breakdown.rs` (stage-by-stage
+//! `VmRSS`/`VmHWM` next to the heap counted on top of that allocator) and `/usr/bin/time -v`:
+//! the runtime, tokenizer, dataset and loading terms on the bundled demo (`assets/demo.toml`),
+//! the allocator's retention on whole runs of `scripts/rss-vs-plan.sh` (the demo's 2-step run
+//! is what `tests/it/plan_rss.rs` checks); how, and the numbers, are next to each constant. The training-tensor figure of [`super::estimate`] stays one line of the
 //! breakdown.
 
 use super::step_model::StepDims;
@@ -115,16 +115,15 @@ const GUI_BYTES: u64 = 120 * MIB;
 /// keeps freed blocks mapped and reuses them best fit, so over a run the resident set climbs
 /// above the heap's high-water mark only by the fragments a varying batch shape leaves among
 /// the step's many activation blocks. The loss's logits chunk, the step's largest block, is
-/// one block each step that the pool refits or grows in place: replaying the demo's large
-/// allocations, it left nothing behind, and the demo's whole runs retain 0.01 and −0.05 of
-/// their transient heap, which the logits dominate. So the share is of the transient heap
-/// besides one logits chunk. Measured as the whole run's `VmHWM` (`/usr/bin/time -v
-/// tunestudio train`) − the step's heap − the other terms, per byte of that heap, on the full
-/// fine-tunes of `scripts/rss-vs-plan.sh` that are not a check (Alpaca and C4 rows of varying
-/// length, fp32), three rounds each: tiny-mistral (seq 256, micro-batch 4, 40 steps) −0.02,
-/// 0.08, 0.26; SmolLM2-135M (seq 128, micro-batch 4, 15 steps) 0.24, 0.24, 0.26; tiny-llama
-/// on C4 (seq 256, micro-batch 2, with evaluation, 40 steps) 0.53, 0.72, 1.08. The median is
-/// taken; tiny-llama's rounds are the spread left.
+/// one block each step that the pool refits or grows in place (replaying the demo's large
+/// allocations, it left nothing behind), so the share is of the transient heap besides one
+/// logits chunk. Measured as the whole run's `VmHWM` (`/usr/bin/time -v tunestudio train`)
+/// − the step's heap − the other terms, per byte of that heap (`scripts/rss-vs-plan.sh`,
+/// Alpaca rows of varying length, fp32): SmolLM2-135M (seq 128, micro-batch 4, 15 steps,
+/// 618 MiB of such heap) 0.22–0.27 over four rounds, the one run where this term is large.
+/// The small runs retain more per byte of a small heap: the demo 0.86 and tiny-mistral 0.70
+/// of 19 and 29 MiB, so 11 and 12 MiB more than this term, 3–6 % of their peak; LoRA r 16 on
+/// SmolLM2 0.10 (the plan is over by 6 %).
 const RETENTION_PER_TRANSIENT_BYTE: f64 = 0.26;
 
 /// One chunk of the loss's f32 logits: the rows the loss computes (trained rows only), at
@@ -232,7 +231,7 @@ pub(crate) fn footprint(
                 (fragmenting as f64 * RETENTION_PER_TRANSIENT_BYTE) as u64
             },
             source: "0.26 × the step's transient heap besides one logits chunk (measured on \
-                     three full runs, not the demo)",
+                     SmolLM2-135M full fine-tuning, whole runs)",
         },
     ];
     if inputs.gui {
