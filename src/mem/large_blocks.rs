@@ -137,7 +137,8 @@ mod imp {
     /// the step and merged with their neighbours).
     const MAX_FREE_BLOCKS: usize = 1024;
 
-    /// A mapping: its start and its length in bytes (a multiple of the page).
+    /// A page range the pool owns: one mapping, a piece cut from one, or neighbouring pieces
+    /// merged; its start and its length in bytes (a multiple of the page).
     #[derive(Clone, Copy, Debug)]
     struct Block {
         start: usize,
@@ -261,10 +262,12 @@ mod imp {
         })
     }
 
-    /// Grows (or shrinks) a mapping; the pages it keeps keep their contents.
+    /// Grows a block to `len` bytes, moving its pages elsewhere when its neighbours are taken;
+    /// its bytes are kept. Fails for a block merged from two kernel mappings (`mremap` works
+    /// within one), and the callers fall back.
     fn remap(b: Block, len: usize) -> Option<Block> {
-        // SAFETY: `b` is a whole mapping the pool owns; MREMAP_MAYMOVE lets the kernel move
-        // its page tables, and no pointer into the old range is used afterwards.
+        // SAFETY: `b` is a page range the pool owns and nobody else uses; MREMAP_MAYMOVE lets
+        // the kernel move its page tables, and no pointer into the old range is used after.
         let p = unsafe { libc::mremap(b.start as *mut _, b.len, len, libc::MREMAP_MAYMOVE) };
         (p != libc::MAP_FAILED).then_some(Block {
             start: p as usize,
@@ -273,7 +276,7 @@ mod imp {
     }
 
     fn unmap(b: Block) {
-        // SAFETY: `b` is a whole mapping the pool owns and nothing points into it any more.
+        // SAFETY: `b` is a page range the pool owns and nothing points into it any more.
         unsafe { libc::munmap(b.start as *mut _, b.len) };
     }
 
