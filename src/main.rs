@@ -13,7 +13,7 @@ use std::process::ExitCode;
 /// mimalloc without purging 97 tokens/s, 3.66 GB. Tokenising 50,000 Alpaca rows:
 /// 8.3 s with glibc (40 % of it in malloc/free), 4.5 s with mimalloc.
 ///
-/// Blocks of 4 MiB and more go to tunestudio's large-block pool on top of mimalloc: it keeps
+/// Blocks of 1 MiB and more go to tunestudio's large-block pool on top of mimalloc: it keeps
 /// the resident set at what the heap held at once, run after run, where mimalloc's arena left
 /// a varying share of freed blocks resident (`tunestudio::mem::LargeBlockPool`).
 #[global_allocator]

@@ -8,8 +8,8 @@
 //! `VmRSS`/`VmHWM` next to the heap counted on top of that allocator) and `/usr/bin/time -v`:
 //! the runtime, tokenizer, dataset and loading terms on the bundled demo (`assets/demo.toml`),
 //! the allocator's retention on whole runs of `scripts/rss-vs-plan.sh` (the demo's 2-step run
-//! is what `tests/it/plan_rss.rs` checks); how, and the numbers, are next to each constant. The training-tensor figure of [`super::estimate`] stays one line of the
-//! breakdown.
+//! is what `tests/it/plan_rss.rs` checks); how, and the numbers, are next to each constant.
+//! The training-tensor figure of [`super::estimate`] stays one line of the breakdown.
 
 use super::step_model::StepDims;
 
@@ -126,15 +126,13 @@ const GUI_BYTES: u64 = 120 * MIB;
 /// SmolLM2 0.10 (the plan is over by 6 %).
 const RETENTION_PER_TRANSIENT_BYTE: f64 = 0.26;
 
-/// One chunk of the loss's f32 logits: the rows the loss computes (trained rows only), at
+/// Rows of one chunk of the loss's logits: the rows the loss computes (trained rows only), at
 /// most a chunk.
-fn logits_chunk_bytes(d: &StepDims) -> u64 {
+fn logits_chunk_rows(d: &StepDims) -> u64 {
     let rows = d.micro_batch * d.seq_len.saturating_sub(1);
     d.loss_rows
         .min(rows)
         .min(crate::model::LOSS_CHUNK_TOKENS as u64)
-        * d.vocab
-        * 4
 }
 
 /// The evaluation's heap above what stays resident (weights, master copy, moments): the
@@ -147,7 +145,7 @@ fn logits_chunk_bytes(d: &StepDims) -> u64 {
 pub(crate) fn evaluation_transient_bytes(d: &StepDims) -> u64 {
     let rows = d.micro_batch * d.seq_len.saturating_sub(1);
     // Logits exist for the trained rows only (both ops); the chunk in elements.
-    let chunk = logits_chunk_bytes(d) / 4;
+    let chunk = logits_chunk_rows(d) * d.vocab;
     let half = d.act_bytes != 4;
     let loss = if d.generic_ops {
         chunk * (12 + if half { d.act_bytes } else { 0 })
@@ -227,7 +225,7 @@ pub(crate) fn footprint(
             } else {
                 let fragmenting = step_peak
                     .saturating_sub(resident)
-                    .saturating_sub(logits_chunk_bytes(d));
+                    .saturating_sub(logits_chunk_rows(d) * d.vocab * 4);
                 (fragmenting as f64 * RETENTION_PER_TRANSIENT_BYTE) as u64
             },
             source: "0.26 × the step's transient heap besides one logits chunk (measured on \
