@@ -1,5 +1,5 @@
 //! Where a CPU run's resident set goes, stage by stage: the process as the binary runs it
-//! (the large-block pool over mimalloc with purging off, as `src/main.rs` sets it), with the
+//! (the large-block pool over mimalloc, transparent huge pages off, as `src/main.rs` sets it), with the
 //! heap counted on top.
 //!
 //! cargo run --example rss_breakdown -- assets/demo.toml [steps]
@@ -90,9 +90,11 @@ fn report(stage: &str) {
 }
 
 fn main() {
-    // As the binary: mimalloc's purge delay off (`mi_option_purge_delay` = 15).
+    // As the binary: mimalloc's purge delay 10 ms (`mi_option_purge_delay` = 15), transparent
+    // huge pages off.
     // SAFETY: a process-wide option; mimalloc allows setting it at any time.
-    unsafe { libmimalloc_sys::mi_option_set(15, -1) };
+    unsafe { libmimalloc_sys::mi_option_set(15, 10) };
+    tunestudio::mem::disable_transparent_huge_pages();
     let mut args = std::env::args().skip(1);
     let path = args.next().unwrap_or_else(|| "assets/demo.toml".into());
     let steps: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(2);

@@ -1,7 +1,8 @@
 //! Memory accounting: a counting global allocator that test and bench builds
 //! install to measure the peak bytes of a training step on CPU, the
 //! process's resident set size read from `/proc/self/status`, and the large-block
-//! pool the binary installs over mimalloc ([`LargeBlockPool`]).
+//! pool the binary installs over mimalloc ([`LargeBlockPool`]) with its page policy
+//! ([`disable_transparent_huge_pages`]).
 //!
 //! candle's CPU tensors are plain `Vec` allocations, so every tensor a training
 //! step creates goes through the global allocator and is seen here. Memory
@@ -22,8 +23,10 @@
 //! knowing the name of the static the binary declared.
 
 mod large_blocks;
+mod page_policy;
 
 pub use large_blocks::{free_block_bytes, release_free_blocks, LargeBlockPool, LARGE_BLOCK_BYTES};
+pub use page_policy::disable_transparent_huge_pages;
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

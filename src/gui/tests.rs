@@ -356,9 +356,22 @@ fn auto_fit_applies_settings_that_fit_a_small_device() {
     let out = tempfile::tempdir().expect("tempdir");
     let mut h = harness(Panel::Devices, out.path());
     wait_ready(&mut h);
-    // A device too small for the demo as configured (≈ 305 MiB with the studio's own
-    // footprint; the process terms alone are ≈ 175 MiB): 290 MiB.
-    h.state_mut().state.config.devices.devices = vec!["cpu:290MiB".into()];
+    // A device 7 % too small for the demo as configured, its plan counting the studio's own
+    // footprint (the process terms and the window: ≈ 290 MiB).
+    wait_for(&mut h, "the demo's plan", Duration::from_secs(30), |a| {
+        a.jobs.in_flight() == 0 && a.state.plan.plan.as_ref().is_some_and(|p| p.fits())
+    });
+    let planned_bytes = h
+        .state()
+        .state
+        .plan
+        .plan
+        .as_ref()
+        .expect("a plan")
+        .per_device[0]
+        .peak_bytes;
+    let small_mib = (planned_bytes * 93 / 100) >> 20;
+    h.state_mut().state.config.devices.devices = vec![format!("cpu:{small_mib}MiB")];
     wait_for(
         &mut h,
         "an out-of-memory plan",

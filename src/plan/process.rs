@@ -3,8 +3,8 @@
 //! and the step is not always the process's largest moment (the evaluation and the loading of
 //! the weights can be larger).
 //!
-//! Every constant was measured on this project's binary (the large-block pool over mimalloc
-//! with purging off, see `src/main.rs`) with `examples/rss_breakdown.rs` (stage-by-stage
+//! Every constant was measured on this project's binary (the large-block pool over mimalloc,
+//! transparent huge pages off, see `src/main.rs`) with `examples/rss_breakdown.rs` (stage-by-stage
 //! `VmRSS`/`VmHWM` next to the heap counted on top of that allocator) and `/usr/bin/time -v`:
 //! the runtime, tokenizer, dataset and loading terms on the bundled demo (`assets/demo.toml`),
 //! the allocator's retention on whole runs of `scripts/rss-vs-plan.sh` (the demo's 2-step run
@@ -80,50 +80,56 @@ pub(crate) const EVALUATION: &str = "evaluation";
 pub(crate) const LOADING: &str = "loading";
 
 /// The binary, its libraries and the runtime's threads before any model or data: measured
-/// 12.9 MiB peak RSS for `tunestudio --version` (`/usr/bin/time -v`, 13,192 KiB).
-const RUNTIME_BYTES: u64 = 13 * MIB;
+/// 10.8 MiB peak RSS for `tunestudio --version` (`/usr/bin/time -v`, 11,036 KiB).
+const RUNTIME_BYTES: u64 = 11 * MIB;
 
 /// Resident bytes per byte of `tokenizer.json` once the tokenizer has been loaded (its parse
 /// touches pages the allocator keeps; the tokenizer itself is dropped after tokenising), less
 /// the freed large blocks the pool keeps, which the training step's tensors take over: for
-/// SmolLM2's 3,522,871-byte tokenizer, `examples/rss_breakdown.rs` reads RSS 8.2 → 46.6 MiB
-/// with 12.7 MiB of them free in the pool, so 25.7 MiB.
-const TOKENIZER_RSS_PER_FILE_BYTE: f64 = 7.65;
+/// SmolLM2's 3,522,871-byte tokenizer, `examples/rss_breakdown.rs` reads RSS 8.2 → 27.5 MiB
+/// with 13.9 MiB of them free in the pool, so 5.4 MiB (the parse peaks 35 MiB higher, but
+/// mimalloc's purge returns its pages before training starts; without purging it kept 25.7).
+const TOKENIZER_RSS_PER_FILE_BYTE: f64 = 1.6;
 
 /// Resident bytes per byte of dataset file (the parsed rows, their chat template rendering and
-/// the tokenized samples): `tunestudio preview` of 999 Alpaca rows (859,893 bytes) peaks
-/// 12.3 MiB above a one-row preview (84,780 vs 72,224 KiB).
-const DATASET_RSS_PER_FILE_BYTE: f64 = 15.0;
+/// the tokenized samples): `tunestudio train --max-steps 1` of tiny-mistral on 50,000 Alpaca
+/// rows (the 999-row demo file repeated, 42,145,050 bytes) peaks 256.8 MiB above the same run
+/// on 8 of its rows (494,872–495,128 vs 238,072–238,540 KiB). Without mimalloc's purge,
+/// `tunestudio preview` of the 999 rows measured 15 × (the parse's freed pages stayed).
+const DATASET_RSS_PER_FILE_BYTE: f64 = 6.4;
 
-/// What loading the model and the data leaves resident besides their tensors and the terms
-/// above (the config and weight parsing, the random initialisation's and the collation's
-/// freed buffers): the non-heap part of the resident set grows by 13.9 MiB from the tokenizer
-/// alone to the loaded demo, net of the pool's free blocks (`examples/rss_breakdown.rs`:
-/// `hwm − heap peak` 11.1 → 31.5 MiB, 6.5 MiB free in the pool). It varies with the run:
-/// 6.4 MiB for tiny-mistral on 999 Alpaca rows, 62.6 MiB for tiny-llama on 300 C4 documents
-/// (long rows hold more while tokenised than the per-byte dataset term counts).
-const LOADING_RESIDUE_BYTES: u64 = 14 * MIB;
+/// What loading the model and the data and running the trainer leave resident besides the
+/// heap and the terms above (the config and weight parsing, the random initialisation's and
+/// the collation's freed pages, the trainer's threads, the binary's code a step runs).
+/// Measured where the step's heap is known: the demo trained on every position, longest batch
+/// first (its first step is the plan's worst case), peaks at 180.1 MiB for 2 steps
+/// (`/usr/bin/time -v tunestudio train`, 184,164–184,728 KiB); its step's heap was 152.0 MiB
+/// besides the samples (`examples/rss_breakdown.rs`: heap peak 153.1, 1.1 of it the
+/// tokenized rows); less the runtime, tokenizer and dataset terms, 10.7 MiB. Without
+/// mimalloc's purge it was 13.9 MiB on the demo, 6.4 for tiny-mistral on 999 Alpaca rows and
+/// 62.6 for tiny-llama on 300 C4 documents (long rows hold more while tokenised).
+const LOADING_RESIDUE_BYTES: u64 = 11 * MIB;
 
 /// The studio's window, fonts and GL buffers when the GUI runs in the process. Measured under
 /// Xvfb with Mesa's llvmpipe (software GL): the studio idle with the demo loaded (model,
-/// tokenizer, Preview scan) holds 190.0 MiB (`VmRSS` = `VmHWM`, 194,360 KiB, steady from 5 to
-/// 35 s), 120.3 MiB above the runtime, tokenizer and dataset terms below. A desktop GL driver
-/// maps its own buffers, which this does not measure.
-const GUI_BYTES: u64 = 120 * MIB;
+/// tokenizer, Preview scan) holds 160.7 MiB (`VmRSS` = `VmHWM`, 164,600 KiB, steady from 10
+/// to 40 s), 143.3 MiB above the runtime, tokenizer and dataset terms below. A desktop GL
+/// driver maps its own buffers, which this does not measure.
+const GUI_BYTES: u64 = 143 * MIB;
 
-/// The binary's large-block pool (`mem::LargeBlockPool`, on top of mimalloc with purging off)
-/// keeps freed blocks mapped and reuses them best fit, so over a run the resident set climbs
-/// above the heap's high-water mark only by the fragments a varying batch shape leaves among
-/// the step's many activation blocks. The loss's logits chunk, the step's largest block, is
-/// one block each step that the pool refits or grows in place (replaying the demo's large
-/// allocations, it left nothing behind), so the share is of the transient heap besides one
-/// logits chunk. Measured as the whole run's `VmHWM` (`/usr/bin/time -v tunestudio train`)
-/// − the step's heap − the other terms, per byte of that heap (`scripts/rss-vs-plan.sh`,
-/// Alpaca rows of varying length, fp32): SmolLM2-135M (seq 128, micro-batch 4, 15 steps,
-/// 618 MiB of such heap) 0.22–0.27 over four rounds, the one run where this term is large.
-/// The small runs retain more per byte of a small heap: the demo 0.86 and tiny-mistral 0.70
-/// of 19 and 29 MiB, so 11 and 12 MiB more than this term, 3–6 % of their peak; LoRA r 16 on
-/// SmolLM2 0.10 (the plan is over by 6 %).
+/// The binary's large-block pool (`mem::LargeBlockPool`, on top of mimalloc) keeps freed
+/// blocks mapped and reuses them best fit, so over a run the resident set climbs above the
+/// heap's high-water mark only by the fragments a varying batch shape leaves among the step's
+/// many activation blocks. The loss's logits chunk, the step's largest block, is one block
+/// each step that the pool refits or grows in place (replaying the demo's large allocations,
+/// it left nothing behind), so the share is of the transient heap besides one logits chunk.
+/// Measured as the whole run's `VmHWM` (`/usr/bin/time -v tunestudio train`) − the step's
+/// heap − the other terms, per byte of that heap (`scripts/rss-vs-plan.sh`, Alpaca rows of
+/// varying length, fp32): SmolLM2-135M (seq 128, micro-batch 4, 15 steps, 618 MiB of such
+/// heap) 0.26–0.28 over five rounds, the one run where this term is large. The small runs
+/// vary around it: the demo −0.11 to 0.75 from run to run (its peak −1.5 to +3.6 % of the
+/// plan), tiny-llama on C4 0.57–1.03, tiny-mistral −0.33 to 0.03 and LoRA r 16 on SmolLM2
+/// 0.10–0.12 (the plan is over by 6 % on those two).
 const RETENTION_PER_TRANSIENT_BYTE: f64 = 0.26;
 
 /// Rows of one chunk of the loss's logits: the rows the loss computes (trained rows only), at
@@ -206,17 +212,17 @@ pub(crate) fn footprint(
         ProcessTerm {
             name: "tokenizer (pages its load touched)",
             bytes: (inputs.tokenizer_file_bytes as f64 * TOKENIZER_RSS_PER_FILE_BYTE) as u64,
-            source: "7.65 × tokenizer.json bytes (measured on SmolLM2's tokenizer)",
+            source: "1.6 × tokenizer.json bytes (measured on SmolLM2's tokenizer)",
         },
         ProcessTerm {
             name: "dataset (parsed and tokenized)",
             bytes: (inputs.dataset_file_bytes as f64 * DATASET_RSS_PER_FILE_BYTE) as u64,
-            source: "15 × dataset file bytes (measured with `tunestudio preview`)",
+            source: "6.4 × dataset file bytes (measured: training on 50,000 Alpaca rows against 8)",
         },
         ProcessTerm {
             name: "model and data loading residue",
             bytes: LOADING_RESIDUE_BYTES,
-            source: "measured: the loaded demo's resident set besides its heap and the terms above",
+            source: "measured: the demo's 2-step run besides its heap and the terms above",
         },
         ProcessTerm {
             name: "allocator retention (large-block pool over mimalloc)",

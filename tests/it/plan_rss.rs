@@ -1,14 +1,15 @@
 //! Memory truth (issue #17): the plan's peak for a CPU run is the process's peak resident set
 //! (`VmHWM`, what `top` and `/usr/bin/time -v` show), not only its training tensors. The
-//! bundled demo (longest batch first) trains 2 steps (then evaluates and saves a checkpoint, as every run ends) as a
-//! child process; its `VmHWM` is read from `/proc/<pid>/status` until it exits and compared
-//! with `tunestudio plan --config` for the same run.
+//! bundled demo (every position trained, longest batch first) trains 2 steps (then evaluates
+//! and saves a checkpoint, as every run ends) as a child process; its `VmHWM` is read from
+//! `/proc/<pid>/status` until it exits and compared with `tunestudio plan --config` for the
+//! same run.
 
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-/// The demo config, with absolute paths and its output in `out`.
+/// The demo config, with absolute paths, its output in `out` and its longest batch first.
 pub(crate) fn demo_config(dir: &Path) -> std::path::PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let text = std::fs::read_to_string(root.join("assets/demo.toml")).unwrap();
@@ -18,10 +19,8 @@ pub(crate) fn demo_config(dir: &Path) -> std::path::PathBuf {
             "source = \"demo-model\"",
             &format!("source = {}", quoted(&root.join("assets/demo-model"))),
         )
-        // The plan is the worst case, the longest batch; `group_by_length` puts that batch
-        // first (as HF's LengthGroupedSampler does, so an out-of-memory shows at step 1), so
-        // two steps meet it. Without it the first steps' batches are shorter and the peak is
-        // the evaluation's.
+        // The longest batch first (as HF's LengthGroupedSampler does, so an out-of-memory
+        // shows at step 1).
         .replace(
             "path = \"demo-data.json\"",
             &format!(
@@ -38,6 +37,23 @@ pub(crate) fn demo_config(dir: &Path) -> std::path::PathBuf {
     path
 }
 
+/// The demo config of [`demo_config`], trained on every position: the plan is the worst case,
+/// the micro-batch that trains the most tokens, which is then the longest batch, and
+/// `group_by_length` puts it first, so two steps meet it. Trained on completions only, the
+/// four samples with the longest completions (the plan's bound) do not share a batch, and the
+/// first steps peak 6 MiB (4 %) below it.
+pub(crate) fn every_position_demo_config(dir: &Path) -> std::path::PathBuf {
+    let path = demo_config(dir);
+    let text = std::fs::read_to_string(&path).unwrap();
+    let every = text.replace(
+        "group_by_length = true",
+        "group_by_length = true\ntrain_on_completions_only = false",
+    );
+    assert_ne!(every, text);
+    std::fs::write(&path, every).unwrap();
+    path
+}
+
 fn vm_hwm_bytes(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
@@ -49,7 +65,7 @@ fn vm_hwm_bytes(pid: u32) -> Option<u64> {
 #[test]
 fn the_demo_peak_rss_is_the_planned_peak() {
     let tmp = tempfile::tempdir().unwrap();
-    check_planned_peak_rss("demo", &demo_config(tmp.path()));
+    check_planned_peak_rss("demo", &every_position_demo_config(tmp.path()));
 }
 
 /// A layer split over two logical CPU devices is one process whose stages run in turn: its
@@ -59,7 +75,7 @@ fn the_demo_peak_rss_is_the_planned_peak() {
 #[test]
 fn a_layer_split_over_logical_cpu_devices_peaks_at_the_planned_process_peak() {
     let tmp = tempfile::tempdir().unwrap();
-    let config = demo_config(tmp.path());
+    let config = every_position_demo_config(tmp.path());
     let text = std::fs::read_to_string(&config).unwrap();
     let split = text
         .replace("devices = [\"cpu\"]", "devices = [\"cpu:0\", \"cpu:1\"]")
@@ -143,8 +159,8 @@ fn check_planned_peak_rss(label: &str, config: &Path) {
 
 /// The trainer's pre-flight refuses a CPU run only when the plan the user sees does not fit:
 /// the demo (its run config as the trainer reads it, its data tokenized as the trainer does) on
-/// a host sized between its plan counting every loss row (about 210 MiB) and its plan with the
-/// data's trained tokens (184 MiB, what `plan --config` and the studio show) passes; on a host
+/// a host sized between its plan counting every loss row (about 176 MiB) and its plan with the
+/// data's trained tokens (150 MiB, what `plan --config` and the studio show) passes; on a host
 /// smaller than both it is refused; the data is tokenized only when the first plan is short.
 #[test]
 fn the_pre_flight_check_plans_the_trained_rows_the_plan_shows() {
@@ -167,17 +183,17 @@ fn the_pre_flight_check_plans_the_trained_rows_the_plan_shows() {
         !asked,
         "a run that fits its upper bound is not tokenized again"
     );
-    let between = check_request(with_host("200MiB"), trained);
+    let between = check_request(with_host("165MiB"), trained);
     assert!(
         matches!(between, PlanCheck::Fits | PlanCheck::Tight { .. }),
         "{between:?}"
     );
     assert!(matches!(
-        check_request(with_host("200MiB"), || None),
+        check_request(with_host("165MiB"), || None),
         PlanCheck::OutOfMemory { on_cpu: true, .. }
     ));
     assert!(matches!(
-        check_request(with_host("160MiB"), trained),
+        check_request(with_host("140MiB"), trained),
         PlanCheck::OutOfMemory { on_cpu: true, .. }
     ));
 }
