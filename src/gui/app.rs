@@ -1023,10 +1023,15 @@ impl StudioApp {
             return;
         }
         let elapsed = shot.started.elapsed();
-        // Start the demo once the plan is there, so the memory chart has its predicted peak.
+        // Start the demo once the background jobs are done and the plan is of the current
+        // settings, so the memory chart has the predicted peak a user sees (with the Preview
+        // scan's trained tokens, not the every-position bound planned before the scan ends).
         if shot.train_steps.is_some()
             && self.state.run.phase == RunPhase::Idle
+            && self.jobs.in_flight() == 0
+            && !self.state.plan.loading
             && self.state.plan.plan.is_some()
+            && self.state.plan.key == self.state.plan_key()
         {
             self.actions.push(Action::Start);
             self.ctx.request_repaint();

@@ -110,12 +110,15 @@ const DATASET_RSS_PER_FILE_BYTE: f64 = 6.4;
 /// 62.6 for tiny-llama on 300 C4 documents (long rows hold more while tokenised).
 const LOADING_RESIDUE_BYTES: u64 = 11 * MIB;
 
-/// The studio's window, fonts and GL buffers when the GUI runs in the process. Measured under
-/// Xvfb with Mesa's llvmpipe (software GL): the studio idle with the demo loaded (model,
-/// tokenizer, Preview scan) holds 160.7 MiB (`VmRSS` = `VmHWM`, 164,600 KiB, steady from 10
-/// to 40 s), 143.3 MiB above the runtime, tokenizer and dataset terms below. A desktop GL
-/// driver maps its own buffers, which this does not measure.
-const GUI_BYTES: u64 = 143 * MIB;
+/// The studio's window, fonts and GL buffers when the GUI runs in the process, on top of a
+/// run's terms. Measured as the studio's run of the bundled demo against the CLI's: under
+/// Xvfb with Mesa's llvmpipe (software GL), the Run panel's sampler read a peak of
+/// 272.7–273.5 MiB in three 60-step runs (`scripts/screenshot.sh run`, metrics.jsonl), and
+/// `tunestudio train` of the same config peaks at 152.1–160.0 MiB (median 152.5 of twelve
+/// runs): 120 MiB. The idle studio with the demo loaded holds 160.7 MiB, 143 MiB above the
+/// runtime, tokenizer and dataset terms, but a run reuses part of it (the Preview scan's
+/// freed pages). A desktop GL driver maps its own buffers, which this does not measure.
+const GUI_BYTES: u64 = 120 * MIB;
 
 /// The binary's large-block pool (`mem::LargeBlockPool`, on top of mimalloc) keeps freed
 /// blocks mapped and reuses them best fit, so over a run the resident set climbs above the
@@ -242,7 +245,7 @@ pub(crate) fn footprint(
         terms.push(ProcessTerm {
             name: "studio window (GUI)",
             bytes: GUI_BYTES,
-            source: "measured: the idle studio under Xvfb (llvmpipe) − the terms above",
+            source: "measured: the studio's demo run under Xvfb (llvmpipe) − the CLI's",
         });
     }
     let mut f = ProcessFootprint {
