@@ -1,6 +1,6 @@
 //! Where a CPU run's resident set goes, stage by stage: the process as the binary runs it
-//! (the large-block pool over mimalloc, transparent huge pages off, as `src/main.rs` sets it), with the
-//! heap counted on top.
+//! (the large-block pool over mimalloc, transparent huge pages off, as `src/main.rs` sets
+//! it), with the heap counted on top.
 //!
 //! cargo run --example rss_breakdown -- assets/demo.toml [steps]
 //!

@@ -11,10 +11,10 @@ use std::process::ExitCode;
 /// (`tunestudio::mem::LargeBlockPool`): the pool keeps freed tensors mapped and refits them,
 /// so a step's large tensors are not faulted in again, and mimalloc purges the small objects'
 /// freed pages after 10 ms. Measured on 2 cores: mimalloc alone with its default purge ran
-/// SmolLM2-135M (fp32, seq 256) at 68 tokens/s
-/// (every step's large tensors unmapped and faulted in again), without purging at 97 tokens/s
-/// but its arena kept a varying share of freed blocks resident (the demo's whole run 259 or
-/// 287 MiB); glibc malloc 86 tokens/s, and 40 % of a 50,000-row tokenisation in malloc/free.
+/// SmolLM2-135M (fp32, seq 256) at 68 tokens/s (every step's large tensors unmapped and
+/// faulted in again), without purging at 97 tokens/s but its arena kept a varying share of
+/// freed blocks resident (the demo's whole run 259 or 287 MiB); glibc malloc 86 tokens/s,
+/// and 40 % of a 50,000-row tokenisation in malloc/free.
 /// With the pool, leaving mimalloc's purge on stops the small objects' growth over a run: the
 /// demo (longest batch first) peaks at 146–147 MiB in 2 steps and 159–160 MiB in 60
 /// (`/usr/bin/time -v`), against 157–158 and 182–183 MiB with purging off. Against the

@@ -513,7 +513,15 @@ impl StudioApp {
                 let name = entry.split('=').next().unwrap_or(entry).trim();
                 let label = if name.starts_with("cpu") { "cpu" } else { name };
                 let series = run.memory.entry(label.to_string()).or_default();
-                *series.predicted_peak_bytes.get_or_insert(0) += dp.peak_bytes;
+                let predicted = series.predicted_peak_bytes.get_or_insert(0);
+                // Logical CPU devices are stages of this one process, and the first one's
+                // planned peak is the process's (it counts every CPU stage's tensors): the
+                // line is the largest, not the sum, which counted the process twice.
+                *predicted = if label == "cpu" {
+                    (*predicted).max(dp.peak_bytes)
+                } else {
+                    *predicted + dp.peak_bytes
+                };
                 if label != "cpu" || series.total_bytes.is_none() {
                     series.total_bytes = Some(dp.device.capacity_bytes);
                 }

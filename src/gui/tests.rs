@@ -778,6 +778,59 @@ fn the_memory_chart_draws_one_line_per_device_with_two_gpus() {
     });
 }
 
+/// A layer split over logical CPU devices is one process: the Run chart's predicted line is
+/// the plan's process peak (that of `cpu:0`, which counts every CPU stage), not the stages'
+/// sum.
+#[test]
+fn a_cpu_layer_split_predicts_the_process_peak_once() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let mut h = harness(Panel::Run, out.path());
+    wait_ready(&mut h);
+    {
+        let devices = &mut h.state_mut().state.config.devices;
+        devices.devices = vec!["cpu:0".into(), "cpu:1".into()];
+        devices.strategy = tunestudio::settings::Strategy::LayerSplit;
+    }
+    wait_for(&mut h, "the split's plan", Duration::from_secs(30), |a| {
+        a.jobs.in_flight() == 0
+            && !a.state.plan.loading
+            && a.state
+                .plan
+                .plan
+                .as_ref()
+                .is_some_and(|p| p.per_device.len() == 2)
+    });
+    let per_device: Vec<u64> = h
+        .state()
+        .state
+        .plan
+        .plan
+        .as_ref()
+        .expect("a plan")
+        .per_device
+        .iter()
+        .map(|d| d.peak_bytes)
+        .collect();
+    assert!(per_device[1] > 0, "{per_device:?}");
+    h.get_by_label("Start").click();
+    wait_for(
+        &mut h,
+        "the run's memory line",
+        Duration::from_secs(60),
+        |a| a.state.run.memory.contains_key("cpu"),
+    );
+    let predicted = h.state().state.run.memory["cpu"].predicted_peak_bytes;
+    assert_eq!(
+        predicted,
+        Some(per_device[0]),
+        "stages planned {per_device:?}"
+    );
+    h.get_by_label("Stop").click();
+    wait_for(&mut h, "the stop", Duration::from_secs(60), |a| {
+        matches!(a.state.run.phase, RunPhase::Finished(_))
+    });
+}
+
 /// The app on the demo model's tokenizer (SmolLM2's byte-level BPE) and `data`, showing one
 /// row per batch in the Preview panel.
 fn harness_on_data(data: &Path, out: &Path) -> Harness<'static, StudioApp> {

@@ -8,9 +8,9 @@
 //! `AnonHugePages`), so the whole run peaked 20–30 MiB above its second step and the plan
 //! could not match both. With THP off the arena grows by 4 KiB pages only, the resident
 //! set is the same on a `madvise` host and an `always` host, and nothing was measured slower:
-//! SmolLM2-135M `bench` 133–164 tokens/s against 136–148 with THP, and tokenising 50,000
-//! Alpaca rows 7.7–9.5 s against 9.4–11.7 s (most of the difference is the kernel zeroing
-//! huge pages).
+//! SmolLM2-135M `bench` 133–164 tokens/s against 136–148 with THP (three rounds each), and
+//! tokenising 50,000 Alpaca rows (`tunestudio preview`) 7.7–9.5 s with the binary's whole
+//! setting (THP off, mimalloc purging) against 9.4–11.7 s with THP and no purging.
 
 /// Turns transparent huge pages off for this process (`prctl(PR_SET_THP_DISABLE)`): the
 /// kernel checks the flag at each page fault, so it holds for mappings made before the call

@@ -220,7 +220,7 @@ pub(crate) fn footprint(
         ProcessTerm {
             name: "dataset (parsed and tokenized)",
             bytes: (inputs.dataset_file_bytes as f64 * DATASET_RSS_PER_FILE_BYTE) as u64,
-            source: "6.4 × dataset file bytes (measured: training on 50,000 Alpaca rows against 8)",
+            source: "6.4 × dataset file bytes (measured: a run on 50,000 Alpaca rows against 8)",
         },
         ProcessTerm {
             name: "model and data loading residue",
