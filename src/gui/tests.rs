@@ -351,6 +351,12 @@ fn every_input_widget_has_an_accessible_label() {
     );
 }
 
+/// Each planned device's peak, in the plan's order (the process peak first on a CPU).
+fn planned_peaks(h: &Harness<'static, StudioApp>) -> Vec<u64> {
+    let plan = h.state().state.plan.plan.as_ref().expect("a plan");
+    plan.per_device.iter().map(|d| d.peak_bytes).collect()
+}
+
 #[test]
 fn auto_fit_applies_settings_that_fit_a_small_device() {
     let out = tempfile::tempdir().expect("tempdir");
@@ -361,15 +367,7 @@ fn auto_fit_applies_settings_that_fit_a_small_device() {
     wait_for(&mut h, "the demo's plan", Duration::from_secs(30), |a| {
         a.jobs.in_flight() == 0 && a.state.plan.plan.as_ref().is_some_and(|p| p.fits())
     });
-    let planned_bytes = h
-        .state()
-        .state
-        .plan
-        .plan
-        .as_ref()
-        .expect("a plan")
-        .per_device[0]
-        .peak_bytes;
+    let planned_bytes = planned_peaks(&h)[0];
     let small_mib = (planned_bytes * 93 / 100) >> 20;
     h.state_mut().state.config.devices.devices = vec![format!("cpu:{small_mib}MiB")];
     wait_for(
@@ -800,17 +798,7 @@ fn a_cpu_layer_split_predicts_the_process_peak_once() {
                 .as_ref()
                 .is_some_and(|p| p.per_device.len() == 2)
     });
-    let per_device: Vec<u64> = h
-        .state()
-        .state
-        .plan
-        .plan
-        .as_ref()
-        .expect("a plan")
-        .per_device
-        .iter()
-        .map(|d| d.peak_bytes)
-        .collect();
+    let per_device = planned_peaks(&h);
     assert!(per_device[1] > 0, "{per_device:?}");
     h.get_by_label("Start").click();
     wait_for(
