@@ -30,9 +30,20 @@ fn main() {
     }
 }
 
+/// Whether `program` is in a `PATH` folder. Each folder is watched, so installing the program
+/// (Xvfb, a C compiler) reruns this script on the next `cargo test`, without a clean build.
 fn on_path(program: &str) -> bool {
-    std::env::var_os("PATH")
-        .is_some_and(|paths| std::env::split_paths(&paths).any(|dir| dir.join(program).is_file()))
+    let Some(paths) = std::env::var_os("PATH") else {
+        return false;
+    };
+    let mut found = false;
+    for dir in std::env::split_paths(&paths) {
+        if dir.is_dir() {
+            println!("cargo:rerun-if-changed={}", dir.display());
+            found |= dir.join(program).is_file();
+        }
+    }
+    found
 }
 
 /// The font files `src/gui/fonts.rs` accepts for Hebrew, searched in the same folders.

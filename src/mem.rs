@@ -22,6 +22,7 @@
 //! value, so library code ([`crate::plan::dry_run`]) can read them without
 //! knowing the name of the static the binary declared.
 
+pub mod alloc_failure;
 mod large_blocks;
 mod page_policy;
 

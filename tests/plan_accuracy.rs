@@ -306,10 +306,12 @@ fn native_lora_step_matches_the_planner() {
         model.apply_lora(&lora, 3).unwrap();
         assert_eq!(model.native_layer_count(), 2, "LoRA layers run natively");
         let m = harness::measure(&mut model, &c, zero, 5);
-        let d = tunestudio::plan::plan(&harness::request(&cfg, &c))
-            .unwrap()
-            .per_device
-            .remove(0);
+        let d = harness::step_plan(
+            tunestudio::plan::plan(&harness::request(&cfg, &c))
+                .unwrap()
+                .per_device
+                .remove(0),
+        );
         harness::print_row(&c, &m, &d);
         let e = err_pct(d.peak_bytes, m.peak);
         assert!(e.abs() <= 3.0, "{c:?}: peak {e:+.2} %");

@@ -47,7 +47,7 @@ fn check(q: Quantization, ckpt: bool, b: usize, t: usize) -> (f64, f64) {
     if let Some(l) = req.lora.as_mut() {
         l.quantize = q;
     }
-    let d = tunestudio::plan::plan(&req).unwrap().per_device.remove(0);
+    let d = harness::step_plan(tunestudio::plan::plan(&req).unwrap().per_device.remove(0));
     harness::print_row(&c, &m, &d);
     let e = err_pct(d.peak_bytes, m.peak);
     let bwd = m.bwd_peak.max(m.acc_peak);

@@ -44,6 +44,10 @@ pub struct TrainArgs {
     /// fit what the device held, keeping the effective batch.
     #[arg(long, value_enum, default_value_t = OnOom::Stop)]
     pub on_oom: OnOom,
+    /// Resume even when the run config differs from the checkpoint's in a way that breaks
+    /// the exact continuation (model, data, precision, LoRA shape, device strategy).
+    #[arg(long)]
+    pub allow_config_change: bool,
 }
 
 /// What `tunestudio train` does when a step runs out of memory.
@@ -76,6 +80,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let mut options = TrainerOptions {
         start_immediately: true,
         ignore_memory_plan: args.ignore_memory_plan,
+        allow_config_change: args.allow_config_change,
         ..TrainerOptions::default()
     };
     match &args.resume {
@@ -128,7 +133,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
         FinishReason::Completed | FinishReason::Stopped => ExitCode::SUCCESS,
         // The data's own findings stopped it, as `tunestudio preview` does: exit 2.
         FinishReason::Failed if outcome.blocked_by_lints => ExitCode::from(2),
-        FinishReason::Failed => ExitCode::FAILURE,
+        FinishReason::Failed | FinishReason::Diverged => ExitCode::FAILURE,
     })
 }
 
@@ -257,6 +262,23 @@ fn render(event: &Event, bar: &mut Option<ProgressBar>, interactive: bool, log_e
             say(bar.as_ref(), format!("saved {}", path.display()))
         }
         Event::Warning { message } => say(bar.as_ref(), format!("warning: {message}")),
+        Event::Divergence {
+            step,
+            loss,
+            median_loss,
+            suggested_learning_rate,
+            stopped,
+        } => say(
+            bar.as_ref(),
+            format!(
+                "warning: the loss diverged at step {step}: {loss:.4} against a recent median of {median_loss:.4}{}; resume with training.learning_rate = {suggested_learning_rate:e} (tunestudio train --resume latest)",
+                if *stopped {
+                    " (on_divergence = \"stop\": stopped, the last checkpoint is before the spike)"
+                } else {
+                    ""
+                }
+            ),
+        ),
         Event::OutOfMemory { .. } => out_of_memory(event),
         Event::LintAllowed { lint } => say(
             bar.as_ref(),

@@ -48,11 +48,21 @@ pub enum LintKind {
     TemplateNotPrefixStable,
     /// Per-turn loss weights other than 0/1.
     NonBinaryLossWeights,
+    /// Settings: the learning rate is far outside the usual range for the method.
+    LearningRate,
+    /// Settings: a high learning rate with no warm-up.
+    NoWarmup,
+    /// Settings: an effective batch of one row with a high learning rate.
+    TinyEffectiveBatch,
+    /// Settings: many epochs over a small dataset.
+    ManyEpochs,
+    /// Settings: `max_length` far above the data's longest row.
+    MaxLengthOversized,
 }
 
 impl LintKind {
     /// Every kind, for listing the names an override may use.
-    pub const ALL: [LintKind; 13] = [
+    pub const ALL: [LintKind; 18] = [
         LintKind::LabelsMismatch,
         LintKind::PaddingTrained,
         LintKind::NoPadToken,
@@ -66,6 +76,11 @@ impl LintKind {
         LintKind::ChatWithoutTemplate,
         LintKind::TemplateNotPrefixStable,
         LintKind::NonBinaryLossWeights,
+        LintKind::LearningRate,
+        LintKind::NoWarmup,
+        LintKind::TinyEffectiveBatch,
+        LintKind::ManyEpochs,
+        LintKind::MaxLengthOversized,
     ];
 
     /// The name a user overrides it by (`[data] allow = ["labels-mismatch"]`,
@@ -85,6 +100,11 @@ impl LintKind {
             LintKind::ChatWithoutTemplate => "chat-without-template",
             LintKind::TemplateNotPrefixStable => "template-not-prefix-stable",
             LintKind::NonBinaryLossWeights => "non-binary-loss-weights",
+            LintKind::LearningRate => "learning-rate",
+            LintKind::NoWarmup => "no-warmup",
+            LintKind::TinyEffectiveBatch => "tiny-effective-batch",
+            LintKind::ManyEpochs => "many-epochs",
+            LintKind::MaxLengthOversized => "max-length-oversized",
         }
     }
 

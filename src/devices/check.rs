@@ -10,7 +10,7 @@
 
 use super::parallel::{data_parallel_step, DeviceBatch, HostReducer};
 use super::sampler::{MemorySampler, SampleTarget};
-use super::strategy::{Assignment, LogicalDevice, Strategy};
+use super::strategy::{LogicalDevice, Strategy};
 use super::DevicesError;
 use crate::model::{AdamW, AdamWConfig, CausalLm, Gradients, ModelConfig};
 use candle_core::{DType, Device, Tensor};
@@ -422,24 +422,73 @@ fn step_layer_split(o: &CheckOptions) -> Result<Outcome, DevicesError> {
 
     let devices = two_logical(o.mode)?;
     let mut split = CausalLm::load(&o.fixture_dir, DType::F32, &devices[0].candle)?;
-    let costs = super::strategy::stage_costs_from_params(split.params(), false)?;
-    let assignment = Assignment::new(Strategy::LayerSplit, devices, &costs)?;
-    assignment.apply(&mut split)?;
-    let (loss2, grads2) =
-        loss_and_mean_grads(&split, &batch.to_device(&assignment.devices()[0].candle)?)?;
+    // The trainer's split rule (`plan::layer_ranges`), on the request the check would train.
+    let ranges = split_ranges(o, &devices)?;
+    let homes: Vec<crate::model::Home> = (0..split.config().num_hidden_layers)
+        .map(|layer| {
+            let stage = ranges
+                .iter()
+                .position(|r| r.contains(&layer))
+                .unwrap_or(ranges.len().saturating_sub(1))
+                .min(devices.len() - 1);
+            crate::model::Home {
+                index: stage,
+                device: devices[stage].candle.clone(),
+            }
+        })
+        .collect();
+    split.set_layer_devices(&homes)?;
+    let (loss2, grads2) = loss_and_mean_grads(&split, &batch.to_device(&devices[0].candle)?)?;
+    let described: Vec<String> = devices
+        .iter()
+        .zip(&ranges)
+        .map(|(d, r)| format!("{}: layers {}..{}", d.label, r.start, r.end))
+        .collect();
     let loss_diff = (loss1 - loss2).abs();
     let (grad_rel, worst, n) = max_grad_rel_diff(&grads2, &grads1)?;
     let tol = if o.mode == CheckMode::Cpu { 1e-6 } else { 1e-5 };
     let detail = format!(
         "{}; loss {loss2:.7} vs {loss1:.7} on one device (|diff| {loss_diff:.1e}); {n} gradients: \
          worst rel diff {grad_rel:.1e} ({worst}); tol {tol:.0e}",
-        assignment.describe().join(" | ")
+        described.join(" | ")
     );
     Ok(if loss_diff <= tol && grad_rel <= tol {
         Outcome::Pass(detail)
     } else {
         Outcome::Fail(detail)
     })
+}
+
+/// The layer ranges the trainer would use for the fixture over `devices` (fp32, the
+/// reference batch's shape), from the planner's one split rule.
+fn split_ranges(
+    o: &CheckOptions,
+    devices: &[LogicalDevice],
+) -> Result<Vec<std::ops::Range<usize>>, DevicesError> {
+    use crate::plan::{self, DeviceSpec, PlanRequest};
+    let config = ModelConfig::from_file(&o.fixture_dir.join("config.json"))?;
+    let (batch, _) = load_reference(&o.fixture_dir)?;
+    let (rows, seq) = batch.input_ids.dims2()?;
+    let spec = |i: usize| match o.mode {
+        CheckMode::Cpu => DeviceSpec::cpu(devices[i].capacity_bytes),
+        CheckMode::Gpu => DeviceSpec::cuda(0, devices[i].capacity_bytes),
+    };
+    let req = PlanRequest {
+        model: config,
+        precision: crate::settings::Precision::Fp32,
+        micro_batch: rows,
+        gradient_accumulation: 1,
+        seq_len: seq,
+        activation_checkpointing: false,
+        optimizer_offload: false,
+        lora: None,
+        strategy: Strategy::LayerSplit,
+        devices: (0..devices.len()).map(spec).collect(),
+        ops: crate::model::OpsMode::from_env().unwrap_or_default(),
+        process: None,
+        trained_tokens: None,
+    };
+    plan::layer_ranges(&req).map_err(|e| DevicesError::Input(format!("planner: {e}")))
 }
 
 fn step_data_parallel(o: &CheckOptions) -> Result<Outcome, DevicesError> {

@@ -14,7 +14,7 @@
 
 use super::strategy::LogicalDevice;
 use super::DevicesError;
-use crate::model::{CausalLm, Gradients};
+use crate::model::{CausalLm, Gradients, Home, Placed};
 use candle_core::{Device, Tensor};
 
 /// One batch of training rows as tensors, all on one device (the host-side padded batch
@@ -149,17 +149,42 @@ impl GradientReducer for HostReducer {
         per_rank: Vec<Gradients>,
         outputs: &[Device],
     ) -> Result<Vec<Gradients>, DevicesError> {
-        let mut ranks = per_rank.into_iter();
-        let mut sum = ranks.next().unwrap_or_default();
-        for g in ranks {
-            // `accumulate` moves each gradient to the sum's device first.
-            sum.accumulate(g)?;
+        let homes: Vec<Home> = outputs
+            .iter()
+            .enumerate()
+            .map(|(index, device)| Home {
+                index,
+                device: device.clone(),
+            })
+            .collect();
+        let Some(rank0) = homes.first() else {
+            return Ok(per_rank);
+        };
+        // Rank r's gradients are rank r's: each moves to rank 0 explicitly before the sum
+        // (the placement rule refuses the add otherwise, on logical CPU devices too).
+        let mut sums: Vec<(String, Placed)> = Vec::new();
+        let mut position: std::collections::HashMap<String, usize> =
+            std::collections::HashMap::new();
+        for (rank, grads) in per_rank.into_iter().enumerate() {
+            for (name, g) in grads.into_pairs() {
+                let g = Placed::new(g, rank).to(rank0)?;
+                match position.get(&name) {
+                    Some(&i) => {
+                        let sum: &mut Placed = &mut sums[i].1;
+                        *sum = sum.add(&g, "the data-parallel gradient sum")?;
+                    }
+                    None => {
+                        position.insert(name.clone(), sums.len());
+                        sums.push((name, g));
+                    }
+                }
+            }
         }
-        let mut out = Vec::with_capacity(outputs.len());
-        for device in outputs {
+        let mut out = Vec::with_capacity(homes.len());
+        for home in &homes {
             let mut copy = Gradients::new();
-            for (name, g) in sum.iter() {
-                copy.insert(name, g.to_device(device)?);
+            for (name, g) in &sums {
+                copy.insert(name, g.to(home)?.into_tensor());
             }
             out.push(copy);
         }
@@ -169,6 +194,50 @@ impl GradientReducer for HostReducer {
     fn name(&self) -> &'static str {
         "host"
     }
+}
+
+/// How a data-parallel run sums its gradients.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReducerChoice {
+    /// NCCL all-reduce: every rank a distinct GPU, in a build with the `nccl` feature.
+    Nccl,
+    /// Through rank 0's device ([`HostReducer`]), and why NCCL is not used.
+    Host {
+        /// Why (for the run's log).
+        reason: String,
+    },
+}
+
+/// Chooses the reducer for ranks on `labels` (`[devices]` entries, `=SIZE` suffixes
+/// allowed). NCCL refuses two ranks on one GPU (`ncclCommInitAll` with a repeated device
+/// fails with `ncclInvalidUsage`), so ranks that share a GPU (two streams of `cuda:0`, the
+/// device check's miniature of two GPUs) are summed by the host reducer, whose staging
+/// through rank 0 is a copy inside that GPU.
+pub fn choose_reducer(labels: &[String], nccl_built: bool) -> ReducerChoice {
+    let host = |reason: String| ReducerChoice::Host { reason };
+    let mut ordinals = Vec::with_capacity(labels.len());
+    for label in labels {
+        let name = label.split('=').next().unwrap_or(label).trim();
+        match name.split_once(':') {
+            // "cuda:0#1" is the second logical device (stream) of GPU 0.
+            Some(("cuda", n)) => ordinals.push(n.split('#').next().unwrap_or(n).to_string()),
+            _ if name == "cuda" => ordinals.push("0".to_string()),
+            _ => return host(format!("{name} is not a GPU")),
+        }
+    }
+    if let Some(shared) = ordinals
+        .iter()
+        .enumerate()
+        .find_map(|(i, o)| ordinals[..i].contains(o).then_some(o))
+    {
+        return host(format!(
+            "two ranks share cuda:{shared}, and NCCL needs one GPU per rank"
+        ));
+    }
+    if !nccl_built {
+        return host("this build has no NCCL (build with `--features nccl`)".to_string());
+    }
+    ReducerChoice::Nccl
 }
 
 /// Per-rank figures of a data-parallel step.
@@ -560,6 +629,50 @@ mod tests {
             input_ids: Tensor::from_vec(ids, (rows, 3), &Device::Cpu).unwrap(),
             attention_mask: None,
             labels: Tensor::zeros((rows, 3), DType::I64, &Device::Cpu).unwrap(),
+        }
+    }
+
+    #[test]
+    fn nccl_only_when_every_rank_is_its_own_gpu() {
+        let labels = |l: &[&str]| l.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            choose_reducer(&labels(&["cuda:0", "cuda:1=40GiB"]), true),
+            ReducerChoice::Nccl
+        );
+        assert_ne!(
+            choose_reducer(&labels(&["cuda:0", "cuda:0#1"]), true),
+            ReducerChoice::Nccl
+        );
+        // The GPU check's two streams of one GPU: NCCL would refuse them.
+        let ReducerChoice::Host { reason } = choose_reducer(&labels(&["cuda:0", "cuda:0"]), true)
+        else {
+            panic!("NCCL chosen for two ranks on one GPU");
+        };
+        assert!(reason.contains("share cuda:0"), "{reason}");
+        assert!(matches!(
+            choose_reducer(&labels(&["cpu:0", "cpu:1"]), true),
+            ReducerChoice::Host { .. }
+        ));
+        assert!(matches!(
+            choose_reducer(&labels(&["cuda:0", "cuda:1"]), false),
+            ReducerChoice::Host { .. }
+        ));
+    }
+
+    #[test]
+    fn the_host_reducer_refuses_nothing_and_moves_each_rank_explicitly() {
+        let mut a = Gradients::new();
+        a.insert("w", Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap());
+        let mut b = Gradients::new();
+        b.insert("w", Tensor::new(&[10f32, 20.0], &Device::Cpu).unwrap());
+        let out = HostReducer
+            .all_reduce_sum(vec![a, b], &[Device::Cpu, Device::Cpu])
+            .unwrap();
+        for g in &out {
+            assert_eq!(
+                g.get("w").unwrap().to_vec1::<f32>().unwrap(),
+                vec![11.0, 22.0]
+            );
         }
     }
 

@@ -265,23 +265,28 @@ impl Assignment {
         }
     }
 
-    /// The candle device of every decoder layer, for `CausalLm::set_layer_devices`.
-    pub fn layer_devices(&self, num_layers: usize) -> Vec<Device> {
+    /// The logical device of every decoder layer, for `CausalLm::set_layer_devices`.
+    pub fn layer_devices(&self, num_layers: usize) -> Vec<crate::model::Home> {
+        use crate::model::Home;
         match self {
-            Assignment::Single { device } => vec![device.candle.clone(); num_layers],
+            Assignment::Single { device } => vec![Home::single(&device.candle); num_layers],
             Assignment::DataParallel { devices } => {
                 let d = devices
                     .first()
                     .map(|d| d.candle.clone())
                     .unwrap_or(Device::Cpu);
-                vec![d; num_layers]
+                vec![Home::single(&d); num_layers]
             }
             Assignment::LayerSplit { devices, split } => (0..num_layers)
                 .map(|l| {
                     let d = split
                         .device_of_layer(l)
-                        .unwrap_or(devices.len().saturating_sub(1));
-                    devices[d.min(devices.len() - 1)].candle.clone()
+                        .unwrap_or(devices.len().saturating_sub(1))
+                        .min(devices.len() - 1);
+                    Home {
+                        index: d,
+                        device: devices[d].candle.clone(),
+                    }
                 })
                 .collect(),
         }

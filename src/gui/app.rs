@@ -1158,6 +1158,17 @@ impl eframe::App for StudioApp {
         }
         self.show_picker(ui.ctx());
         self.run_actions();
+        let has_weights = self
+            .state
+            .model
+            .info
+            .as_ref()
+            .map(|i| !i.weight_files.is_empty());
+        if let Some(note) =
+            super::follow::follow(&mut self.state.follow, &mut self.state.config, has_weights)
+        {
+            self.state.toast(note);
+        }
         self.schedule_jobs();
 
         egui::Panel::bottom("status")

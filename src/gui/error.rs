@@ -218,6 +218,10 @@ mod tests {
             batch_tokens: 8,
             message: "CUDA_ERROR_OUT_OF_MEMORY: out of memory".into(),
             hint: "lower training.micro_batch".into(),
+            allocation_failure: tunestudio::mem::alloc_failure::classify(
+                tunestudio::mem::alloc_failure::FailedApi::CudaDriver,
+                tunestudio::mem::alloc_failure::CUDA_ERROR_OUT_OF_MEMORY,
+            ),
         }
         .into();
         assert_eq!(oom.kind, ErrorKind::OutOfMemory);

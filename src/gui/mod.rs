@@ -14,6 +14,7 @@
 pub mod app;
 pub mod error;
 pub mod file_picker;
+pub mod follow;
 pub mod fonts;
 pub mod jobs;
 pub mod panels;

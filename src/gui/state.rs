@@ -379,6 +379,10 @@ pub struct RunState {
     pub loss: Vec<[f64; 2]>,
     /// (step, eval loss).
     pub eval_loss: Vec<[f64; 2]>,
+    /// `[step, loss]` of every divergence the watch reported (markers on the loss chart).
+    pub divergences: Vec<[f64; 2]>,
+    /// A tenth of the learning rate at the last divergence (the "resume with lr ÷ 10" offer).
+    pub suggested_learning_rate: Option<f64>,
     /// (step, learning rate).
     pub lr: Vec<[f64; 2]>,
     /// Trained tokens per second of the last step.
@@ -422,6 +426,8 @@ impl Default for RunState {
             epoch: 0.0,
             loss: Vec::new(),
             eval_loss: Vec::new(),
+            divergences: Vec::new(),
+            suggested_learning_rate: None,
             lr: Vec::new(),
             tokens_per_sec: 0.0,
             elapsed_secs: 0.0,
@@ -542,6 +548,23 @@ impl RunState {
                 self.log(LogLevel::Info, format!("resumed at step {step}"));
             }
             Event::Warning { message } => self.log(LogLevel::Warning, message),
+            Event::Divergence {
+                step,
+                loss,
+                median_loss,
+                suggested_learning_rate,
+                stopped,
+            } => {
+                self.divergences.push([step as f64, loss]);
+                self.suggested_learning_rate = Some(suggested_learning_rate);
+                self.log(
+                    LogLevel::Warning,
+                    format!(
+                        "the loss diverged at step {step}: {loss:.4} against a recent median of {median_loss:.4}{}; resume with learning rate {suggested_learning_rate:e}",
+                        if stopped { ", so the run stopped" } else { "" }
+                    ),
+                );
+            }
             Event::LintsBlocked { lints } => {
                 for l in lints {
                     self.log(
@@ -647,6 +670,7 @@ impl RunState {
                     FinishReason::Completed => "completed",
                     FinishReason::Stopped => "stopped",
                     FinishReason::Failed => "failed",
+                    FinishReason::Diverged => "stopped: the loss diverged",
                 };
                 let fl = final_loss
                     .map(|l| format!(", loss {l:.4}"))
@@ -939,6 +963,8 @@ pub struct AppState {
     pub show_debug: bool,
     /// A transient message for the status bar.
     pub toast: Option<(String, Instant)>,
+    /// The settings the studio fitted to the model and method ([`crate::gui::follow`]).
+    pub follow: crate::gui::follow::FollowState,
     /// Whether the system file dialog can open (and why not): decided once at start.
     pub system_dialog: Result<(), String>,
     /// The in-app file picker, when open, and who asked for it.
@@ -1010,7 +1036,9 @@ impl AppState {
             picker_noted_on_stderr: false,
             show_debug: true,
             toast: None,
+            follow: Default::default(),
         };
+        s.follow = crate::gui::follow::FollowState::loaded(&s.config, s.demo_fitting());
         s.sync_inputs_from_config();
         s
     }
@@ -1039,11 +1067,19 @@ impl AppState {
     pub fn set_config(&mut self, config: RunConfig, path: Option<PathBuf>) {
         self.config = config;
         self.config_path = path;
+        self.follow = crate::gui::follow::FollowState::loaded(&self.config, self.demo_fitting());
         self.config_problems.clear();
         self.plan.autofit = None;
         self.plan.autofit_applied.clear();
         self.plan.dry_run = None;
         self.sync_inputs_from_config();
+    }
+
+    /// What the loaded config's settings suit: the bundled demo's a random model's full
+    /// fine-tuning; a user's own config is adopted as it is (`None`).
+    fn demo_fitting(&self) -> Option<(bool, bool)> {
+        (self.config_path.as_deref() == Some(demo_config_path().as_path()))
+            .then_some((false, false))
     }
 
     /// Shows a transient message in the status bar.

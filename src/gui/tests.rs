@@ -1399,7 +1399,7 @@ fn founding_label_bug_blocks_start_until_overridden_and_stop_saves() {
 
     click_nav(&mut h, Panel::Run);
     assert!(h
-        .query_by_label_contains("Start is disabled: the data has lint `labels-mismatch`")
+        .query_by_label_contains("Start is disabled: lint `labels-mismatch`")
         .is_some());
     assert!(h.get_by_label("Start").accesskit_node().is_disabled());
     h.get_by_label_contains("Train anyway despite `labels-mismatch`")
@@ -1501,4 +1501,73 @@ fn browse_opens_the_in_app_picker_without_a_portal() {
         assets.join("demo-model")
     );
     assert!(s.model.error.is_none(), "{:?}", s.model.error);
+}
+
+/// A newcomer's first real run: the demo loads (random init, 3e-3), then a model folder with
+/// pretrained weights. The initialisation turns to the weights, the learning rate and warm-up
+/// move to full fine-tuning's, and one line says so; the demo's 3e-3 typed back in shows the
+/// learning-rate lint and disables Start until it is allowed by name.
+#[test]
+fn settings_follow_a_pretrained_model_and_a_wild_rate_blocks_start() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let mut h = harness(Panel::Model, &out.path().join("runs").join("demo"));
+    wait_ready(&mut h);
+    let c = &h.state().state.config;
+    assert_eq!(c.model.init, tunestudio::train::InitMode::Random);
+    assert_eq!(c.training.learning_rate, 3e-3);
+
+    let model = tunestudio::paths::shared_dir()
+        .join("fixtures")
+        .join("tiny-llama");
+    h.get_by_label("Folder or hub id").focus();
+    h.step();
+    h.key_press_modifiers(egui::Modifiers::COMMAND, egui::Key::A);
+    h.step();
+    h.get_by_label("Folder or hub id")
+        .type_text(&model.display().to_string());
+    h.step();
+    h.get_by_label("Load").click();
+    wait_for(
+        &mut h,
+        "the pretrained model",
+        Duration::from_secs(60),
+        |a| {
+            a.state
+                .model
+                .info
+                .as_ref()
+                .is_some_and(|i| !i.weight_files.is_empty())
+                && a.state.follow.note.is_some()
+        },
+    );
+    let c = &h.state().state.config;
+    assert_eq!(c.model.init, tunestudio::train::InitMode::Auto);
+    assert_eq!(c.training.learning_rate, 2e-5);
+    assert_eq!(c.training.warmup_ratio, 0.03);
+    click_nav(&mut h, Panel::Training);
+    // Announced in the Training panel (and in the status bar).
+    assert!(
+        h.query_all_by_label_contains("learning rate 3e-3 → 2e-5")
+            .count()
+            >= 1
+    );
+
+    h.state_mut().state.config.training.learning_rate = 3e-3;
+    click_nav(&mut h, Panel::Run);
+    assert!(h
+        .query_by_label_contains("Start is disabled: lint `learning-rate`")
+        .is_some());
+    assert!(h.get_by_label("Start").accesskit_node().is_disabled());
+    h.get_by_label_contains("Train anyway despite `learning-rate`")
+        .click();
+    h.step();
+    h.step();
+    assert!(h
+        .state()
+        .state
+        .config
+        .data
+        .allow
+        .contains(&"learning-rate".to_string()));
+    assert!(!h.get_by_label("Start").accesskit_node().is_disabled());
 }

@@ -402,42 +402,86 @@ impl AdamW {
         t: &HashMap<String, Tensor>,
         steps_taken: u64,
     ) -> Result<(), ModelError> {
-        let fetch = |key: &str, dims: &[usize]| -> Result<Vec<f32>, ModelError> {
-            let x = t.get(key).ok_or_else(|| {
-                ModelError::Optimizer(format!("the optimizer state has no `{key}` (checkpoint from another model or LoRA setup?)"))
-            })?;
-            if x.dims() != dims {
-                return Err(ModelError::Optimizer(format!(
-                    "optimizer state `{key}` has shape {:?}, the parameter {:?}",
-                    x.dims(),
-                    dims
-                )));
+        self.load_state_from(t, steps_taken)
+    }
+
+    /// Restores a saved state one parameter at a time: every key and shape is checked first
+    /// (nothing changes on a mismatch), then each parameter's moments are read, placed on its
+    /// own device (or kept in host RAM) and the next one read. At no moment does one device,
+    /// or the host, hold more than one parameter's saved state besides the optimizer's own.
+    pub fn load_state_from(
+        &mut self,
+        source: &dyn StateSource,
+        steps_taken: u64,
+    ) -> Result<(), ModelError> {
+        let check = |key: &str, dims: &[usize]| -> Result<(), ModelError> {
+            match source.dims(key) {
+                None => Err(ModelError::Optimizer(format!("the optimizer state has no `{key}` (checkpoint from another model or LoRA setup?)"))),
+                Some(found) if found != dims => Err(ModelError::Optimizer(format!(
+                    "optimizer state `{key}` has shape {found:?}, the parameter {dims:?}"
+                ))),
+                Some(_) => Ok(()),
             }
-            to_f32_vec(x)
         };
-        let mut staged = Vec::new();
         for s in &self.slots {
-            let dims = s.var.dims().to_vec();
-            let m = fetch(&format!("exp_avg.{}", s.name), &dims)?;
-            let v = fetch(&format!("exp_avg_sq.{}", s.name), &dims)?;
+            let dims = s.var.dims();
+            check(&format!("exp_avg.{}", s.name), dims)?;
+            check(&format!("exp_avg_sq.{}", s.name), dims)?;
+            let key = format!("master.{}", s.name);
+            if s.has_master() && source.dims(&key).is_some() {
+                check(&key, dims)?;
+            }
+        }
+        for s in &mut self.slots {
+            let m = source.load_f32(&format!("exp_avg.{}", s.name))?;
+            let v = source.load_f32(&format!("exp_avg_sq.{}", s.name))?;
             let master = if s.has_master() {
                 let key = format!("master.{}", s.name);
-                if t.contains_key(&key) {
-                    Some(fetch(&key, &dims)?)
-                } else {
-                    Some(to_f32_vec(s.var.as_tensor())?)
-                }
+                Some(match source.dims(&key) {
+                    Some(_) => source.load_f32(&key)?,
+                    None => to_f32_vec(s.var.as_tensor())?,
+                })
             } else {
                 None
             };
-            staged.push((m, v, master));
-        }
-        for (s, (m, v, master)) in self.slots.iter_mut().zip(staged) {
+            // The old state goes before the new one is placed.
             s.state = State::Host { m, v, master };
             s.place(self.placement)?;
         }
         self.steps = steps_taken;
         Ok(())
+    }
+}
+
+/// A saved optimizer state read one tensor at a time (a checkpoint's memory-mapped
+/// `optimizer.safetensors`, or tensors already loaded).
+pub trait StateSource {
+    /// The shape of `key`, `None` when the state has no such tensor.
+    fn dims(&self, key: &str) -> Option<Vec<usize>>;
+    /// `key`'s values as f32 in host RAM.
+    fn load_f32(&self, key: &str) -> Result<Vec<f32>, ModelError>;
+}
+
+impl StateSource for HashMap<String, Tensor> {
+    fn dims(&self, key: &str) -> Option<Vec<usize>> {
+        self.get(key).map(|t| t.dims().to_vec())
+    }
+
+    fn load_f32(&self, key: &str) -> Result<Vec<f32>, ModelError> {
+        let t = self
+            .get(key)
+            .ok_or_else(|| ModelError::Optimizer(format!("the optimizer state has no `{key}`")))?;
+        to_f32_vec(t)
+    }
+}
+
+impl StateSource for candle_core::safetensors::MmapedSafetensors {
+    fn dims(&self, key: &str) -> Option<Vec<usize>> {
+        self.get(key).ok().map(|view| view.shape().to_vec())
+    }
+
+    fn load_f32(&self, key: &str) -> Result<Vec<f32>, ModelError> {
+        to_f32_vec(&self.load(key, &candle_core::Device::Cpu)?)
     }
 }
 

@@ -14,6 +14,7 @@ use super::native_embedding;
 use super::native_layer::{self, NativeCtx};
 use super::ops;
 use super::ops_mode::OpsMode;
+use super::placed::{Home, Placed};
 use super::weights::Checkpoint;
 use super::{checkpoint, kernels};
 use crate::settings::Quantization;
@@ -122,6 +123,8 @@ pub(crate) struct Layer {
     /// `(name, var tensor)` of the layer's trainable parameters (for checkpointed backward).
     pub trainable: Vec<(String, Tensor)>,
     pub device: Device,
+    /// The logical device (stage) that owns it ([`Placed`]).
+    pub owner: usize,
     /// A zero Var that makes checkpointed layers part of the graph even when their input
     /// carries no gradient (frozen embeddings under LoRA).
     pub anchor: Var,
@@ -144,6 +147,8 @@ pub struct CausalLm {
     pub(crate) dtype: DType,
     pub(crate) device: Device,
     pub(crate) layer_devices: Vec<Device>,
+    /// The logical device (stage index) of every layer: 0 unless the layers are split.
+    pub(crate) layer_owners: Vec<usize>,
     pub(crate) checkpointing: bool,
     /// Which implementation runs each building block (native CPU kernels, device-generic
     /// ops, or the composite reference).
@@ -453,6 +458,7 @@ impl CausalLm {
             });
         }
         let layer_devices = vec![device.clone(); config.num_hidden_layers];
+        let layer_owners = vec![0; config.num_hidden_layers];
         let mut model = Self {
             modules: Modules {
                 embed: Tensor::zeros(1, dtype, device)?,
@@ -467,6 +473,7 @@ impl CausalLm {
             dtype,
             device: device.clone(),
             layer_devices,
+            layer_owners,
             checkpointing: false,
             ops: kernels::OpsKind::Fused,
             native_layers: true,
@@ -628,6 +635,26 @@ impl CausalLm {
         self.layer_devices.last().unwrap_or(&self.device)
     }
 
+    /// The logical device of the final norm and the head (the last layer's).
+    pub fn head_home(&self) -> Home {
+        Home {
+            index: self.layer_owners.last().copied().unwrap_or(0),
+            device: self.head_device().clone(),
+        }
+    }
+
+    /// The logical device that owns parameter `name`: its layer's, the head's for the final
+    /// norm and the head, the first stage's for the embeddings.
+    pub fn param_owner(&self, name: &str) -> usize {
+        match layer_of(name) {
+            Some(l) => self.layer_owners.get(l).copied().unwrap_or(0),
+            None if name == "model.norm.weight" || name == "lm_head.weight" => {
+                self.head_home().index
+            }
+            None => 0,
+        }
+    }
+
     /// The active LoRA configuration, if an adapter is attached.
     pub fn lora_config(&self) -> Option<&LoraConfig> {
         self.lora.as_ref()
@@ -701,10 +728,11 @@ impl CausalLm {
         self.source = name.to_string();
     }
 
-    /// Places decoder layer i on `devices[i]` (pipeline split); embeddings stay on the
-    /// model's device, the final norm and an untied head move to the last layer's. Call before creating the optimizer: the
-    /// moved parameters are new Vars.
-    pub fn set_layer_devices(&mut self, devices: &[Device]) -> Result<(), ModelError> {
+    /// Places decoder layer i on `homes[i]` (pipeline split); embeddings stay on the
+    /// model's device (stage 0), the final norm and an untied head move to the last layer's.
+    /// Call before creating the optimizer: the moved parameters are new Vars.
+    pub fn set_layer_devices(&mut self, homes: &[Home]) -> Result<(), ModelError> {
+        let devices: Vec<Device> = homes.iter().map(|h| h.device.clone()).collect();
         if devices.len() != self.config.num_hidden_layers {
             return Err(ModelError::Input(format!(
                 "set_layer_devices needs one device per layer: the model has {} layers, {} devices were given",
@@ -725,7 +753,8 @@ impl CausalLm {
                 p.var = Var::from_tensor(&p.var.as_tensor().to_device(dev)?)?;
             }
         }
-        self.layer_devices = devices.to_vec();
+        self.layer_devices = devices;
+        self.layer_owners = homes.iter().map(|h| h.index).collect();
         self.place_quantized()?;
         self.rebuild()
     }
@@ -845,6 +874,7 @@ impl CausalLm {
                 trainable.push((n2, post_norm.clone()));
             }
             let device = self.layer_devices[l].clone();
+            let owner = self.layer_owners[l];
             layers.push(Arc::new(Layer {
                 q,
                 k,
@@ -863,6 +893,7 @@ impl CausalLm {
                 trainable,
                 anchor: Var::zeros(1, self.dtype, &device)?,
                 device,
+                owner,
             }));
         }
         self.modules = Modules {
@@ -947,7 +978,7 @@ impl CausalLm {
             vec![(self.device.clone(), make_ctx(&self.device)?)];
         let hidden = self.config.hidden_size;
         let flat_ids = ids.flatten_all()?;
-        let mut h = if train && self.native_embedding() {
+        let h = if train && self.native_embedding() {
             native_embedding::embedding(
                 &self.modules.embed,
                 flat_ids.to_vec1::<u32>()?,
@@ -958,6 +989,8 @@ impl CausalLm {
             self.modules.embed.index_select(&flat_ids, 0)?
         }
         .reshape((b, t, hidden))?;
+        // The embeddings are stage 0's; every stage boundary is an explicit transfer.
+        let mut h = Placed::new(h, 0);
         for layer in &self.modules.layers {
             let ctx = match ctxs.iter().find(|(d, _)| d.same_device(&layer.device)) {
                 Some((_, c)) => c.clone(),
@@ -967,12 +1000,14 @@ impl CausalLm {
                     c
                 }
             };
-            if !h.device().same_device(&layer.device) {
-                h = h.to_device(&layer.device)?;
-            }
-            h = if self.native_layers
+            let home = Home {
+                index: layer.owner,
+                device: layer.device.clone(),
+            };
+            let x = h.to(&home)?.into_tensor();
+            let h_out = if self.native_layers
                 && self.native_kernels()
-                && native_layer::applies(layer, &ctx, &h)
+                && native_layer::applies(layer, &ctx, &x)
             {
                 let nc = match ctx.native.get() {
                     Some(nc) => nc.clone(),
@@ -985,21 +1020,19 @@ impl CausalLm {
                 native_layer::native_layer(
                     layer,
                     &nc,
-                    &h,
+                    &x,
                     &self.side_grads,
                     train && !self.checkpointing,
                     ctx.dropout_seed,
                 )?
             } else if self.checkpointing {
-                checkpoint::checkpointed_layer(layer, &ctx, &h, &self.side_grads)?
+                checkpoint::checkpointed_layer(layer, &ctx, &x, &self.side_grads)?
             } else {
-                layer.forward(&h, &ctx)?
+                layer.forward(&x, &ctx)?
             };
+            h = Placed::new(h_out, layer.owner);
         }
-        let head_device = self.head_device();
-        if !h.device().same_device(head_device) {
-            h = h.to_device(head_device)?;
-        }
+        let h = h.to(&self.head_home())?.into_tensor();
         kernels::rms_norm(&h, &self.modules.norm, self.config.rms_norm_eps, self.ops)
     }
 
@@ -1117,7 +1150,9 @@ impl CausalLm {
     /// one parameter's transient (measured in `tests/train_memory.rs`).
     pub fn backward_into(&self, loss: &Tensor, acc: &mut Gradients) -> Result<(), ModelError> {
         let routed = std::mem::take(&mut *lock(&self.side_routed));
-        let mut taps: Option<Tensor> = None;
+        // One sum of taps per stage: a tap lives on its parameter's device, and adding taps
+        // of two stages would be a cross-device op (candle refuses it on two GPUs).
+        let mut taps: std::collections::BTreeMap<usize, Placed> = Default::default();
         {
             let mut side = lock(&self.side_grads);
             side.clear();
@@ -1125,11 +1160,14 @@ impl CausalLm {
                 let param = self.param(&name).filter(|p| p.trainable);
                 match param {
                     Some(p) if !routed.contains(&name) => {
-                        let tap = ops::generic::gradient_tap(p.var.as_tensor(), g)?;
-                        taps = Some(match taps {
+                        let owner = self.param_owner(&name);
+                        let tap =
+                            Placed::new(ops::generic::gradient_tap(p.var.as_tensor(), g)?, owner);
+                        let sum = match taps.remove(&owner) {
                             None => tap,
-                            Some(sum) => (sum + tap)?,
-                        });
+                            Some(sum) => sum.add(&tap, "gradient taps")?,
+                        };
+                        taps.insert(owner, sum);
                     }
                     _ => {
                         side.insert(name, g);
@@ -1137,11 +1175,17 @@ impl CausalLm {
                 }
             }
         }
-        // The taps hang off the root, so candle processes them before the loss's graph.
-        let root = match taps {
-            Some(t) => (loss.to_dtype(DType::F32)? + t)?,
-            None => loss.clone(),
-        };
+        // The taps hang off the root, so candle processes them before the loss's graph. The
+        // loss is the head's stage's; each stage's sum moves there explicitly.
+        let head = self.head_home();
+        let mut root = Placed::new(loss.clone(), head.index);
+        if !taps.is_empty() {
+            root = Placed::new(loss.to_dtype(DType::F32)?, head.index);
+            for (_, sum) in taps {
+                root = root.add(&sum.to(&head)?, "the loss and the gradient taps")?;
+            }
+        }
+        let root = root.into_tensor();
         let mut store = root.backward()?;
         drop(root);
         let mut side = std::mem::take(&mut *lock(&self.side_grads));

@@ -6,6 +6,17 @@ use std::path::PathBuf;
 /// Everything that can go wrong while loading, running, training or saving a model.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
+    /// Tensors owned by two logical devices (stages or ranks) were combined without the
+    /// explicit transfer: on two GPUs candle would refuse the op.
+    #[error("{what}: tensors of logical device {left} and logical device {right} were combined without a transfer (a placement bug: on two GPUs this op fails with a device mismatch; please report it)")]
+    CrossDevice {
+        /// What was being combined.
+        what: String,
+        /// The first operand's logical device.
+        left: usize,
+        /// The second operand's logical device.
+        right: usize,
+    },
     /// A file could not be read or written.
     #[error(
         "cannot access {path}: {source} (check that the path exists and is readable/writable)"

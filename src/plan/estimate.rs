@@ -373,17 +373,29 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
             .position(|d| d.kind == DeviceKind::Cpu)
     });
     let scope = process_scope(req, &placed);
+    // gemm's per-thread workspace is the process's: logical CPU devices share the threads,
+    // so the first CPU device carries it.
+    let first_cpu = req.devices[..n_used]
+        .iter()
+        .position(|d| d.kind == DeviceKind::Cpu);
     for (d, (layers, blocks)) in placed.into_iter().enumerate() {
         let device = req.devices[d].clone();
         let dp = device_timeline(&costs, &dims, req, &blocks, d == n_used - 1 && tied_split);
         let overhead = device.overhead_bytes();
-        let tensors_peak = dp.peak + overhead;
+        let workspace = if first_cpu == Some(d) {
+            step_model::host_gemm_workspace_bytes()
+        } else {
+            0
+        };
+        let tensors_peak = dp.peak + overhead + workspace;
         let process = match (&req.process, process_device == Some(d)) {
             (Some(inputs), true) => {
                 let rank_peak = if scope.blocks == blocks {
                     tensors_peak
                 } else {
-                    device_timeline(&costs, &dims, req, &scope.blocks, false).peak + overhead
+                    device_timeline(&costs, &dims, req, &scope.blocks, false).peak
+                        + overhead
+                        + workspace
                 };
                 Some(process_footprint(inputs, &costs, &dims, &scope, rank_peak))
             }
@@ -396,7 +408,7 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
             .iter()
             .map(|(phase, b)| PhaseBytes {
                 phase: *phase,
-                bytes: b + overhead,
+                bytes: b + overhead + workspace,
             })
             .collect();
         let first_oom_phase = phases
@@ -413,7 +425,8 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
             optimizer_states_bytes: dp.parts.optimizer,
             activations_bytes: dp.parts.activations,
             logits_and_loss_bytes: dp.parts.logits,
-            temporaries_bytes: dp.parts.temporaries,
+            // gemm's per-thread workspace is a temporary that never goes away.
+            temporaries_bytes: dp.parts.temporaries + workspace,
             overhead_bytes: overhead,
             peak_bytes: peak,
             training_tensors_bytes: tensors_peak,

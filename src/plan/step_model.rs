@@ -277,6 +277,25 @@ pub fn dequant_transient_bytes(d: &StepDims) -> u64 {
 
 /// Packing buffers of the largest of `products` (`m × k × n`) on the bf16 dot-product path
 /// (`model::ops::bf16_gemm`, over all threads).
+/// gemm's per-thread workspace on a CPU device: `threads` L2 slabs of `l2_slab_bytes`
+/// ([`crate::model::ops::matmul::gemm_l2_slab_bytes`]). They live as long as the threads, so
+/// they sit under every phase of every step. Measured with the counting allocator on the
+/// device check's grid (tiny-llama fp32, 2 rayon threads, Sapphire Rapids, L2 2 MiB): the heap
+/// peaked 4.07 and 6.01 MiB above the plan without this term (two, then all three threads had
+/// packed a product), i.e. 2 MiB a thread; Zen 4's 1 MiB L2 makes it half, which is why a plan
+/// tuned there was 6 % low here.
+pub fn gemm_workspace_bytes(l2_slab_bytes: u64, threads: u64) -> u64 {
+    l2_slab_bytes * threads
+}
+
+/// [`gemm_workspace_bytes`] for this machine: the cache size gemm reads and rayon's threads.
+pub fn host_gemm_workspace_bytes() -> u64 {
+    gemm_workspace_bytes(
+        crate::model::ops::matmul::gemm_l2_slab_bytes(),
+        crate::model::ops::matmul::gemm_workspace_threads(),
+    )
+}
+
 fn bf16_pack_bytes(products: impl IntoIterator<Item = (u64, u64, u64)>) -> u64 {
     products
         .into_iter()

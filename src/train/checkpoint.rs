@@ -120,6 +120,26 @@ pub fn list_checkpoints(output_dir: &Path) -> Vec<(u64, PathBuf)> {
     found
 }
 
+/// Sets aside the checkpoints of `output_dir` after step `last_good` (renamed
+/// `checkpoint-<step>-diverged`, kept for inspection), so `--resume latest` continues from the
+/// last good one; returns it. A loss that spikes at step k was made by the weights step k−1
+/// wrote, so after a divergence at k the last good checkpoint is k−2's.
+pub fn set_aside_after(output_dir: &Path, last_good: u64) -> Option<PathBuf> {
+    let mut good = None;
+    for (step, path) in list_checkpoints(output_dir) {
+        if step <= last_good {
+            good = Some(path);
+            continue;
+        }
+        let mut aside = path.clone().into_os_string();
+        aside.push("-diverged");
+        // Best effort: a checkpoint that cannot be renamed stays (the report names the
+        // good one either way).
+        let _ = std::fs::rename(&path, aside);
+    }
+    good
+}
+
 /// What another run left in `output_dir` (its `metrics.jsonl`, its checkpoints), in words, or
 /// `None` when a fresh run may start there. A fresh start never writes into another run's
 /// folder: its metrics would interleave and `--resume latest` would pick the wrong run.
@@ -210,6 +230,16 @@ pub fn load_tensors(
     device: &candle_core::Device,
 ) -> Result<std::collections::HashMap<String, candle_core::Tensor>, TrainError> {
     candle_core::safetensors::load(path, device).map_err(|e| io_err(path, e))
+}
+
+/// A checkpoint file memory-mapped, so a resume reads one tensor at a time and puts each
+/// directly on its own device (no copy of the whole file on one device or in the heap).
+pub fn open_tensors(
+    path: &Path,
+) -> Result<candle_core::safetensors::MmapedSafetensors, TrainError> {
+    // SAFETY: the checkpoint folder is the run's own; it is not modified while training
+    // resumes from it (a new checkpoint is written under a temporary name, then renamed).
+    unsafe { candle_core::safetensors::MmapedSafetensors::new(path) }.map_err(|e| io_err(path, e))
 }
 
 #[cfg(test)]

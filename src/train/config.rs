@@ -175,6 +175,8 @@ pub struct TrainingSection {
     pub initial_loss_scale: f64,
     /// fp16-mixed: double the loss scale after this many steps without overflow.
     pub loss_scale_growth_interval: u64,
+    /// What a loss spike after the warm-up does: `"warn"` or `"stop"` (see `train::divergence`).
+    pub on_divergence: super::divergence::OnDivergence,
 }
 
 impl Default for TrainingSection {
@@ -200,6 +202,7 @@ impl Default for TrainingSection {
             decay_norms_and_biases: false,
             initial_loss_scale: 65536.0,
             loss_scale_growth_interval: 200,
+            on_divergence: super::divergence::OnDivergence::Warn,
         }
     }
 }

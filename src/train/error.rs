@@ -170,6 +170,8 @@ pub enum TrainError {
         message: String,
         /// What to change.
         hint: String,
+        /// The allocation failure the error's value reports (`None`: not out of memory).
+        allocation_failure: Option<crate::mem::alloc_failure::AllocationFailure>,
     },
     /// The loss became NaN or infinite.
     #[error("the loss became {value} at step {step}; training stopped so the weights are not destroyed.\nhint: {hint}")]
@@ -206,7 +208,7 @@ pub enum TrainError {
         message: String,
     },
     /// The data has error-level lints the config does not allow; nothing was loaded.
-    #[error("training was not started: the data has {} error-level finding(s):{}", lints.len(), lint_list(lints))]
+    #[error("training was not started: the data or the settings have {} error-level finding(s):{}", lints.len(), lint_list(lints))]
     Lints {
         /// The blocking lints.
         lints: Vec<crate::data::lints::Lint>,
@@ -232,13 +234,18 @@ fn lint_list(lints: &[crate::data::lints::Lint]) -> String {
         .iter()
         .map(|l| {
             let rows: Vec<String> = l.examples.iter().map(usize::to_string).collect();
-            format!(
-                "\n  - {} ({} rows; e.g. rows {}): {}",
-                l.kind.id(),
-                l.count,
-                rows.join(", "),
-                l.message
-            )
+            if rows.is_empty() {
+                // A finding about the settings, not about rows.
+                format!("\n  - {}: {}", l.kind.id(), l.message)
+            } else {
+                format!(
+                    "\n  - {} ({} rows; e.g. rows {}): {}",
+                    l.kind.id(),
+                    l.count,
+                    rows.join(", "),
+                    l.message
+                )
+            }
         })
         .collect()
 }
@@ -268,7 +275,7 @@ impl TrainError {
             TrainError::Lints { lints } => {
                 let names: Vec<String> = lints.iter().map(|l| format!("\"{}\"", l.kind.id())).collect();
                 format!(
-                    "fix the data (`tunestudio preview` shows the rows); to train anyway, allow each by name: [data] allow = [{}] in the run config, or --allow-lint {}",
+                    "fix the data (`tunestudio preview` shows the rows) or the setting named; to train anyway, allow each by name: [data] allow = [{}] in the run config, or --allow-lint {}",
                     names.join(", "),
                     lints.iter().map(|l| l.kind.id()).collect::<Vec<_>>().join(" --allow-lint ")
                 )
@@ -288,11 +295,12 @@ pub(crate) fn step_error(
     phase: Phase,
     step: u64,
     shape: (usize, usize),
-    err: impl std::fmt::Display,
+    err: impl StepCause,
     settings: &str,
 ) -> TrainError {
     let message = err.to_string();
-    let hint = if crate::mem::is_out_of_memory_message(&message) {
+    let allocation_failure = err.allocation_failure();
+    let hint = if allocation_failure.is_some() {
         format!(
             "ran out of memory in the {phase} pass ({settings}); lower `training.micro_batch` \
              (raise `training.gradient_accumulation` to keep the effective batch), lower \
@@ -311,5 +319,46 @@ pub(crate) fn step_error(
         batch_tokens: shape.1,
         message,
         hint,
+        allocation_failure,
+    }
+}
+
+/// What failed inside a step: its message, and the allocation failure its error value
+/// reports ([`crate::mem::alloc_failure`]).
+pub(crate) trait StepCause: std::fmt::Display {
+    /// The allocation failure, when the error is one.
+    fn allocation_failure(&self) -> Option<crate::mem::alloc_failure::AllocationFailure>;
+}
+
+impl StepCause for crate::model::ModelError {
+    fn allocation_failure(&self) -> Option<crate::mem::alloc_failure::AllocationFailure> {
+        crate::mem::alloc_failure::from_error(self)
+    }
+}
+
+impl StepCause for crate::devices::DevicesError {
+    fn allocation_failure(&self) -> Option<crate::mem::alloc_failure::AllocationFailure> {
+        crate::mem::alloc_failure::from_error(self)
+    }
+}
+
+impl StepCause for candle_core::Error {
+    fn allocation_failure(&self) -> Option<crate::mem::alloc_failure::AllocationFailure> {
+        crate::mem::alloc_failure::from_candle(self)
+    }
+}
+
+/// The out-of-memory failure `TUNESTUDIO_INJECT_OOM` makes (`train::oom`).
+pub(crate) struct InjectedOom(pub String);
+
+impl std::fmt::Display for InjectedOom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl StepCause for InjectedOom {
+    fn allocation_failure(&self) -> Option<crate::mem::alloc_failure::AllocationFailure> {
+        crate::mem::alloc_failure::classify(crate::mem::alloc_failure::FailedApi::Injected, 0)
     }
 }

@@ -91,6 +91,9 @@ pub enum FinishReason {
     Stopped,
     /// An error ended it (see the preceding `Error` event).
     Failed,
+    /// The loss diverged and `[training] on_divergence = "stop"` ended it (see the
+    /// preceding `Divergence` event).
+    Diverged,
 }
 
 /// What the trainer thread reports, in order.
@@ -205,6 +208,19 @@ pub enum Event {
         /// Steps done.
         step: u64,
     },
+    /// The loss jumped well above its recent level after the warm-up (or is not finite).
+    Divergence {
+        /// The step whose loss spiked.
+        step: u64,
+        /// Its loss.
+        loss: f64,
+        /// The median of the recent losses.
+        median_loss: f64,
+        /// A tenth of the step's learning rate: what to resume with.
+        suggested_learning_rate: f64,
+        /// Whether the run stops here (`on_divergence = "stop"`).
+        stopped: bool,
+    },
     /// Something worth knowing that does not stop training.
     Warning {
         /// The message.
@@ -279,6 +295,7 @@ impl Event {
             Event::CheckpointSaved { .. } => "checkpoint_saved",
             Event::Paused { .. } => "paused",
             Event::Resumed { .. } => "resumed",
+            Event::Divergence { .. } => "divergence",
             Event::Warning { .. } => "warning",
             Event::Error { .. } => "error",
             Event::LintsBlocked { .. } => "lints_blocked",

@@ -10,6 +10,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod divergence;
 pub mod dry_run;
 pub mod error;
 pub mod events;
@@ -21,8 +22,10 @@ pub mod oom;
 pub mod placement;
 pub mod plan_adapter;
 pub mod precision;
+pub mod resume_changes;
 pub mod samples;
 pub mod schedule;
+pub mod settings_lints;
 pub mod step;
 pub mod trainer;
 pub mod validate;

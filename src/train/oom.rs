@@ -22,19 +22,24 @@ const REFIT_CAPACITY_FRACTION: f64 = 0.85;
 static INJECTED: AtomicBool = AtomicBool::new(false);
 
 /// The injected failure for `step` in `phase`, when [`INJECT_OOM_ENV`] asks for it (once).
-pub(crate) fn injected_failure(step: u64, phase: Phase) -> Option<String> {
+pub(crate) fn injected_failure(step: u64, phase: Phase) -> Option<super::error::InjectedOom> {
     let spec = std::env::var(INJECT_OOM_ENV).ok()?;
     let (at, when) = spec.split_once(':')?;
     let matches = at.trim().parse::<u64>().ok() == Some(step)
         && when.trim().eq_ignore_ascii_case(&phase.to_string());
-    (matches && !INJECTED.swap(true, Ordering::SeqCst))
-        .then(|| format!("out of memory: allocation failed (injected by {INJECT_OOM_ENV}={spec})"))
+    (matches && !INJECTED.swap(true, Ordering::SeqCst)).then(|| {
+        super::error::InjectedOom(format!(
+            "out of memory: allocation failed (injected by {INJECT_OOM_ENV}={spec})"
+        ))
+    })
 }
 
 /// Whether a training error is a device running out of memory.
 pub fn is_out_of_memory(err: &TrainError) -> bool {
     match err {
-        TrainError::Step { message, .. } => crate::mem::is_out_of_memory_message(message),
+        TrainError::Step {
+            allocation_failure, ..
+        } => allocation_failure.is_some(),
         _ => false,
     }
 }

@@ -8,6 +8,7 @@ use candle_core::Device;
 use serde::{Deserialize, Serialize};
 
 use crate::devices::LogicalDevice;
+use crate::model::Home;
 use crate::plan::Strategy;
 
 use super::config::RunConfig;
@@ -85,8 +86,8 @@ impl RunPlacement {
         }
     }
 
-    /// The device of every decoder layer under a layer split (`None` otherwise).
-    pub fn layer_devices(&self, num_layers: usize) -> Option<Vec<Device>> {
+    /// The logical device of every decoder layer under a layer split (`None` otherwise).
+    pub fn layer_devices(&self, num_layers: usize) -> Option<Vec<Home>> {
         if self.strategy != Strategy::LayerSplit {
             return None;
         }
@@ -98,8 +99,12 @@ impl RunPlacement {
                         .layer_ranges
                         .iter()
                         .position(|r| r.contains(&l))
-                        .unwrap_or(last);
-                    self.devices[d.min(self.devices.len() - 1)].candle.clone()
+                        .unwrap_or(last)
+                        .min(self.devices.len() - 1);
+                    Home {
+                        index: d,
+                        device: self.devices[d].candle.clone(),
+                    }
                 })
                 .collect(),
         )

@@ -101,6 +101,27 @@ pub fn load_splits(config: &RunConfig, tok: &TokenizerBundle) -> Result<Splits, 
     })
 }
 
+/// What the settings lints need to know of the model and the data.
+pub fn settings_context(
+    config: &RunConfig,
+    has_weights: bool,
+    train: &[Sample],
+) -> super::settings_lints::SettingsContext {
+    super::settings_lints::SettingsContext {
+        pretrained: super::settings_lints::SettingsContext::is_pretrained(
+            config.model.init,
+            has_weights,
+        ),
+        train_rows: train.len(),
+        longest_row_tokens: train.iter().map(Sample::len).max().unwrap_or(0),
+        ranks: if config.devices.strategy == crate::settings::Strategy::DataParallel {
+            config.devices.devices.len().max(1)
+        } else {
+            1
+        },
+    }
+}
+
 /// The trained tokens of the run's data for the memory plan (`PlanRequest::trained_tokens`):
 /// loads the model's tokenizer and tokenizes the dataset as the trainer does before its first
 /// step, then [`split_trained_tokens`].

@@ -146,6 +146,10 @@ pub struct TrainingRun {
     model_dir: PathBuf,
     /// Σ bytes of rank 0's gradient store when the last step's backward returned.
     last_gradient_bytes: Option<u64>,
+    /// The NCCL communicators of a data-parallel run over distinct GPUs: created once per
+    /// run (NCCL's setup costs far more than a step) and reused by every step.
+    #[cfg(feature = "nccl")]
+    nccl: Option<crate::devices::parallel::nccl::NcclReducer>,
 }
 
 /// Parses a `[devices]` entry into a candle device.
@@ -305,7 +309,7 @@ impl TrainingRun {
             .into());
         }
         // The data first: a run its lints stop never loads the weights.
-        let (model_dir, config_path, _) = locate_model(&config)?;
+        let (model_dir, config_path, has_weights) = locate_model(&config)?;
         let tokenizer = samples::load_tokenizer(&model_dir)?;
         let model_config = crate::model::ModelConfig::from_file(&config_path).map_err(|cause| {
             TrainError::Model {
@@ -315,7 +319,11 @@ impl TrainingRun {
         })?;
         samples::check_vocab(&tokenizer, &model_dir, model_config.vocab_size)?;
         let pad_id = tokenizer.pad().id;
-        let splits = samples::load_splits(&config, &tokenizer)?;
+        let mut splits = samples::load_splits(&config, &tokenizer)?;
+        splits.lints.extend(super::settings_lints::settings_lints(
+            &config,
+            &samples::settings_context(&config, has_weights, &splits.train),
+        ));
         let blocking = crate::data::lints::blocking(&splits.lints, &config.data.allow);
         if !blocking.is_empty() {
             return Err(TrainError::Lints {
@@ -390,7 +398,13 @@ impl TrainingRun {
             pad_id,
             model_dir,
             last_gradient_bytes: None,
+            #[cfg(feature = "nccl")]
+            nccl: None,
         };
+        #[cfg(feature = "nccl")]
+        {
+            run.nccl = run.open_nccl()?;
+        }
         run.sync_replicas()?;
         Ok(run)
     }
@@ -421,9 +435,45 @@ impl TrainingRun {
     /// trainable weights, optimizer state, data position, loss scale and counters are restored,
     /// so the following steps are those the uninterrupted run would have made.
     pub fn resume(config: RunConfig, checkpoint_dir: &Path) -> Result<Self, TrainError> {
+        Self::resume_allowing(config, checkpoint_dir, false)
+    }
+
+    /// As [`TrainingRun::resume`]; every setting that differs from the checkpoint's
+    /// `run.toml` is reported as a warning with what it does, and one that breaks the exact
+    /// continuation (model, data, precision, LoRA shape, device strategy) is refused unless
+    /// `allow_config_change`.
+    pub fn resume_allowing(
+        config: RunConfig,
+        checkpoint_dir: &Path,
+        allow_config_change: bool,
+    ) -> Result<Self, TrainError> {
         let state = checkpoint::read_state(checkpoint_dir)?;
+        let changes = match RunConfig::load(&checkpoint_dir.join(checkpoint::CONFIG_FILE)) {
+            Ok(saved) => super::resume_changes::config_changes(&saved, &config),
+            // A checkpoint of an older version may lack it: nothing to compare.
+            Err(_) => Vec::new(),
+        };
+        let breaking: Vec<String> = changes
+            .iter()
+            .filter(|c| c.breaks_resume)
+            .map(ToString::to_string)
+            .collect();
+        if !breaking.is_empty() && !allow_config_change {
+            return Err(TrainError::Checkpoint {
+                path: checkpoint_dir.to_path_buf(),
+                message: format!(
+                    "the run config differs from the checkpoint's in a way that breaks an exact resume: {}. Resume with the checkpoint's own run.toml, or pass --allow-config-change to continue anyway",
+                    breaking.join("; ")
+                ),
+            });
+        }
         let mut run = TrainingRun::new(config)?;
         run.load_checkpoint(checkpoint_dir, &state)?;
+        run.splits.warnings.extend(
+            changes
+                .iter()
+                .map(|c| format!("resumed with a changed setting: {c}")),
+        );
         Ok(run)
     }
 
@@ -452,40 +502,40 @@ impl TrainingRun {
                 state.precision, self.config.training.precision
             )));
         }
-        let tensors =
-            checkpoint::load_tensors(&dir.join(checkpoint::TRAINABLE_FILE), &self.device)?;
+        let tensors = checkpoint::open_tensors(&dir.join(checkpoint::TRAINABLE_FILE))?;
         for p in self.model.params().iter().filter(|p| p.trainable) {
-            let t = tensors.get(&p.name).ok_or_else(|| {
+            let view = tensors.get(&p.name).map_err(|_| {
                 ck_err(format!(
                     "`{}` has no tensor `{}`; the checkpoint belongs to another model or LoRA setup",
                     checkpoint::TRAINABLE_FILE,
                     p.name
                 ))
             })?;
-            if t.dims() != p.var.dims() {
+            if view.shape() != p.var.dims() {
                 return Err(ck_err(format!(
                     "`{}` has shape {:?} in the checkpoint but {:?} in the model",
                     p.name,
-                    t.dims(),
+                    view.shape(),
                     p.var.dims()
                 )));
             }
-            // Under a layer split each parameter goes back to its own device.
-            let t = t
-                .to_dtype(p.var.dtype())
-                .and_then(|t| t.to_device(p.var.device()))
+            // Straight onto the parameter's own device (its stage under a layer split).
+            let t = tensors
+                .load(&p.name, p.var.device())
+                .and_then(|t| t.to_dtype(p.var.dtype()))
                 .map_err(|e| ck_err(e.to_string()))?;
             p.var.set(&t).map_err(|e| ck_err(e.to_string()))?;
         }
-        let opt = checkpoint::load_tensors(&dir.join(checkpoint::OPTIMIZER_FILE), &self.device)?;
+        drop(tensors);
+        let opt = checkpoint::open_tensors(&dir.join(checkpoint::OPTIMIZER_FILE))?;
         self.optimizer
-            .load_state_tensors(&opt, state.optimizer_steps)
+            .load_state_from(&opt, state.optimizer_steps)
             .map_err(|e| ck_err(format!("optimizer state: {e}")))?;
-        // Every data-parallel rank continues from the same weights and moments.
+        // Every data-parallel rank reads the same file onto its own device.
         for replica in &mut self.replicas {
             replica
                 .optimizer
-                .load_state_tensors(&opt, state.optimizer_steps)
+                .load_state_from(&opt, state.optimizer_steps)
                 .map_err(|e| ck_err(format!("optimizer state: {e}")))?;
         }
         self.sync_replicas()?;
@@ -571,7 +621,22 @@ impl TrainingRun {
         self.total_steps
     }
 
-    /// True when every step is done.
+    /// After a divergence at `spike_step`: the checkpoints written from step `spike_step − 1`
+    /// on hold the weights that spiked; they are set aside and the last good one becomes the
+    /// run's last checkpoint (what `--resume latest` and the report name).
+    pub fn fall_back_before(&mut self, spike_step: u64) -> Option<&Path> {
+        let good =
+            checkpoint::set_aside_after(&self.config.output_path(), spike_step.saturating_sub(2));
+        self.last_checkpoint = good;
+        self.last_checkpoint.as_deref()
+    }
+
+    /// Warm-up steps of the learning-rate schedule.
+    pub fn warmup_steps(&self) -> u64 {
+        self.schedule.warmup_steps
+    }
+
+    /// Whether every step of the run is done.
     pub fn is_done(&self) -> bool {
         self.step >= self.total_steps
     }
@@ -811,11 +876,32 @@ impl TrainingRun {
         let devices = &self.placement.devices[..per_rank.len()];
         let outputs: Vec<Device> = devices.iter().map(|d| d.candle.clone()).collect();
         #[cfg(feature = "nccl")]
-        if devices.iter().all(|d| d.is_cuda()) {
-            let reducer = crate::devices::parallel::nccl::NcclReducer::single_process(devices)?;
+        if let Some(reducer) = &self.nccl {
             return reducer.all_reduce_sum(per_rank, &outputs);
         }
         crate::devices::HostReducer.all_reduce_sum(per_rank, &outputs)
+    }
+
+    /// The run's NCCL communicators, when its ranks are distinct GPUs
+    /// ([`crate::devices::parallel::choose_reducer`]); `None` runs the host reducer.
+    #[cfg(feature = "nccl")]
+    fn open_nccl(&self) -> Result<Option<crate::devices::parallel::nccl::NcclReducer>, TrainError> {
+        use crate::devices::parallel::{choose_reducer, nccl::NcclReducer, ReducerChoice};
+        let ranks = self.placement.ranks();
+        if ranks < 2 {
+            return Ok(None);
+        }
+        let devices = &self.placement.devices[..ranks];
+        let labels: Vec<String> = devices.iter().map(|d| d.label.clone()).collect();
+        match choose_reducer(&labels, true) {
+            ReducerChoice::Nccl => Ok(Some(NcclReducer::single_process(devices).map_err(|e| {
+                TrainError::Device {
+                    device: labels.join(","),
+                    message: e.to_string(),
+                }
+            })?)),
+            ReducerChoice::Host { .. } => Ok(None),
+        }
     }
 
     /// Runs one optimizer step. Errors leave the thread (and process) alive; a panic inside the
@@ -873,7 +959,7 @@ impl TrainingRun {
     fn step_on(&mut self, micro_batches: &[Vec<usize>]) -> Result<StepOutcome, TrainError> {
         let started = Instant::now();
         let step = self.step + 1;
-        let lr = self.schedule.lr_at(self.step);
+        let lr = self.schedule.lr_at(self.step) * super::divergence::injected_lr_factor(step);
         if micro_batches.is_empty() {
             return Err(TrainError::EmptyDataset("no rows left".into()));
         }

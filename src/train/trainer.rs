@@ -33,6 +33,9 @@ pub struct TrainerOptions {
     pub resume_from: Option<PathBuf>,
     /// Continue from the newest checkpoint in the output folder, if there is one.
     pub resume_latest: bool,
+    /// Resume even when the run config differs from the checkpoint's in a way that breaks
+    /// the exact continuation (`--allow-config-change`).
+    pub allow_config_change: bool,
     /// Start without waiting for [`Command::Start`].
     pub start_immediately: bool,
     /// Train even when the memory planner predicts that host memory runs out
@@ -322,7 +325,7 @@ fn build_run(
         }
     }
     let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &resume_dir {
-        Some(dir) => TrainingRun::resume(config.clone(), dir),
+        Some(dir) => TrainingRun::resume_allowing(config.clone(), dir, options.allow_config_change),
         None => TrainingRun::new(config.clone()),
     }));
     match built {
@@ -391,6 +394,7 @@ fn train_loop(
     em: &mut Emitter,
 ) -> FinishReason {
     let mut memory = super::memory::MemoryMonitor::new(run.config(), options.nvml_library.clone());
+    let mut watch = super::divergence::DivergenceWatch::new(run.warmup_steps());
     let mut paused = false;
     'training: loop {
         // Commands between steps: everything queued now, and while paused, wait for more.
@@ -428,6 +432,23 @@ fn train_loop(
             }
         };
         em.emit(step_event(&outcome));
+        let spike = (!outcome.skipped)
+            .then(|| watch.observe(outcome.step, outcome.loss, outcome.lr))
+            .flatten();
+        if let Some(d) = spike {
+            let stop = run.config().training.on_divergence == super::divergence::OnDivergence::Stop;
+            em.emit(Event::Divergence {
+                step: d.step,
+                loss: d.loss,
+                median_loss: d.median_loss,
+                suggested_learning_rate: d.suggested_learning_rate,
+                stopped: stop,
+            });
+            if stop {
+                run.fall_back_before(d.step);
+                break FinishReason::Diverged;
+            }
+        }
         for ev in memory.sample(outcome.step) {
             em.emit(ev);
         }

@@ -420,7 +420,13 @@ fn cancel_stops_generation() {
         prompt: Prompt::Completion("Count with me".into()),
         params: greedy(max),
     });
+    let flag = h.cancel_flag();
+    assert!(!flag.load(std::sync::atomic::Ordering::Relaxed));
     drop(h);
+    assert!(
+        flag.load(std::sync::atomic::Ordering::Relaxed),
+        "dropping the handle did not ask the generation to stop"
+    );
 }
 
 #[test]

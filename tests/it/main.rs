@@ -41,6 +41,7 @@ mod plan_rss;
 mod plan_verdicts;
 mod text_shaping;
 mod train_config;
+mod train_first_run;
 mod train_guards;
 mod train_loop;
 mod train_lora;

@@ -300,15 +300,13 @@ fn layer_placement_on_one_device_keeps_results() {
     let before = model
         .logits(&r["input_ids"], Some(&r["attention_mask"]))
         .unwrap();
-    model
-        .set_layer_devices(&[Device::Cpu, Device::Cpu])
-        .unwrap();
+    model.set_layer_devices(&[home(0), home(1)]).unwrap();
     let after = model
         .logits(&r["input_ids"], Some(&r["attention_mask"]))
         .unwrap();
     assert_eq!(max_diff(&before, &after), 0.0);
     assert!(matches!(
-        model.set_layer_devices(&[Device::Cpu]),
+        model.set_layer_devices(&[home(0)]),
         Err(ModelError::Input(_))
     ));
 }
@@ -422,6 +420,63 @@ fn accumulating_into_one_buffer_matches_summing_gradient_sets() {
                     max_diff(g, buffer.get(name).unwrap()) / crate::support::max_abs(g).max(1.0);
                 assert!(d <= 1e-6, "{what}: {name} differs by {d:e} (relative)");
             }
+        }
+    }
+}
+
+/// Logical CPU device `index` (all share `Device::Cpu`; the index is their identity).
+fn home(index: usize) -> tunestudio::model::Home {
+    tunestudio::model::Home {
+        index,
+        device: Device::Cpu,
+    }
+}
+
+/// The founding case's settings in miniature: layers split over two logical devices, and a
+/// second micro-batch (accumulation), whose gradient taps hang off the loss. Every tap of a
+/// stage is summed on that stage and moved to the head's explicitly; summing them all into
+/// one scalar (as before) is a cross-device add that candle refuses on two GPUs, and the
+/// placement rule refuses it here on logical CPU devices.
+#[test]
+fn accumulating_over_a_layer_split_keeps_each_stages_taps_on_its_stage() {
+    use tunestudio::model::OpsMode;
+    let r = reference("tiny-llama");
+    let micro: Vec<(Tensor, Tensor, Tensor)> = (0..3)
+        .map(|i| {
+            let row = |t: &Tensor| t.narrow(0, i % 2, 1).unwrap();
+            (
+                row(&r["input_ids"]),
+                row(&r["attention_mask"]),
+                row(&r["labels"]),
+            )
+        })
+        .collect();
+    for ops in [OpsMode::Native, OpsMode::Generic] {
+        let accumulate = |split: bool| {
+            let mut model =
+                CausalLm::load(&fixture("tiny-llama"), DType::F32, &Device::Cpu).unwrap();
+            model.set_ops_mode(ops);
+            if split {
+                model.set_layer_devices(&[home(0), home(1)]).unwrap();
+            }
+            let mut buffer = Gradients::new();
+            for (ids, mask, labels) in &micro {
+                let loss = model.loss(ids, Some(mask), labels).unwrap();
+                model
+                    .backward_into(&loss.sum, &mut buffer)
+                    .unwrap_or_else(|e| panic!("{ops:?}, split {split}: {e}"));
+            }
+            buffer
+        };
+        let one = accumulate(false);
+        let split = accumulate(true);
+        assert_eq!(one.len(), split.len());
+        for (name, g) in one.iter() {
+            assert_eq!(
+                max_diff(g, split.get(name).unwrap()),
+                0.0,
+                "{ops:?}: {name}"
+            );
         }
     }
 }

@@ -347,6 +347,13 @@ fn keys() -> Vec<Key> {
             change: |c| c.training.loss_scale_growth_interval += 1,
         },
         Key {
+            name: "training.on_divergence",
+            reads: No,
+            change: |c| {
+                c.training.on_divergence = tunestudio::train::divergence::OnDivergence::Stop;
+            },
+        },
+        Key {
             name: "lora.enabled",
             reads: Yes,
             change: |c| flip(&mut c.lora.enabled),

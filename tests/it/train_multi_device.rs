@@ -42,11 +42,16 @@ fn save(cfg: &RunConfig, path: &Path) -> PathBuf {
     path.to_path_buf()
 }
 
-fn train(config: &Path, extra: &[&str]) {
+/// Both training-ops paths: the native CPU kernels and the device-generic ops a GPU runs.
+const OPS_MODES: [&str; 2] = ["native", "generic"];
+
+/// `tunestudio train` with `TUNESTUDIO_OPS=ops`.
+fn train_with_ops(config: &Path, extra: &[&str], ops: &str) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tunestudio"))
         .args(["train", "--config"])
         .arg(config)
         .args(extra)
+        .env(tunestudio::model::OPS_ENV, ops)
         .output()
         .unwrap();
     assert!(
@@ -84,49 +89,74 @@ fn assert_close(reference: &BTreeMap<u64, f64>, other: &BTreeMap<u64, f64>, tol:
     }
 }
 
+/// Data parallel over `cpu:0,cpu:1` (micro-batch 2 per rank) and `cpu:0,cpu:1,cpu:2`
+/// (micro-batch 1), accumulation 2, in both ops modes: the losses of one device with the
+/// whole batch, within 1e-5; the two-rank run resumes from step 5 within 1e-6.
 #[test]
 fn data_parallel_over_cpu_logical_devices_trains_like_one_device() {
     let tmp = tempfile::tempdir().unwrap();
-    for (ranks, micro_batch) in [(2usize, 2usize), (3, 1)] {
-        let one = tmp.path().join(format!("one-{ranks}"));
-        let path = save(
-            &config(&one, None, micro_batch * ranks, &["cpu"]),
-            &tmp.path().join(format!("one-{ranks}.toml")),
-        );
-        train(&path, &[]);
-        let (reference, _) = recorded(&one);
+    for ops in OPS_MODES {
+        for (ranks, micro_batch) in [(2usize, 2usize), (3, 1)] {
+            let one = tmp.path().join(format!("one-{ranks}-{ops}"));
+            let path = save(
+                &config(&one, None, micro_batch * ranks, &["cpu"]),
+                &tmp.path().join(format!("one-{ranks}-{ops}.toml")),
+            );
+            train_with_ops(&path, &[], ops);
+            let (reference, _) = recorded(&one);
 
-        let names: Vec<String> = (0..ranks).map(|r| format!("cpu:{r}")).collect();
-        let names: Vec<&str> = names.iter().map(String::as_str).collect();
-        let dp = tmp.path().join(format!("dp-{ranks}"));
-        let mut cfg = config(&dp, None, micro_batch, &names);
-        cfg.devices.strategy = tunestudio::settings::Strategy::DataParallel;
-        train(
-            &save(&cfg, &tmp.path().join(format!("dp-{ranks}.toml"))),
-            &[],
-        );
-        let (losses, started) = recorded(&dp);
-        assert_close(&reference, &losses, 1e-5);
-        let Event::Started {
-            effective_batch,
-            ranks: logged_ranks,
-            placement,
-            ..
-        } = started
-        else {
-            unreachable!()
-        };
-        assert_eq!(logged_ranks, ranks);
-        assert_eq!(effective_batch, micro_batch * 2 * ranks);
-        assert_eq!(placement.len(), ranks, "{placement:?}");
+            let names: Vec<String> = (0..ranks).map(|r| format!("cpu:{r}")).collect();
+            let names: Vec<&str> = names.iter().map(String::as_str).collect();
+            let dp = tmp.path().join(format!("dp-{ranks}-{ops}"));
+            let mut cfg = config(&dp, None, micro_batch, &names);
+            cfg.devices.strategy = tunestudio::settings::Strategy::DataParallel;
+            cfg.checkpoint.save_every = 5;
+            cfg.checkpoint.keep_last = 0;
+            let dp_path = save(&cfg, &tmp.path().join(format!("dp-{ranks}-{ops}.toml")));
+            train_with_ops(&dp_path, &[], ops);
+            let (losses, started) = recorded(&dp);
+            assert_close(&reference, &losses, 1e-5);
+            let Event::Started {
+                effective_batch,
+                ranks: logged_ranks,
+                placement,
+                ..
+            } = started
+            else {
+                unreachable!()
+            };
+            assert_eq!(logged_ranks, ranks);
+            assert_eq!(effective_batch, micro_batch * 2 * ranks);
+            assert_eq!(placement.len(), ranks, "{placement:?}");
+            if ranks == 2 {
+                let ckpt5 = tunestudio::train::list_checkpoints(&dp)
+                    .into_iter()
+                    .find(|(step, _)| *step == 5)
+                    .expect("a checkpoint at step 5")
+                    .1;
+                train_with_ops(&dp_path, &["--resume", &ckpt5.display().to_string()], ops);
+                let (resumed, _) = recorded(&dp);
+                assert_resumed_after(&dp, 5, 10);
+                for (step, l) in &resumed {
+                    let u = losses[step];
+                    assert!(
+                        (u - l).abs() <= 1e-6,
+                        "{ops} step {step}: resumed {l} vs {u}"
+                    );
+                }
+            }
+        }
     }
 }
 
 /// The plan's layer ranges for a run config, from `tunestudio plan --config … --json`.
-fn planned_ranges(config: &Path) -> Vec<(usize, usize)> {
+/// (Planned with the run's ops path: the generic ops keep other activations, so they split
+/// elsewhere.)
+fn planned_ranges(config: &Path, ops: &str) -> Vec<(usize, usize)> {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tunestudio"))
         .args(["plan", "--json", "--config"])
         .arg(config)
+        .env(tunestudio::model::OPS_ENV, ops)
         .output()
         .unwrap();
     assert!(
@@ -154,30 +184,41 @@ fn layer_split_uses_the_plans_ranges_trains_like_one_device_and_resumes_exactly(
     let tmp = tempfile::tempdir().unwrap();
     // Five layers of unequal share once the embeddings and the head are counted.
     let model = random_model_dir(tmp.path(), 5, 64);
-    let one = tmp.path().join("one");
-    train(
-        &save(
-            &config(&one, Some(&model), 4, &["cpu"]),
-            &tmp.path().join("one.toml"),
-        ),
+    for ops in OPS_MODES {
+        layer_split_case(tmp.path(), &model, ops);
+    }
+}
+
+/// The founding case's settings in miniature (accumulation 4: from the second micro-batch on,
+/// every stage's gradient taps meet the loss), on two and three logical devices.
+fn layer_split_case(tmp: &Path, model: &Path, ops: &str) {
+    let accumulation = 4;
+    let one = tmp.join(format!("one-{ops}"));
+    let mut one_cfg = config(&one, Some(model), 4, &["cpu"]);
+    one_cfg.training.gradient_accumulation = accumulation;
+    train_with_ops(
+        &save(&one_cfg, &tmp.join(format!("one-{ops}.toml"))),
         &[],
+        ops,
     );
     let (reference, _) = recorded(&one);
     for devices in [&["cpu:0", "cpu:1"][..], &["cpu:0", "cpu:1", "cpu:2"][..]] {
         let n = devices.len();
-        let out = tmp.path().join(format!("split-{n}"));
-        let mut cfg = config(&out, Some(&model), 4, devices);
+        let out = tmp.join(format!("split-{n}-{ops}"));
+        let mut cfg = config(&out, Some(model), 4, devices);
+        cfg.training.gradient_accumulation = accumulation;
         cfg.devices.strategy = tunestudio::settings::Strategy::LayerSplit;
         cfg.checkpoint.save_every = 5;
         cfg.checkpoint.keep_last = 0;
-        let path = save(&cfg, &tmp.path().join(format!("split-{n}.toml")));
-        let planned = planned_ranges(&path);
+        let path = save(&cfg, &tmp.join(format!("split-{n}-{ops}.toml")));
+        let planned = planned_ranges(&path, ops);
         assert_eq!(planned.len(), n);
 
         // Kill the run once step 5's checkpoint exists.
         let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tunestudio"))
             .args(["train", "--config"])
             .arg(&path)
+            .env(tunestudio::model::OPS_ENV, ops)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -206,12 +247,13 @@ fn layer_split_uses_the_plans_ranges_trains_like_one_device_and_resumes_exactly(
         assert_eq!(trained, planned, "the trainer's split is not the plan's");
         assert_eq!(placement[0].device, "cpu:0");
 
-        let full = tmp.path().join(format!("split-{n}-full"));
+        let full = tmp.join(format!("split-{n}-{ops}-full"));
         let mut full_cfg = cfg.clone();
         full_cfg.output_dir = full.clone();
-        train(
-            &save(&full_cfg, &tmp.path().join(format!("full-{n}.toml"))),
+        train_with_ops(
+            &save(&full_cfg, &tmp.join(format!("full-{n}-{ops}.toml"))),
             &[],
+            ops,
         );
         let (uninterrupted, _) = recorded(&full);
         assert_close(&reference, &uninterrupted, 1e-5);
@@ -221,12 +263,16 @@ fn layer_split_uses_the_plans_ranges_trains_like_one_device_and_resumes_exactly(
             .find(|(step, _)| *step == 5)
             .expect("a checkpoint at step 5")
             .1;
-        train(&path, &["--resume", &ckpt5.display().to_string()]);
+        train_with_ops(&path, &["--resume", &ckpt5.display().to_string()], ops);
         let (resumed, _) = recorded(&out);
         assert_eq!(resumed.len(), 10);
+        assert_resumed_after(&out, 5, 10);
         for (step, l) in &resumed {
             let u = uninterrupted[step];
-            assert!((u - l).abs() <= 1e-6, "step {step}: resumed {l} vs {u}");
+            assert!(
+                (u - l).abs() <= 1e-6,
+                "{ops}, {n} devices, step {step}: resumed {l} vs {u}"
+            );
         }
     }
 }

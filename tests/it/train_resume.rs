@@ -124,6 +124,7 @@ fn resume_after_killing_the_process() {
         "the run finished before it was killed; nothing to resume"
     );
 
+    let resumed_from = killed_at.last().unwrap().0;
     let status = std::process::Command::new(bin)
         .args(["train", "--config"])
         .arg(&cfg_path)
@@ -143,13 +144,7 @@ fn resume_after_killing_the_process() {
     }
     assert_eq!(recorded.len(), 14, "steps recorded: {:?}", recorded.keys());
     assert_same(&reference, &recorded);
-    assert!(events.iter().any(|e| matches!(
-        e,
-        Event::Started {
-            resumed_from: Some(_),
-            ..
-        }
-    )));
+    assert_resumed_after(&out, resumed_from, 14);
 }
 
 /// The last recorded loss of every step in `out`'s `metrics.jsonl`.
@@ -202,15 +197,7 @@ fn generic_ops_resume_exactly_through_the_cli() {
     let resumed = recorded_losses(&out);
     assert_eq!(resumed.len(), 14);
     assert_same(&uninterrupted, &resumed);
-    // The resumed steps really ran again (their events follow a resumed start).
-    let events = read_metrics(&out).unwrap();
-    assert!(events.iter().any(|e| matches!(
-        e,
-        Event::Started {
-            resumed_from: Some(_),
-            ..
-        }
-    )));
+    assert_resumed_after(&out, 7, 14);
 }
 
 /// `training.optimizer_offload = "host"` through `tunestudio train`: the state lives in host RAM

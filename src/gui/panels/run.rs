@@ -76,18 +76,20 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     history(ui, s, actions);
 }
 
-/// The preview's error-level lints that `[data] allow` does not name: they stop a run.
-fn blocking_lints(s: &AppState) -> Vec<tunestudio::data::Lint> {
-    s.preview
+/// The error-level lints of the data (the preview's) and of the settings that `[data] allow`
+/// does not name: they stop a run, as they stop `tunestudio train`.
+pub(crate) fn blocking_lints(s: &AppState) -> Vec<tunestudio::data::Lint> {
+    let mut lints = s
+        .preview
         .preview
         .as_ref()
-        .map(|p| {
-            tunestudio::data::lints::blocking(&p.lints, &s.config.data.allow)
-                .into_iter()
-                .cloned()
-                .collect()
-        })
-        .unwrap_or_default()
+        .map(|p| p.lints.clone())
+        .unwrap_or_default();
+    lints.extend(crate::gui::follow::settings_lints(s));
+    tunestudio::data::lints::blocking(&lints, &s.config.data.allow)
+        .into_iter()
+        .cloned()
+        .collect()
 }
 
 /// Why Start is disabled by the data, the rows, the fix, and a named override per lint.
@@ -97,12 +99,16 @@ fn lint_gate(ui: &mut Ui, s: &mut AppState, blocking: &[tunestudio::data::Lint])
         let rows: Vec<String> = l.examples.iter().map(usize::to_string).collect();
         theme::error_box(
             ui,
-            &format!("Start is disabled: the data has lint `{id}`"),
-            &format!(
-                "{} (rows {}). The Preview panel shows them.",
-                l.message,
-                rows.join(", ")
-            ),
+            &format!("Start is disabled: lint `{id}`"),
+            &if rows.is_empty() {
+                l.message.clone()
+            } else {
+                format!(
+                    "{} (rows {}). The Preview panel shows them.",
+                    l.message,
+                    rows.join(", ")
+                )
+            },
         );
         let mut allow = false;
         ui.checkbox(
@@ -245,6 +251,7 @@ fn phase_label(ui: &mut Ui, s: &AppState) {
         RunPhase::Finished(FinishReason::Completed) => (theme::OK, "completed".to_string()),
         RunPhase::Finished(FinishReason::Stopped) => (theme::WARNING, "stopped".to_string()),
         RunPhase::Finished(FinishReason::Failed) => (theme::ERROR, "failed".to_string()),
+        RunPhase::Finished(FinishReason::Diverged) => (theme::ERROR, "diverged".to_string()),
     };
     if phase == RunPhase::Loading {
         ui.add(egui::Spinner::new());
@@ -573,6 +580,7 @@ fn history(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             Some(FinishReason::Completed) => "completed",
             Some(FinishReason::Stopped) => "stopped",
             Some(FinishReason::Failed) => "failed",
+            Some(FinishReason::Diverged) => "diverged",
             None => "unfinished",
         };
         let r = ui

@@ -24,6 +24,7 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     } else {
         1
     };
+    settings_findings(ui, s);
 
     ui.columns(2, |cols| {
         batch_and_precision(&mut cols[0], s, ranks);
@@ -31,6 +32,39 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         optimizer_and_schedule(&mut cols[1], s);
         length_eval_and_checkpoints(&mut cols[1], s, actions);
     });
+}
+
+/// What the studio moved to suit the model, and the settings lints (the same `tunestudio
+/// train` stops on): an error names the setting, the fix, and its override.
+fn settings_findings(ui: &mut Ui, s: &mut AppState) {
+    if let Some(note) = &s.follow.note {
+        theme::note(ui, note);
+    }
+    for lint in crate::gui::follow::settings_lints(s) {
+        let id = lint.kind.id();
+        let allowed = s.config.data.allow.iter().any(|a| a == id);
+        match lint.severity {
+            tunestudio::data::lints::Severity::Error if !allowed => {
+                theme::error_box(
+                    ui,
+                    &format!("Start is disabled: lint `{id}`"),
+                    &lint.message,
+                );
+                let mut allow = false;
+                ui.checkbox(
+                    &mut allow,
+                    format!("Train anyway despite `{id}` (adds it to [data] allow; recorded in the run)"),
+                );
+                if allow {
+                    s.config.data.allow.push(id.to_string());
+                }
+            }
+            tunestudio::data::lints::Severity::Info => theme::note(ui, &lint.message),
+            _ => {
+                ui.label(RichText::new(format!("⚠ {}", lint.message)).color(theme::WARNING));
+            }
+        }
+    }
 }
 
 /// Batch, precision, sequence length and the memory savers (one grid).

@@ -68,6 +68,22 @@ impl<'a, T> MatRef<'a, T> {
 
 /// `dst = lhs @ rhs` (or `dst += lhs @ rhs` when `accumulate`), `dst` being a `lhs.rows × rhs.cols`
 /// matrix stored in `dst` with the given strides. Uses rayon's pool.
+/// The L2 cache size gemm sizes its per-thread workspace by: gemm-common's `L2_SLAB`, one
+/// buffer of this many bytes on every thread that packs a product, allocated on its first
+/// product and kept for the thread's life. gemm reads it from sysfs (per core: the L2 divided by
+/// the cores sharing it), so it follows the machine: 2 MiB on a Sapphire Rapids Xeon, 1 MiB
+/// on Zen 4.
+pub fn gemm_l2_slab_bytes() -> u64 {
+    gemm_common::cache::CACHE_INFO[1].cache_bytes as u64
+}
+
+/// Threads that may hold a gemm workspace during a CPU run: rayon's workers (the products'
+/// blocks, native layers and the fused head run there) and the thread that calls them
+/// (products below gemm's threading threshold run on the caller).
+pub fn gemm_workspace_threads() -> u64 {
+    rayon::current_num_threads() as u64 + 1
+}
+
 pub(crate) fn sgemm(
     dst: &mut [f32],
     dst_row_stride: usize,
