@@ -181,7 +181,7 @@ EOF
 # two GPUs where there are two, must train like one device (same losses step by step).
 log "step 3b: data parallel and layer split through tunestudio train"
 multi_rc=0
-run_multi() { # name, micro_batch, strategy, devices (TOML array body)
+run_multi() { # name, micro_batch, strategy, devices (TOML array body), accumulation
   local dir="$OUT_DIR/multi-$1"
   rm -rf "$dir"; mkdir -p "$dir"
   cat >"$dir/run.toml" <<TOML
@@ -192,10 +192,12 @@ init = "pretrained"
 [data]
 path = "$SHARED/datasets/alpaca_en_demo.json"
 format = "alpaca"
+# The tiny fixture's weights are random-like: a from-scratch rate, allowed by name.
+allow = ["learning-rate"]
 max_length = 64
 [training]
 micro_batch = $2
-gradient_accumulation = 2
+gradient_accumulation = ${5:-2}
 max_steps = 6
 learning_rate = 0.001
 [devices]
@@ -210,18 +212,25 @@ else
   dev0='"cuda:0"'; dev1='"cuda:0"'; one='"cuda:0"'; tol=2e-3
 fi
 rm -rf "$OUT_DIR"/multi-*
+# The founding case scaled down: a layer split with accumulation 4 (every micro-batch after
+# the first hands each stage's accumulated gradients to the backward on that stage).
 run_multi one 4 single "$one"
+run_multi one-acc4 4 single "$one" 4
 run_multi dp-streams 2 data-parallel "$dev0, $dev1"
-run_multi split-streams 4 layer-split "$dev0, $dev1"
+run_multi split-streams 4 layer-split "$dev0, $dev1" 4
 gpus=$(python3 -c 'import json,sys; print(sum(d["kind"]=="cuda" for d in json.load(open(sys.argv[1]))["devices"]))' "$OUT_DIR/devices.json" 2>/dev/null || echo 0)
 if [[ $MODE == gpu && $gpus -ge 2 ]]; then
   run_multi dp-gpus 2 data-parallel '"cuda:0", "cuda:1"'
-  run_multi split-gpus 4 layer-split '"cuda:0", "cuda:1"'
+  run_multi split-gpus 4 layer-split '"cuda:0", "cuda:1"' 4
 fi
 pairs=()
 for d in "$OUT_DIR"/multi-*; do
   name=${d##*/multi-}
-  [[ $name == one ]] || pairs+=("multi-$name=multi-one")
+  case $name in
+    one|one-acc4) ;;
+    split-*) pairs+=("multi-$name=multi-one-acc4") ;;
+    *) pairs+=("multi-$name=multi-one") ;;
+  esac
 done
 compare_losses "${pairs[@]}" || multi_rc=1
 log "several devices: $([[ $multi_rc -eq 0 ]] && echo passed || echo FAILED)"
@@ -245,6 +254,8 @@ quantize = "$2"
 [data]
 path = "$SHARED/datasets/alpaca_en_demo.json"
 format = "alpaca"
+# The tiny fixture's weights are random-like: a from-scratch rate, allowed by name.
+allow = ["learning-rate"]
 max_length = 64
 [training]
 micro_batch = 2
@@ -287,6 +298,8 @@ init = "pretrained"
 [data]
 path = "$SHARED/datasets/alpaca_en_demo.json"
 format = "alpaca"
+# The tiny fixture's weights are random-like: a from-scratch rate, allowed by name.
+allow = ["learning-rate"]
 max_length = $4
 validation_ratio = 0.02
 [training]

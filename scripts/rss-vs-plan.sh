@@ -39,6 +39,8 @@ init = "$3"
 [data]
 path = "$4"
 format = "$5"
+# The tiny fixtures' weights are random-like: a from-scratch rate, allowed by name.
+allow = ["learning-rate"]
 max_length = $6
 validation_ratio = $8
 [training]

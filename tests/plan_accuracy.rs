@@ -260,11 +260,14 @@ fn accumulation_keeps_one_gradient_buffer_per_parameter() {
             if cfg.num_hidden_layers < 8 {
                 continue;
             }
+            let two = rows
+                .iter()
+                .find(|(c, _, _)| c.accumulation == 2)
+                .map(|(_, _, d)| d.gradients_bytes)
+                .expect("an accumulation-2 case");
             for (c, m, d) in rows.iter().filter(|(c, _, _)| c.accumulation > 1) {
-                assert_eq!(
-                    d.gradients_bytes,
-                    rows[0].2.gradients_bytes.max(d.gradients_bytes)
-                );
+                // One buffer whatever the accumulation: 4 micro-batches plan what 2 do.
+                assert_eq!(d.gradients_bytes, two, "accumulation {}", c.accumulation);
                 let over_forward = m.bwd_peak.saturating_sub(m.fwd_peak);
                 assert!(
                     over_forward < d.gradients_bytes / 2,

@@ -93,8 +93,11 @@ pub fn run(args: PreviewArgs) -> anyhow::Result<ExitCode> {
         batch_size: args.batch_size.or(micro_batch).unwrap_or(8).max(1),
         full_scan: !args.quick,
     };
-    let preview = preview_dataset(&cfg, &tok, &opts)
+    let mut preview = preview_dataset(&cfg, &tok, &opts)
         .with_context(|| format!("cannot preview {}", cfg.path))?;
+    if let Some(path) = &args.config {
+        preview.lints.extend(settings_lints(path, &model, &preview));
+    }
     let code = if preview.has_errors() {
         ExitCode::from(2)
     } else {
@@ -118,6 +121,48 @@ pub fn run(args: PreviewArgs) -> anyhow::Result<ExitCode> {
         Err(e) => Err(e),
         Ok(()) => Ok(code),
     }
+}
+
+/// The run config's settings lints (`train::settings_lints`), as `tunestudio train` would find
+/// them on this data: they stop a run like the data's, so the preview shows them beside those.
+/// A config the trainer could not read has none here (`train` names its problems).
+fn settings_lints(
+    path: &std::path::Path,
+    model: &str,
+    preview: &tunestudio::data::DataPreview,
+) -> Vec<tunestudio::data::Lint> {
+    use tunestudio::train::settings_lints::{settings_lints, SettingsContext};
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Vec::new();
+    };
+    let base = path.parent().unwrap_or(std::path::Path::new("."));
+    let Ok((run, _)) =
+        tunestudio::train::read_run_config_leniently(&text, &path.display().to_string(), base)
+    else {
+        return Vec::new();
+    };
+    // A local folder has weights when it holds safetensors; a hub id names a pretrained model.
+    let folder = std::path::Path::new(model);
+    let has_weights = !folder.is_dir()
+        || std::fs::read_dir(folder).is_ok_and(|entries| {
+            entries
+                .flatten()
+                .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+        });
+    let ctx = SettingsContext {
+        pretrained: SettingsContext::is_pretrained(run.model.init, has_weights),
+        train_rows: preview.num_train_rows,
+        longest_row_tokens: preview.stats.max_length_seen,
+        ranks: if run.devices.strategy == tunestudio::settings::Strategy::DataParallel {
+            run.devices.devices.len().max(1)
+        } else {
+            1
+        },
+    };
+    settings_lints(&run, &ctx)
+        .into_iter()
+        .filter(|l| !run.data.allow.iter().any(|a| a == l.kind.id()))
+        .collect()
 }
 
 fn is_broken_pipe(e: &anyhow::Error) -> bool {

@@ -353,9 +353,12 @@ fn out_of_memory(event: &Event) {
         step,
         phase,
         device,
+        planned_bytes,
+        observed_bytes,
         checkpoint,
         refit,
         refit_error,
+        ..
     } = event
     else {
         return;
@@ -365,7 +368,10 @@ fn out_of_memory(event: &Event) {
         .map_or("no checkpoint yet".to_string(), |p| {
             format!("saved the last good step: {}", p.display())
         });
-    eprintln!("{device} ran out of memory at step {step} ({phase}); {saved}");
+    eprintln!(
+        "{device} ran out of memory at step {step} ({phase}{}); {saved}",
+        tunestudio::train::oom::planned_and_observed(*planned_bytes, *observed_bytes)
+    );
     match refit_error {
         Some(e) => eprintln!("no resumable settings fit: {e}"),
         None => eprintln!(

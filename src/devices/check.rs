@@ -384,11 +384,16 @@ fn step_parity(o: &CheckOptions, dtype: DType, generic: bool) -> Result<Outcome,
     let mut worst_name = String::new();
     let mut worst_cos = 1.0f64;
     let mut compared = 0;
+    let mut missing = Vec::new();
     for (key, ref_grad) in &reference {
         let Some(name) = key.strip_prefix("grad.") else {
             continue;
         };
-        let Some(g) = grads.get(name) else { continue };
+        // A parameter transformers trained and this model did not is a failure, not a skip.
+        let Some(g) = grads.get(name) else {
+            missing.push(name.to_string());
+            continue;
+        };
         let (d, m) = diff(g, ref_grad)?;
         let rel = d / m.max(1e-12);
         if rel > worst_rel {
@@ -400,12 +405,22 @@ fn step_parity(o: &CheckOptions, dtype: DType, generic: bool) -> Result<Outcome,
     }
     let detail = format!(
         "{dtype:?}{} on {}: loss {loss:.6} vs reference {ref_loss:.6} (rel {loss_rel:.2e}, tol {loss_tol:.0e}); \
-         {compared} gradients: worst rel diff {worst_rel:.2e} ({worst_name}), min cosine {worst_cos:.5}",
+         {compared} gradients: worst rel diff {worst_rel:.2e} (tol {grad_tol:.0e}, {worst_name}), min cosine {worst_cos:.5}{}",
         if generic { " generic ops + checkpointing" } else { "" },
-        if o.mode == CheckMode::Cpu { "cpu" } else { "cuda:0" }
+        if o.mode == CheckMode::Cpu { "cpu" } else { "cuda:0" },
+        if missing.is_empty() {
+            String::new()
+        } else {
+            format!("; no gradient for {}", missing.join(", "))
+        }
     );
     Ok(
-        if compared > 0 && loss_rel <= loss_tol && worst_rel <= grad_tol && worst_cos >= cos_tol {
+        if compared > 0
+            && missing.is_empty()
+            && loss_rel <= loss_tol
+            && worst_rel <= grad_tol
+            && worst_cos >= cos_tol
+        {
             Outcome::Pass(detail)
         } else {
             Outcome::Fail(detail)

@@ -511,8 +511,16 @@ pub mod nccl {
     // SAFETY: as above; the communicator is never used from two threads at once.
     unsafe impl Sync for AllReduceOp<'_> {}
 
-    fn nccl_err(e: impl std::fmt::Debug) -> candle_core::Error {
-        candle_core::Error::Msg(format!("ncclAllReduce: {e:?}"))
+    /// NCCL's error with its value kept, so an allocation failure inside NCCL is recognised
+    /// by kind (`mem::alloc_failure`).
+    fn nccl_err(
+        e: candle_core::cuda_backend::cudarc::nccl::result::NcclError,
+    ) -> candle_core::Error {
+        candle_core::Error::Cuda(Box::new(crate::mem::alloc_failure::DeviceCallError {
+            api: crate::mem::alloc_failure::FailedApi::Nccl,
+            operation: "ncclAllReduce",
+            code: e.0 as i64,
+        }))
     }
 
     impl CustomOp1 for AllReduceOp<'_> {
@@ -577,11 +585,14 @@ pub mod nccl {
                 .map(|g| g.names().map(str::to_string).collect())
                 .unwrap_or_default();
             let mut out = vec![Gradients::new(); per_rank.len()];
+            let mut per_rank = per_rank;
             for name in &names {
+                // Each input is taken out of its set and dropped once its sum exists: one
+                // tensor per rank is staged at a time, never the input and output sets whole.
                 let inputs = per_rank
-                    .iter()
+                    .iter_mut()
                     .map(|g| {
-                        g.get(name)
+                        g.remove(name)
                             .ok_or_else(|| {
                                 DevicesError::Input(format!(
                                     "rank is missing the gradient of {name}"
@@ -605,6 +616,7 @@ pub mod nccl {
                     operation: "ncclGroupEnd",
                     reason: format!("{e:?}"),
                 })?;
+                drop(inputs);
                 for (slot, t) in out.iter_mut().zip(reduced) {
                     slot.insert(name, t?);
                 }

@@ -222,6 +222,7 @@ mod tests {
                 tunestudio::mem::alloc_failure::FailedApi::CudaDriver,
                 tunestudio::mem::alloc_failure::CUDA_ERROR_OUT_OF_MEMORY,
             ),
+            device: None,
         }
         .into();
         assert_eq!(oom.kind, ErrorKind::OutOfMemory);

@@ -699,9 +699,12 @@ impl RunState {
                 step,
                 phase,
                 device,
+                planned_bytes,
+                observed_bytes,
                 checkpoint,
                 refit,
                 refit_error,
+                ..
             } => {
                 let saved = checkpoint
                     .as_ref()
@@ -710,7 +713,10 @@ impl RunState {
                     });
                 self.log(
                     LogLevel::Error,
-                    format!("{device} ran out of memory at step {step} ({phase}); {saved}"),
+                    format!(
+                        "{device} ran out of memory at step {step} ({phase}{}); {saved}",
+                        tunestudio::train::oom::planned_and_observed(planned_bytes, observed_bytes)
+                    ),
                 );
                 self.out_of_memory_reported = true;
                 self.oom_refit = if checkpoint.is_some() && refit_error.is_none() {
@@ -1262,6 +1268,9 @@ mod tests {
             step: 2,
             phase: tunestudio::train::Phase::Forward,
             device: "cuda:0".into(),
+            planned_bytes: None,
+            observed_bytes: None,
+            failure: None,
             checkpoint: None,
             refit: Vec::new(),
             refit_error: None,

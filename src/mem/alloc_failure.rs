@@ -34,6 +34,30 @@ pub struct AllocationFailure {
     pub code: i64,
 }
 
+/// A device library's call that failed, with its error value kept (NCCL's error type has
+/// neither `Display` nor `Error`, so its value would otherwise survive only as text).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceCallError {
+    /// The library.
+    pub api: FailedApi,
+    /// The call (`ncclAllReduce`).
+    pub operation: &'static str,
+    /// Its error value.
+    pub code: i64,
+}
+
+impl std::fmt::Display for DeviceCallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} failed with error value {}",
+            self.operation, self.code
+        )
+    }
+}
+
+impl std::error::Error for DeviceCallError {}
+
 /// `CUresult::CUDA_ERROR_OUT_OF_MEMORY`.
 pub const CUDA_ERROR_OUT_OF_MEMORY: i64 = 2;
 /// `cublasStatus_t::CUBLAS_STATUS_ALLOC_FAILED`.
@@ -94,6 +118,9 @@ fn from_one(e: &(dyn std::error::Error + 'static)) -> Option<AllocationFailure> 
     if let Some(io) = e.downcast_ref::<std::io::Error>() {
         return from_io(io);
     }
+    if let Some(call) = e.downcast_ref::<DeviceCallError>() {
+        return classify(call.api, call.code);
+    }
     gpu_failure(e)
 }
 
@@ -117,23 +144,11 @@ fn gpu_failure(e: &(dyn std::error::Error + 'static)) -> Option<AllocationFailur
     if let Some(b) = e.downcast_ref::<cudarc::cublas::result::CublasError>() {
         return cublas(b);
     }
-    nccl_failure(e)
+    None
 }
 
 #[cfg(not(feature = "cuda"))]
 fn gpu_failure(_e: &(dyn std::error::Error + 'static)) -> Option<AllocationFailure> {
-    None
-}
-
-#[cfg(feature = "nccl")]
-fn nccl_failure(e: &(dyn std::error::Error + 'static)) -> Option<AllocationFailure> {
-    use candle_core::cuda_backend::cudarc::nccl::result::NcclError;
-    let n = e.downcast_ref::<NcclError>()?;
-    classify(FailedApi::Nccl, n.0 as i64)
-}
-
-#[cfg(all(feature = "cuda", not(feature = "nccl")))]
-fn nccl_failure(_e: &(dyn std::error::Error + 'static)) -> Option<AllocationFailure> {
     None
 }
 
@@ -176,5 +191,15 @@ mod tests {
         assert_eq!(from_candle(&words), None);
         let not_found = candle_core::Error::Io(std::io::Error::from_raw_os_error(2));
         assert_eq!(from_candle(&not_found), None);
+        // NCCL's value, as the all-reduce op keeps it.
+        let nccl = |code| {
+            candle_core::Error::Cuda(Box::new(DeviceCallError {
+                api: FailedApi::Nccl,
+                operation: "ncclAllReduce",
+                code,
+            }))
+        };
+        assert!(from_candle(&nccl(NCCL_UNHANDLED_CUDA_ERROR)).is_some());
+        assert!(from_candle(&nccl(5)).is_none());
     }
 }

@@ -39,6 +39,11 @@ impl Gradients {
         }
     }
 
+    /// Takes the gradient of `name` out (its name stays in the order).
+    pub fn remove(&mut self, name: &str) -> Option<Tensor> {
+        self.map.remove(name)
+    }
+
     /// The gradient of `name`, if it has one.
     pub fn get(&self, name: &str) -> Option<&Tensor> {
         self.map.get(name)

@@ -172,6 +172,9 @@ pub enum TrainError {
         hint: String,
         /// The allocation failure the error's value reports (`None`: not out of memory).
         allocation_failure: Option<crate::mem::alloc_failure::AllocationFailure>,
+        /// The device (`[devices]` position) that failed, when the step knows it (the rank
+        /// under data parallel).
+        device: Option<usize>,
     },
     /// The loss became NaN or infinite.
     #[error("the loss became {value} at step {step}; training stopped so the weights are not destroyed.\nhint: {hint}")]
@@ -320,6 +323,7 @@ pub(crate) fn step_error(
         message,
         hint,
         allocation_failure,
+        device: None,
     }
 }
 

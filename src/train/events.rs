@@ -257,6 +257,15 @@ pub enum Event {
         phase: Phase,
         /// The device (`[devices]` entry) that ran out.
         device: String,
+        /// What the memory plan gave that device (its peak).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        planned_bytes: Option<u64>,
+        /// The most it was seen to hold (the memory sampler's peak for it).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        observed_bytes: Option<u64>,
+        /// The allocation failure's error value (CUDA driver, cuBLAS, NCCL, the OS).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        failure: Option<crate::mem::alloc_failure::AllocationFailure>,
         /// The checkpoint of the last good step, to resume from.
         checkpoint: Option<PathBuf>,
         /// Settings that fit what the device held (same effective batch), in words; empty

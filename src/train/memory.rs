@@ -59,6 +59,21 @@ impl MemoryMonitor {
         }
     }
 
+    /// The most `device` (a `[devices]` entry) was seen to hold: the process's peak for the
+    /// CPU, the sampler's peak for a GPU.
+    pub fn observed_peak(&self, device: &str) -> Option<u64> {
+        let name = device.split('=').next().unwrap_or(device).trim();
+        if name == "cpu" || name.starts_with("cpu:") {
+            return if crate::mem::is_installed() {
+                Some(crate::mem::peak_bytes())
+            } else {
+                crate::mem::peak_rss_bytes()
+            };
+        }
+        let gpu = name.split('#').next().unwrap_or(name);
+        self.gpu_peaks.get(gpu).copied()
+    }
+
     /// Memory events for the step just done (devices that cannot be measured are left out).
     pub fn sample(&mut self, step: u64) -> Vec<Event> {
         let mut out = Vec::new();

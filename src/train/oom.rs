@@ -44,6 +44,18 @@ pub fn is_out_of_memory(err: &TrainError) -> bool {
     }
 }
 
+/// ", planned 3.1 GiB, seen 3.4 GiB" for an out-of-memory line (what is known of the two).
+pub fn planned_and_observed(planned: Option<u64>, observed: Option<u64>) -> String {
+    let mut out = String::new();
+    if let Some(p) = planned {
+        out.push_str(&format!(", planned {}", crate::units::format_bytes(p)));
+    }
+    if let Some(o) = observed {
+        out.push_str(&format!(", seen {}", crate::units::format_bytes(o)));
+    }
+    out
+}
+
 /// Settings for the same run that fit what the device held, and what changed.
 #[derive(Debug, Clone)]
 pub struct OomRefit {

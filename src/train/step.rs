@@ -842,9 +842,14 @@ impl TrainingRun {
             let results = run_ranks(&models, shards, accs, |model, batch, acc| {
                 micro_step(model, batch, seed_base, counter, backward_factor, acc)
             });
-            for result in results {
-                let (loss, tokens, grads) =
-                    result.map_err(|(phase, e)| step_error(phase, step, shape, e, &settings))?;
+            for (rank, result) in results.into_iter().enumerate() {
+                let (loss, tokens, grads) = result.map_err(|(phase, e)| {
+                    let mut err = step_error(phase, step, shape, e, &settings);
+                    if let TrainError::Step { device, .. } = &mut err {
+                        *device = (ranks > 1).then_some(rank);
+                    }
+                    err
+                })?;
                 acc.loss_sum += loss;
                 acc.tokens += tokens as u64;
                 per_rank.push(grads);

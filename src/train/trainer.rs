@@ -425,7 +425,7 @@ fn train_loop(
             Ok(o) => o,
             Err(e) => {
                 if super::oom::is_out_of_memory(&e) {
-                    report_out_of_memory(run, &e, em);
+                    report_out_of_memory(run, &e, &memory, em);
                 }
                 em.error(&e, Some(run.step_index() + 1));
                 break FinishReason::Failed;
@@ -475,8 +475,20 @@ fn train_loop(
 /// settings a resume would use. Only a forward or backward failure leaves the weights as
 /// they were; in the optimizer step some tensors may already be updated, so then the last
 /// periodic checkpoint is the one to resume from.
-fn report_out_of_memory(run: &mut TrainingRun, err: &TrainError, em: &mut Emitter) {
-    let TrainError::Step { step, phase, .. } = err else {
+fn report_out_of_memory(
+    run: &mut TrainingRun,
+    err: &TrainError,
+    memory: &super::memory::MemoryMonitor,
+    em: &mut Emitter,
+) {
+    let TrainError::Step {
+        step,
+        phase,
+        allocation_failure,
+        device: failed_rank,
+        ..
+    } = err
+    else {
         return;
     };
     let untouched = matches!(phase, Phase::Forward | Phase::Backward);
@@ -488,19 +500,42 @@ fn report_out_of_memory(run: &mut TrainingRun, err: &TrainError, em: &mut Emitte
         Ok(r) => (r.changes, None),
         Err(e) => (Vec::new(), Some(e)),
     };
-    let device = run
+    let planned: Vec<Option<u64>> = super::plan_adapter::local_plan_request(run.config())
+        .ok()
+        .and_then(|req| crate::plan::plan(&req).ok())
+        .map(|p| p.per_device.iter().map(|d| Some(d.peak_bytes)).collect())
+        .unwrap_or_default();
+    let labels: Vec<String> = run
         .placement()
         .devices
-        .first()
-        .map_or_else(|| "cpu".to_string(), |d| d.label.clone());
+        .iter()
+        .map(|d| d.label.clone())
+        .collect();
+    let observed: Vec<Option<u64>> = labels.iter().map(|l| memory.observed_peak(l)).collect();
+    let index = failed_rank.unwrap_or_else(|| fullest_device(&planned, &observed));
     em.emit(Event::OutOfMemory {
         step: *step,
         phase: *phase,
-        device,
+        device: labels.get(index).cloned().unwrap_or_else(|| "cpu".into()),
+        planned_bytes: planned.get(index).copied().flatten(),
+        observed_bytes: observed.get(index).copied().flatten(),
+        failure: *allocation_failure,
         checkpoint,
         refit,
         refit_error,
     });
+}
+
+/// The device that most likely failed when the error does not say: the one seen holding the
+/// largest share of its planned peak (the first when nothing was observed).
+fn fullest_device(planned: &[Option<u64>], observed: &[Option<u64>]) -> usize {
+    let share = |i: usize| match (planned.get(i).copied().flatten(), observed[i]) {
+        (Some(p), Some(o)) if p > 0 => o as f64 / p as f64,
+        _ => 0.0,
+    };
+    (0..observed.len())
+        .max_by(|&a, &b| share(a).total_cmp(&share(b)))
+        .unwrap_or(0)
 }
 
 fn handle_command(

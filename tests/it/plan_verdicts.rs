@@ -110,6 +110,15 @@ fn dictalm_layer_split_fits_two_80gib_gpus() {
         let g = gib(d.peak_bytes);
         // HF reference ≈ 54 GiB per GPU (half of weights + gradient + moments): fits.
         assert!((50.0..70.0).contains(&g), "{}: {g:.1} GiB", d.device.name);
+        // fp32: one f32 gradient and two f32 moments per weight held there (a planner without
+        // gradients, or with bf16 moments, fails here whatever the total).
+        assert_eq!(d.gradients_bytes, d.weights_bytes, "{}", d.device.name);
+        assert_eq!(
+            d.optimizer_states_bytes,
+            2 * d.weights_bytes,
+            "{}",
+            d.device.name
+        );
     }
     // Balanced: the two GPUs differ by less than one layer's worth.
     let diff = gib(p.per_device[0]
@@ -129,6 +138,14 @@ fn dictalm_pure_bf16_split_fits_comfortably() {
         let g = gib(d.peak_bytes);
         // HF (bf16 moments) ≈ 34 GiB; tunestudio keeps f32 moments: ≈ 45 GiB.
         assert!((30.0..55.0).contains(&g), "{}: {g:.1} GiB", d.device.name);
+        // bf16 weights and gradients, f32 moments: 8 bytes of state per 2-byte weight.
+        assert_eq!(d.gradients_bytes, d.weights_bytes, "{}", d.device.name);
+        assert_eq!(
+            d.optimizer_states_bytes,
+            4 * d.weights_bytes,
+            "{}",
+            d.device.name
+        );
     }
 }
 

@@ -180,8 +180,10 @@ fn out_of_memory_checkpoints_reports_and_auto_fit_resumes() {
     let stopped = run(&config("stopped"), &[], true);
     let stderr = String::from_utf8_lossy(&stopped.stderr);
     assert!(!stopped.status.success());
+    // The device, with what the plan gave it and what it was seen to hold.
     assert!(
-        stderr.contains("ran out of memory at step 3 (backward)"),
+        stderr.contains("cpu ran out of memory at step 3 (backward, planned ")
+            && stderr.contains(", seen "),
         "{stderr}"
     );
     let events = events_of("stopped");
@@ -193,8 +195,20 @@ fn out_of_memory_checkpoints_reports_and_auto_fit_resumes() {
                 phase,
                 checkpoint,
                 refit,
+                planned_bytes,
+                observed_bytes,
+                failure,
                 ..
-            } => Some((*step, *phase, checkpoint.clone(), refit.clone())),
+            } => {
+                assert!(planned_bytes.is_some_and(|b| b > 0), "{e:?}");
+                assert!(observed_bytes.is_some_and(|b| b > 0), "{e:?}");
+                // Recognised by its error value: the injected failure's kind, not its words.
+                assert_eq!(
+                    failure.map(|f| f.api),
+                    Some(tunestudio::mem::alloc_failure::FailedApi::Injected)
+                );
+                Some((*step, *phase, checkpoint.clone(), refit.clone()))
+            }
             _ => None,
         })
         .expect("an out_of_memory event");

@@ -22,6 +22,7 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     controls(ui, s, actions);
     ui.add_space(6.0);
     progress(ui, s);
+    diverged_offer(ui, s, actions);
 
     if let Some(err) = s.run.error.clone() {
         ui.add_space(6.0);
@@ -74,6 +75,30 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
 
     theme::section(ui, "Run history");
     history(ui, s, actions);
+}
+
+/// After the divergence watch stopped the run: resume from the last good checkpoint with a
+/// tenth of the learning rate.
+fn diverged_offer(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
+    let (RunPhase::Finished(FinishReason::Diverged), Some(lr)) =
+        (s.run.phase, s.run.suggested_learning_rate)
+    else {
+        return;
+    };
+    ui.horizontal(|ui| {
+        ui.label(
+            RichText::new("The loss diverged; the last checkpoint before the spike is kept.")
+                .color(theme::WARNING),
+        );
+        if ui
+            .button(format!("Resume with lr ÷ 10 ({lr:.1e})"))
+            .on_hover_text("Sets training.learning_rate and resumes from the last good checkpoint")
+            .clicked()
+        {
+            s.config.training.learning_rate = lr;
+            actions.push(Action::StartResumingLatest);
+        }
+    });
 }
 
 /// The error-level lints of the data (the preview's) and of the settings that `[data] allow`
@@ -385,6 +410,14 @@ fn loss_chart(ui: &mut Ui, s: &mut AppState) {
                     Points::new("eval", PlotPoints::from(run.eval_loss.clone()))
                         .color(theme::MEM_ACTIVATIONS)
                         .radius(3.5),
+                );
+            }
+            // The divergence watch's spikes (`train::divergence`).
+            if !run.divergences.is_empty() {
+                plot.points(
+                    Points::new("diverged", PlotPoints::from(run.divergences.clone()))
+                        .color(theme::ERROR)
+                        .radius(6.0),
                 );
             }
             for (i, (name, loss, eval)) in overlays.into_iter().enumerate() {
