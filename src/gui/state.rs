@@ -548,23 +548,7 @@ impl RunState {
                 self.log(LogLevel::Info, format!("resumed at step {step}"));
             }
             Event::Warning { message } => self.log(LogLevel::Warning, message),
-            Event::Divergence {
-                step,
-                loss,
-                median_loss,
-                suggested_learning_rate,
-                stopped,
-            } => {
-                self.divergences.push([step as f64, loss]);
-                self.suggested_learning_rate = Some(suggested_learning_rate);
-                self.log(
-                    LogLevel::Warning,
-                    format!(
-                        "the loss diverged at step {step}: {loss:.4} against a recent median of {median_loss:.4}{}; resume with learning rate {suggested_learning_rate:e}",
-                        if stopped { ", so the run stopped" } else { "" }
-                    ),
-                );
-            }
+            ev @ Event::Divergence { .. } => self.apply_divergence(ev),
             Event::LintsBlocked { lints } => {
                 for l in lints {
                     self.log(
@@ -690,6 +674,29 @@ impl RunState {
             }
             _ => {}
         }
+    }
+
+    /// The divergence watch saw a spike: a marker on the loss chart, the rate to resume with.
+    fn apply_divergence(&mut self, event: Event) {
+        let Event::Divergence {
+            step,
+            loss,
+            median_loss,
+            suggested_learning_rate,
+            stopped,
+        } = event
+        else {
+            return;
+        };
+        self.divergences.push([step as f64, loss]);
+        self.suggested_learning_rate = Some(suggested_learning_rate);
+        self.log(
+            LogLevel::Warning,
+            format!(
+                "the loss diverged at step {step}: {loss:.4} against a recent median of {median_loss:.4}{}; resume with learning rate {suggested_learning_rate:e}",
+                if stopped { ", so the run stopped" } else { "" }
+            ),
+        );
     }
 
     /// The run failed (out of memory first, when it was that).

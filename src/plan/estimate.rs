@@ -373,20 +373,11 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
             .position(|d| d.kind == DeviceKind::Cpu)
     });
     let scope = process_scope(req, &placed);
-    // gemm's per-thread workspace is the process's: logical CPU devices share the threads,
-    // so the first CPU device carries it.
-    let first_cpu = req.devices[..n_used]
-        .iter()
-        .position(|d| d.kind == DeviceKind::Cpu);
     for (d, (layers, blocks)) in placed.into_iter().enumerate() {
         let device = req.devices[d].clone();
         let dp = device_timeline(&costs, &dims, req, &blocks, d == n_used - 1 && tied_split);
         let overhead = device.overhead_bytes();
-        let workspace = if first_cpu == Some(d) {
-            step_model::host_gemm_workspace_bytes()
-        } else {
-            0
-        };
+        let workspace = gemm_workspace_on(req, n_used, d);
         let tensors_peak = dp.peak + overhead + workspace;
         let process = match (&req.process, process_device == Some(d)) {
             (Some(inputs), true) => {
@@ -464,6 +455,19 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
         settings: req.settings_summary(),
         host_offload_bytes: costs.trainable_parameters * dims.host_state_bytes,
     })
+}
+
+/// gemm's per-thread workspace on device `d` of the `n_used` devices: the process's, so the
+/// first CPU device carries it (logical CPU devices share the threads); none on a GPU.
+fn gemm_workspace_on(req: &PlanRequest, n_used: usize, d: usize) -> u64 {
+    let first_cpu = req.devices[..n_used]
+        .iter()
+        .position(|dev| dev.kind == DeviceKind::Cpu);
+    if first_cpu == Some(d) {
+        step_model::host_gemm_workspace_bytes()
+    } else {
+        0
+    }
 }
 
 fn summarize(per_device: &[DevicePlan], verdict: Verdict) -> String {

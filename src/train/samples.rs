@@ -101,6 +101,34 @@ pub fn load_splits(config: &RunConfig, tok: &TokenizerBundle) -> Result<Splits, 
     })
 }
 
+/// The run's splits, with the settings lints beside the data's: an error-level lint that
+/// `[data] allow` does not name, or no training row, stops the run here, before the weights
+/// load.
+pub fn load_checked_splits(
+    config: &RunConfig,
+    tok: &TokenizerBundle,
+    has_weights: bool,
+) -> Result<Splits, TrainError> {
+    let mut splits = load_splits(config, tok)?;
+    splits.lints.extend(super::settings_lints::settings_lints(
+        config,
+        &settings_context(config, has_weights, &splits.train),
+    ));
+    let blocking = crate::data::lints::blocking(&splits.lints, &config.data.allow);
+    if !blocking.is_empty() {
+        return Err(TrainError::Lints {
+            lints: blocking.into_iter().cloned().collect(),
+        });
+    }
+    if splits.train.is_empty() {
+        return Err(TrainError::EmptyDataset(format!(
+            "`{}` gave 0 training rows",
+            config.data.path
+        )));
+    }
+    Ok(splits)
+}
+
 /// What the settings lints need to know of the model and the data.
 pub fn settings_context(
     config: &RunConfig,

@@ -319,23 +319,7 @@ impl TrainingRun {
         })?;
         samples::check_vocab(&tokenizer, &model_dir, model_config.vocab_size)?;
         let pad_id = tokenizer.pad().id;
-        let mut splits = samples::load_splits(&config, &tokenizer)?;
-        splits.lints.extend(super::settings_lints::settings_lints(
-            &config,
-            &samples::settings_context(&config, has_weights, &splits.train),
-        ));
-        let blocking = crate::data::lints::blocking(&splits.lints, &config.data.allow);
-        if !blocking.is_empty() {
-            return Err(TrainError::Lints {
-                lints: blocking.into_iter().cloned().collect(),
-            });
-        }
-        if splits.train.is_empty() {
-            return Err(TrainError::EmptyDataset(format!(
-                "`{}` gave 0 training rows",
-                config.data.path
-            )));
-        }
+        let splits = samples::load_checked_splits(&config, &tokenizer, has_weights)?;
         let placement = super::placement::RunPlacement::open(
             &config,
             samples::split_trained_tokens(&config, &splits.train),
