@@ -462,7 +462,18 @@ impl StudioApp {
             .unwrap_or(name);
         let proposed = parent.join(fresh);
         if proposed != self.state.config.output_dir {
+            let old_default = self.state.default_config_path().display().to_string();
             self.state.config.output_dir = proposed.clone();
+            // The project owns its run config too: a path the user did not choose (the old
+            // folder's default, or the demo's) moves beside the new output folder.
+            let demo = self.state.config_path.as_deref() == Some(demo_config_path().as_path());
+            if demo || self.state.export.config_path == old_default {
+                self.state.export.config_path =
+                    self.state.default_config_path().display().to_string();
+            }
+            if demo {
+                self.state.config_path = None;
+            }
             self.state
                 .toast(format!("new project: output folder {}", proposed.display()));
         }

@@ -1383,6 +1383,14 @@ fn founding_label_bug_blocks_start_until_overridden_and_stop_saves() {
     let c = &h.state().state.config;
     assert_eq!(c.data.format, tunestudio::data::Format::Auto, "re-detected");
     assert_ne!(c.output_dir, demo_out, "a new project writes elsewhere");
+    // Its run config goes beside its output folder, not into the demo's.
+    let saved_to = std::path::PathBuf::from(&h.state().state.export.config_path);
+    assert_eq!(
+        saved_to,
+        h.state().state.default_config_path(),
+        "the Export panel saves the new project's run.toml"
+    );
+    assert!(!saved_to.starts_with(&demo_out), "{}", saved_to.display());
     assert_eq!(c.data.max_length, 64, "max_length from the data's lengths");
     // The Format box shows what was detected.
     let format_box = h.get_by_label("Format");

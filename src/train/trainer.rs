@@ -533,8 +533,9 @@ fn fullest_device(planned: &[Option<u64>], observed: &[Option<u64>]) -> usize {
         (Some(p), Some(o)) if p > 0 => o as f64 / p as f64,
         _ => 0.0,
     };
+    // On a tie the earlier device wins (`max_by` alone would return the last).
     (0..observed.len())
-        .max_by(|&a, &b| share(a).total_cmp(&share(b)))
+        .max_by(|&a, &b| share(a).total_cmp(&share(b)).then(b.cmp(&a)))
         .unwrap_or(0)
 }
 
