@@ -284,6 +284,19 @@ pub fn legend_item(ui: &mut Ui, color: Color32, text: &str) {
     });
 }
 
+/// The named override of an error-level lint (of the data or the settings): ticking it adds
+/// the lint to `[data] allow`, which the run records.
+pub fn allow_lint_checkbox(ui: &mut Ui, allow: &mut Vec<String>, id: &str) {
+    let mut ticked = false;
+    ui.checkbox(
+        &mut ticked,
+        format!("Train anyway despite `{id}` (adds it to [data] allow; recorded in the run)"),
+    );
+    if ticked {
+        allow.push(id.to_string());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

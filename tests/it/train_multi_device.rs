@@ -77,6 +77,15 @@ fn recorded(out: &Path) -> (BTreeMap<u64, f64>, Event) {
     (losses, started.expect("a started event"))
 }
 
+/// The checkpoint of `step` in `out`.
+fn checkpoint_at(out: &Path, step: u64) -> PathBuf {
+    tunestudio::train::list_checkpoints(out)
+        .into_iter()
+        .find(|(s, _)| *s == step)
+        .unwrap_or_else(|| panic!("no checkpoint at step {step} in {}", out.display()))
+        .1
+}
+
 fn assert_close(reference: &BTreeMap<u64, f64>, other: &BTreeMap<u64, f64>, tol: f64) {
     assert_eq!(reference.len(), 10, "{reference:?}");
     assert_eq!(
@@ -129,11 +138,7 @@ fn data_parallel_over_cpu_logical_devices_trains_like_one_device() {
             assert_eq!(effective_batch, micro_batch * 2 * ranks);
             assert_eq!(placement.len(), ranks, "{placement:?}");
             if ranks == 2 {
-                let ckpt5 = tunestudio::train::list_checkpoints(&dp)
-                    .into_iter()
-                    .find(|(step, _)| *step == 5)
-                    .expect("a checkpoint at step 5")
-                    .1;
+                let ckpt5 = checkpoint_at(&dp, 5);
                 train_with_ops(&dp_path, &["--resume", &ckpt5.display().to_string()], ops);
                 let (resumed, _) = recorded(&dp);
                 assert_resumed_after(&dp, 5, 10);
@@ -258,11 +263,7 @@ fn layer_split_case(tmp: &Path, model: &Path, ops: &str) {
         let (uninterrupted, _) = recorded(&full);
         assert_close(&reference, &uninterrupted, 1e-5);
         // Resume the killed run from step 5 (explicitly: the kill may have come late).
-        let ckpt5 = tunestudio::train::list_checkpoints(&out)
-            .into_iter()
-            .find(|(step, _)| *step == 5)
-            .expect("a checkpoint at step 5")
-            .1;
+        let ckpt5 = checkpoint_at(&out, 5);
         train_with_ops(&path, &["--resume", &ckpt5.display().to_string()], ops);
         let (resumed, _) = recorded(&out);
         assert_eq!(resumed.len(), 10);

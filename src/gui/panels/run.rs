@@ -135,14 +135,7 @@ fn lint_gate(ui: &mut Ui, s: &mut AppState, blocking: &[tunestudio::data::Lint])
                 )
             },
         );
-        let mut allow = false;
-        ui.checkbox(
-            &mut allow,
-            format!("Train anyway despite `{id}` (adds it to [data] allow; recorded in the run)"),
-        );
-        if allow {
-            s.config.data.allow.push(id.to_string());
-        }
+        theme::allow_lint_checkbox(ui, &mut s.config.data.allow, id);
     }
 }
 

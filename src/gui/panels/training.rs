@@ -50,14 +50,7 @@ fn settings_findings(ui: &mut Ui, s: &mut AppState) {
                     &format!("Start is disabled: lint `{id}`"),
                     &lint.message,
                 );
-                let mut allow = false;
-                ui.checkbox(
-                    &mut allow,
-                    format!("Train anyway despite `{id}` (adds it to [data] allow; recorded in the run)"),
-                );
-                if allow {
-                    s.config.data.allow.push(id.to_string());
-                }
+                theme::allow_lint_checkbox(ui, &mut s.config.data.allow, id);
             }
             tunestudio::data::lints::Severity::Info => theme::note(ui, &lint.message),
             _ => {
