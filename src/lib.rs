@@ -11,6 +11,7 @@
 
 pub mod data;
 pub mod devices;
+pub mod gguf;
 pub mod infer;
 pub mod mem;
 pub mod model;

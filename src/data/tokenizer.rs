@@ -181,14 +181,41 @@ impl TokenizerBundle {
             .clone()
             .unwrap_or_else(|| PathBuf::from("tokenizer_config.json"));
 
-        let token_str = |key: &str| config_token(&config, &cfg_path, key);
+        let (chat_template, chat_template_origin) = chat_template_of(paths, &config, &cfg_path)?;
+        let origin = paths
+            .tokenizer_json
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default();
+        Self::from_tokenizer(
+            tokenizer,
+            &config,
+            &cfg_path,
+            chat_template.zip(chat_template_origin),
+            origin,
+        )
+    }
+
+    /// Builds the bundle from a tokenizer already in memory (a GGUF file's, say):
+    /// `config` plays `tokenizer_config.json` (`cfg_path` names it in messages),
+    /// `chat_template` is `(source, origin)`.
+    pub fn from_tokenizer(
+        tokenizer: Tokenizer,
+        config: &Value,
+        cfg_path: &Path,
+        chat_template: Option<(String, String)>,
+        origin: PathBuf,
+    ) -> Result<Self, DataError> {
+        let (chat_template, chat_template_origin) = match chat_template {
+            Some((t, o)) => (Some(t), Some(o)),
+            None => (None, None),
+        };
+        let token_str = |key: &str| config_token(config, cfg_path, key);
         let bos_token = token_str("bos_token")?;
         let eos_token = token_str("eos_token")?;
         let pad_token = token_str("pad_token")?;
         let unk_token = token_str("unk_token")?;
         let id_of = |t: &Option<String>| t.as_deref().and_then(|s| tokenizer.token_to_id(s));
-
-        let (chat_template, chat_template_origin) = chat_template_of(paths, &config, &cfg_path)?;
 
         let model_max_length = config
             .get("model_max_length")
@@ -220,11 +247,7 @@ impl TokenizerBundle {
             special_ids,
             added_ids,
             prefix_shortcut: false,
-            origin: paths
-                .tokenizer_json
-                .parent()
-                .map(Path::to_path_buf)
-                .unwrap_or_default(),
+            origin,
             tokenizer,
         };
         bundle.prefix_shortcut = bundle.prefix_shortcut_allowed();

@@ -14,6 +14,9 @@ pub enum InferError {
     /// Loading the tokenizer failed.
     #[error(transparent)]
     Data(#[from] DataError),
+    /// A GGUF file could not be read or run.
+    #[error(transparent)]
+    Gguf(Box<crate::gguf::GgufError>),
     /// The adapter says it was trained on a different base model.
     #[error("the adapter in {adapter} was trained on `{adapter_base}`, but the model loaded is `{model}`: load the adapter on the base model it was trained on, or (if the base was only renamed or moved) turn off the base check (`--ignore-adapter-base`)")]
     AdapterBaseMismatch {
@@ -99,4 +102,11 @@ pub enum InferError {
     /// A tensor operation failed.
     #[error("tensor operation failed during generation: {0}")]
     Candle(#[from] candle_core::Error),
+}
+
+impl From<crate::gguf::GgufError> for InferError {
+    fn from(e: crate::gguf::GgufError) -> Self {
+        // Boxed: the GGUF error is large and every inference result carries this type.
+        InferError::Gguf(Box::new(e))
+    }
 }

@@ -2,8 +2,9 @@
 //! base + PEFT adapter), prompt formatting (chat template or plain completion) and the
 //! generation loop.
 
-use super::engine::InferModel;
+use super::engine::{InferModel, KvCache};
 use super::error::InferError;
+use super::gguf_model::{GgufModel, GgufSession};
 use super::sampling::{Sampler, SamplingParams};
 use super::text::{IncrementalDecoder, StopMatcher};
 use crate::data::{ChatMessage, ChatTemplate, TemplateTokens, TokenizerBundle};
@@ -157,12 +158,33 @@ pub struct TokenEvent {
 
 /// A loaded model with its tokenizer, chat template and end-of-sequence ids.
 pub struct Generator {
-    model: InferModel,
+    model: Backend,
     tokenizer: TokenizerBundle,
     template: Option<ChatTemplate>,
     eos_ids: Vec<u32>,
     name: String,
     adapter: Option<PathBuf>,
+}
+
+/// What runs the tokens: the project's decoder, or a GGUF file through candle-transformers.
+enum Backend {
+    Native(Box<InferModel>),
+    Gguf(Box<GgufModel>),
+}
+
+/// One sequence in flight: the cache (the GGUF model keeps its own, behind a lock).
+enum Sequence<'a> {
+    Native(&'a InferModel, KvCache),
+    Gguf(GgufSession<'a>),
+}
+
+impl Sequence<'_> {
+    fn forward(&mut self, ids: &[u32]) -> Result<Vec<f32>, InferError> {
+        match self {
+            Sequence::Native(model, cache) => model.forward(ids, cache),
+            Sequence::Gguf(session) => session.forward(ids),
+        }
+    }
 }
 
 impl std::fmt::Debug for Generator {
@@ -241,9 +263,43 @@ fn eos_ids(config: &ModelConfig, dirs: &[&Path], tokenizer: &TokenizerBundle) ->
     ids
 }
 
+/// The tokenizer's chat template, compiled.
+fn template_of(
+    tokenizer: &TokenizerBundle,
+    name: &str,
+) -> Result<Option<ChatTemplate>, InferError> {
+    let template = match &tokenizer.chat_template {
+        Some(src) => Some(
+            ChatTemplate::new(
+                src,
+                TemplateTokens {
+                    bos_token: tokenizer.bos_token.clone(),
+                    eos_token: tokenizer.eos_token.clone(),
+                    pad_token: tokenizer.pad_token.clone(),
+                    unk_token: tokenizer.unk_token.clone(),
+                },
+            )
+            .map_err(|e| InferError::Template {
+                model: name.to_string(),
+                message: e.to_string(),
+            })?,
+        ),
+        None => None,
+    };
+    Ok(template)
+}
+
 impl Generator {
     /// Loads the model (and adapter) and its tokenizer.
     pub fn load(spec: &ModelSpec) -> Result<Self, InferError> {
+        let as_path = Path::new(&spec.model);
+        if as_path.is_file()
+            && as_path
+                .extension()
+                .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        {
+            return Self::load_gguf(spec);
+        }
         let files = resolve_model(&spec.model)?;
         let mut lm =
             CausalLm::load_files_quantized(&files, spec.dtype, &spec.device, spec.quantize)?;
@@ -294,6 +350,38 @@ impl Generator {
         Ok(g)
     }
 
+    /// Loads a GGUF file (`spec.model`), with its own tokenizer unless `spec.tokenizer`
+    /// names another; adapters and quantization settings do not apply (the file is final).
+    fn load_gguf(spec: &ModelSpec) -> Result<Self, InferError> {
+        let path = PathBuf::from(&spec.model);
+        if let Some(adapter) = &spec.adapter {
+            return Err(InferError::InvalidSetting {
+                setting: "adapter",
+                message: format!(
+                    "`{}` is a GGUF file, whose adapter (if any) is already merged; load {} on the Hugging Face model instead",
+                    path.display(),
+                    adapter.display()
+                ),
+            });
+        }
+        let (model, own_tokenizer) = GgufModel::open(&path, &spec.device)?;
+        let tokenizer = match &spec.tokenizer {
+            Some(src) => TokenizerBundle::from_source(src)?,
+            None => own_tokenizer?,
+        };
+        let name = spec.model.clone();
+        let template = template_of(&tokenizer, &name)?;
+        let eos_ids = eos_ids(model.config(), &[], &tokenizer);
+        Ok(Self {
+            model: Backend::Gguf(Box::new(model)),
+            tokenizer,
+            template,
+            eos_ids,
+            name,
+            adapter: None,
+        })
+    }
+
     /// Wraps an already loaded model (its storage is shared, not copied) with `tokenizer`;
     /// `name` is used in messages.
     pub fn from_model(
@@ -311,27 +399,10 @@ impl Generator {
                 model_vocab: config.vocab_size,
             });
         }
-        let template = match &tokenizer.chat_template {
-            Some(src) => Some(
-                ChatTemplate::new(
-                    src,
-                    TemplateTokens {
-                        bos_token: tokenizer.bos_token.clone(),
-                        eos_token: tokenizer.eos_token.clone(),
-                        pad_token: tokenizer.pad_token.clone(),
-                        unk_token: tokenizer.unk_token.clone(),
-                    },
-                )
-                .map_err(|e| InferError::Template {
-                    model: name.to_string(),
-                    message: e.to_string(),
-                })?,
-            ),
-            None => None,
-        };
+        let template = template_of(&tokenizer, name)?;
         let eos_ids = eos_ids(config, &[], &tokenizer);
         Ok(Self {
-            model: InferModel::from_causal_lm(model)?,
+            model: Backend::Native(Box::new(InferModel::from_causal_lm(model)?)),
             tokenizer,
             template,
             eos_ids,
@@ -352,12 +423,23 @@ impl Generator {
 
     /// The model's configuration.
     pub fn config(&self) -> &ModelConfig {
-        self.model.config()
+        match &self.model {
+            Backend::Native(m) => m.config(),
+            Backend::Gguf(m) => m.config(),
+        }
     }
 
-    /// The inference model (for token-level use).
-    pub fn model(&self) -> &InferModel {
-        &self.model
+    /// The inference model (for token-level use); `None` for a GGUF file.
+    pub fn model(&self) -> Option<&InferModel> {
+        match &self.model {
+            Backend::Native(m) => Some(m),
+            Backend::Gguf(_) => None,
+        }
+    }
+
+    /// Whether this runs a GGUF file.
+    pub fn is_gguf(&self) -> bool {
+        matches!(self.model, Backend::Gguf(_))
     }
 
     /// The tokenizer.
@@ -382,7 +464,7 @@ impl Generator {
 
     /// The most tokens (prompt + output) the model handles.
     pub fn context_tokens(&self) -> usize {
-        self.model.config().max_position_embeddings
+        self.config().max_position_embeddings
     }
 
     /// The exact text the model sees for `prompt` (the rendered chat template in chat
@@ -478,10 +560,14 @@ impl Generator {
             });
         }
         let start = Instant::now();
-        let mut cache = self
-            .model
-            .new_cache((prompt_ids.len() + params.max_new_tokens).min(context));
-        let mut logits = self.model.forward(prompt_ids, &mut cache)?;
+        let mut seq = match &self.model {
+            Backend::Native(m) => Sequence::Native(
+                m,
+                m.new_cache((prompt_ids.len() + params.max_new_tokens).min(context)),
+            ),
+            Backend::Gguf(m) => Sequence::Gguf(m.session()),
+        };
+        let mut logits = seq.forward(prompt_ids)?;
         let prefill_secs = start.elapsed().as_secs_f64();
 
         let tok = &self.tokenizer.tokenizer;
@@ -537,7 +623,7 @@ impl Generator {
             if let Some(r) = reason {
                 break r;
             }
-            logits = self.model.forward(&[id], &mut cache)?;
+            logits = seq.forward(&[id])?;
         };
         let total_secs = start.elapsed().as_secs_f64();
         let decode_secs = (total_secs - prefill_secs).max(0.0);

@@ -28,12 +28,14 @@
 pub mod engine;
 pub mod error;
 pub mod generator;
+pub mod gguf_model;
 pub mod sampling;
 pub mod stream;
 pub mod text;
 
 pub use engine::{InferModel, KvCache};
 pub use error::InferError;
+pub use gguf_model::{GgufModel, GgufSession};
 pub use generator::{GenerationOutput, Generator, ModelSpec, Prompt, StopReason, TokenEvent};
 pub use sampling::{argmax, Sampler, SamplingParams};
 pub use stream::{spawn_generation, GenEvent, GenerationHandle, GenerationRequest};

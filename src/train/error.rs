@@ -124,6 +124,9 @@ pub enum TrainError {
     /// The run config is unusable.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// A GGUF export failed (the message names the file and the fix).
+    #[error(transparent)]
+    Gguf(Box<crate::gguf::GgufError>),
     /// Loading or running the model failed outside a step.
     #[error("{context}: {cause}")]
     Model {
@@ -253,11 +256,21 @@ fn lint_list(lints: &[crate::data::lints::Lint]) -> String {
         .collect()
 }
 
+impl From<crate::gguf::GgufError> for TrainError {
+    fn from(e: crate::gguf::GgufError) -> Self {
+        // Boxed: every training result carries this type; the GGUF error is large.
+        TrainError::Gguf(Box::new(e))
+    }
+}
+
 impl TrainError {
     /// A short suggestion of what to do, for the GUI's error banner.
     pub fn hint(&self) -> String {
         match self {
             TrainError::Config(_) => "fix the listed settings and start again".into(),
+            TrainError::Gguf(_) => {
+                "the message names the file or setting; a Hugging Face export (--kind full) works for every model".into()
+            }
             TrainError::Model { .. } => {
                 "check `[model] source` (a folder with config.json and *.safetensors, or a hub id)"
                     .into()

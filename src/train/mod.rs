@@ -15,6 +15,7 @@ pub mod dry_run;
 pub mod error;
 pub mod events;
 pub mod export;
+pub mod export_gguf;
 pub mod loader;
 pub mod memory;
 pub mod metrics;
@@ -39,6 +40,9 @@ pub use dry_run::dry_run;
 pub use error::{ConfigError, ConfigProblem, Phase, TrainError};
 pub use events::{Command, Event, FinishReason, LintFinding, MemoryScope};
 pub use export::{export_adapter, export_full, export_merged};
+pub use export_gguf::{
+    default_gguf_path, export_gguf, export_source, plan_gguf, ExportSource, GgufExport,
+};
 pub use metrics::{read_metrics, MetricsWriter, RunCurves, METRICS_FILE};
 pub use placement::{DeviceLayers, RunPlacement};
 pub use plan_adapter::{

@@ -23,6 +23,7 @@ mod devices_discovery;
 mod devices_fake_gpus;
 mod devices_gpu_check;
 mod devices_strategies;
+mod export_gguf;
 mod gui_window;
 mod infer_generate;
 mod layering;
