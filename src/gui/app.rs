@@ -749,10 +749,24 @@ impl StudioApp {
                 "choose a checkpoint folder and a destination folder first",
             )));
         } else {
-            let (kind, dtype) = (e.kind, e.dtype.to_dtype());
+            let request = super::jobs::ExportRequest {
+                kind: e.kind,
+                checkpoint: ck,
+                dest,
+                dtype: e.dtype.to_dtype(),
+                gguf_quant: e.gguf_quant,
+                replace: e.replace,
+                progress: std::sync::Arc::clone(&e.progress),
+            };
+            e.progress
+                .done_bytes
+                .store(0, std::sync::atomic::Ordering::Relaxed);
+            e.progress
+                .total_bytes
+                .store(0, std::sync::atomic::Ordering::Relaxed);
             self.state.export.running = true;
             self.state.export.result = None;
-            self.jobs.export(kind, ck, dest, dtype);
+            self.jobs.export(request);
         }
     }
 

@@ -335,18 +335,30 @@ impl Jobs {
     }
 
     /// Exports a checkpoint.
-    pub fn export(
-        &self,
-        kind: ExportKind,
-        checkpoint: PathBuf,
-        dest: PathBuf,
-        dtype: candle_core::DType,
-    ) {
+    pub fn export(&self, request: ExportRequest) {
         self.spawn("export", move |_| {
+            let ExportRequest {
+                kind,
+                checkpoint,
+                dest,
+                dtype,
+                gguf_quant,
+                replace,
+                progress,
+            } = request;
             let r = match kind {
                 ExportKind::Adapter => train::export_adapter(&checkpoint, &dest),
                 ExportKind::Merged => train::export_merged(&checkpoint, &dest, dtype),
                 ExportKind::Full => train::export_full(&checkpoint, &dest, dtype),
+                ExportKind::Gguf => {
+                    return Some(JobOutput::Export(export_gguf(
+                        &checkpoint,
+                        &dest,
+                        gguf_quant,
+                        replace,
+                        &progress,
+                    )))
+                }
             };
             Some(JobOutput::Export(r.map_err(JobError::from)))
         });
@@ -591,4 +603,49 @@ pub fn read_history(dirs: &[PathBuf]) -> (Vec<HistoryRun>, Vec<String>) {
         }
     }
     (runs, errors)
+}
+
+/// An export the Export panel asked for.
+pub struct ExportRequest {
+    /// What to write.
+    pub kind: ExportKind,
+    /// The checkpoint (or model / adapter folder, for GGUF).
+    pub checkpoint: PathBuf,
+    /// The folder (HF exports) or file / folder (GGUF) to write.
+    pub dest: PathBuf,
+    /// Weights dtype of merged and full exports.
+    pub dtype: candle_core::DType,
+    /// GGUF file type.
+    pub gguf_quant: tunestudio::gguf::GgufQuant,
+    /// Overwrite an existing GGUF file.
+    pub replace: bool,
+    /// Where the GGUF export reports its bytes.
+    pub progress: Arc<super::state::ExportProgressCell>,
+}
+
+/// A GGUF export: `dest` is the file, or a folder for `<name>-<quant>.gguf`.
+fn export_gguf(
+    checkpoint: &std::path::Path,
+    dest: &std::path::Path,
+    quant: tunestudio::gguf::GgufQuant,
+    replace: bool,
+    progress: &super::state::ExportProgressCell,
+) -> Result<PathBuf, JobError> {
+    let source = train::export_source(checkpoint, None).map_err(JobError::from)?;
+    let file = if dest
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        dest.to_path_buf()
+    } else {
+        let default = train::default_gguf_path(checkpoint, &source, quant);
+        dest.join(default.file_name().unwrap_or_default())
+    };
+    let written = train::export_gguf(&source, quant, &file, replace, &mut |p| {
+        progress.total_bytes.store(p.bytes_total, Ordering::Relaxed);
+        progress.done_bytes.store(p.bytes_done, Ordering::Relaxed);
+        std::ops::ControlFlow::Continue(())
+    })
+    .map_err(JobError::from)?;
+    Ok(written.path)
 }

@@ -806,6 +806,18 @@ pub enum ExportKind {
     Merged,
     /// The full fine-tuned model.
     Full,
+    /// One GGUF file (adapter merged) for llama.cpp / Ollama, with a Modelfile.
+    Gguf,
+}
+
+/// How far a GGUF export is: bytes written and the file's size, written by the export's
+/// thread and read by the panel each frame (no message per tensor).
+#[derive(Debug, Default)]
+pub struct ExportProgressCell {
+    /// Bytes written so far.
+    pub done_bytes: std::sync::atomic::AtomicU64,
+    /// The file's size (0 until the plan is known).
+    pub total_bytes: std::sync::atomic::AtomicU64,
 }
 
 /// Export dtype choices.
@@ -837,6 +849,12 @@ pub struct ExportState {
     pub kind: ExportKind,
     /// Weights dtype of merged/full exports.
     pub dtype: ExportDtype,
+    /// The GGUF file type.
+    pub gguf_quant: tunestudio::gguf::GgufQuant,
+    /// Overwrite an existing GGUF file.
+    pub replace: bool,
+    /// Progress of the GGUF export in flight.
+    pub progress: std::sync::Arc<ExportProgressCell>,
     /// The checkpoint to export (defaults to the run's last).
     pub checkpoint: String,
     /// Destination folder.
@@ -856,6 +874,9 @@ impl Default for ExportState {
         ExportState {
             kind: ExportKind::Adapter,
             dtype: ExportDtype::Bf16,
+            gguf_quant: tunestudio::gguf::GgufQuant::Q4KM,
+            replace: false,
+            progress: Default::default(),
             checkpoint: String::new(),
             destination: String::new(),
             running: false,

@@ -1580,3 +1580,59 @@ fn settings_follow_a_pretrained_model_and_a_wild_rate_blocks_start() {
         .contains(&"learning-rate".to_string()));
     assert!(!h.get_by_label("Start").accesskit_node().is_disabled());
 }
+
+#[test]
+fn the_export_panel_writes_a_gguf_file_with_its_predicted_size() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let mut h = harness(Panel::Export, out.path());
+    wait_ready(&mut h);
+    h.get_by_label("GGUF file").click();
+    h.step();
+    h.step();
+    assert_eq!(h.state().state.export.kind, super::state::ExportKind::Gguf);
+    // The size follows the type, computed from the loaded model's config.
+    let size_of =
+        |h: &Harness<'static, StudioApp>| text_containing(h, "+ the tokenizer").unwrap_or_default();
+    let q4 = size_of(&h);
+    assert!(!q4.is_empty(), "the predicted size is shown");
+    h.state_mut().state.export.gguf_quant = tunestudio::gguf::GgufQuant::F16;
+    h.step();
+    h.step();
+    assert_ne!(size_of(&h), q4, "f16 predicts another size than q4_k_m");
+
+    // A model folder exports as it is (a checkpoint would merge its adapter first).
+    let dest = out.path().join("tiny.gguf");
+    {
+        let e = &mut h.state_mut().state.export;
+        e.checkpoint = crate_fixture("tiny-llama").display().to_string();
+        e.destination = dest.display().to_string();
+        e.gguf_quant = tunestudio::gguf::GgufQuant::Q8_0;
+    }
+    // The panel's heading is "Export" too: the button is the one to press.
+    h.query_all_by_label("Export")
+        .find(|n| n.accesskit_node().role() == egui::accesskit::Role::Button)
+        .expect("the Export button")
+        .click();
+    wait_for(&mut h, "the GGUF export", Duration::from_secs(60), |a| {
+        !a.state.export.running && a.state.export.result.is_some()
+    });
+    let result = h.state().state.export.result.clone().expect("result");
+    assert_eq!(result.expect("exported"), dest);
+    assert!(std::fs::metadata(&dest).expect("file").len() > 1_000_000);
+    assert!(dest.with_extension("Modelfile").is_file());
+    assert!(text_containing(&h, "ollama create").is_some());
+}
+
+/// The first text on screen (a label's or a widget's value) that contains `needle`.
+fn text_containing<S>(h: &Harness<'_, S>, needle: &str) -> Option<String> {
+    h.root().children_recursive().find_map(|n| {
+        let a = n.accesskit_node();
+        let text = a.label().or_else(|| a.value())?.to_string();
+        text.contains(needle).then_some(text)
+    })
+}
+
+/// A fixture model folder under the shared fixtures.
+fn crate_fixture(name: &str) -> std::path::PathBuf {
+    tunestudio::paths::shared_dir().join("fixtures").join(name)
+}

@@ -35,8 +35,8 @@ pub mod text;
 
 pub use engine::{InferModel, KvCache};
 pub use error::InferError;
-pub use gguf_model::{GgufModel, GgufSession};
 pub use generator::{GenerationOutput, Generator, ModelSpec, Prompt, StopReason, TokenEvent};
+pub use gguf_model::{GgufModel, GgufSession};
 pub use sampling::{argmax, Sampler, SamplingParams};
 pub use stream::{spawn_generation, GenEvent, GenerationHandle, GenerationRequest};
 pub use text::{IncrementalDecoder, StopCheck, StopMatcher};

@@ -40,6 +40,8 @@ mod plan_dry_run;
 mod plan_request;
 mod plan_rss;
 mod plan_verdicts;
+mod preference_data;
+mod preference_loss;
 mod text_shaping;
 mod train_config;
 mod train_first_run;

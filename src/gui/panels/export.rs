@@ -1,7 +1,8 @@
-//! Export: the adapter, the merged model or the full model from a checkpoint;
+//! Export: the adapter, the merged model, the full model or a GGUF file from a checkpoint;
 //! the run config as TOML; and the CLI command that reruns it headless.
 
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 
 use eframe::egui::{self, RichText, Ui};
 
@@ -9,6 +10,7 @@ use crate::gui::app::Action;
 use crate::gui::jobs::PickTarget;
 use crate::gui::state::{AppState, ExportDtype, ExportKind};
 use crate::gui::theme;
+use tunestudio::gguf::GgufQuant;
 
 /// The command that reproduces the run headless.
 pub fn cli_command(config_path: &str) -> String {
@@ -78,20 +80,26 @@ fn weights(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                     .on_hover_text("The base weights with the adapter merged in: a standalone Hugging Face model");
                 ui.radio_value(&mut s.export.kind, ExportKind::Full, "full model")
                     .on_hover_text("Every fine-tuned weight as a Hugging Face model folder (for full fine-tunes)");
+                ui.radio_value(&mut s.export.kind, ExportKind::Gguf, "GGUF file")
+                    .on_hover_text("One file for llama.cpp, Ollama and LM Studio (adapter merged), with an Ollama Modelfile beside it");
             });
             ui.end_row();
-            theme::combo_row(
-                ui,
-                "export-dtype",
-                "Weights dtype",
-                "Dtype of the saved weights (merged and full models). bf16 halves the size of f32.",
-                &mut s.export.dtype,
-                &[(ExportDtype::Bf16, "bf16"), (ExportDtype::F16, "f16"), (ExportDtype::F32, "f32")],
-            );
+            if s.export.kind == ExportKind::Gguf {
+                gguf_rows(ui, s);
+            } else {
+                theme::combo_row(
+                    ui,
+                    "export-dtype",
+                    "Weights dtype",
+                    "Dtype of the saved weights (merged and full models). bf16 halves the size of f32.",
+                    &mut s.export.dtype,
+                    &[(ExportDtype::Bf16, "bf16"), (ExportDtype::F16, "f16"), (ExportDtype::F32, "f32")],
+                );
+            }
             theme::text_row(
                 ui,
                 "Destination",
-                "The folder to write (created if missing)",
+                "The folder to write (created if missing); for GGUF a .gguf file or a folder for <run>-<type>.gguf",
                 &mut s.export.destination,
                 "runs/demo/export",
             );
@@ -106,18 +114,75 @@ fn weights(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                 }
                 if s.export.running {
                     ui.add(egui::Spinner::new());
+                    let total = s.export.progress.total_bytes.load(Ordering::Relaxed);
+                    let done = s.export.progress.done_bytes.load(Ordering::Relaxed);
+                    if total > 0 {
+                        ui.add(
+                            egui::ProgressBar::new(done as f32 / total as f32)
+                                .desired_width(160.0)
+                                .show_percentage(),
+                        );
+                    }
                 }
             });
             ui.end_row();
         });
-        match &s.export.result {
-            Some(Ok(p)) => {
-                ui.label(RichText::new(format!("Exported to {}", p.display())).color(theme::OK));
-            }
-            Some(Err(e)) => theme::job_error(ui, "Export failed", e),
-            None => {}
-        }
+        export_result(ui, s);
     });
+}
+
+/// What the last export wrote (with the Ollama command for a GGUF file), or its error.
+fn export_result(ui: &mut Ui, s: &AppState) {
+    match &s.export.result {
+        Some(Ok(p)) => {
+            ui.label(RichText::new(format!("Exported to {}", p.display())).color(theme::OK));
+            if p.extension().is_some_and(|e| e == "gguf") {
+                let modelfile = p.with_extension("Modelfile");
+                ui.label(
+                    RichText::new(format!(
+                        "Ollama: ollama create my-model -f {}",
+                        modelfile.display()
+                    ))
+                    .monospace(),
+                );
+            }
+        }
+        Some(Err(e)) => theme::job_error(ui, "Export failed", e),
+        None => {}
+    }
+}
+
+/// The GGUF file type, its predicted size and whether to replace an existing file.
+fn gguf_rows(ui: &mut Ui, s: &mut AppState) {
+    let options: Vec<(GgufQuant, &str)> = GgufQuant::ALL.iter().map(|q| (*q, q.name())).collect();
+    theme::combo_row(
+        ui,
+        "export-gguf-quant",
+        "GGUF type",
+        "llama.cpp's types: q4_k_m is the usual choice (about 4.8 bits a weight, output and some layers at 6); q8_0 is nearly lossless; f16/bf16 keep every bit",
+        &mut s.export.gguf_quant,
+        &options,
+    );
+    ui.label("Predicted size");
+    match &s.model.info {
+        Some(info) => {
+            let bytes = tunestudio::gguf::predicted_tensor_bytes(&info.config, s.export.gguf_quant);
+            ui.label(format!(
+                "{} (+ the tokenizer, 1–5 MB)",
+                tunestudio::units::format_bytes(bytes)
+            ))
+            .on_hover_text(
+                "The tensors' bytes in the chosen type, by llama.cpp's per-tensor rules",
+            );
+        }
+        None => {
+            ui.label(RichText::new("load the model to see it").weak());
+        }
+    }
+    ui.end_row();
+    ui.label("");
+    ui.checkbox(&mut s.export.replace, "Replace an existing file");
+    ui.end_row();
 }
 
 /// Saving and loading the run config, and the CLI command that reruns it headless.
