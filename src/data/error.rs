@@ -108,6 +108,14 @@ pub enum DataError {
         /// The first row's columns.
         columns: Vec<String>,
     },
+    /// A row holds no preference pair in any known format.
+    #[error("{location}: cannot find a preference pair in columns [{}]; use TRL's prompt/chosen/rejected (or chosen/rejected conversations), LLaMA-Factory's conversations + chosen + rejected (sharegpt ranking), instruction + input + chosen + rejected (alpaca ranking), or chosen_messages + rejected_messages (v1)", columns.join(", "))]
+    UnknownPreferenceFormat {
+        /// Where the row came from.
+        location: String,
+        /// The row's columns.
+        columns: Vec<String>,
+    },
     /// `tokenizer.json` could not be loaded.
     #[error("cannot load tokenizer {path}: {message}")]
     Tokenizer {

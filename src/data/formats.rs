@@ -56,7 +56,7 @@ impl Example {
     }
 }
 
-fn col<'a>(mapped: &'a Option<String>, default: &'a str) -> &'a str {
+pub(crate) fn col<'a>(mapped: &'a Option<String>, default: &'a str) -> &'a str {
     mapped.as_deref().unwrap_or(default)
 }
 
@@ -149,7 +149,7 @@ fn detect_message_style(v: &Value, is_conversations: bool) -> Format {
 }
 
 /// CSV cells holding JSON lists (messages) arrive as strings.
-fn parse_if_string(v: &Value) -> std::borrow::Cow<'_, Value> {
+pub(crate) fn parse_if_string(v: &Value) -> std::borrow::Cow<'_, Value> {
     if let Value::String(s) = v {
         let t = s.trim_start();
         if t.starts_with('[') || t.starts_with('{') {
@@ -446,7 +446,7 @@ fn int_list(
 
 /// Text from a string, number or bool cell (CSV numbers arrive as strings;
 /// Parquet/JSON numbers are accepted as their text).
-fn value_to_text(v: &Value) -> Option<String> {
+pub(crate) fn value_to_text(v: &Value) -> Option<String> {
     match v {
         Value::String(s) => Some(s.clone()),
         Value::Number(n) => Some(n.to_string()),
@@ -456,7 +456,7 @@ fn value_to_text(v: &Value) -> Option<String> {
     }
 }
 
-fn kind(v: &Value) -> &'static str {
+pub(crate) fn kind(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -482,7 +482,7 @@ fn sharegpt_role(from: &str) -> String {
 
 /// Parses a list of messages: `{role, content}` (content a string, null,
 /// or typed parts `{type: "text", text|value}`), or ShareGPT `{from, value}`.
-fn parse_messages(
+pub(crate) fn parse_messages(
     v: &Value,
     sharegpt: bool,
     bad: &dyn Fn(String) -> DataError,

@@ -58,11 +58,23 @@ pub enum LintKind {
     ManyEpochs,
     /// Settings: `max_length` far above the data's longest row.
     MaxLengthOversized,
+    /// Preference pairs whose chosen and rejected completions are the same tokens.
+    PairIdentical,
+    /// Preference pairs with a completion that is empty (after truncation).
+    PairCompletionEmpty,
+    /// Preference pairs whose rendered conversations do not start with the prompt's tokens.
+    PairPromptMismatch,
+    /// Preference pairs with a completion whose every token is masked.
+    PairCompletionMasked,
+    /// Preference pairs whose completions lose tokens to `max_completion_length`.
+    PairCompletionTruncated,
+    /// Preference pairs whose prompts lose their start to `max_prompt_length`.
+    PairPromptTruncated,
 }
 
 impl LintKind {
     /// Every kind, for listing the names an override may use.
-    pub const ALL: [LintKind; 18] = [
+    pub const ALL: [LintKind; 24] = [
         LintKind::LabelsMismatch,
         LintKind::PaddingTrained,
         LintKind::NoPadToken,
@@ -81,6 +93,12 @@ impl LintKind {
         LintKind::TinyEffectiveBatch,
         LintKind::ManyEpochs,
         LintKind::MaxLengthOversized,
+        LintKind::PairIdentical,
+        LintKind::PairCompletionEmpty,
+        LintKind::PairPromptMismatch,
+        LintKind::PairCompletionMasked,
+        LintKind::PairCompletionTruncated,
+        LintKind::PairPromptTruncated,
     ];
 
     /// The name a user overrides it by (`[data] allow = ["labels-mismatch"]`,
@@ -105,6 +123,12 @@ impl LintKind {
             LintKind::TinyEffectiveBatch => "tiny-effective-batch",
             LintKind::ManyEpochs => "many-epochs",
             LintKind::MaxLengthOversized => "max-length-oversized",
+            LintKind::PairIdentical => "pair-identical",
+            LintKind::PairCompletionEmpty => "pair-completion-empty",
+            LintKind::PairPromptMismatch => "pair-prompt-mismatch",
+            LintKind::PairCompletionMasked => "pair-completion-masked",
+            LintKind::PairCompletionTruncated => "pair-completion-truncated",
+            LintKind::PairPromptTruncated => "pair-prompt-truncated",
         }
     }
 
@@ -146,14 +170,15 @@ pub fn blocking<'a>(lints: &'a [Lint], allow: &[String]) -> Vec<&'a Lint> {
 
 const MAX_EXAMPLES: usize = 5;
 
+/// The rows behind one lint: how many, and the first few.
 #[derive(Default)]
-struct Acc {
-    count: usize,
+pub(crate) struct Acc {
+    pub(crate) count: usize,
     examples: Vec<usize>,
 }
 
 impl Acc {
-    fn add(&mut self, row: usize) {
+    pub(crate) fn add(&mut self, row: usize) {
         self.count += 1;
         if self.examples.len() < MAX_EXAMPLES {
             self.examples.push(row);
@@ -261,7 +286,13 @@ impl Tally {
 }
 
 /// A lint for the rows in `acc`, when there are any.
-fn push(out: &mut Vec<Lint>, kind: LintKind, severity: Severity, acc: &Acc, message: String) {
+pub(crate) fn push(
+    out: &mut Vec<Lint>,
+    kind: LintKind,
+    severity: Severity,
+    acc: &Acc,
+    message: String,
+) {
     if acc.count > 0 {
         out.push(Lint {
             kind,

@@ -5,6 +5,8 @@
 //! [`Example`]s) → [`labels`] (render the chat template, tokenise, mask,
 //! truncate) → [`lints`] + [`stats`] → [`collate`] (padded [`Batch`]es for
 //! the trainer) or [`preview`] (token spans for the CLI and the GUI).
+//! Preference pairs (DPO, IPO, ORPO) take the same readers through
+//! [`preference`]: formats, pair tokenisation, pair lints and pair batches.
 //!
 //! Entry points:
 //! * [`TokenizerBundle::load`] / [`TokenizerBundle::from_source`]
@@ -21,6 +23,7 @@ pub mod formats;
 pub mod hub;
 pub mod labels;
 pub mod lints;
+pub mod preference;
 pub mod prepare;
 pub mod preview;
 pub mod readers;

@@ -5,6 +5,7 @@
 //! Layout: [`config`] parses `config.json`; [`hub`] finds model files (local or HF cache);
 //! [`weights`] memory-maps safetensors; [`decoder`] is the model; [`loss`] the chunked
 //! causal-LM loss; [`checkpoint`] activation checkpointing; [`lora`] PEFT adapters;
+//! [`preference`] the DPO / IPO / ORPO losses on sequence log-probabilities;
 //! [`adamw`] the optimizer; [`save`] `save_pretrained`; [`bench`] the training benchmark.
 //! [`quant`] stores the frozen base quantized for QLoRA (GGML blocks, a GGUF cache).
 //! [`reference_ops`] holds the composite differentiable ops and [`ops`] the fused kernels.
@@ -25,6 +26,7 @@ mod native_layer;
 pub mod ops;
 pub mod ops_mode;
 pub mod placed;
+pub mod preference;
 pub mod quant;
 pub mod reference_ops;
 pub mod save;

@@ -56,7 +56,9 @@ pub fn checkpoint_config(checkpoint_dir: &Path) -> Result<RunConfig, TrainError>
 }
 
 /// Rebuilds the checkpoint's trained model in f32 on the CPU.
-pub(crate) fn load_trained_model(checkpoint_dir: &Path) -> Result<(CausalLm, RunConfig, PathBuf), TrainError> {
+pub(crate) fn load_trained_model(
+    checkpoint_dir: &Path,
+) -> Result<(CausalLm, RunConfig, PathBuf), TrainError> {
     let mut config = checkpoint_config(checkpoint_dir)?;
     let state = checkpoint::read_state(checkpoint_dir)?;
     config.model.dtype = ModelDtype::F32;

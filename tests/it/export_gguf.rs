@@ -157,7 +157,10 @@ fn quantized_files_keep_the_loss_within_1_and_5_percent() {
             let (model, _) = GgufModel::open(&dequantized_copy(&path), &Device::Cpu).unwrap();
             let got = mean_loss(&gguf_logits(&model, &ids), &ids);
             let rel = (got - want).abs() / want;
-            println!("{name} {quant}: loss {got:.5} against f32 {want:.5} ({:.3} %)", rel * 100.0);
+            println!(
+                "{name} {quant}: loss {got:.5} against f32 {want:.5} ({:.3} %)",
+                rel * 100.0
+            );
             assert!(
                 rel < bound,
                 "{name} {quant}: loss {got} against f32 {want} ({rel:.4})"
@@ -345,6 +348,8 @@ fn a_trained_lora_run_exports_to_a_file_that_generates_like_the_merged_model() {
         .zip(&want)
         .flat_map(|(g, w)| g.iter().zip(w).map(|(a, b)| (a - b).abs()))
         .fold(0f32, f32::max);
-    println!("trained LoRA run, f16 file against the merged model: max |logit difference| {worst:.2e}");
+    println!(
+        "trained LoRA run, f16 file against the merged model: max |logit difference| {worst:.2e}"
+    );
     assert!(worst < 2e-3, "max |logit difference| {worst}");
 }

@@ -158,7 +158,11 @@ fn adapter_generation_equals_merged_model() {
         .unwrap();
     let want = merged_lm.logits(&input, None).unwrap().squeeze(0).unwrap();
     let mut cache = unmerged.model().expect("native").new_cache(ids.len());
-    let got = unmerged.model().expect("native").forward_all(&ids, &mut cache).unwrap();
+    let got = unmerged
+        .model()
+        .expect("native")
+        .forward_all(&ids, &mut cache)
+        .unwrap();
     let d = max_diff(&got, &want);
     assert!(
         d < 1e-4,
@@ -180,7 +184,11 @@ fn adapter_generation_equals_merged_model() {
         "base + adapter and merged model generate differently"
     );
     let mut cache = base.model().expect("native").new_cache(ids.len());
-    let base_logits = base.model().expect("native").forward_all(&ids, &mut cache).unwrap();
+    let base_logits = base
+        .model()
+        .expect("native")
+        .forward_all(&ids, &mut cache)
+        .unwrap();
     assert!(
         max_diff(&base_logits, &want) > 1e-3,
         "the adapter had no effect"
