@@ -35,6 +35,8 @@ pub enum SideSource {
     Checkpoint,
     /// A model folder or hub id.
     Folder,
+    /// A GGUF file (what llama.cpp and Ollama will run).
+    Gguf,
 }
 
 /// One side's answer to the current prompt.
@@ -267,6 +269,8 @@ pub enum PgPick {
     Folder(usize),
     /// A side's adapter folder.
     Adapter(usize),
+    /// A side's GGUF file.
+    Gguf(usize),
     /// A prompt list (.txt / .jsonl).
     Prompts,
     /// Where to export the comparison.
@@ -342,6 +346,7 @@ pub fn pick_kind(target: PgPick) -> (&'static str, crate::gui::file_picker::Pick
         PgPick::Checkpoint(_) => ("Choose a checkpoint folder", PickKind::Folder),
         PgPick::Folder(_) => ("Choose a model folder", PickKind::Folder),
         PgPick::Adapter(_) => ("Choose an adapter folder", PickKind::Folder),
+        PgPick::Gguf(_) => ("Choose a GGUF file", PickKind::File(vec!["gguf"])),
         PgPick::Prompts => (
             "Choose a prompt list",
             PickKind::File(vec!["txt", "jsonl", "ndjson"]),
@@ -392,7 +397,7 @@ pub fn on_message(pg: &mut PlaygroundState, msg: PgMsg) -> Vec<PgAction> {
             let text = path.display().to_string();
             match target {
                 PgPick::Checkpoint(i) => pg.sides[i].checkpoint = text,
-                PgPick::Folder(i) => pg.sides[i].folder = text,
+                PgPick::Folder(i) | PgPick::Gguf(i) => pg.sides[i].folder = text,
                 PgPick::Adapter(i) => pg.sides[i].adapter = text,
                 PgPick::Export => pg.export_path = text,
                 PgPick::Prompts => {
@@ -596,16 +601,18 @@ fn load(s: &mut AppState, i: usize, jobs: &Jobs) {
             ));
             worker::LoadSpec::Checkpoint { dir, out_dir, temp }
         }
-        SideSource::Folder => {
+        SideSource::Folder | SideSource::Gguf => {
             let typed = sd.folder.trim().to_string();
             if typed.is_empty() {
                 pg.sides[i].load_error = Some(JobError::of(
                     ErrorKind::Config,
-                    "type a model folder or hub id first (or choose one)",
+                    "type a model folder, hub id or GGUF file first (or choose one)",
                 ));
                 return;
             }
             let local = config.resolve_path(Path::new(&typed));
+            // A GGUF file is final: its adapter, if any, is merged in.
+            let adapter = adapter.filter(|_| sd.source == SideSource::Folder);
             worker::LoadSpec::Folder {
                 typed,
                 local,

@@ -301,6 +301,7 @@ fn side_picker(
                         (SideSource::RunModel, "Run model"),
                         (SideSource::Checkpoint, "Run checkpoint"),
                         (SideSource::Folder, "Model folder"),
+                        (SideSource::Gguf, "GGUF file"),
                     ],
                 );
                 match sd.source {
@@ -318,8 +319,16 @@ fn side_picker(
                         PgPick::Folder(i),
                         actions,
                     ),
+                    SideSource::Gguf => path_row(
+                        ui,
+                        &format!("{name} GGUF"),
+                        &mut sd.folder,
+                        ("a .gguf file (tunestudio's or llama.cpp's)", "GGUF file"),
+                        PgPick::Gguf(i),
+                        actions,
+                    ),
                 }
-                if sd.source != SideSource::Checkpoint {
+                if matches!(sd.source, SideSource::RunModel | SideSource::Folder) {
                     path_row(
                         ui,
                         &format!("{name} adapter"),

@@ -102,6 +102,7 @@ pub(super) fn pick(jobs: &Jobs, target: PgPick, start: Option<PathBuf>) {
         }
         let picked = match target {
             PgPick::Checkpoint(_) | PgPick::Folder(_) | PgPick::Adapter(_) => d.pick_folder(),
+            PgPick::Gguf(_) => d.add_filter("GGUF", &["gguf"]).pick_file(),
             PgPick::Prompts => d
                 .add_filter("prompts", &["txt", "jsonl", "ndjson"])
                 .pick_file(),
