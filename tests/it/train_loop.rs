@@ -76,6 +76,16 @@ fn losses_for(precision: Precision, steps: u64) -> Vec<f64> {
         assert!(!o.skipped || precision == Precision::Fp16Mixed);
         out.push(o.loss);
     }
+    // The precision is applied: the weights the step computes with are half precision (a
+    // trainer that ignored `precision` would train f32 weights and pass the loss bounds).
+    let want = match precision {
+        Precision::Fp32 => candle_core::DType::F32,
+        Precision::Fp16Mixed => candle_core::DType::F16,
+        _ => candle_core::DType::BF16,
+    };
+    for p in run.model().params().iter().filter(|p| p.trainable) {
+        assert_eq!(p.var.dtype(), want, "{} under {precision}", p.name);
+    }
     // No parameter may have become non-finite.
     for p in run.model().params() {
         let s = p
@@ -93,14 +103,19 @@ fn losses_for(precision: Precision, steps: u64) -> Vec<f64> {
 }
 
 /// bf16-mixed, pure bf16 and fp16-mixed follow the fp32 loss curve over 20 steps (micro-batch
-/// 2, lr 1e-3): every step's loss within 0.05 of fp32's (0.5 % of the ~10.8 starting loss;
-/// bf16 keeps 8 mantissa bits) and the mean absolute difference within 0.02. Measured:
-/// bf16-mixed 0.0005 / 0.0003, bf16 0.011 / 0.003, fp16-mixed 0.0001 / 0.0001.
+/// 2, lr 1e-3), each within bounds of its own (about 8× what was measured, max / mean of
+/// |Δloss|: bf16-mixed 0.0005–0.0006 / 0.0003, pure bf16 0.011 / 0.003 — its weights keep 8
+/// mantissa bits, fp16-mixed 0.0001–0.0002 / 0.0000–0.0001, on AMD Zen 4 and Intel Sapphire
+/// Rapids), and trains half-precision weights (checked in `losses_for`).
 #[test]
 fn half_precision_tracks_fp32() {
     let steps = 20;
     let reference = losses_for(Precision::Fp32, steps);
-    for p in [Precision::Bf16Mixed, Precision::Bf16, Precision::Fp16Mixed] {
+    for (p, max_bound, mean_bound) in [
+        (Precision::Bf16Mixed, 0.005, 0.0025),
+        (Precision::Bf16, 0.05, 0.015),
+        (Precision::Fp16Mixed, 0.002, 0.001),
+    ] {
         let l = losses_for(p, steps);
         let diffs: Vec<f64> = l
             .iter()
@@ -116,8 +131,11 @@ fn half_precision_tracks_fp32() {
             l[0],
             l[steps as usize - 1]
         );
-        assert!(max <= 0.05, "{p} drifts from fp32 by {max}");
-        assert!(mean <= 0.02, "{p} drifts from fp32 by {mean} on average");
+        assert!(max <= max_bound, "{p} drifts from fp32 by {max}");
+        assert!(
+            mean <= mean_bound,
+            "{p} drifts from fp32 by {mean} on average"
+        );
     }
 }
 
