@@ -12,6 +12,7 @@ pub mod export;
 pub mod generate;
 pub mod plan;
 pub mod preview;
+pub mod preview_pairs;
 pub mod train;
 
 /// A fine-tuning studio for causal language models.

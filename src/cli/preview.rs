@@ -2,16 +2,23 @@
 //! trained (like Axolotl's `--debug`: each token as `text(label, id)`),
 //! then stats and lints.
 //!
-//! Exit status: 0 when no error-level lint fires, 2 when one does, 1 on
+//! Preference data (the format is `auto` and the first row is a TRL / LLaMA-Factory pair) is
+//! shown as pairs instead: prompt, chosen and rejected, each as tokens with their lengths and
+//! what truncation cut, then the pair lints (`preview_pairs.rs`).
+//!
+//! Exit status: 0 when no error-level lint fires, 2 when one does that is not allowed by name
+//! (`--allow-lint`, `[data] allow`: the lints that would stop `tunestudio train`), 1 on
 //! errors (unreadable data, bad config).
 
 use anyhow::Context;
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use tunestudio::data::lints::blocking;
+use tunestudio::data::preference::{is_preference_data, PairLimits};
 use tunestudio::data::{
-    preview_dataset, DataConfig, DataPreview, Format, PreviewOptions, RowSelection, RunConfigView,
-    Severity, TokenClass, TokenSpan, TokenizerBundle,
+    open_data, preview_opened, DataConfig, DataPreview, Format, Lint, PreviewOptions, RowSelection,
+    RunConfigView, Severity, TokenClass, TokenSpan, TokenizerBundle,
 };
 // Terminals apply bidi themselves, so the text stays in logical order; only spaces between
 // tokens separate them.
@@ -56,10 +63,63 @@ pub struct PreviewArgs {
     /// No ANSI colours (also when NO_COLOR is set or stdout is not a terminal).
     #[arg(long)]
     pub no_color: bool,
+    /// Exit 0 despite an error-level lint, by name (repeatable; adds to `[data] allow`), as
+    /// `tunestudio train --allow-lint` trains despite it, e.g. `--allow-lint pair-identical`.
+    #[arg(long = "allow-lint", value_name = "LINT")]
+    pub allow_lint: Vec<String>,
+    /// Preference pairs: prompt tokens kept, from the prompt's end (TRL's `max_prompt_length`).
+    #[arg(long)]
+    pub max_prompt_length: Option<usize>,
+    /// Preference pairs: tokens kept of each completion, from its start
+    /// (TRL's `max_completion_length`).
+    #[arg(long)]
+    pub max_completion_length: Option<usize>,
 }
 
 /// Runs `tunestudio preview`.
 pub fn run(args: PreviewArgs) -> anyhow::Result<ExitCode> {
+    let (model, cfg, micro_batch) = resolve(&args)?;
+    let tok = TokenizerBundle::from_source(&model)
+        .with_context(|| format!("cannot load the tokenizer of {model}"))?;
+    let opts = PreviewOptions {
+        rows: if args.row.is_empty() {
+            RowSelection::First(args.rows)
+        } else {
+            RowSelection::Indices(args.row.clone())
+        },
+        batch_size: args.batch_size.or(micro_batch).unwrap_or(8).max(1),
+        full_scan: !args.quick,
+    };
+    let data = open_data(&cfg).with_context(|| format!("cannot preview {}", cfg.path))?;
+    if is_preference_data(&cfg, &data).with_context(|| format!("cannot preview {}", cfg.path))? {
+        let defaults = PairLimits::default();
+        let limits = PairLimits {
+            max_prompt_length: args.max_prompt_length.or(defaults.max_prompt_length),
+            max_completion_length: args
+                .max_completion_length
+                .or(defaults.max_completion_length),
+        };
+        let color = use_color(&args);
+        return crate::cli::preview_pairs::run(&cfg, &tok, &data, &opts, limits, args.json, color);
+    }
+    let mut preview = preview_opened(&cfg, &tok, &data, &opts)
+        .with_context(|| format!("cannot preview {}", cfg.path))?;
+    if let Some(path) = &args.config {
+        preview.lints.extend(settings_lints(path, &model, &preview));
+    }
+    let code = exit_code(&preview.lints, &cfg.allow);
+    write_out(code, |out| {
+        if args.json {
+            write_json(out, &preview)
+        } else {
+            render(out, &cfg, &tok, &preview, use_color(&args))
+        }
+    })
+}
+
+/// The model source and the data settings: the run config's, overridden by the flags (each
+/// `--allow-lint` added to `[data] allow`).
+fn resolve(args: &PreviewArgs) -> anyhow::Result<(String, DataConfig, Option<usize>)> {
     let (model_source, mut cfg, micro_batch) = match &args.config {
         Some(path) => {
             let view = RunConfigView::from_file(path)?;
@@ -76,47 +136,51 @@ pub fn run(args: PreviewArgs) -> anyhow::Result<ExitCode> {
     if let Some(m) = args.max_length {
         cfg.max_length = m;
     }
+    for lint in &args.allow_lint {
+        if !cfg.allow.contains(lint) {
+            cfg.allow.push(lint.clone());
+        }
+    }
     let model = args.model.clone().or(model_source).context(
         "no model: pass --model DIR (or a hub id) or --config run.toml with [model] source",
     )?;
     if cfg.path.trim().is_empty() {
         anyhow::bail!("no data: pass --data PATH or --config run.toml with [data] path");
     }
-    let tok = TokenizerBundle::from_source(&model)
-        .with_context(|| format!("cannot load the tokenizer of {model}"))?;
-    let opts = PreviewOptions {
-        rows: if args.row.is_empty() {
-            RowSelection::First(args.rows)
-        } else {
-            RowSelection::Indices(args.row.clone())
-        },
-        batch_size: args.batch_size.or(micro_batch).unwrap_or(8).max(1),
-        full_scan: !args.quick,
-    };
-    let mut preview = preview_dataset(&cfg, &tok, &opts)
-        .with_context(|| format!("cannot preview {}", cfg.path))?;
-    if let Some(path) = &args.config {
-        preview.lints.extend(settings_lints(path, &model, &preview));
-    }
-    let code = if preview.has_errors() {
-        ExitCode::from(2)
-    } else {
+    Ok((model, cfg, micro_batch))
+}
+
+fn use_color(args: &PreviewArgs) -> bool {
+    !args.no_color && std::env::var_os("NO_COLOR").is_none() && std::io::stdout().is_terminal()
+}
+
+/// 2 when an error-level lint fires that `allow` does not name (it would stop a run), else 0.
+pub(crate) fn exit_code(lints: &[Lint], allow: &[String]) -> ExitCode {
+    if blocking(lints, allow).is_empty() {
         ExitCode::SUCCESS
-    };
-    let stdout = std::io::stdout();
-    let mut out = stdout.lock();
-    let written: anyhow::Result<()> = if args.json {
-        serde_json::to_writer_pretty(&mut out, &preview)
-            .map_err(anyhow::Error::from)
-            .and_then(|()| writeln!(out).map_err(anyhow::Error::from))
     } else {
-        let color = !args.no_color
-            && std::env::var_os("NO_COLOR").is_none()
-            && std::io::stdout().is_terminal();
-        render(&mut out, &cfg, &tok, &preview, color)
-    };
-    match written {
-        // `preview ... | head` closes the pipe early: not an error.
+        ExitCode::from(2)
+    }
+}
+
+/// Pretty JSON and a newline.
+pub(crate) fn write_json(
+    out: &mut impl Write,
+    value: &impl serde::Serialize,
+) -> anyhow::Result<()> {
+    serde_json::to_writer_pretty(&mut *out, value)?;
+    writeln!(out)?;
+    Ok(())
+}
+
+/// Writes to stdout with `write`, then exits with `code`; a closed pipe
+/// (`preview ... | head`) is not an error.
+pub(crate) fn write_out(
+    code: ExitCode,
+    write: impl FnOnce(&mut std::io::StdoutLock<'static>) -> anyhow::Result<()>,
+) -> anyhow::Result<ExitCode> {
+    let mut out = std::io::stdout().lock();
+    match write(&mut out) {
         Err(e) if is_broken_pipe(&e) => Ok(code),
         Err(e) => Err(e),
         Ok(()) => Ok(code),
@@ -175,12 +239,12 @@ fn is_broken_pipe(e: &anyhow::Error) -> bool {
     })
 }
 
-struct Style {
-    on: bool,
+pub(crate) struct Style {
+    pub(crate) on: bool,
 }
 
 impl Style {
-    fn paint(&self, code: &str, s: &str) -> String {
+    pub(crate) fn paint(&self, code: &str, s: &str) -> String {
         if self.on {
             format!("\x1b[{code}m{s}\x1b[0m")
         } else {
@@ -189,7 +253,7 @@ impl Style {
     }
 }
 
-fn class_code(c: TokenClass) -> &'static str {
+pub(crate) fn class_code(c: TokenClass) -> &'static str {
     match c {
         TokenClass::Trained => "32",
         TokenClass::Masked => "31",
@@ -201,7 +265,7 @@ fn class_code(c: TokenClass) -> &'static str {
 /// `text(label, id)` for one token; for the tokens of a character split between them
 /// (byte-level BPE), the character once and each token's `label, id`, each in its class's
 /// colour: `כ(-100, 162 · -100, 245)`.
-fn group_body(st: &Style, text: &str, tokens: &[TokenSpan]) -> String {
+pub(crate) fn group_body(st: &Style, text: &str, tokens: &[TokenSpan]) -> String {
     let parts: Vec<String> = tokens
         .iter()
         .map(|t| {
@@ -265,7 +329,7 @@ fn render(
     )?;
     render_rows(out, &st, p)?;
     render_stats(out, &st, p)?;
-    render_lints(out, &st, p)?;
+    render_lints(out, &st, &p.lints, &cfg.allow)?;
     Ok(())
 }
 
@@ -358,14 +422,22 @@ fn render_stats(out: &mut impl Write, st: &Style, p: &DataPreview) -> std::io::R
     Ok(())
 }
 
-/// The data lints, each with its severity and example rows.
-fn render_lints(out: &mut impl Write, st: &Style, p: &DataPreview) -> std::io::Result<()> {
+/// The lints, each with its severity and example rows; an error allowed by name says so.
+pub(crate) fn render_lints(
+    out: &mut impl Write,
+    st: &Style,
+    lints: &[Lint],
+    allow: &[String],
+) -> std::io::Result<()> {
     writeln!(out)?;
     writeln!(out, "{}", st.paint("1", "── lints"))?;
-    if p.lints.is_empty() {
+    if lints.is_empty() {
         writeln!(out, "none")?;
     }
-    for l in &p.lints {
+    let allowed = |l: &Lint| {
+        l.severity == Severity::Error && blocking(std::slice::from_ref(l), allow).is_empty()
+    };
+    for l in lints {
         let (code, name) = match l.severity {
             Severity::Error => ("1;31", "ERROR"),
             Severity::Warning => ("33", "WARN "),
@@ -383,13 +455,19 @@ fn render_lints(out: &mut impl Write, st: &Style, p: &DataPreview) -> std::io::R
                     .join(", ")
             )
         };
+        let allowed = if allowed(l) {
+            format!(" (allowed: {})", l.kind.id())
+        } else {
+            String::new()
+        };
         writeln!(
             out,
-            "{} {:?}: {}{}",
+            "{} {:?}: {}{}{}",
             st.paint(code, name),
             l.kind,
             l.message,
-            ex
+            ex,
+            allowed
         )?;
     }
     Ok(())

@@ -42,6 +42,7 @@ mod plan_rss;
 mod plan_verdicts;
 mod preference_data;
 mod preference_loss;
+mod preference_preview;
 mod text_shaping;
 mod train_config;
 mod train_first_run;
