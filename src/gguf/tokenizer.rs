@@ -64,9 +64,11 @@ pub fn tokenizer_from_gguf(content: &Content, path: &Path) -> Result<GgufTokeniz
         .and_then(|v| v.to_string().ok())
         .ok_or_else(|| invalid("it has no tokenizer (tokenizer.ggml.model)"))?;
     if model != "gpt2" {
-        return Err(GgufError::Unsupported {
-            what: format!("the `{model}` tokenizer inside {}", path.display()),
-            hint: "GGUF stores no merges for SentencePiece tokenizers; give the model folder's tokenizer (--tokenizer <folder>)".into(),
+        return Err(GgufError::Invalid {
+            path: path.to_path_buf(),
+            message: format!(
+                "its `{model}` tokenizer stores no merges in GGUF, so tunestudio cannot rebuild it; give the model folder's tokenizer (--tokenizer <folder>)"
+            ),
         });
     }
     let (normalizer, pre_tokenizer) = pre_tokenizer_of(content, path)?;
@@ -141,9 +143,10 @@ fn pre_tokenizer_of(content: &Content, path: &Path) -> Result<(Value, Value), Gg
         .get("tokenizer.ggml.pre")
         .and_then(|v| v.to_string().ok())
         .cloned()
-        .unwrap_or_else(|| "gpt2".into());
+        .unwrap_or_else(|| "gpt-2".into());
     Ok(match pre.as_str() {
-        "gpt2" | "default" => (Value::Null, byte_level(true)),
+        // `gpt-2` is llama.cpp's name; `gpt2` was written by tunestudio before it matched.
+        "gpt-2" | "gpt2" | "default" => (Value::Null, byte_level(true)),
         "smollm" => (
             Value::Null,
             json!({"type": "Sequence", "pretokenizers": [
@@ -152,9 +155,11 @@ fn pre_tokenizer_of(content: &Content, path: &Path) -> Result<(Value, Value), Gg
         "llama-bpe" | "llama3" => (Value::Null, split_then_bytes(REGEX_LLAMA3)),
         "qwen2" => (json!({"type": "NFC"}), split_then_bytes(REGEX_QWEN2)),
         other => {
-            return Err(GgufError::Unsupported {
-                what: format!("pre-tokenizer `{other}` of {}", path.display()),
-                hint: "supported are gpt2, smollm, llama-bpe and qwen2; give the model folder's tokenizer (--tokenizer <folder>)".into(),
+            return Err(GgufError::Invalid {
+                path: path.to_path_buf(),
+                message: format!(
+                    "its pre-tokenizer `{other}` is not one tunestudio rebuilds (gpt-2, smollm, llama-bpe, qwen2); give the model folder's tokenizer (--tokenizer <folder>)"
+                ),
             })
         }
     })

@@ -108,7 +108,9 @@ fn byte_level_pre(tok: &Value, path: &Path) -> Result<&'static str, GgufError> {
         .collect::<Vec<_>>()
         .as_slice()
     {
-        ["ByteLevel"] if byte_level_regex(&parts[0]) => Some("gpt2"),
+        // llama.cpp spells GPT-2's pre-tokenizer `gpt-2` (its model type is `gpt2`); `gpt2`
+        // here makes llama.cpp refuse the file ("unknown pre-tokenizer type").
+        ["ByteLevel"] if byte_level_regex(&parts[0]) => Some("gpt-2"),
         ["Digits", "ByteLevel"]
             if parts[0].get("individual_digits").and_then(Value::as_bool) == Some(true)
                 && byte_level_regex(&parts[1]) =>
