@@ -28,6 +28,7 @@ pub struct GgufModel {
     weights: Mutex<Weights>,
     config: ModelConfig,
     path: PathBuf,
+    device: Device,
 }
 
 fn invalid(path: &Path, message: impl Into<String>) -> InferError {
@@ -115,6 +116,7 @@ impl GgufModel {
                 weights: Mutex::new(weights),
                 config,
                 path: path.to_path_buf(),
+                device: device.clone(),
             },
             tokenizer,
         ))
@@ -140,7 +142,11 @@ impl GgufModel {
             Weights::Llama(w) => w.clear_kv_cache(),
             Weights::Qwen2(w) => w.clear_kv_cache(),
         }
-        GgufSession { weights, pos: 0 }
+        GgufSession {
+            weights,
+            pos: 0,
+            device: self.device.clone(),
+        }
     }
 }
 
@@ -148,13 +154,14 @@ impl GgufModel {
 pub struct GgufSession<'a> {
     weights: std::sync::MutexGuard<'a, Weights>,
     pos: usize,
+    /// Where the weights are: the token ids go there too.
+    device: Device,
 }
 
 impl GgufSession<'_> {
     /// Feeds `ids` after what was fed before; returns the last position's logits (f32).
     pub fn forward(&mut self, ids: &[u32]) -> Result<Vec<f32>, InferError> {
-        let device = Device::Cpu;
-        let x = Tensor::new(ids, &device)?.unsqueeze(0)?;
+        let x = Tensor::new(ids, &self.device)?.unsqueeze(0)?;
         let logits = match &mut *self.weights {
             Weights::Llama(w) => w.forward(&x, self.pos)?,
             Weights::Qwen2(w) => w.forward(&x, self.pos)?,
