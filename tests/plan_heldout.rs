@@ -303,7 +303,6 @@ fn per_component_report_on_one_config() {
     for (component, bound) in [
         (Component::Weights, 1.0),
         (Component::Optimizer, 1.0),
-        (Component::Gradients, 1.0),
         (Component::Activations, 10.0),
         (Component::LogitsAndLoss, 10.0),
     ] {
@@ -315,22 +314,37 @@ fn per_component_report_on_one_config() {
             component.name()
         );
     }
+    // The gradient buffers, whole: the row shows those alive at the step's peak (a backward
+    // peak may come before the last layers' gradients exist), the sizes are tensors' sizes.
+    let (predicted, measured) = (d.predicted_components(), m.components(&c));
+    let e = 100.0
+        * (predicted.step.gradients_bytes as f64 / measured.step.gradients_bytes as f64 - 1.0);
+    assert!(e.abs() <= 1.0, "gradients: {e:+.2} % (bound ±1 %)");
     // Measured only: this test process's resident set besides its heap.
     let baseline = report.row(Component::Baseline).unwrap();
     assert!(baseline.predicted.is_none() && baseline.measured.is_some());
-    // The rows add up to the step's peak on both sides.
-    let sum = |measured: bool| -> i64 {
-        report
-            .rows
+    // Every row is non-negative, and the rows alive in the peak's phase add up to the step's
+    // peak, on both sides, whatever the phase.
+    for (set, side) in [(&predicted, "predicted"), (&measured, "measured")] {
+        let alive: i64 = Component::ALL
             .iter()
-            .filter(|r| r.component != Component::Baseline)
-            .map(|r| if measured { r.measured } else { r.predicted }.unwrap())
-            .sum()
-    };
-    let (pp, phase) = report.predicted_peak;
-    if phase == StepPhase::Backward {
-        assert_eq!(sum(false), pp as i64);
+            .filter(|&&c| c != Component::Baseline)
+            .filter(|&&c| match set.peak_phase {
+                StepPhase::Forward => c != Component::Gradients || set.step.accumulating,
+                StepPhase::Backward => true,
+                StepPhase::OptimizerStep => {
+                    !matches!(c, Component::Activations | Component::LogitsAndLoss)
+                }
+            })
+            .map(|&c| {
+                let v = set.value(c).unwrap();
+                assert!(v >= 0, "{side} {}: {v}", c.name());
+                v
+            })
+            .sum();
+        assert_eq!(alive, set.peak_bytes as i64, "{side}");
     }
+    let (pp, _) = report.predicted_peak;
     let e = err_pct(pp, m.peak);
     assert!(e.abs() <= PEAK_BOUND, "step peak {e:+.2} %");
 }

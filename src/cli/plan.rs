@@ -192,11 +192,9 @@ struct DryRun {
 
 /// Plans the dry run (the run without evaluation: the dry run does not evaluate) and runs it.
 fn run_dry_run(config: train::RunConfig, req: &PlanRequest) -> anyhow::Result<DryRun> {
-    let dry_req = req.for_dry_run();
-    let dry_plan = plan::plan(&dry_req)?;
-    let report = train::dry_run(config, &dry_plan);
+    let (report, dry_plan) = train::dry_run(config, req)?;
     Ok(DryRun {
-        without_evaluation: dry_req != *req,
+        without_evaluation: req.for_dry_run() != *req,
         plan: dry_plan,
         report,
     })
@@ -209,6 +207,7 @@ fn print_dry_run(d: &DryRun) {
         "Dry run: one training step of the run on {}, as the trainer takes it.",
         d.report.device_name
     );
+    println!("  (compared with the plan of: {})", d.plan.settings);
     if d.without_evaluation {
         if let Some(dev) = d.plan.per_device.first() {
             println!(

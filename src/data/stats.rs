@@ -70,6 +70,10 @@ pub struct DataStats {
     pub median_length: usize,
     /// Longest row before truncation.
     pub max_length_seen: usize,
+    /// Longest kept sample, after truncation: no dynamically padded batch is longer (the
+    /// memory plan sizes its activations by it).
+    #[serde(default)]
+    pub longest_kept_tokens: usize,
     /// Lengths before truncation.
     pub histogram: LengthHistogram,
     /// Batch size the padding figures assume.
@@ -171,6 +175,7 @@ pub fn compute_stats(rows: &[LabelledRow], batch_size: usize, max_length: usize)
         },
         median_length: lens.get(lens.len() / 2).copied().unwrap_or(0),
         max_length_seen: max_seen,
+        longest_kept_tokens: kept_lens.iter().copied().max().unwrap_or(0),
         histogram: histogram(&lens, max_length),
         batch_size: bs,
         trained_tokens_largest_first: largest_trained_counts(kept.iter().copied()),

@@ -71,7 +71,7 @@ pub enum JobOutput {
     /// Auto-fit finished.
     AutoFit(Result<AutoFit, JobError>),
     /// The dry run finished.
-    DryRun(DryRunReport),
+    DryRun(Result<DryRunReport, JobError>),
     /// Device discovery finished.
     Devices(DeviceInventory),
     /// An export finished.
@@ -313,11 +313,15 @@ impl Jobs {
     }
 
     /// One real training step measured against the plan.
-    pub fn dry_run(&self, plan: Plan, config: RunConfig) {
+    pub fn dry_run(&self, request: PlanRequest, config: RunConfig) {
         self.spawn("dry-run", move |_| {
             // One step as the trainer takes it, its components measured as far as the
             // process can (the same dry run as `tunestudio plan --dry-run`).
-            Some(JobOutput::DryRun(train::dry_run(config, &plan)))
+            Some(JobOutput::DryRun(
+                train::dry_run(config, &request)
+                    .map(|(report, _)| report)
+                    .map_err(JobError::from),
+            ))
         });
     }
 

@@ -78,9 +78,12 @@ pub fn apply_job(s: &mut AppState, out: JobOutput) -> Vec<Action> {
                 Err(e) => s.plan.error = Some(e),
             }
         }
-        JobOutput::DryRun(report) => {
+        JobOutput::DryRun(result) => {
             s.plan.dry_run_running = false;
-            s.plan.dry_run = Some(report);
+            match result {
+                Ok(report) => s.plan.dry_run = Some(report),
+                Err(e) => s.plan.error = Some(e),
+            }
         }
         JobOutput::Devices(inv) => {
             s.devices.loading = false;

@@ -1176,6 +1176,7 @@ impl AppState {
         }
         Some(tunestudio::plan::TrainedTokens::from_counts(
             p.max_length,
+            p.stats.longest_kept_tokens,
             p.stats.trained_tokens_largest_first.iter().copied(),
         ))
     }

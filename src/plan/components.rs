@@ -14,23 +14,25 @@
 //! | gradients | one buffer per trainable parameter, as alive at the optimizer step | Σ bytes of the tensors in `Gradients` when the last backward returned |
 //! | activations | what the embeddings and decoder layers keep for backward (`kept_bytes` of those blocks) | heap after the decoder's forward (embeddings, layers, final norm) − heap when the forward started |
 //! | logits/loss | what the head keeps for backward: final norm output copies, the loss op's state (per-row log-sum-exp, labels, the cached last chunk's probabilities) | heap after the loss − heap after the decoder's forward |
-//! | temporaries | the rest of the step's peak: peak − the components above that are alive in the peak's phase (signed) | the same rule on the measured peak and components |
+//! | temporaries | the rest of the step's peak: peak − the components above that are alive in the peak's phase (never negative, see below) | the same rule on the measured peak and components |
 //! | baseline | the process terms besides the heap (binary, tokenizer, dataset, allocator retention, GUI) when the request has [`super::ProcessInputs`] | resident set − heap (`VmRSS` − counted heap), where both are readable |
 //!
 //! A process without the counting allocator (`tunestudio plan --dry-run`, the studio's dry
 //! run) measures less: [`StepReadings`] are the sizes of the tensors the trainer holds
-//! (weights, optimizer state, gradients: counted, on any device) and the meter around the
-//! step (the resident set on the CPU). The rest is derived, and the report says so, row by
-//! row ([`ComponentReport::from_readings`]): the baseline is the meter before the step minus
-//! the resident tensors, the step's peak is the resident tensors plus the meter's rise in the
-//! step, and activations, logits/loss and temporaries are measured together, as the rest of
-//! the step's peak once weights, optimizer state and gradients are taken away.
+//! (weights, optimizer state, gradients: counted, on any device) and the resident set's
+//! high-water mark. The resident set cannot split the rest honestly (memory the setup freed
+//! stays resident; AdamW's zeroed state is not resident before its first update, which made
+//! a derived baseline of −779 MiB on SmolLM2-135M), so that table
+//! ([`ComponentReport::from_readings`]) totals the **process** peak, the verdict's figure:
+//! weights + optimizer + gradients (counted) + the rest of the peak (activations, logits/loss,
+//! temporaries and baseline together), on both sides.
 //!
 //! Alive in the peak's phase: forward — weights, optimizer, activations, logits/loss (and the
-//! gradient buffer with accumulation); backward — all five (gradients counted whole: most
-//! exist by the backward's peak, and the rest shows as a negative temporary); optimizer step
-//! — weights, optimizer, gradients. With one rule on both sides the rows add up to the step's
-//! peak exactly, so the peak's error is the sum of the rows' errors.
+//! gradient buffer with accumulation); backward — all five; optimizer step — weights,
+//! optimizer, gradients. A peak below the components alive in its phase (the head's backward,
+//! before most layers' gradients exist: −402 MiB of "temporaries" on SmolLM2-135M before) is
+//! shown as gradients not yet alive at the peak, then activations, so no row is negative and
+//! the rows add up to the step's peak exactly: the peak's error is the sum of the rows' errors.
 
 use super::{format_bytes, DevicePlan, MeasureMethod, StepPhase};
 use std::fmt::Write as _;
@@ -133,21 +135,54 @@ pub struct ComponentSet {
 }
 
 impl ComponentSet {
-    /// The rest of the peak: peak − the components alive in the peak's phase (signed).
-    pub fn temporaries_bytes(&self) -> i64 {
-        self.peak_bytes as i64 - self.step.alive_in(self.peak_phase) as i64
+    /// The rest of the peak: peak − the components alive in the peak's phase, never negative
+    /// (a peak below them shows as gradients not yet allocated, see [`Self::value`]).
+    pub fn temporaries_bytes(&self) -> u64 {
+        self.peak_bytes
+            .saturating_sub(self.step.alive_in(self.peak_phase))
     }
 
-    /// One component's bytes (`None`: not known on this side).
+    /// How far the components alive in the peak's phase exceed the peak: gradients counted
+    /// whole in the backward that are not yet allocated at its peak (the head's backward,
+    /// before most layers have theirs).
+    fn deficit_bytes(&self) -> u64 {
+        self.step
+            .alive_in(self.peak_phase)
+            .saturating_sub(self.peak_bytes)
+    }
+
+    /// Gradients, activations and logits/loss as alive at the step's peak: their full sizes,
+    /// less the [`Self::deficit_bytes`] taken from the gradients first (then the activations,
+    /// then the head's part) among those alive in the peak's phase. With it the rows of the
+    /// phase add up to the peak and none is negative.
+    fn alive_at_peak(&self) -> (u64, u64, u64) {
+        let s = &self.step;
+        let mut deficit = self.deficit_bytes();
+        let mut take = |bytes: u64, alive: bool| {
+            let taken = if alive { deficit.min(bytes) } else { 0 };
+            deficit -= taken;
+            bytes - taken
+        };
+        let forward = self.peak_phase != StepPhase::OptimizerStep;
+        let gradients = take(
+            s.gradients_bytes,
+            self.peak_phase != StepPhase::Forward || s.accumulating,
+        );
+        let activations = take(s.activations_bytes, forward);
+        let logits = take(s.logits_and_loss_bytes, forward);
+        (gradients, activations, logits)
+    }
+
+    /// One component's bytes (`None`: not known on this side); never negative.
     pub fn value(&self, c: Component) -> Option<i64> {
         let s = &self.step;
         Some(match c {
             Component::Weights => s.weights_bytes as i64,
             Component::Optimizer => s.optimizer_bytes as i64,
-            Component::Gradients => s.gradients_bytes as i64,
-            Component::Activations => s.activations_bytes as i64,
-            Component::LogitsAndLoss => s.logits_and_loss_bytes as i64,
-            Component::Temporaries => self.temporaries_bytes(),
+            Component::Gradients => self.alive_at_peak().0 as i64,
+            Component::Activations => self.alive_at_peak().1 as i64,
+            Component::LogitsAndLoss => self.alive_at_peak().2 as i64,
+            Component::Temporaries => self.temporaries_bytes() as i64,
             Component::Baseline => return self.baseline_bytes.map(|b| b as i64),
         })
     }
@@ -202,22 +237,6 @@ pub struct StepReadings {
     pub peak_before_step: Option<u64>,
     /// The meter's peak after the step.
     pub peak_after_step: Option<u64>,
-}
-
-impl StepReadings {
-    /// Everything in use before the step besides the resident tensors (weights, optimizer
-    /// state): the measured baseline.
-    pub fn baseline_bytes(&self) -> Option<i64> {
-        let t = self.tensors?;
-        Some(self.in_use_before_step? as i64 - (t.weights_bytes + t.optimizer_bytes) as i64)
-    }
-
-    /// The step's peak: the resident tensors plus the meter's rise during the step. `None`
-    /// when the step did not raise the meter's peak (the setup's peak hides the step's).
-    pub fn step_peak_bytes(&self) -> Option<i64> {
-        let (before, after) = (self.peak_before_step?, self.peak_after_step?);
-        (after > before).then_some(after as i64 - self.baseline_bytes()?)
-    }
 }
 
 /// `(predicted − measured) / |measured|` in percent, when both are known and measured ≠ 0.
@@ -278,8 +297,29 @@ pub struct ComponentReport {
     pub measured_peak: Option<(u64, Option<StepPhase>)>,
     /// How the measured peak was obtained, when not by the allocator's high-water mark.
     pub peak_how: Option<&'static str>,
+    /// What the last row totals: the step's training tensors, or the whole process.
+    pub total: Total,
     /// What to keep in mind reading the measured column, when something.
     pub note: Option<&'static str>,
+}
+
+/// The total of a [`ComponentReport`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum Total {
+    /// The step's peak of training tensors (the baseline apart).
+    StepPeak,
+    /// The process's peak (the verdict's figure): every row, the baseline included.
+    ProcessPeak,
+}
+
+impl Total {
+    /// The row's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Total::StepPeak => "step peak",
+            Total::ProcessPeak => "process peak",
+        }
+    }
 }
 
 /// How [`ComponentReport::from_readings`] obtained each figure.
@@ -287,12 +327,13 @@ const COUNTED_WEIGHTS: &str = "counted: Σ bytes of the model's weights";
 const COUNTED_OPTIMIZER: &str = "counted: Σ bytes of AdamW's state";
 const COUNTED_GRADIENTS: &str = "counted: Σ bytes of the gradients after backward";
 const IN_REST: &str = "in the rest of the peak";
-const DERIVED_REST: &str = "derived: step peak − weights − optimizer − gradients";
-const DERIVED_BASELINE: &str = "derived: in use before the step − weights − optimizer";
-const DERIVED_PEAK: &str = "derived: weights + optimizer + the peak's rise in the step";
-const RSS_NOTE: &str = "Measured with the resident set: memory the setup freed (the tokenizer's, \
-the data's) stays resident\nand the step reuses some of it, so the derived step rows are a lower \
-bound of the step's heap and the\nbaseline an upper bound; their sum, the process's peak, is exact.";
+const DERIVED_REST: &str =
+    "derived: process peak − weights − optimizer − gradients (the rows above it, and the baseline)";
+const PROCESS_PEAK: &str = "the resident set's high-water mark (VmHWM), as in the verdict";
+const RSS_NOTE: &str = "Measured with the resident set, which cannot split the rest of the peak: \
+memory the setup freed (the\ntokenizer's, the data's) stays resident and the step reuses some of \
+it, and AdamW's zeroed state is not resident\nuntil its first update. Weights, optimizer state and \
+gradients are counted; the rest is exact as a whole.";
 
 impl ComponentReport {
     /// Both sides known.
@@ -316,39 +357,52 @@ impl ComponentReport {
             predicted_peak: (predicted.peak_bytes, predicted.peak_phase),
             measured_peak: measured.map(|m| (m.peak_bytes, Some(m.peak_phase))),
             peak_how: None,
+            total: Total::StepPeak,
             note: None,
         }
     }
 
-    /// The prediction next to a dry run's readings: weights, optimizer state and gradients as
-    /// counted, the baseline and the step's peak derived from the meter, and activations,
-    /// logits/loss and temporaries together as the rest of the peak (each row says how).
-    pub fn from_readings(predicted: &ComponentSet, readings: &StepReadings) -> Self {
+    /// The prediction next to a dry run's readings, as a table of the process's peak whose
+    /// rows are real, non-negative quantities that add up on both sides: weights, optimizer
+    /// state and gradients as counted (full size on both sides), and the rest of the process
+    /// peak (activations, logits/loss, temporaries and the baseline together: the resident
+    /// set cannot tell them apart, since memory the setup freed stays resident and AdamW's
+    /// zeroed state is not resident until its first update). Their total is the process peak
+    /// of the verdict and the summary line: `predicted_process_bytes` (the plan's peak) and
+    /// `measured_process_bytes` (the meter's peak). The predicted split of the rest is shown
+    /// beside it, its measured column marked as part of the rest.
+    pub fn from_readings(
+        predicted: &ComponentSet,
+        readings: &StepReadings,
+        predicted_process_bytes: u64,
+        measured_process_bytes: Option<u64>,
+    ) -> Self {
         let t = readings.tensors;
-        let step_peak = readings.step_peak_bytes();
         let gradients = t.and_then(|t| t.gradients_bytes);
-        let rest = match (step_peak, t, gradients) {
-            (Some(p), Some(t), Some(g)) => {
-                Some(p - (t.weights_bytes + t.optimizer_bytes + g) as i64)
-            }
-            _ => None,
-        };
+        let counted = t
+            .zip(gradients)
+            .map(|(t, g)| t.weights_bytes + t.optimizer_bytes + g);
+        let s = &predicted.step;
+        let predicted_rest = predicted_process_bytes as i64
+            - (s.weights_bytes + s.optimizer_bytes + s.gradients_bytes) as i64;
+        let measured_rest = measured_process_bytes
+            .zip(counted)
+            .map(|(m, c)| m as i64 - c as i64);
+        let non_negative = |v: Option<i64>| v.filter(|&b| b >= 0);
         let measured = |c: Component| -> (Option<i64>, Option<&'static str>) {
             let counted = |v: Option<u64>, how| (v.map(|b| b as i64), v.map(|_| how));
             match c {
                 Component::Weights => counted(t.map(|t| t.weights_bytes), COUNTED_WEIGHTS),
                 Component::Optimizer => counted(t.map(|t| t.optimizer_bytes), COUNTED_OPTIMIZER),
                 Component::Gradients => counted(gradients, COUNTED_GRADIENTS),
-                Component::Activations | Component::LogitsAndLoss | Component::Temporaries => {
-                    (None, rest.map(|_| IN_REST))
-                }
-                Component::Baseline => {
-                    let b = readings.baseline_bytes();
-                    (b, b.map(|_| DERIVED_BASELINE))
-                }
+                _ => (None, measured_rest.map(|_| IN_REST)),
             }
         };
-        let s = &predicted.step;
+        let predicted_value = |c: Component| match c {
+            // Full size, as counted: the total is the process's peak, not the step's phase.
+            Component::Gradients => Some(s.gradients_bytes as i64),
+            _ => predicted.value(c),
+        };
         ComponentReport {
             rows: Component::ALL
                 .iter()
@@ -356,23 +410,21 @@ impl ComponentReport {
                     let (value, how) = measured(c);
                     ComponentRow {
                         component: c,
-                        predicted: predicted.value(c),
+                        predicted: predicted_value(c),
                         measured: value,
                         how,
                     }
                 })
                 .collect(),
-            rest_of_peak: rest.map(|m| RestOfPeak {
-                predicted: Some(
-                    predicted.peak_bytes as i64
-                        - (s.weights_bytes + s.optimizer_bytes + s.gradients_bytes) as i64,
-                ),
-                measured: Some(m),
+            rest_of_peak: Some(RestOfPeak {
+                predicted: non_negative(Some(predicted_rest)),
+                measured: non_negative(measured_rest),
             }),
-            predicted_peak: (predicted.peak_bytes, predicted.peak_phase),
-            measured_peak: step_peak.map(|p| (p.max(0) as u64, None)),
-            peak_how: step_peak.map(|_| DERIVED_PEAK),
-            note: (readings.method == MeasureMethod::ProcessRss && step_peak.is_some())
+            predicted_peak: (predicted_process_bytes, predicted.peak_phase),
+            measured_peak: measured_process_bytes.map(|p| (p, None)),
+            peak_how: Some(PROCESS_PEAK),
+            total: Total::ProcessPeak,
+            note: (readings.method == MeasureMethod::ProcessRss && measured_rest.is_some())
                 .then_some(RSS_NOTE),
         }
     }
@@ -424,7 +476,7 @@ impl ComponentReport {
             None => format!("({phases})"),
         };
         line(
-            "step peak",
+            self.total.name(),
             Some(pp as i64),
             self.measured_peak.map(|(m, _)| m as i64),
             Some(&how),
@@ -510,8 +562,20 @@ mod tests {
                 .sum();
             assert_eq!(sum, 500, "{phase}");
         }
-        // The backward counts every gradient: the rest may be negative.
-        assert_eq!(set(400, StepPhase::Backward).temporaries_bytes(), -60);
+        // A backward peak below every gradient: the gradients not yet allocated are not a
+        // negative temporary, they are not alive at the peak; the rows still add up.
+        let below = set(400, StepPhase::Backward);
+        assert_eq!(below.temporaries_bytes(), 0);
+        assert_eq!(below.value(Component::Gradients), Some(40));
+        // Below the weights, optimizer and forward's tensors too: the activations give way
+        // after the gradients, and no row is negative.
+        let far_below = set(330, StepPhase::Backward);
+        let rows: Vec<i64> = Component::ALL
+            .iter()
+            .filter_map(|&c| far_below.value(c))
+            .collect();
+        assert!(rows.iter().all(|&b| b >= 0), "{rows:?}");
+        assert_eq!(rows.iter().sum::<i64>(), 330);
     }
 
     #[test]
@@ -535,8 +599,11 @@ mod tests {
     }
 
     #[test]
-    fn readings_count_the_tensors_and_derive_the_rest() {
-        let predicted = set(500, StepPhase::Backward);
+    fn readings_count_the_tensors_and_derive_the_rest_of_the_process_peak() {
+        // The issue's case: a backward peak below every gradient (−402 MiB of temporaries
+        // before) and AdamW's state not resident before its first update (a baseline of
+        // −779 MiB before): neither shows as a negative row now.
+        let predicted = set(360, StepPhase::Backward);
         let readings = StepReadings {
             method: MeasureMethod::ProcessRss,
             tensors: Some(TensorBytes {
@@ -544,45 +611,52 @@ mod tests {
                 optimizer_bytes: 200,
                 gradients_bytes: Some(100),
             }),
-            // 1000 besides the resident tensors; the step rises 180 above that: peak 480.
-            in_use_before_step: Some(1300),
-            peak_before_step: Some(1350),
+            in_use_before_step: Some(150),
+            peak_before_step: Some(160),
             peak_after_step: Some(1480),
         };
-        let r = ComponentReport::from_readings(&predicted, &readings);
+        let r = ComponentReport::from_readings(&predicted, &readings, 1500, Some(1480));
         let measured = |c| r.row(c).unwrap().measured;
         assert_eq!(measured(Component::Weights), Some(100));
         assert_eq!(measured(Component::Optimizer), Some(200));
         assert_eq!(measured(Component::Gradients), Some(100));
-        assert_eq!(measured(Component::Baseline), Some(1000));
         for c in [
             Component::Activations,
             Component::LogitsAndLoss,
             Component::Temporaries,
+            Component::Baseline,
         ] {
             assert_eq!(measured(c), None, "{}", c.name());
             assert!(r.row(c).unwrap().how.is_some());
         }
-        // The rest of the peak on both sides: predicted 500 − 400, measured 480 − 400.
+        for row in &r.rows {
+            assert!(row.predicted.unwrap_or(0) >= 0, "{row:?}");
+        }
+        // Counted rows plus the rest make the process peak, on both sides.
         let rest = r.rest_of_peak.unwrap();
-        assert_eq!((rest.predicted, rest.measured), (Some(100), Some(80)));
-        assert_eq!(r.measured_peak, Some((480, None)));
+        assert_eq!((rest.predicted, rest.measured), (Some(1100), Some(1080)));
+        assert_eq!(r.predicted_peak.0, 1500);
+        assert_eq!(r.measured_peak, Some((1480, None)));
         let text = r.render();
-        for word in ["rest of peak", "counted", "derived", "resident set"] {
+        for word in [
+            "rest of peak",
+            "process peak",
+            "counted",
+            "derived",
+            "resident set",
+        ] {
             assert!(text.contains(word), "{word}: {text}");
         }
-
-        // A step that did not raise the setup's peak: its own peak is not known.
-        let hidden = StepReadings {
-            peak_after_step: Some(1350),
-            ..readings
+        let negative = |w: &str| {
+            w.strip_prefix('-')
+                .is_some_and(|n| n.starts_with(|c: char| c.is_ascii_digit()))
         };
-        let r = ComponentReport::from_readings(&predicted, &hidden);
-        assert_eq!(r.measured_peak, None);
-        assert_eq!(r.rest_of_peak, None);
-        assert_eq!(r.row(Component::Baseline).unwrap().measured, Some(1000));
+        assert!(
+            !text.split_whitespace().any(negative),
+            "no negative cell: {text}"
+        );
 
-        // No meter (a GPU): the counted tensors only.
+        // No meter (a GPU): the counted tensors only, the rest not measured.
         let gpu = StepReadings {
             method: MeasureMethod::Unavailable,
             in_use_before_step: None,
@@ -590,9 +664,10 @@ mod tests {
             peak_after_step: None,
             ..readings
         };
-        let r = ComponentReport::from_readings(&predicted, &gpu);
+        let r = ComponentReport::from_readings(&predicted, &gpu, 1500, None);
         assert_eq!(r.row(Component::Weights).unwrap().measured, Some(100));
         assert_eq!(r.row(Component::Baseline).unwrap().measured, None);
+        assert_eq!(r.rest_of_peak.unwrap().measured, None);
         assert_eq!((r.measured_peak, r.note), (None, None));
     }
 }

@@ -131,6 +131,16 @@ pub fn dry_run<E: fmt::Display>(
     dry_run_with_components(plan, device_index, || step().map(|()| None))
 }
 
+/// What a [`dry_run_with_readings`] step returns: its readings, and the plan of the data it
+/// ran on when the step could make one (it tokenized the data to build its run, so the plan
+/// sizes the data's real batches instead of `max_length`: `None` keeps the plan given).
+pub struct StepMeasured {
+    /// The meter and the counted tensors.
+    pub readings: StepReadings,
+    /// The plan of the same run with the data's trained tokens and longest batch.
+    pub plan_for_data: Option<Plan>,
+}
+
 /// [`dry_run`] with a step that may measure its own components (weights, optimizer state,
 /// gradients, activations, logits/loss, as defined in `plan::components`): the report's
 /// [`DryRunReport::components`] then shows them next to the plan's, so a user sees which
@@ -143,28 +153,32 @@ pub fn dry_run_with_components<E: fmt::Display>(
     dry_run_measuring(
         plan,
         device_index,
-        |_| step(),
-        |predicted, measured| {
+        |_| step().map(|set| (set, None)),
+        |predicted, measured, _, _| {
             ComponentReport::with_measured(predicted, measured.and_then(Option::as_ref))
         },
     )
+    .0
 }
 
 /// [`dry_run`] with a step that cannot measure its components inside it (no hooks, no
 /// counting allocator: a whole `TrainingRun`), but reads the dry run's [`Meter`] around its
 /// step and counts the tensors it holds: the report's components are then those readings,
 /// the rest derived from them ([`ComponentReport::from_readings`]).
+///
+/// `plan` decides whether the step runs (a predicted out-of-memory is not run); when the step
+/// returns [`StepMeasured::plan_for_data`], that plan is the one compared with, and returned.
 pub fn dry_run_with_readings<E: fmt::Display>(
     plan: &Plan,
     device_index: usize,
-    step: impl FnOnce(&Meter) -> Result<StepReadings, E>,
-) -> DryRunReport {
+    step: impl FnOnce(&Meter) -> Result<StepMeasured, E>,
+) -> (DryRunReport, Option<Plan>) {
     dry_run_measuring(
         plan,
         device_index,
-        step,
-        |predicted, readings| match readings {
-            Some(r) => ComponentReport::from_readings(predicted, r),
+        |meter| step(meter).map(|m| (m.readings, m.plan_for_data)),
+        |predicted, readings, dev, measured_peak| match readings {
+            Some(r) => ComponentReport::from_readings(predicted, r, dev.peak_bytes, measured_peak),
             None => ComponentReport::with_measured(predicted, None),
         },
     )
@@ -198,15 +212,21 @@ impl Meter {
     }
 }
 
-/// The dry run, with what the step returns turned into the component report by `report`.
+/// The dry run, with what the step returns turned into the component report by `report`;
+/// the step may return a plan of its own data to compare with (returned with the report).
 fn dry_run_measuring<T, E: fmt::Display>(
     plan: &Plan,
     device_index: usize,
-    step: impl FnOnce(&Meter) -> Result<T, E>,
-    report_components: impl FnOnce(&ComponentSet, Option<&T>) -> ComponentReport,
-) -> DryRunReport {
+    step: impl FnOnce(&Meter) -> Result<(T, Option<Plan>), E>,
+    report_components: impl FnOnce(
+        &ComponentSet,
+        Option<&T>,
+        &super::DevicePlan,
+        Option<u64>,
+    ) -> ComponentReport,
+) -> (DryRunReport, Option<Plan>) {
     let Some(dev) = plan.per_device.get(device_index) else {
-        return no_such_device(plan, device_index);
+        return (no_such_device(plan, device_index), None);
     };
     let predicted = dev.peak_bytes;
     let mut report = DryRunReport {
@@ -231,27 +251,39 @@ fn dry_run_measuring<T, E: fmt::Display>(
             format_bytes(dev.device.capacity_bytes),
             format_bytes(dev.shortfall_bytes)
         );
-        return report;
+        return (report, None);
     }
     let on_cpu = dev.device.kind == super::DeviceKind::Cpu;
     let method = measure_method(on_cpu);
     let baseline = start_measuring(method);
     let start = Instant::now();
-    let result = step(&Meter { method });
+    let (result, plan_for_data) = match step(&Meter { method }) {
+        Ok((measured, p)) => (Ok(measured), p),
+        Err(e) => (Err(e), None),
+    };
     report.step_secs = start.elapsed().as_secs_f64();
-    report.components = Some(report_components(
-        &dev.predicted_components(),
-        result.as_ref().ok(),
-    ));
+    // The plan of the step's own data, when it made one, is what the step is compared with.
+    let dev = plan_for_data
+        .as_ref()
+        .and_then(|p| p.per_device.get(device_index))
+        .unwrap_or(dev);
+    let predicted = dev.peak_bytes;
+    report.predicted_peak_bytes = predicted;
     report.method = method;
     report.baseline_bytes = baseline;
     report.measured_peak_bytes = measured_peak(method);
+    report.components = Some(report_components(
+        &dev.predicted_components(),
+        result.as_ref().ok(),
+        dev,
+        report.measured_peak_bytes,
+    ));
     report.relative_error = report
         .measured_peak_bytes
         .filter(|&m| m > 0)
         .map(|m| (m as f64 - predicted as f64) / m as f64);
     conclude(&mut report, dev, result.map(|_| ()));
-    report
+    (report, plan_for_data)
 }
 
 /// The report for a device index the plan does not have.

@@ -29,14 +29,14 @@ pub mod step_model;
 
 pub use components::{
     Component, ComponentReport, ComponentRow, ComponentSet, RestOfPeak, StepComponents,
-    StepReadings, TensorBytes,
+    StepReadings, TensorBytes, Total,
 };
 pub use device::{
     format_bytes, parse_bytes, parse_devices, parse_devices_with, DeviceKind, DeviceSpec,
 };
 pub use dry_run::{
     dry_run, dry_run_with_components, dry_run_with_readings, DryRunOutcome, DryRunReport,
-    MeasureMethod, Meter,
+    MeasureMethod, Meter, StepMeasured,
 };
 pub use estimate::{balance_layers, layer_costs, layer_ranges, plan, LayerCosts};
 pub use fit::{auto_fit, relative_throughput, AutoFit};
@@ -208,6 +208,11 @@ pub struct TrainedTokens {
     pub max_length: usize,
     /// Trained tokens per sample, largest first: the largest [`TrainedTokens::KEPT`].
     pub largest_first: Vec<usize>,
+    /// Tokens of the longest sample (after truncation at `max_length`); 0 when unknown.
+    /// The collator pads each micro-batch to its own longest row (dynamic padding), so no
+    /// micro-batch of the data is longer than this, rounded up to the collator's multiple.
+    #[serde(default)]
+    pub longest_row_tokens: usize,
 }
 
 impl TrainedTokens {
@@ -215,15 +220,40 @@ impl TrainedTokens {
     /// studio's counts come capped at the same number, `data::stats::LARGEST_TRAINED_KEPT`).
     pub const KEPT: usize = 1024;
 
-    /// From every sample's trained tokens, truncated at `max_length`.
-    pub fn from_counts(max_length: usize, counts: impl IntoIterator<Item = usize>) -> Self {
+    /// The multiple the collator rounds a padded row up to (`data::CollateOptions::new`).
+    pub const PAD_TO_MULTIPLE_OF: usize = 8;
+
+    /// From every sample's trained tokens, truncated at `max_length`, and the tokens of the
+    /// longest sample (0: unknown, plan `max_length`).
+    pub fn from_counts(
+        max_length: usize,
+        longest_row_tokens: usize,
+        counts: impl IntoIterator<Item = usize>,
+    ) -> Self {
         let mut largest_first: Vec<usize> = counts.into_iter().collect();
         largest_first.sort_unstable_by(|a, b| b.cmp(a));
         largest_first.truncate(Self::KEPT);
         TrainedTokens {
             max_length,
             largest_first,
+            longest_row_tokens,
         }
+    }
+
+    /// The padded length of the data's longest micro-batch at rows cut at `seq_len`: its
+    /// longest row rounded up as the collator pads it, never above `seq_len`. `None` when the
+    /// longest row is unknown or `seq_len` is longer than the samples were cut at (a longer
+    /// cut keeps more of them).
+    pub fn longest_batch_len(&self, seq_len: usize) -> Option<usize> {
+        if self.longest_row_tokens == 0 || seq_len > self.max_length {
+            return None;
+        }
+        let longest = self.longest_row_tokens.min(seq_len);
+        Some(
+            longest
+                .next_multiple_of(Self::PAD_TO_MULTIPLE_OF)
+                .min(seq_len),
+        )
     }
 
     /// The most trained tokens any `micro_batch` samples hold at rows of `seq_len`, whatever
@@ -251,11 +281,27 @@ impl PlanRequest {
     /// micro-batch of the data holds ([`Self::trained_tokens`]), else every position after the
     /// first of each row.
     pub fn loss_rows(&self) -> usize {
-        let rows = self.micro_batch * self.seq_len.saturating_sub(1);
+        let rows = self.micro_batch * self.planned_seq_len().saturating_sub(1);
         self.trained_tokens
             .as_ref()
             .and_then(|t| t.max_per_micro_batch(self.micro_batch, self.seq_len))
             .map_or(rows, |t| t.min(rows))
+    }
+
+    /// The padded length of the longest micro-batch the plan sizes activations, logits and
+    /// temporaries for: the data's longest batch when the data is known
+    /// ([`TrainedTokens::longest_batch_len`]: dynamic padding never pads beyond it), else
+    /// `seq_len` (`[data] max_length`, the bound).
+    pub fn planned_seq_len(&self) -> usize {
+        self.trained_tokens
+            .as_ref()
+            .and_then(|t| t.longest_batch_len(self.seq_len))
+            .unwrap_or(self.seq_len)
+    }
+
+    /// Whether the plan is sized by the data's longest batch, shorter than `seq_len`.
+    pub fn planned_for_the_data(&self) -> bool {
+        self.planned_seq_len() < self.seq_len
     }
 
     /// Rows per optimizer step: micro-batch × accumulation × data-parallel ranks.
@@ -301,6 +347,13 @@ impl PlanRequest {
             self.seq_len,
             self.strategy
         );
+        if self.planned_for_the_data() {
+            s.push_str(&format!(
+                ", planned for the longest batch of this data: {} × {} tokens",
+                self.micro_batch,
+                self.planned_seq_len()
+            ));
+        }
         if self.activation_checkpointing {
             s.push_str(", checkpointing");
         }

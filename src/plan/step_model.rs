@@ -151,7 +151,9 @@ impl StepDims {
     pub fn new(req: &PlanRequest) -> Self {
         let m = &req.model;
         let act = req.precision.compute_bytes();
-        let tokens = (req.micro_batch * req.seq_len) as u64;
+        // Dynamic padding: the longest micro-batch of the data, when it is known.
+        let seq_len = req.planned_seq_len();
+        let tokens = (req.micro_batch * seq_len) as u64;
         // The CPU's native kernels run only on the CPU, and not when the generic ops
         // (the GPU's code) are forced there; everywhere else the generic ops run.
         let any_gpu = req
@@ -167,7 +169,7 @@ impl StepDims {
         let quantize = req.lora.as_ref().map_or(Quantization::None, |l| l.quantize);
         StepDims {
             micro_batch: req.micro_batch as u64,
-            seq_len: req.seq_len as u64,
+            seq_len: seq_len as u64,
             tokens,
             loss_rows: req.loss_rows() as u64,
             hidden: m.hidden_size as u64,
@@ -179,7 +181,7 @@ impl StepDims {
             head_dim: m.head_dim as u64,
             vocab: m.vocab_size as u64,
             qkv_bias: m.qkv_bias(),
-            sliding_mask: m.sliding_window.is_some_and(|w| w < req.seq_len),
+            sliding_mask: m.sliding_window.is_some_and(|w| w < seq_len),
             o_bias: m.o_bias(),
             mlp_bias: m.mlp_bias,
             tied: m.tie_word_embeddings,

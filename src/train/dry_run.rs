@@ -3,7 +3,7 @@
 
 use super::config::RunConfig;
 use super::step::TrainingRun;
-use crate::plan::{self, DryRunReport, Meter, Plan, StepReadings};
+use crate::plan::{self, DryRunReport, Meter, Plan, PlanRequest, StepMeasured, StepReadings};
 
 /// Builds the run exactly as training does ([`TrainingRun::new`]: model, tokenizer, data,
 /// optimizer) and takes one optimizer step with the trainer's own step code, on the longest
@@ -16,22 +16,40 @@ use crate::plan::{self, DryRunReport, Meter, Plan, StepReadings};
 /// rest is derived, and the report says which figure is which. On several devices the
 /// tensors are not attributed to device 0 and only the peak is compared.
 ///
-/// The dry run does not evaluate: plan it with [`plan::PlanRequest::for_dry_run`]. Nothing is
-/// written (no checkpoint, no metrics).
-pub fn dry_run(config: RunConfig, plan: &Plan) -> DryRunReport {
-    plan::dry_run_with_readings(plan, 0, move |meter: &Meter| {
-        // The error as text: TrainError is large, and the report keeps its message only.
-        let mut run = TrainingRun::new(config).map_err(|e| e.to_string())?;
-        let in_use_before_step = meter.in_use_bytes();
-        let peak_before_step = meter.peak_bytes();
-        run.step_longest().map_err(|e| e.to_string())?;
-        let single_device = run.placement().devices.len() == 1;
-        Ok::<_, String>(StepReadings {
-            method: meter.method(),
-            tensors: single_device.then(|| run.tensor_bytes()),
-            in_use_before_step,
-            peak_before_step,
-            peak_after_step: meter.peak_bytes(),
-        })
-    })
+/// The plan compared with is `request`'s for a dry run ([`plan::PlanRequest::for_dry_run`]:
+/// the dry run does not evaluate), and once the run has tokenized its data, that plan with
+/// the data's trained tokens and longest batch (the run's own samples: the data is not
+/// tokenized twice). The plan compared with is returned with the report. Nothing is written
+/// (no checkpoint, no metrics).
+pub fn dry_run(
+    config: RunConfig,
+    request: &PlanRequest,
+) -> Result<(DryRunReport, Plan), plan::PlanError> {
+    let request = request.for_dry_run();
+    let upper_bound = plan::plan(&request)?;
+    let (report, plan_for_data) =
+        plan::dry_run_with_readings(&upper_bound, 0, move |meter: &Meter| {
+            // The error as text: TrainError is large, and the report keeps its message only.
+            let mut run = TrainingRun::new(config).map_err(|e| e.to_string())?;
+            let in_use_before_step = meter.in_use_bytes();
+            let peak_before_step = meter.peak_bytes();
+            let plan_for_data = run.data_trained_tokens().and_then(|tokens| {
+                let mut req = request.clone();
+                req.trained_tokens = Some(tokens);
+                plan::plan(&req).ok()
+            });
+            run.step_longest().map_err(|e| e.to_string())?;
+            let single_device = run.placement().devices.len() == 1;
+            Ok::<_, String>(StepMeasured {
+                readings: StepReadings {
+                    method: meter.method(),
+                    tensors: single_device.then(|| run.tensor_bytes()),
+                    in_use_before_step,
+                    peak_before_step,
+                    peak_after_step: meter.peak_bytes(),
+                },
+                plan_for_data,
+            })
+        });
+    Ok((report, plan_for_data.unwrap_or(upper_bound)))
 }

@@ -174,6 +174,7 @@ pub fn split_trained_tokens(
     (!config.data.packing).then(|| {
         crate::plan::TrainedTokens::from_counts(
             config.data.max_length,
+            train.iter().map(Sample::len).max().unwrap_or(0),
             crate::data::largest_trained_counts(train.iter()),
         )
     })

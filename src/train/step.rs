@@ -630,6 +630,12 @@ impl TrainingRun {
         (self.splits.train.len(), self.splits.eval.len())
     }
 
+    /// The training split's trained tokens and longest row, for the memory plan
+    /// ([`crate::plan::PlanRequest::trained_tokens`]; `None` with packing).
+    pub fn data_trained_tokens(&self) -> Option<crate::plan::TrainedTokens> {
+        samples::split_trained_tokens(&self.config, &self.splits.train)
+    }
+
     /// Label tokens trained so far.
     pub fn trained_tokens(&self) -> u64 {
         self.trained_tokens

@@ -23,12 +23,13 @@ fn text(bytes: &[u8]) -> String {
 ///
 /// The bound: the dry run's process peak is measured (`VmHWM` over loading, tokenising and
 /// the step on the longest rows) and compared with the plan of the same run without
-/// evaluation. A dry run does not tokenize the data a second time to plan it, so its plan
-/// counts every loss row; trained on every position, the longest rows are that bound, so the
-/// plan is the step's peak: within 5 % (+0.8 to +0.9 % measured, 177–178 against 179 MiB), and
-/// never more than 3 % under it. (Trained on completions only, the dry run measures 143 MiB
-/// against the same 179 MiB: the logits of untrained rows are not computed.) Weights, AdamW
-/// state and gradients are sizes of tensors on both sides: within 1 %.
+/// evaluation, made from the run's own tokenized data (its trained tokens and longest batch:
+/// the data is not tokenized twice). Within 5 % (+0.8 to +0.9 % measured, 177–178 against
+/// 179 MiB), and never more than 3 % under it. Weights, AdamW state and gradients are sizes
+/// of tensors on both sides: within 1 %. Every row of the table is a real, non-negative
+/// quantity, and the counted rows plus the rest of the peak make the process peak of the
+/// summary line on both sides (issue #44: a predicted `temporaries` of −402 MiB and a
+/// measured `baseline` of −779 MiB before).
 #[cfg(target_os = "linux")]
 #[test]
 fn dry_run_of_the_demo_measures_the_step_and_its_components() {
@@ -47,22 +48,31 @@ fn dry_run_of_the_demo_measures_the_step_and_its_components() {
         "component",
         "measured how",
         "rest of peak",
-        "step peak",
+        "process peak",
     ] {
         assert!(stdout.contains(expected), "no `{expected}` in:\n{stdout}");
     }
-    // Counted rows carry a measured figure (not `—`).
-    for row in ["weights", "optimizer", "gradients", "baseline", "step peak"] {
+    // Counted and total rows carry a measured figure (not `—`); no cell of a component is
+    // negative.
+    for row in [
+        "weights",
+        "optimizer",
+        "gradients",
+        "rest of peak",
+        "process peak",
+    ] {
         let line = stdout
             .lines()
             .find(|l| l.starts_with(row))
             .unwrap_or_else(|| panic!("no `{row}` row:\n{stdout}"));
-        let measured = line
-            .split_whitespace()
-            .nth(if row == "step peak" { 4 } else { 3 });
+        let cells: Vec<&str> = line[row.len()..].split_whitespace().collect();
         assert!(
-            measured.is_some_and(|m| m != "—"),
+            cells.len() > 2 && cells[0] != "—" && cells[2] != "—",
             "`{row}` has no measured figure: {line}"
+        );
+        assert!(
+            !cells[0].starts_with('-') && !cells[2].starts_with('-'),
+            "`{row}` is negative: {line}"
         );
     }
     assert!(
@@ -81,28 +91,78 @@ fn dry_run_of_the_demo_measures_the_step_and_its_components() {
     let r = &d["report"];
     assert_eq!(r["outcome"], "Completed", "{r}");
     assert_eq!(r["method"], "ProcessRss", "{r}");
-    let predicted = r["predicted_peak_bytes"].as_u64().unwrap() as f64;
-    let measured = r["measured_peak_bytes"].as_u64().unwrap() as f64;
-    let err = (predicted - measured) / measured;
+    let predicted = r["predicted_peak_bytes"].as_u64().unwrap();
+    let measured = r["measured_peak_bytes"].as_u64().unwrap();
+    let err = (predicted as f64 - measured as f64) / measured as f64;
     println!("dry run: {}", r["summary"]);
     assert!(
         (-0.03..=0.05).contains(&err),
         "planned {predicted} vs measured {measured} ({:+.1} %)",
         100.0 * err
     );
-    let rows = r["components"]["rows"].as_array().unwrap();
+    let c = &r["components"];
+    let rows = c["rows"].as_array().unwrap();
+    let cell = |name: &str, side: &str| -> Option<i64> {
+        rows.iter().find(|x| x["component"] == name).unwrap()[side].as_i64()
+    };
     for name in ["Weights", "Optimizer", "Gradients"] {
-        let row = rows.iter().find(|x| x["component"] == name).unwrap();
         let (p, m) = (
-            row["predicted"].as_f64().unwrap(),
-            row["measured"].as_f64().unwrap(),
+            cell(name, "predicted").unwrap(),
+            cell(name, "measured").unwrap(),
         );
         assert!(
-            ((p - m) / m).abs() <= 0.01,
+            ((p - m) as f64 / m as f64).abs() <= 0.01,
             "{name}: predicted {p}, counted {m}"
         );
     }
-    assert!(r["components"]["measured_peak"][0].as_u64().unwrap() > 0);
+    for row in rows {
+        for side in ["predicted", "measured"] {
+            assert!(row[side].as_i64().is_none_or(|b| b >= 0), "{row}");
+        }
+    }
+    // The rows add up to the peaks the summary line compares, on both sides.
+    for (side, rest, total) in [
+        ("predicted", &c["rest_of_peak"]["predicted"], predicted),
+        ("measured", &c["rest_of_peak"]["measured"], measured),
+    ] {
+        let counted: i64 = ["Weights", "Optimizer", "Gradients"]
+            .iter()
+            .map(|n| cell(n, side).unwrap())
+            .sum();
+        let rest = rest
+            .as_i64()
+            .unwrap_or_else(|| panic!("no {side} rest: {c}"));
+        assert!(rest >= 0, "{side} rest {rest}");
+        assert_eq!(counted + rest, total as i64, "{side}: {c}");
+    }
+    assert_eq!(c["predicted_peak"][0].as_u64(), Some(predicted));
+    assert_eq!(c["measured_peak"][0].as_u64(), Some(measured));
+}
+
+/// Trained on completions only, the demo's longest rows train far fewer tokens than every
+/// position: the dry run compares with the plan of its own data's trained tokens (before, with
+/// the plan's upper bound, 143 MiB measured against 179 MiB predicted, +25 %). The plan stays
+/// a bound: its loss is sized for the 4 samples with the most trained tokens, which are not
+/// the 4 longest rows the dry run steps on (measured +5.9 %, 150 against 159 MiB); +8 % allows
+/// for that and no more.
+#[cfg(target_os = "linux")]
+#[test]
+fn dry_run_plans_the_data_it_steps_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = super::plan_rss::demo_config(tmp.path());
+    let out = plan(&["--dry-run", "--json"], Some(&config));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let r = &v["dry_run"]["report"];
+    let predicted = r["predicted_peak_bytes"].as_f64().unwrap();
+    let measured = r["measured_peak_bytes"].as_f64().unwrap();
+    let err = (predicted - measured) / measured;
+    println!("completions only: {}", r["summary"]);
+    assert!(
+        (-0.03..=0.08).contains(&err),
+        "planned {predicted} vs measured {measured} ({:+.1} %)",
+        100.0 * err
+    );
 }
 
 /// `--dry-run` trains a run config: without one it is a clear error naming both flags.

@@ -88,6 +88,93 @@ fn a_layer_split_over_logical_cpu_devices_peaks_at_the_planned_process_peak() {
     check_planned_peak_rss("demo, layer split on cpu:0,cpu:1", &config);
 }
 
+/// The demo run on other data, as a user would point it at real rows: `data` (its path,
+/// format auto-detected) cut at `max_length`, longest batch first.
+fn real_rows_config(dir: &Path, data: &Path, max_length: usize) -> std::path::PathBuf {
+    let path = demo_config(dir);
+    let text = std::fs::read_to_string(&path).unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let demo_data = format!(
+        "{:?}",
+        root.join("assets/demo-data.json").display().to_string()
+    );
+    let text = text
+        .replace(&demo_data, &format!("{:?}", data.display().to_string()))
+        .replace("format = \"alpaca\"", "format = \"auto\"")
+        .replace("max_length = 128", &format!("max_length = {max_length}"));
+    assert!(text.contains(&format!("max_length = {max_length}")) && !text.contains(&demo_data));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// Issue #44 item 4, on real rows: Alpaca's demo set (999 rows, most far shorter than 1024
+/// tokens) at `max_length = 1024`. Dynamic padding pads each micro-batch to its own longest
+/// row, so the plan sizes activations by the data's longest batch (the plan says so), not
+/// 4 × 1024 positions.
+#[cfg(target_os = "linux")]
+#[test]
+fn alpaca_rows_at_max_length_1024_peak_at_the_plan_of_their_longest_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tunestudio::paths::shared_dir().join("datasets/alpaca_en_demo.json");
+    let config = real_rows_config(tmp.path(), &data, 1024);
+    let settings = planned_settings(&config);
+    assert!(
+        settings.contains("planned for the longest batch of this data: 4 × "),
+        "{settings}"
+    );
+    check_planned_peak_rss("alpaca_en_demo at 1024", &config);
+}
+
+/// The seed's dataset shape: a Parquet file with a single `Prompt` column of plain text (every
+/// token trained), rows shorter than `max_length = 1024` (the longest about 650 tokens).
+#[cfg(target_os = "linux")]
+#[test]
+fn a_single_prompt_column_parquet_peaks_at_the_plan_of_its_longest_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rows: Vec<String> = serde_json::from_str::<Vec<serde_json::Value>>(
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/demo-data.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap()
+    .iter()
+    .map(|r| {
+        format!(
+            "{} {}",
+            r["instruction"].as_str().unwrap(),
+            r["output"].as_str().unwrap()
+        )
+    })
+    .collect();
+    let data = tmp.path().join("seed.parquet");
+    super::data_support::write_parquet(&data, &[super::data_support::Col::Strings("Prompt", rows)]);
+    let config = real_rows_config(tmp.path(), &data, 1024);
+    let settings = planned_settings(&config);
+    assert!(
+        settings.contains("planned for the longest batch of this data"),
+        "{settings}"
+    );
+    check_planned_peak_rss("single-Prompt Parquet at 1024", &config);
+}
+
+/// The settings line of `tunestudio plan --config`.
+fn planned_settings(config: &Path) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_tunestudio"))
+        .args(["plan", "--config"])
+        .arg(config)
+        .env_remove("TUNESTUDIO_OPS")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("Settings:"))
+        .unwrap_or_else(|| panic!("no settings line: {stdout}{stderr}"));
+    format!("{line}\n{stderr}")
+}
+
 /// Plans `config` with `tunestudio plan --config`, trains it 2 steps as a child process, and
 /// compares the first device's planned peak (the process's) with the child's `VmHWM`: ±5 %.
 fn check_planned_peak_rss(label: &str, config: &Path) {

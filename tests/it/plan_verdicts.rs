@@ -630,7 +630,7 @@ fn the_cpu_loss_is_planned_for_the_trained_rows_of_the_data() {
 
     // Completion-only rows: the fullest 4 train 90 + 80 + 70 + 60 tokens.
     let counts = [10, 90, 60, 80, 5, 70, 20];
-    req.trained_tokens = Some(TrainedTokens::from_counts(128, counts));
+    req.trained_tokens = Some(TrainedTokens::from_counts(128, 0, counts));
     assert_eq!(req.loss_rows(), 300);
     let trained = plan::plan(&req).unwrap().per_device[0].peak_bytes;
     // The last chunk's f32 logits shrink by (508 − 300) rows × vocab.
