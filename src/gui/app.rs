@@ -690,9 +690,9 @@ impl StudioApp {
     fn dry_run(&mut self) {
         // A dry run trains a real step: not on a planned machine.
         let real = self.state.planning_only().is_none();
-        if let Some(plan) = self.state.plan.plan.clone().filter(|_| real) {
+        if let Some(request) = self.state.plan.request.clone().filter(|_| real) {
             self.state.plan.dry_run_running = true;
-            self.jobs.dry_run(plan, self.state.config.clone());
+            self.jobs.dry_run(request, self.state.config.clone());
         }
     }
 
@@ -834,91 +834,120 @@ impl StudioApp {
         }
     }
 
+    /// The status bar. The frame-time readout on the right is laid out first and the rest
+    /// gets the width left of it, so a long message is cut short ("…", the whole of it on
+    /// hover) instead of running under the readout.
     fn status_bar(&mut self, ui: &mut egui::Ui) {
-        ui.horizontal(|ui| {
-            // Devices.
-            match &self.state.devices.inventory {
-                Some(inv) => {
-                    let gpus: Vec<String> = inv
-                        .gpus()
-                        .map(|g| format!("{} {} free", g.label(), theme::bytes(g.free_bytes)))
-                        .collect();
-                    let cpu = inv
-                        .cpu()
-                        .map(|c| format!("CPU {} free", theme::bytes(c.free_bytes)))
-                        .unwrap_or_default();
-                    let text = if gpus.is_empty() {
-                        format!("{cpu} · no GPU")
-                    } else {
-                        format!("{cpu} · {}", gpus.join(" · "))
-                    };
-                    ui.label(RichText::new(text).small());
-                }
-                None => {
-                    ui.label(RichText::new("looking for devices…").small().weak());
-                }
-            }
-            ui.separator();
-            // The run.
-            let r = &self.state.run;
-            let text = run_status(r);
-            let color = match r.phase {
-                RunPhase::Running => theme::OK,
-                RunPhase::Paused => theme::WARNING,
-                RunPhase::Finished(train::FinishReason::Failed) => theme::ERROR,
-                _ => ui.visuals().text_color(),
-            };
-            ui.label(RichText::new(text).small().color(color));
-            // Each GPU's memory as the run last measured it.
-            for (device, series) in r.memory.iter().filter(|(d, _)| d.starts_with("cuda")) {
-                let Some(used) = series.used.last().map(|p| p[1]) else {
-                    continue;
-                };
-                let total = series
-                    .total_bytes
-                    .map(|t| format!(" / {:.1}", theme::gib(t)))
-                    .unwrap_or_default();
-                ui.separator();
-                ui.label(RichText::new(format!("{device} {used:.1}{total} GiB")).small());
-            }
-            let busy = self.jobs.in_flight();
-            if busy > 0 {
-                ui.separator();
-                ui.add(egui::Spinner::new().size(12.0));
-                ui.label(
-                    RichText::new(format!("{busy} background job(s)"))
-                        .small()
-                        .weak(),
-                );
-            }
-            // Said once, in one place: the first character drawn without a font names it.
-            if let Some(msg) = super::fonts::missing_font_message(ui.ctx()) {
-                ui.separator();
-                ui.label(RichText::new(msg).small().color(theme::WARNING));
-            }
-            if let Some((msg, at)) = &self.state.toast {
-                if at.elapsed() < Duration::from_secs(6) {
-                    ui.separator();
-                    ui.label(RichText::new(msg).small().color(theme::ACCENT));
-                }
-            }
-            ui.with_layout(egui::Layout::right_to_left(egui::Align::Center), |ui| {
-                let r = ui
-                    .selectable_label(self.state.show_debug, RichText::new("frame time").small())
-                    .on_hover_text("Show the frame-time debug line");
-                if r.clicked() {
-                    self.state.show_debug = !self.state.show_debug;
-                }
-                if self.state.show_debug {
-                    ui.label(
-                        RichText::new(self.state.frames.summary())
-                            .small()
-                            .weak()
-                            .monospace(),
-                    );
-                }
+        ui.with_layout(egui::Layout::right_to_left(egui::Align::Center), |ui| {
+            self.frame_time_readout(ui);
+            ui.with_layout(egui::Layout::left_to_right(egui::Align::Center), |ui| {
+                // Whatever still does not fit is clipped at the readout, never drawn over it.
+                ui.set_clip_rect(ui.max_rect().intersect(ui.clip_rect()));
+                self.status_messages(ui);
             });
         });
+    }
+
+    /// The "frame time" toggle and, when on, the frame-time summary (right to left).
+    fn frame_time_readout(&mut self, ui: &mut egui::Ui) {
+        let r = ui
+            .selectable_label(self.state.show_debug, RichText::new("frame time").small())
+            .on_hover_text("Show the frame-time debug line");
+        if r.clicked() {
+            self.state.show_debug = !self.state.show_debug;
+        }
+        if self.state.show_debug {
+            ui.label(
+                RichText::new(self.state.frames.summary())
+                    .small()
+                    .weak()
+                    .monospace(),
+            );
+        }
+    }
+
+    /// The status bar left of the readout: devices, the run, GPU memory, background jobs and
+    /// the latest message.
+    fn status_messages(&self, ui: &mut egui::Ui) {
+        // Devices.
+        match &self.state.devices.inventory {
+            Some(inv) => {
+                let gpus: Vec<String> = inv
+                    .gpus()
+                    .map(|g| format!("{} {} free", g.label(), theme::bytes(g.free_bytes)))
+                    .collect();
+                let cpu = inv
+                    .cpu()
+                    .map(|c| format!("CPU {} free", theme::bytes(c.free_bytes)))
+                    .unwrap_or_default();
+                let text = if gpus.is_empty() {
+                    format!("{cpu} · no GPU")
+                } else {
+                    format!("{cpu} · {}", gpus.join(" · "))
+                };
+                let max = ui.available_width() * 0.5;
+                status_text(ui, RichText::new(text).small(), max);
+            }
+            None => {
+                ui.label(RichText::new("looking for devices…").small().weak());
+            }
+        }
+        ui.separator();
+        let font_msg = super::fonts::missing_font_message(ui.ctx());
+        let toast = self
+            .state
+            .toast
+            .as_ref()
+            .filter(|(_, at)| at.elapsed() < Duration::from_secs(6))
+            .map(|(msg, _)| msg);
+        // The run: a long status leaves room for a message after it.
+        let r = &self.state.run;
+        let color = match r.phase {
+            RunPhase::Running => theme::OK,
+            RunPhase::Paused => theme::WARNING,
+            RunPhase::Finished(train::FinishReason::Failed) => theme::ERROR,
+            _ => ui.visuals().text_color(),
+        };
+        let share = if font_msg.is_some() || toast.is_some() {
+            0.5
+        } else {
+            1.0
+        };
+        let max = ui.available_width() * share;
+        status_text(ui, RichText::new(run_status(r)).small().color(color), max);
+        // Each GPU's memory as the run last measured it.
+        for (device, series) in r.memory.iter().filter(|(d, _)| d.starts_with("cuda")) {
+            let Some(used) = series.used.last().map(|p| p[1]) else {
+                continue;
+            };
+            let total = series
+                .total_bytes
+                .map(|t| format!(" / {:.1}", theme::gib(t)))
+                .unwrap_or_default();
+            ui.separator();
+            ui.label(RichText::new(format!("{device} {used:.1}{total} GiB")).small());
+        }
+        let busy = self.jobs.in_flight();
+        if busy > 0 {
+            ui.separator();
+            ui.add(egui::Spinner::new().size(12.0));
+            ui.label(
+                RichText::new(format!("{busy} background job(s)"))
+                    .small()
+                    .weak(),
+            );
+        }
+        // Said once, in one place: the first character drawn without a font names it.
+        if let Some(msg) = font_msg {
+            ui.separator();
+            let max = ui.available_width() * if toast.is_some() { 0.5 } else { 1.0 };
+            status_text(ui, RichText::new(msg).small().color(theme::WARNING), max);
+        }
+        if let Some(msg) = toast {
+            ui.separator();
+            let max = ui.available_width();
+            status_text(ui, RichText::new(msg).small().color(theme::ACCENT), max);
+        }
     }
 
     fn navigation(&mut self, ui: &mut egui::Ui) {
@@ -1123,6 +1152,18 @@ impl StudioApp {
             self.ctx.request_repaint_after(Duration::from_millis(100));
         }
     }
+}
+
+/// A status-bar text in at most `max_width`, cut short with "…" (the whole text on hover);
+/// nothing when there is no room at all.
+fn status_text(ui: &mut egui::Ui, text: RichText, max_width: f32) {
+    if max_width < 16.0 {
+        return;
+    }
+    ui.scope(|ui| {
+        ui.set_max_width(max_width);
+        ui.add(egui::Label::new(text).truncate());
+    });
 }
 
 /// The status bar's line about the run.

@@ -108,102 +108,145 @@ impl FilePicker {
         &self.dir
     }
 
+    /// Lists `dir` and goes there, the path field showing it.
     fn enter(&mut self, dir: PathBuf) {
-        match list(&dir, &self.kind) {
-            Ok(entries) => {
-                self.entries = entries;
-                self.path_text = dir.display().to_string();
-                self.dir = dir;
-                self.error = None;
-            }
-            Err(e) => self.error = Some(format!("cannot list {}: {e}", dir.display())),
+        if self.list_dir(&dir) {
+            self.path_text = dir.display().to_string();
         }
     }
 
-    /// Draws the picker window; returns what the user decided this frame.
+    /// Lists `dir` and makes it the folder shown (the path field left alone); false, with the
+    /// error shown, when it cannot be read.
+    fn list_dir(&mut self, dir: &Path) -> bool {
+        match list(dir, &self.kind) {
+            Ok(entries) => {
+                self.entries = entries;
+                self.dir = dir.to_path_buf();
+                self.error = None;
+                true
+            }
+            Err(e) => {
+                self.error = Some(format!("cannot list {}: {e}", dir.display()));
+                false
+            }
+        }
+    }
+
+    /// Called when the path field's text changed: a folder other than the one shown is
+    /// listed as it is typed (one `read_dir`, only on a change), the text left as typed.
+    fn follow_typed(&mut self) {
+        let typed = PathBuf::from(self.path_text.trim());
+        if typed.as_os_str().is_empty() || typed == self.dir || !typed.is_dir() {
+            return;
+        }
+        self.list_dir(&typed);
+    }
+
+    /// Draws the picker as a modal dialog: while it is open nothing behind it takes clicks or
+    /// keys. Returns what the user decided this frame (Escape cancels).
     pub fn show(&mut self, ctx: &egui::Context) -> PickerOutcome {
         let mut outcome = PickerOutcome::Open;
         let mut go: Option<PathBuf> = None;
-        egui::Window::new(self.title.clone())
-            .id(egui::Id::unique("in-app-file-picker"))
-            .collapsible(false)
-            .default_size([560.0, 420.0])
-            .show(ctx, |ui| {
-                ui.horizontal_wrapped(|ui| {
-                    ui.label(RichText::new("Places:").weak());
-                    for (name, dir) in &self.places {
-                        if ui.button(name).clicked() {
-                            go = Some(dir.clone());
-                        }
-                    }
-                    if let Some(parent) = self.dir.parent() {
-                        if ui.button("⬆ Up").clicked() {
-                            go = Some(parent.to_path_buf());
-                        }
-                    }
-                });
-                let field = ui
-                    .horizontal(|ui| {
-                        let l = ui.label("Path");
-                        ui.add(
-                            egui::TextEdit::singleline(&mut self.path_text)
-                                .desired_width(f32::INFINITY)
-                                .hint_text("a path"),
-                        )
-                        .labelled_by(l.id)
-                    })
-                    .inner;
-                if field.lost_focus() && ui.input(|i| i.key_pressed(egui::Key::Enter)) {
-                    let typed = PathBuf::from(self.path_text.trim());
-                    if typed.is_dir() {
-                        go = Some(typed);
-                    }
+        let width = (ctx.content_rect().width() - 40.0).clamp(240.0, 560.0);
+        let modal = egui::Modal::new(egui::Id::unique("in-app-file-picker")).show(ctx, |ui| {
+            ui.set_width(width);
+            ui.heading(&self.title);
+            self.places_row(ui, &mut go);
+            self.path_field(ui, &mut go);
+            if let Some(e) = &self.error {
+                ui.colored_label(crate::gui::theme::ERROR, e);
+            }
+            self.listing(ui, &mut go);
+            ui.separator();
+            ui.horizontal(|ui| {
+                let choose = match self.kind {
+                    PickKind::Folder => "Choose this folder",
+                    PickKind::File(_) => "Open",
+                    PickKind::Save(_) => "Save here",
+                };
+                if ui.button(choose).clicked() {
+                    outcome = self.choice();
                 }
-                if let Some(e) = &self.error {
-                    ui.colored_label(crate::gui::theme::ERROR, e);
+                if ui.button("Cancel").clicked() {
+                    outcome = PickerOutcome::Cancelled;
                 }
-                egui::ScrollArea::vertical()
-                    .max_height(260.0)
-                    .auto_shrink([false, true])
-                    .show(ui, |ui| {
-                        for (name, is_dir) in &self.entries {
-                            // A trailing slash marks folders (emoji icons are tofu in the
-                            // default fonts).
-                            let label = if *is_dir {
-                                format!("{name}/")
-                            } else {
-                                name.clone()
-                            };
-                            let r = ui.selectable_label(false, label);
-                            if r.clicked() {
-                                let path = self.dir.join(name);
-                                if *is_dir {
-                                    go = Some(path);
-                                } else {
-                                    self.path_text = path.display().to_string();
-                                }
-                            }
-                        }
-                    });
-                ui.separator();
-                ui.horizontal(|ui| {
-                    let choose = match self.kind {
-                        PickKind::Folder => "Choose this folder",
-                        PickKind::File(_) => "Open",
-                        PickKind::Save(_) => "Save here",
-                    };
-                    if ui.button(choose).clicked() {
-                        outcome = self.choice();
-                    }
-                    if ui.button("Cancel").clicked() {
-                        outcome = PickerOutcome::Cancelled;
-                    }
-                });
             });
+        });
+        let escape = || ctx.input_mut(|i| i.consume_key(egui::Modifiers::NONE, egui::Key::Escape));
+        if outcome == PickerOutcome::Open && modal.is_top_modal && escape() {
+            outcome = PickerOutcome::Cancelled;
+        }
         if let Some(dir) = go {
             self.enter(dir);
         }
         outcome
+    }
+
+    /// The places, and the parent folder.
+    fn places_row(&self, ui: &mut egui::Ui, go: &mut Option<PathBuf>) {
+        ui.horizontal_wrapped(|ui| {
+            ui.label(RichText::new("Places:").weak());
+            for (name, dir) in &self.places {
+                if ui.button(name).clicked() {
+                    *go = Some(dir.clone());
+                }
+            }
+            if let Some(parent) = self.dir.parent() {
+                if ui.button("⬆ Up").clicked() {
+                    *go = Some(parent.to_path_buf());
+                }
+            }
+        });
+    }
+
+    /// The path field: a folder typed there is listed as it is typed; Enter goes there.
+    fn path_field(&mut self, ui: &mut egui::Ui, go: &mut Option<PathBuf>) {
+        let field = ui
+            .horizontal(|ui| {
+                let l = ui.label("Path");
+                ui.add(
+                    egui::TextEdit::singleline(&mut self.path_text)
+                        .desired_width(f32::INFINITY)
+                        .hint_text("a path"),
+                )
+                .labelled_by(l.id)
+            })
+            .inner;
+        if field.changed() {
+            self.follow_typed();
+        }
+        if field.lost_focus() && ui.input(|i| i.key_pressed(egui::Key::Enter)) {
+            let typed = PathBuf::from(self.path_text.trim());
+            if typed.is_dir() {
+                *go = Some(typed);
+            }
+        }
+    }
+
+    /// The folder's entries: a click on a folder goes there, on a file puts it in the field.
+    fn listing(&mut self, ui: &mut egui::Ui, go: &mut Option<PathBuf>) {
+        egui::ScrollArea::vertical()
+            .max_height(260.0)
+            .auto_shrink([false, true])
+            .show(ui, |ui| {
+                for (name, is_dir) in &self.entries {
+                    // A trailing slash marks folders (emoji icons are tofu in the default
+                    // fonts).
+                    let label = if *is_dir {
+                        format!("{name}/")
+                    } else {
+                        name.clone()
+                    };
+                    if ui.selectable_label(false, label).clicked() {
+                        let path = self.dir.join(name);
+                        if *is_dir {
+                            *go = Some(path);
+                        } else {
+                            self.path_text = path.display().to_string();
+                        }
+                    }
+                }
+            });
     }
 
     /// The path to return for the current field, or an error shown in the window.

@@ -1692,3 +1692,119 @@ fn playground_compares_a_gguf_file_with_its_model_folder() {
     assert_eq!(sides[1].output.tokens, 12);
     assert_eq!(sides[0].output.text, sides[1].output.text);
 }
+
+/// The app on the Model panel with no system file dialog, its "Browse folder…" clicked: the
+/// in-app picker is open.
+fn open_in_app_picker(out: &Path) -> Harness<'static, StudioApp> {
+    let opts = StartOptions {
+        fresh: true,
+        panel: Some(Panel::Model),
+        output_dir: Some(out.join("runs").join("demo")),
+        no_system_dialog: Some("no xdg-desktop-portal (forced by the test)".into()),
+        ..StartOptions::default()
+    };
+    let mut h = app_harness(opts, 860.0);
+    h.step();
+    h.get_by_label("Browse folder…").click();
+    for _ in 0..4 {
+        h.step();
+    }
+    assert!(h.state().state.picker.is_some(), "the in-app picker opened");
+    h
+}
+
+/// The folder the open in-app picker lists.
+fn picker_dir(h: &Harness<'static, StudioApp>) -> Option<std::path::PathBuf> {
+    h.state()
+        .state
+        .picker
+        .as_ref()
+        .map(|(_, p)| p.dir().to_path_buf())
+}
+
+/// The in-app picker is modal: with it open, a click on a sidebar entry leaves the panel as
+/// it was; the picker's own buttons still work, and once it is closed the sidebar does too.
+#[test]
+fn the_in_app_picker_is_modal() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let mut h = open_in_app_picker(out.path());
+    // Every entry, wherever the picker lies over the sidebar.
+    for (i, p) in Panel::ALL.iter().enumerate() {
+        h.get_by_label(&format!("{}  {}", i + 1, p.title())).click();
+        h.step();
+        h.step();
+        assert_eq!(
+            h.state().state.panel,
+            Panel::Model,
+            "a click on {} went through",
+            p.title()
+        );
+        assert!(h.state().state.picker.is_some(), "the picker stays open");
+    }
+
+    let before = picker_dir(&h).expect("open");
+    h.get_by_label("⬆ Up").click();
+    h.step();
+    h.step();
+    assert_eq!(picker_dir(&h).as_deref(), before.parent());
+    h.get_by_label("Cancel").click();
+    h.step();
+    h.step();
+    assert!(h.state().state.picker.is_none(), "Cancel closed the picker");
+    click_nav(&mut h, Panel::Training);
+}
+
+/// A path typed into the picker lists its folders as it is typed, without Enter, and the
+/// field keeps the text as typed.
+#[test]
+fn a_typed_path_lists_its_folders_without_enter() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let typed = out.path().join("pick-here");
+    for d in ["alpha", "beta"] {
+        std::fs::create_dir_all(typed.join(d)).expect("mkdir");
+    }
+    let mut h = open_in_app_picker(out.path());
+    // The parent first: its listing shows the folder about to be typed.
+    type_into(&mut h, "Path", &out.path().display().to_string());
+    h.step();
+    assert!(
+        h.query_by_label("pick-here/").is_some(),
+        "the parent is listed"
+    );
+    h.get_by_label("Path").type_text("/pick-here");
+    h.step();
+    h.step();
+    assert_eq!(picker_dir(&h).as_deref(), Some(typed.as_path()));
+    assert!(h.query_by_label("alpha/").is_some(), "alpha/ is listed");
+    assert!(h.query_by_label("beta/").is_some(), "beta/ is listed");
+    assert_eq!(
+        h.get_by_label("Path").value().as_deref(),
+        Some(typed.display().to_string().as_str())
+    );
+}
+
+/// A long status message stops short of the frame-time readout (cut short, the whole of it
+/// on hover) instead of running under it.
+#[test]
+fn a_long_status_message_stops_short_of_the_frame_time_readout() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let mut h = harness(Panel::Model, out.path());
+    h.step();
+    let long = format!("a long message: {}", "every word of it counts ".repeat(40));
+    h.state_mut().state.show_debug = true;
+    h.state_mut().state.toast(long.clone());
+    h.step();
+    h.step();
+    let message = h.get_by_label(&long).rect();
+    let toggle = h.get_by_label("frame time").rect();
+    let summary = h.get_by_label_contains("ms p95").rect();
+    assert!(
+        !message.intersects(toggle) && !message.intersects(summary),
+        "the message {message:?} overlaps the readout: {summary:?}, {toggle:?}"
+    );
+    assert!(message.max.x <= summary.min.x, "{message:?} vs {summary:?}");
+    assert!(
+        toggle.max.x <= 1360.0,
+        "the readout left the window: {toggle:?}"
+    );
+}
