@@ -246,7 +246,7 @@ fn print_text(
              (of {} positions)",
             req.loss_rows(),
             req.micro_batch,
-            req.micro_batch * req.seq_len.saturating_sub(1)
+            req.micro_batch * req.planned_seq_len().saturating_sub(1)
         );
     }
     println!();
@@ -461,6 +461,7 @@ fn request_json(req: &PlanRequest) -> serde_json::Value {
         "micro_batch": req.micro_batch,
         "gradient_accumulation": req.gradient_accumulation,
         "seq_len": req.seq_len,
+        "planned_seq_len": req.planned_seq_len(),
         "activation_checkpointing": req.activation_checkpointing,
         "optimizer_offload": req.optimizer_offload,
         "lora": req.lora,
