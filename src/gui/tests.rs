@@ -1808,3 +1808,53 @@ fn a_long_status_message_stops_short_of_the_frame_time_readout() {
         "the readout left the window: {toggle:?}"
     );
 }
+
+/// Issue #44 item 4 in the studio: the demo's rows at `max_length = 1024` are far shorter, and
+/// once the Preview has scanned them the studio plans their longest batch, as
+/// `tunestudio plan --config` does for the same file, and says so on the GPUs & memory panel.
+#[test]
+fn the_studio_plans_the_longest_batch_of_the_data_as_the_cli_does() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let quoted = |p: &Path| format!("{:?}", p.display().to_string());
+    let config = std::fs::read_to_string(root.join("assets/demo.toml"))
+        .expect("demo config")
+        .replace(
+            "source = \"demo-model\"",
+            &format!("source = {}", quoted(&root.join("assets/demo-model"))),
+        )
+        .replace(
+            "path = \"demo-data.json\"",
+            &format!("path = {}", quoted(&root.join("assets/demo-data.json"))),
+        )
+        .replace("max_length = 128", "max_length = 1024");
+    let path = out.path().join("run.toml");
+    std::fs::write(&path, config).expect("write run.toml");
+    let opts = StartOptions {
+        fresh: true,
+        panel: Some(Panel::Devices),
+        output_dir: Some(out.path().join("run")),
+        config: Some(path.clone()),
+        ..StartOptions::default()
+    };
+    let mut h = app_harness(opts, 900.0);
+    wait_ready(&mut h);
+    wait_for_current_plan(&mut h, "the plan of the scanned data", |r| {
+        r.trained_tokens.is_some()
+    });
+    let studio = h.state().state.plan.request.clone().expect("request");
+    let cli = cli_request(&["plan", "--config", &path.display().to_string()]);
+    assert_eq!(studio.seq_len, 1024);
+    assert!(
+        studio.planned_seq_len() < 1024,
+        "planned {}",
+        studio.planned_seq_len()
+    );
+    assert_eq!(studio.planned_seq_len(), cli.planned_seq_len());
+    h.run_steps(2);
+    assert!(
+        h.query_by_label_contains("planned for the longest batch of this data")
+            .is_some(),
+        "the panel says what the plan is sized for"
+    );
+}
