@@ -608,8 +608,9 @@ fn changing_a_key_the_planner_reads_changes_the_request_and_no_other_does() {
         .unwrap();
 }
 
-/// The three front ends agree: what `tunestudio plan --config` reads from a saved run config
-/// is the request the trainer's pre-flight makes for the same config.
+/// The front ends agree: what `tunestudio plan --config` (the real binary) reads from a saved
+/// run config is the request the trainer's pre-flight makes for the same config, setting by
+/// setting, and it plans the same peaks.
 #[test]
 fn the_cli_reading_and_the_trainer_make_the_same_request() {
     let dir = tempfile::tempdir().unwrap();
@@ -627,8 +628,55 @@ fn the_cli_reading_and_the_trainer_make_the_same_request() {
     let (read, ignored) = train::read_run_config_leniently(&text, "run.toml", dir.path()).unwrap();
     assert!(ignored.is_empty(), "{ignored:?}");
     assert_eq!(read, config);
-    assert_eq!(
-        train::local_plan_request(&read).unwrap(),
-        train::local_plan_request(&config).unwrap()
+
+    let path = dir.path().join("run.toml");
+    std::fs::write(&path, &text).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tunestudio"))
+        .args(["plan", "--json", "--config"])
+        .arg(&path)
+        .env_remove("TUNESTUDIO_OPS")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.code().is_some_and(|c| c == 0 || c == 2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
+    let cli: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let trainer = train::local_plan_request(&config).unwrap();
+    let r = &cli["request"];
+    for (key, expected) in [
+        ("precision", json(&trainer.precision)),
+        ("micro_batch", json(&trainer.micro_batch)),
+        (
+            "gradient_accumulation",
+            json(&trainer.gradient_accumulation),
+        ),
+        ("seq_len", json(&trainer.seq_len)),
+        (
+            "activation_checkpointing",
+            json(&trainer.activation_checkpointing),
+        ),
+        ("optimizer_offload", json(&trainer.optimizer_offload)),
+        ("lora", json(&trainer.lora)),
+        ("strategy", json(&trainer.strategy)),
+        ("devices", json(&trainer.devices)),
+    ] {
+        assert_eq!(r[key], expected, "{key}: the CLI read {} ", r[key]);
+    }
+    let peaks = |p: &serde_json::Value| -> Vec<u64> {
+        p["per_device"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["peak_bytes"].as_u64().unwrap())
+            .collect()
+    };
+    let planned = serde_json::to_value(tunestudio::plan::plan(&trainer).unwrap()).unwrap();
+    assert_eq!(peaks(&cli["plan"]), peaks(&planned));
+}
+
+/// A request field as JSON, as the CLI writes it.
+fn json<T: serde::Serialize>(value: &T) -> serde_json::Value {
+    serde_json::to_value(value).unwrap()
 }
