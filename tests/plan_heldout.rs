@@ -394,16 +394,21 @@ fn logical_devices_step(fixture: &str, strategy: tunestudio::settings::Strategy)
     c.data = train_common::c4_text(256);
     c.devices.devices = vec!["cpu:0".into(), "cpu:1".into()];
     c.devices.strategy = strategy;
-    let ranks = if strategy == Strategy::DataParallel {
-        2
-    } else {
-        1
-    };
-
     let mut run = tunestudio::train::TrainingRun::new(c.clone()).unwrap();
-    // Rank 0's tensors as counted from themselves; the replica is built the same way.
+    // Every rank's weights and AdamW state, each counted from its own tensors.
     let t = run.tensor_bytes();
-    let state = ranks * (t.weights_bytes + t.optimizer_bytes);
+    let replicas = run.replica_tensor_bytes();
+    assert_eq!(
+        replicas.len(),
+        usize::from(strategy == Strategy::DataParallel),
+        "{strategy:?}"
+    );
+    let state = t.weights_bytes
+        + t.optimizer_bytes
+        + replicas
+            .iter()
+            .map(|r| r.weights_bytes + r.optimizer_bytes)
+            .sum::<u64>();
     let before = tunestudio::mem::current_bytes();
     tunestudio::mem::reset_peak();
     run.step_longest().unwrap();

@@ -10,6 +10,7 @@ pub mod bench;
 pub mod devices;
 pub mod export;
 pub mod generate;
+pub mod hub_progress;
 pub mod plan;
 pub mod preview;
 pub mod preview_pairs;
@@ -45,6 +46,9 @@ pub enum Command {
 
 /// Runs the parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    if cli.command.as_ref().is_some_and(|c| !matches!(c, Command::Gui)) {
+        hub_progress::install();
+    }
     match cli.command {
         None | Some(Command::Gui) => run_gui(),
         Some(Command::Train(args)) => train::run(args),

@@ -1,53 +1,24 @@
 //! Hugging Face hub repositories through the local HF cache
 //! (`<cache>/datasets--org--name/snapshots/<rev>/`), downloading with
-//! hf-hub only when the cache lacks them and `HF_HUB_OFFLINE` is not set.
+//! hf-hub only when the cache lacks them and `HF_HUB_OFFLINE` is not set; the endpoint, token
+//! and cache are the environment's ([`crate::hub_env`]).
 
 use crate::data::DataError;
+use crate::hub_env::{HubEnv, HubError};
 use std::path::{Path, PathBuf};
 
-/// Which kind of hub repository.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RepoKind {
-    /// `models--org--name`.
-    Model,
-    /// `datasets--org--name`.
-    Dataset,
-}
-
-impl RepoKind {
-    fn folder_prefix(self) -> &'static str {
-        match self {
-            RepoKind::Model => "models",
-            RepoKind::Dataset => "datasets",
-        }
-    }
-}
+pub use crate::hub_env::{repo_cache_folder, RepoKind};
 
 /// The HF hub cache folder: `HF_HUB_CACHE`, else `HF_HOME/hub`, else
-/// `~/.cache/huggingface/hub` (as huggingface_hub resolves it).
+/// `~/.cache/huggingface/hub` (as huggingface_hub resolves it; [`HubEnv`] reads it for
+/// models and datasets alike).
 pub fn hub_cache_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("HF_HUB_CACHE") {
-        return PathBuf::from(dir);
-    }
-    if let Some(home) = std::env::var_os("HF_HOME") {
-        return PathBuf::from(home).join("hub");
-    }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_default();
-    home.join(".cache").join("huggingface").join("hub")
+    HubEnv::from_env().cache_dir
 }
 
 /// Whether `HF_HUB_OFFLINE` asks for no network access.
 pub fn hub_offline() -> bool {
-    std::env::var("HF_HUB_OFFLINE")
-        .map(|v| {
-            matches!(
-                v.trim().to_ascii_lowercase().as_str(),
-                "1" | "true" | "yes" | "on"
-            )
-        })
-        .unwrap_or(false)
+    HubEnv::from_env().offline
 }
 
 /// Whether `s` has the shape of a hub id (`org/name` or `org/name@rev`,
@@ -75,15 +46,6 @@ pub fn split_revision(s: &str) -> (&str, &str) {
         Some((id, _)) => (id, "main"),
         None => (s, "main"),
     }
-}
-
-/// The repository's folder in the cache: `<cache>/datasets--org--name`.
-pub fn repo_cache_folder(cache_dir: &Path, kind: RepoKind, id: &str) -> PathBuf {
-    cache_dir.join(format!(
-        "{}--{}",
-        kind.folder_prefix(),
-        id.replace('/', "--")
-    ))
 }
 
 /// The cached snapshot folder of `id` at `revision` (a branch/tag name
@@ -114,8 +76,12 @@ pub fn resolve_repo(
     wanted: &dyn Fn(&str) -> bool,
 ) -> Result<PathBuf, DataError> {
     let (id, rev) = split_revision(id_at_rev);
+    // A snapshot holds what was downloaded so far: a model's config.json without its
+    // tokenizer, say, when that download was cut off. Only one with a wanted file is used.
     if let Some(snap) = cached_snapshot(cache_dir, kind, id, rev) {
-        return Ok(snap);
+        if has_wanted_file(&snap, &snap, wanted) {
+            return Ok(snap);
+        }
     }
     let cli_kind = match kind {
         RepoKind::Model => "model",
@@ -133,6 +99,23 @@ pub fn resolve_repo(
     download(id, rev, kind, cache_dir, wanted)
 }
 
+/// Whether any file under `dir` (named relative to `root`) is `wanted`.
+fn has_wanted_file(root: &Path, dir: &Path, wanted: &dyn Fn(&str) -> bool) -> bool {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    entries.flatten().any(|e| {
+        let path = e.path();
+        if path.is_dir() {
+            return has_wanted_file(root, &path, wanted);
+        }
+        path.is_file()
+            && path
+                .strip_prefix(root)
+                .is_ok_and(|rel| wanted(&rel.to_string_lossy().replace('\\', "/")))
+    })
+}
+
 fn download(
     id: &str,
     rev: &str,
@@ -140,50 +123,28 @@ fn download(
     cache_dir: &Path,
     wanted: &dyn Fn(&str) -> bool,
 ) -> Result<PathBuf, DataError> {
-    use hf_hub::{api::sync::ApiBuilder, Cache, Repo, RepoType};
-    let hub_err = |message: String| DataError::Hub {
+    let hub_err = |e: HubError| DataError::Hub {
         id: id.to_string(),
-        message,
+        message: e.to_string(),
     };
-    let api = ApiBuilder::from_cache(Cache::new(cache_dir.to_path_buf()))
-        .with_progress(false)
-        .build()
-        .map_err(|e| hub_err(format!("cannot start the hub client: {e}")))?;
-    let repo_type = match kind {
-        RepoKind::Model => RepoType::Model,
-        RepoKind::Dataset => RepoType::Dataset,
-    };
-    let repo = api.repo(Repo::with_revision(
-        id.to_string(),
-        repo_type,
-        rev.to_string(),
-    ));
-    let info = repo.info().map_err(|e| {
-        hub_err(format!(
-            "cannot list the repository (revision {rev}): {e}; check the id, your network, or HF_TOKEN for gated repositories"
-        ))
-    })?;
-    let files: Vec<String> = info
-        .siblings
-        .iter()
-        .map(|s| s.rfilename.clone())
-        .filter(|f| wanted(f))
-        .collect();
+    let repo = HubEnv::from_env()
+        .with_cache(cache_dir.to_path_buf(), false)
+        .repo(kind, id, rev)
+        .map_err(hub_err)?;
+    let listed = repo.files().map_err(hub_err)?;
+    let files: Vec<&String> = listed.iter().filter(|f| wanted(f)).collect();
     if files.is_empty() {
-        return Err(hub_err(format!(
-            "revision {rev} has no usable files (found: {})",
-            info.siblings
-                .iter()
-                .map(|s| s.rfilename.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        )));
+        return Err(DataError::Hub {
+            id: id.to_string(),
+            message: format!(
+                "revision {rev} has no usable files (found: {})",
+                listed.join(", ")
+            ),
+        });
     }
     let mut snapshot = None;
-    for f in &files {
-        let local = repo
-            .get(f)
-            .map_err(|e| hub_err(format!("downloading {f} failed: {e}")))?;
+    for f in files {
+        let local = repo.get(f).map_err(hub_err)?;
         // The snapshot folder is the file's path minus the repo-relative part.
         let depth = Path::new(f).components().count();
         let mut dir = local.clone();
@@ -192,7 +153,10 @@ fn download(
         }
         snapshot = Some(dir);
     }
-    snapshot.ok_or_else(|| hub_err("nothing was downloaded".into()))
+    snapshot.ok_or_else(|| DataError::Hub {
+        id: id.to_string(),
+        message: "nothing was downloaded".into(),
+    })
 }
 
 #[cfg(test)]

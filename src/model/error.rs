@@ -100,16 +100,10 @@ pub enum ModelError {
         /// The cache folder that was searched.
         cache: PathBuf,
     },
-    /// Downloading from the hub failed.
-    #[error("cannot download `{model}` ({file}) from the Hugging Face hub: {message} (check the id, your network and HF_TOKEN for gated models)")]
-    Hub {
-        /// The hub id.
-        model: String,
-        /// The file being fetched.
-        file: String,
-        /// The client's message.
-        message: String,
-    },
+    /// Downloading from the hub failed: refused (gated or private, naming HF_TOKEN), not
+    /// found, unreachable, or broken off.
+    #[error(transparent)]
+    Hub(#[from] crate::hub_env::HubError),
     /// A trainable parameter received no gradient in a backward pass.
     #[error("trainable parameter `{name}` got no gradient from this backward pass: the graph is cut somewhere (a non-differentiable op) or the loss does not depend on it")]
     MissingGradient {

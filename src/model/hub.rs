@@ -2,6 +2,7 @@
 //! through the local HF cache (and downloaded with hf-hub unless offline).
 
 use super::error::ModelError;
+use crate::hub_env::{repo_cache_folder, HubEnv, HubError, RepoKind};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -32,29 +33,15 @@ pub struct HubOptions {
 }
 
 impl HubOptions {
-    /// The cache location transformers uses: `$HF_HUB_CACHE`, else `$HF_HOME/hub`,
-    /// else `~/.cache/huggingface/hub`; offline when `HF_HUB_OFFLINE` is 1/true/yes.
+    /// The cache and offline mode of the environment, as [`HubEnv::from_env`] reads them for
+    /// models and datasets alike: `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else
+    /// `~/.cache/huggingface/hub`; offline when `HF_HUB_OFFLINE` is 1/true/yes/on.
     pub fn from_env() -> Self {
-        let cache_dir = if let Some(dir) = std::env::var_os("HF_HUB_CACHE") {
-            PathBuf::from(dir)
-        } else if let Some(home) = std::env::var_os("HF_HOME") {
-            PathBuf::from(home).join("hub")
-        } else {
-            let home = std::env::var_os("HOME")
-                .or_else(|| std::env::var_os("USERPROFILE"))
-                .map(PathBuf::from)
-                .unwrap_or_else(|| PathBuf::from("."));
-            home.join(".cache").join("huggingface").join("hub")
-        };
-        let offline = std::env::var("HF_HUB_OFFLINE")
-            .map(|v| {
-                matches!(
-                    v.trim().to_ascii_lowercase().as_str(),
-                    "1" | "true" | "yes" | "on"
-                )
-            })
-            .unwrap_or(false);
-        Self { cache_dir, offline }
+        let env = HubEnv::from_env();
+        Self {
+            cache_dir: env.cache_dir,
+            offline: env.offline,
+        }
     }
 }
 
@@ -155,7 +142,7 @@ fn is_hub_id(source: &str) -> bool {
 
 /// The snapshot folder of `repo_id` in an HF cache, if `refs/main` points at one.
 pub fn cached_snapshot(cache_dir: &Path, repo_id: &str) -> Option<PathBuf> {
-    let repo_dir = cache_dir.join(format!("models--{}", repo_id.replace('/', "--")));
+    let repo_dir = repo_cache_folder(cache_dir, RepoKind::Model, repo_id);
     let rev = std::fs::read_to_string(repo_dir.join("refs").join("main")).ok()?;
     let snap = repo_dir.join("snapshots").join(rev.trim());
     snap.join("config.json").is_file().then_some(snap)
@@ -193,45 +180,45 @@ pub fn resolve_model_in(source: &str, opts: &HubOptions) -> Result<ModelFiles, M
     download(source, opts)
 }
 
+/// Downloads `repo_id` at `main` into `opts.cache_dir` with the environment's endpoint and
+/// token (files already cached are not fetched again).
 fn download(repo_id: &str, opts: &HubOptions) -> Result<ModelFiles, ModelError> {
-    let hub_err = |file: &str, e: hf_hub::api::sync::ApiError| ModelError::Hub {
-        model: repo_id.to_string(),
-        file: file.to_string(),
-        message: e.to_string(),
+    let env = HubEnv::from_env().with_cache(opts.cache_dir.clone(), opts.offline);
+    let hub_err = |e: HubError| match e {
+        HubError::Offline { cache, .. } => ModelError::HubOffline {
+            model: repo_id.to_string(),
+            cache,
+        },
+        other => ModelError::Hub(other),
     };
-    let api = hf_hub::api::sync::ApiBuilder::new()
-        .with_cache_dir(opts.cache_dir.clone())
-        .with_progress(false)
-        .build()
-        .map_err(|e| hub_err("(client)", e))?;
-    let repo = api.model(repo_id.to_string());
-    let config = repo
-        .get("config.json")
-        .map_err(|e| hub_err("config.json", e))?;
+    let repo = env.repo(RepoKind::Model, repo_id, "main").map_err(hub_err)?;
+    let config = repo.get("config.json").map_err(hub_err)?;
     let dir = config
         .parent()
         .map(Path::to_path_buf)
         .unwrap_or_else(|| opts.cache_dir.clone());
-    // Sharded checkpoints have an index; single-file ones do not.
-    match repo.get("model.safetensors.index.json") {
-        Ok(index) => {
+    // Sharded checkpoints have an index; single-file ones do not (the hub answers 404).
+    match repo
+        .get_optional("model.safetensors.index.json")
+        .map_err(hub_err)?
+    {
+        Some(index) => {
             for shard in shards_from_index(&index)? {
-                repo.get(&shard).map_err(|e| hub_err(&shard, e))?;
+                repo.get(&shard).map_err(hub_err)?;
             }
         }
-        Err(_) => {
-            repo.get("model.safetensors")
-                .map_err(|e| hub_err("model.safetensors", e))?;
+        None => {
+            repo.get("model.safetensors").map_err(hub_err)?;
         }
     }
-    // Tokenizer files are optional (some repos keep only weights).
+    // Tokenizer files are optional (some repos keep only weights); any other failure is not.
     for f in [
         "tokenizer.json",
         "tokenizer_config.json",
         "chat_template.jinja",
         "generation_config.json",
     ] {
-        let _ = repo.get(f);
+        repo.get_optional(f).map_err(hub_err)?;
     }
     ModelFiles::from_dir(&dir)
 }

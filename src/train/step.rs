@@ -744,6 +744,19 @@ impl TrainingRun {
         }
     }
 
+    /// The weights and AdamW state of every data-parallel rank after the first, each counted
+    /// from its own tensors (empty unless data parallel).
+    pub fn replica_tensor_bytes(&self) -> Vec<crate::plan::TensorBytes> {
+        self.replicas
+            .iter()
+            .map(|r| crate::plan::TensorBytes {
+                weights_bytes: r.model.weights_bytes(),
+                optimizer_bytes: r.optimizer.state_bytes(),
+                gradients_bytes: None,
+            })
+            .collect()
+    }
+
     /// Every rank's model, rank 0 first.
     fn rank_models(&self) -> Vec<&CausalLm> {
         std::iter::once(&self.model)
