@@ -46,7 +46,11 @@ pub enum Command {
 
 /// Runs the parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
-    if cli.command.as_ref().is_some_and(|c| !matches!(c, Command::Gui)) {
+    if cli
+        .command
+        .as_ref()
+        .is_some_and(|c| !matches!(c, Command::Gui))
+    {
         hub_progress::install();
     }
     match cli.command {

@@ -102,8 +102,9 @@ pub enum ModelError {
     },
     /// Downloading from the hub failed: refused (gated or private, naming HF_TOKEN), not
     /// found, unreachable, or broken off.
+    /// (Boxed: the error names so much that it would make every `Result` large.)
     #[error(transparent)]
-    Hub(#[from] crate::hub_env::HubError),
+    Hub(Box<crate::hub_env::HubError>),
     /// A trainable parameter received no gradient in a backward pass.
     #[error("trainable parameter `{name}` got no gradient from this backward pass: the graph is cut somewhere (a non-differentiable op) or the loss does not depend on it")]
     MissingGradient {

@@ -168,7 +168,13 @@ pub fn resolve_model_in(source: &str, opts: &HubOptions) -> Result<ModelFiles, M
     }
     if let Some(snap) = cached_snapshot(&opts.cache_dir, source) {
         if let Ok(files) = ModelFiles::from_dir(&snap) {
-            return Ok(files);
+            if files.tokenizer.is_some() || opts.offline {
+                return Ok(files);
+            }
+            // A download cut off before the tokenizer leaves a snapshot without it: fetch what
+            // is missing (cached files are not fetched again). A repository without a
+            // tokenizer, or no network, leaves the cached files as they are.
+            return Ok(download(source, opts).unwrap_or(files));
         }
     }
     if opts.offline {
@@ -189,9 +195,11 @@ fn download(repo_id: &str, opts: &HubOptions) -> Result<ModelFiles, ModelError> 
             model: repo_id.to_string(),
             cache,
         },
-        other => ModelError::Hub(other),
+        other => ModelError::Hub(Box::new(other)),
     };
-    let repo = env.repo(RepoKind::Model, repo_id, "main").map_err(hub_err)?;
+    let repo = env
+        .repo(RepoKind::Model, repo_id, "main")
+        .map_err(hub_err)?;
     let config = repo.get("config.json").map_err(hub_err)?;
     let dir = config
         .parent()

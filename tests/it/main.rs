@@ -25,6 +25,7 @@ mod devices_gpu_check;
 mod devices_strategies;
 mod export_gguf;
 mod gui_window;
+mod hub_download;
 mod infer_generate;
 mod layering;
 mod model_generic;
