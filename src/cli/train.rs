@@ -229,6 +229,7 @@ fn render(event: &Event, bar: &mut Option<ProgressBar>, interactive: bool, log_e
             grad_norm,
             tokens_per_sec,
             skipped,
+            metrics,
             ..
         } => {
             if let Some(b) = bar {
@@ -241,10 +242,20 @@ fn render(event: &Event, bar: &mut Option<ProgressBar>, interactive: bool, log_e
                 } else {
                     ""
                 };
+                // Preference runs: TRL's reward figures on the same line.
+                let rewards: String = [
+                    ("rewards/accuracies", "acc"),
+                    ("rewards/margins", "margin"),
+                    ("rewards/chosen", "chosen"),
+                    ("rewards/rejected", "rejected"),
+                ]
+                .iter()
+                .filter_map(|(key, short)| metrics.get(*key).map(|v| format!("  {short} {v:.3}")))
+                .collect();
                 say(
                     bar.as_ref(),
                     format!(
-                        "step {step:>6}  loss {loss:.4}  lr {lr:.2e}  grad_norm {grad_norm:.3}  {tokens_per_sec:.0} tok/s{note}"
+                        "step {step:>6}  loss {loss:.4}{rewards}  lr {lr:.2e}  grad_norm {grad_norm:.3}  {tokens_per_sec:.0} tok/s{note}"
                     ),
                 );
             }

@@ -1277,6 +1277,7 @@ mod tests {
             epoch: 0.1,
             skipped: false,
             loss_scale: None,
+            metrics: Default::default(),
         });
         // Words alone do not make an out-of-memory error: the trainer's event does.
         r.apply(Event::Error {

@@ -19,6 +19,27 @@ use super::decoder::IGNORE_INDEX;
 use super::error::ModelError;
 use candle_core::{DType, Device, Tensor, D};
 
+/// The model's log-probabilities of each row's completion tokens (labels other than
+/// [`IGNORE_INDEX`]): a forward pass (`train`: with dropout and a graph for backward), the
+/// head's full logits in f32, and [`sequence_logps`]. The logits of every position exist at
+/// once (TRL's `concatenated_forward` does the same); the planner counts them.
+pub fn model_sequence_logps(
+    model: &super::CausalLm,
+    input_ids: &Tensor,
+    attention_mask: Option<&Tensor>,
+    labels: &Tensor,
+    train: bool,
+) -> Result<SequenceLogps, ModelError> {
+    let h = model.hidden_states(input_ids, attention_mask, train)?;
+    let (b, t, hidden) = h.dims3()?;
+    let logits = model
+        .head_matmul(&h.reshape((b * t, hidden))?)?
+        .to_dtype(DType::F32)?
+        .reshape((b, t, model.config().vocab_size))?;
+    let logps = sequence_logps(&logits, &labels.to_device(logits.device())?)?;
+    Ok(if train { logps } else { logps.detach() })
+}
+
 /// Log-probabilities of the completion tokens of each row of a batch.
 #[derive(Debug, Clone)]
 pub struct SequenceLogps {

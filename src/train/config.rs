@@ -35,6 +35,8 @@ pub struct RunConfig {
     pub checkpoint: CheckpointSection,
     /// `[devices]`: where to train.
     pub devices: DevicesSection,
+    /// `[preference]`: the loss and reference of `training.method = "dpo"` or `"orpo"`.
+    pub preference: PreferenceSection,
     /// The folder relative paths are resolved against (the config file's folder).
     /// Not written to the file.
     #[serde(skip)]
@@ -52,6 +54,7 @@ impl Default for RunConfig {
             eval: EvalSection::default(),
             checkpoint: CheckpointSection::default(),
             devices: DevicesSection::default(),
+            preference: PreferenceSection::default(),
             base_dir: PathBuf::new(),
         }
     }
@@ -177,6 +180,110 @@ pub struct TrainingSection {
     pub loss_scale_growth_interval: u64,
     /// What a loss spike after the warm-up does: `"warn"` or `"stop"` (see `train::divergence`).
     pub on_divergence: super::divergence::OnDivergence,
+    /// What is learned: `"sft"` (next tokens of the data), `"dpo"` or `"orpo"` (preference
+    /// pairs; see `[preference]`).
+    pub method: TrainingMethod,
+}
+
+/// `[training] method`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TrainingMethod {
+    /// Supervised fine-tuning: the causal-LM loss on the trained tokens.
+    #[default]
+    Sft,
+    /// Direct preference optimisation (`[preference] loss = "sigmoid"` or `"ipo"`) against a
+    /// reference model.
+    Dpo,
+    /// Odds-ratio preference optimisation: the chosen answers' NLL plus an odds-ratio term;
+    /// no reference model.
+    Orpo,
+}
+
+impl TrainingMethod {
+    /// Whether the method trains on preference pairs.
+    pub fn is_preference(self) -> bool {
+        self != TrainingMethod::Sft
+    }
+
+    /// The config spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            TrainingMethod::Sft => "sft",
+            TrainingMethod::Dpo => "dpo",
+            TrainingMethod::Orpo => "orpo",
+        }
+    }
+}
+
+/// `[preference] loss` (for DPO).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DpoLoss {
+    /// TRL's `sigmoid`: −log σ(β·margin), with cDPO's `label_smoothing`.
+    #[default]
+    Sigmoid,
+    /// IPO: (margin of mean log-probabilities − 1/(2β))².
+    Ipo,
+}
+
+/// `[preference] reference`: where DPO's reference log-probabilities come from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ReferenceMode {
+    /// `precomputed` (the only mode this version runs).
+    #[default]
+    Auto,
+    /// One pass over the data before the first step stores each pair's reference
+    /// log-probabilities (the model as loaded: the base, since a fresh LoRA adapter adds
+    /// nothing), so no second copy of the weights is held. Stored in the run folder for resume.
+    Precomputed,
+    /// The base with the adapter disabled, computed every step (not available yet).
+    AdapterDisabled,
+    /// A frozen copy of the weights on the training devices (not available yet).
+    Copy,
+}
+
+/// `[preference]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PreferenceSection {
+    /// DPO's loss.
+    pub loss: DpoLoss,
+    /// DPO's β (the reward scale; TRL's default 0.1); ORPO's λ, as in TRL.
+    pub beta: f64,
+    /// cDPO's ε: the probability that a pair's labels are flipped, in `[0, 0.5)`.
+    pub label_smoothing: f64,
+    /// Where the reference log-probabilities come from (DPO).
+    pub reference: ReferenceMode,
+    /// Prompt tokens kept, from the prompt's end (TRL's `max_prompt_length`).
+    pub max_prompt_length: usize,
+    /// Tokens kept of each completion, from its start.
+    pub max_completion_length: usize,
+}
+
+impl Default for PreferenceSection {
+    fn default() -> Self {
+        let limits = crate::data::preference::PairLimits::default();
+        PreferenceSection {
+            loss: DpoLoss::Sigmoid,
+            beta: 0.1,
+            label_smoothing: 0.0,
+            reference: ReferenceMode::Auto,
+            max_prompt_length: limits.max_prompt_length.unwrap_or(512),
+            max_completion_length: limits.max_completion_length.unwrap_or(512),
+        }
+    }
+}
+
+impl PreferenceSection {
+    /// The pair tokeniser's truncation lengths.
+    pub fn limits(&self) -> crate::data::preference::PairLimits {
+        crate::data::preference::PairLimits {
+            max_prompt_length: Some(self.max_prompt_length),
+            max_completion_length: Some(self.max_completion_length),
+        }
+    }
 }
 
 impl Default for TrainingSection {
@@ -203,6 +310,7 @@ impl Default for TrainingSection {
             initial_loss_scale: 65536.0,
             loss_scale_growth_interval: 200,
             on_divergence: super::divergence::OnDivergence::Warn,
+            method: TrainingMethod::Sft,
         }
     }
 }
@@ -323,6 +431,7 @@ const SECTIONS: &[&str] = &[
     "eval",
     "checkpoint",
     "devices",
+    "preference",
 ];
 
 impl RunConfig {
@@ -557,6 +666,7 @@ fn probe_and_strip(table: &mut toml::Table) -> Vec<ConfigProblem> {
             "eval" => probe_section::<EvalSection>(&key, table, &mut problems),
             "checkpoint" => probe_section::<CheckpointSection>(&key, table, &mut problems),
             "devices" => probe_section::<DevicesSection>(&key, table, &mut problems),
+            "preference" => probe_section::<PreferenceSection>(&key, table, &mut problems),
             "data" => probe_section::<DataConfig>(&key, table, &mut problems),
             _ => Some(format!(
                 "unknown setting; expected one of {}",

@@ -160,6 +160,11 @@ pub enum Event {
         /// fp16: the loss scale after this step.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         loss_scale: Option<f64>,
+        /// Preference training: TRL's metrics of the step by their names (`rewards/chosen`,
+        /// `rewards/rejected`, `rewards/accuracies`, `rewards/margins`, `logps/chosen`,
+        /// `logps/rejected`; ORPO's `nll_loss`, `log_odds_ratio`, `log_odds_chosen`).
+        #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+        metrics: std::collections::BTreeMap<String, f64>,
     },
     /// Evaluation on the validation split.
     Eval {

@@ -23,6 +23,7 @@ pub mod oom;
 pub mod placement;
 pub mod plan_adapter;
 pub mod precision;
+pub mod preference;
 pub mod resume_changes;
 pub mod samples;
 pub mod schedule;
@@ -33,8 +34,8 @@ pub mod validate;
 
 pub use checkpoint::{existing_run, latest_checkpoint, list_checkpoints, TrainerState};
 pub use config::{
-    CheckpointSection, DevicesSection, EvalSection, InitMode, LoraSection, ModelDtype,
-    ModelSection, RunConfig, TrainingSection,
+    CheckpointSection, DevicesSection, DpoLoss, EvalSection, InitMode, LoraSection, ModelDtype,
+    ModelSection, PreferenceSection, ReferenceMode, RunConfig, TrainingMethod, TrainingSection,
 };
 pub use dry_run::dry_run;
 pub use error::{ConfigError, ConfigProblem, Phase, TrainError};

@@ -21,8 +21,9 @@
 //!
 //! # What the planner reads
 //! The model's shape (`[model] source`, see [`plan_model`]); `[training] precision`,
-//! `micro_batch`, `gradient_accumulation`, `activation_checkpointing` and
-//! `optimizer_offload`; `[data] max_length`; `[lora] enabled`, and when it is on `r`,
+//! `micro_batch`, `gradient_accumulation`, `activation_checkpointing`, `optimizer_offload`
+//! and `method` (a preference step runs 2 × `micro_batch` rows cut at `[preference]
+//! max_prompt_length + max_completion_length`); `[data] max_length`; `[lora] enabled`, and when it is on `r`,
 //! `target_modules` and `[model] quantize` (QLoRA: a quantized base exists only under LoRA); `[devices] devices` (see [`plan_devices`]) and `strategy`; and the
 //! training-ops path (`TUNESTUDIO_OPS`). For the process's own terms ([`process_inputs`]): the
 //! sizes on disk of the tokenizer, the dataset (`[data] path`, `validation_path`) and the
@@ -67,12 +68,24 @@ pub fn plan_request(
         target_modules: config.lora.target_modules.clone(),
         quantize: config.model.quantize,
     });
+    // A preference step (DPO, ORPO) runs each pair's chosen and rejected rows as one batch,
+    // cut at the pair's prompt + completion lengths. (Its loss holds the rows' full logits,
+    // which the planner's chunked loss does not count yet.)
+    let (micro_batch, seq_len) = if t.method.is_preference() {
+        let p = &config.preference;
+        (
+            2 * t.micro_batch,
+            p.max_prompt_length + p.max_completion_length,
+        )
+    } else {
+        (t.micro_batch, config.data.max_length)
+    };
     PlanRequest {
         model,
         precision: t.precision,
-        micro_batch: t.micro_batch,
+        micro_batch,
         gradient_accumulation: t.gradient_accumulation,
-        seq_len: config.data.max_length,
+        seq_len,
         activation_checkpointing: t.activation_checkpointing,
         optimizer_offload: t.optimizer_offload == OptimizerOffload::Host,
         lora,

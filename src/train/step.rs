@@ -60,6 +60,8 @@ pub struct StepOutcome {
     pub loss_scale: Option<f64>,
     /// `(rows, padded length)` of each micro-batch.
     pub batch_shapes: Vec<(usize, usize)>,
+    /// A preference step's metrics under TRL's names (`rewards/chosen`, ...); `None` for SFT.
+    pub preference: Option<crate::model::preference::PreferenceMetrics>,
 }
 
 /// An evaluation's result.
@@ -93,7 +95,12 @@ struct Accumulated {
     /// no micro-batch had a trained token.
     grads: Vec<Gradients>,
     loss_sum: f64,
+    /// What the loss sum is divided by: trained tokens (SFT) or pairs (preference).
     tokens: u64,
+    /// Trained (label) tokens, for the throughput figures.
+    label_tokens: u64,
+    /// A preference step's metrics (TRL's names), merged over its micro-batches.
+    preference: Option<crate::model::preference::PreferenceMetrics>,
     shapes: Vec<(usize, usize)>,
     /// What the summed loss was multiplied by before backward.
     backward_factor: f64,
@@ -103,6 +110,43 @@ struct Accumulated {
 struct Replica {
     model: CausalLm,
     optimizer: AdamW,
+}
+
+/// The run's data: SFT samples, or preference pairs (their lints and warnings in `Splits`).
+fn load_data(
+    config: &RunConfig,
+    tokenizer: &crate::data::TokenizerBundle,
+    has_weights: bool,
+) -> Result<(Splits, Option<super::preference::PairRun>), TrainError> {
+    if config.training.method.is_preference() {
+        let (splits, pairs) =
+            super::preference::load_checked_pairs(config, tokenizer, has_weights)?;
+        Ok((splits, Some(pairs)))
+    } else {
+        Ok((
+            samples::load_checked_splits(config, tokenizer, has_weights)?,
+            None,
+        ))
+    }
+}
+
+/// A preference run's reference pass (the model as loaded is the reference, see
+/// `train::preference`) and the lengths its loader groups by; `None` for SFT.
+fn prepare_pairs(
+    pairs: Option<&mut super::preference::PairRun>,
+    model: &CausalLm,
+    pad_id: u32,
+    micro_batch: usize,
+) -> Result<Option<Vec<usize>>, TrainError> {
+    let Some(p) = pairs else {
+        return Ok(None);
+    };
+    p.compute_reference(model, pad_id, micro_batch)
+        .map_err(|cause| TrainError::Model {
+            context: "cannot compute the reference log-probabilities of the pairs".into(),
+            cause,
+        })?;
+    Ok(Some(p.train_lengths()))
 }
 
 /// The model and optimizer of every data-parallel rank after the first (none otherwise).
@@ -130,6 +174,9 @@ pub struct TrainingRun {
     /// Ranks 1.. under data parallel.
     replicas: Vec<Replica>,
     splits: Splits,
+    /// `[training] method = "dpo" | "orpo"`: the pairs, loss and reference (`splits` is then
+    /// empty but for its lints and warnings).
+    pairs: Option<super::preference::PairRun>,
     loader: DataLoader,
     schedule: LrSchedule,
     total_steps: u64,
@@ -319,7 +366,7 @@ impl TrainingRun {
         })?;
         samples::check_vocab(&tokenizer, &model_dir, model_config.vocab_size)?;
         let pad_id = tokenizer.pad().id;
-        let splits = samples::load_checked_splits(&config, &tokenizer, has_weights)?;
+        let (splits, mut pairs) = load_data(&config, &tokenizer, has_weights)?;
         let placement = super::placement::RunPlacement::open(
             &config,
             samples::split_trained_tokens(&config, &splits.train),
@@ -336,9 +383,11 @@ impl TrainingRun {
         }
         let replicas = build_replicas(&config, &placement)?;
         let t = &config.training;
+        let lengths = prepare_pairs(pairs.as_mut(), &model, pad_id, t.micro_batch)?
+            .unwrap_or_else(|| splits.train.iter().map(|s| s.len()).collect());
         // Under data parallel a micro-step draws `micro_batch` rows per rank.
         let loader = DataLoader::new(
-            splits.train.iter().map(|s| s.len()).collect(),
+            lengths,
             t.micro_batch * placement.ranks(),
             config.data.group_by_length,
             config.data.seed,
@@ -367,6 +416,7 @@ impl TrainingRun {
             optimizer,
             replicas,
             splits,
+            pairs,
             loader,
             schedule,
             total_steps,
@@ -627,12 +677,19 @@ impl TrainingRun {
 
     /// Rows in the training and validation splits.
     pub fn split_sizes(&self) -> (usize, usize) {
-        (self.splits.train.len(), self.splits.eval.len())
+        match &self.pairs {
+            Some(p) => (p.splits.train.len(), p.splits.eval.len()),
+            None => (self.splits.train.len(), self.splits.eval.len()),
+        }
     }
 
     /// The training split's trained tokens and longest row, for the memory plan
     /// ([`crate::plan::PlanRequest::trained_tokens`]; `None` with packing).
     pub fn data_trained_tokens(&self) -> Option<crate::plan::TrainedTokens> {
+        if self.pairs.is_some() {
+            // The plan counts every position of the pairs' rows.
+            return None;
+        }
         samples::split_trained_tokens(&self.config, &self.splits.train)
     }
 
@@ -706,7 +763,7 @@ impl TrainingRun {
     /// Whether an evaluation is due after the step just done.
     pub fn eval_due(&self) -> bool {
         let every = self.config.eval.eval_every;
-        !self.splits.eval.is_empty()
+        self.split_sizes().1 > 0
             && self.step > 0
             && ((every > 0 && self.step.is_multiple_of(every)) || self.is_done())
     }
@@ -781,6 +838,9 @@ impl TrainingRun {
         micro_batches: &[Vec<usize>],
         loss_scale: f64,
     ) -> Result<Accumulated, TrainError> {
+        if self.pairs.is_some() {
+            return self.accumulate_pairs(micro_batches, loss_scale);
+        }
         let step = self.step + 1;
         let settings = self.settings_summary();
         let max_length = self.config.data.max_length;
@@ -819,6 +879,8 @@ impl TrainingRun {
             grads: Vec::new(),
             loss_sum: 0.0,
             tokens: 0,
+            label_tokens: 0,
+            preference: None,
             shapes: Vec::new(),
             backward_factor,
         };
@@ -855,6 +917,7 @@ impl TrainingRun {
                 })?;
                 acc.loss_sum += loss;
                 acc.tokens += tokens as u64;
+                acc.label_tokens += tokens as u64;
                 per_rank.push(grads);
             }
             if let Some(message) = super::oom::injected_failure(step, Phase::Backward) {
@@ -866,6 +929,67 @@ impl TrainingRun {
             acc.grads = self
                 .all_reduce(per_rank)
                 .map_err(|e| step_error(Phase::Backward, step, shape, e, &settings))?;
+        }
+        Ok(acc)
+    }
+
+    /// [`Self::accumulate`] for preference pairs (one device): each micro-batch's pairs as one
+    /// batch of chosen then rejected rows, the gradient of the sum of their losses added in
+    /// place; the count is the step's pairs (see `train::preference`).
+    fn accumulate_pairs(
+        &mut self,
+        micro_batches: &[Vec<usize>],
+        loss_scale: f64,
+    ) -> Result<Accumulated, TrainError> {
+        let step = self.step + 1;
+        let settings = self.settings_summary();
+        let Some(pairs) = self.pairs.as_ref() else {
+            return Err(TrainError::EmptyDataset("no preference pairs".into()));
+        };
+        let step_pairs: usize = micro_batches.iter().map(Vec::len).sum();
+        let backward_factor = if loss_scale != 1.0 {
+            loss_scale / step_pairs.max(1) as f64
+        } else {
+            1.0
+        };
+        let seed_base = derive_seed(self.config.training.seed, DROPOUT_STREAM, 0);
+        self.model.dropout_seed_base = seed_base;
+        let mut grads = Gradients::new();
+        let mut acc = Accumulated {
+            grads: Vec::new(),
+            loss_sum: 0.0,
+            tokens: 0,
+            label_tokens: 0,
+            preference: None,
+            shapes: Vec::new(),
+            backward_factor,
+        };
+        for (i, rows) in micro_batches.iter().enumerate() {
+            let batch = pairs
+                .batch(rows, false, self.pad_id, &self.device)
+                .map_err(|e| step_error(Phase::Forward, step, (2 * rows.len(), 0), e, &settings))?;
+            let shape = (batch.rows, batch.seq_len);
+            acc.shapes.push(shape);
+            if let Some(message) = super::oom::injected_failure(step, Phase::Forward) {
+                return Err(step_error(Phase::Forward, step, shape, message, &settings));
+            }
+            self.model.forward_counter.store(
+                (step << 16) + i as u64,
+                std::sync::atomic::Ordering::Relaxed,
+            );
+            let out = pairs
+                .micro_step(&self.model, rows, &batch, backward_factor, &mut grads)
+                .map_err(|(phase, e)| step_error(phase, step, shape, e, &settings))?;
+            acc.loss_sum += out.loss_sum;
+            acc.tokens += out.pairs as u64;
+            acc.label_tokens += out.label_tokens as u64;
+            acc.preference = Some(match acc.preference {
+                Some(m) => m.merge(&out.metrics),
+                None => out.metrics,
+            });
+        }
+        if !grads.is_empty() {
+            acc.grads = vec![grads];
         }
         Ok(acc)
     }
@@ -1041,8 +1165,9 @@ impl TrainingRun {
             }
         }
         let shapes = acc.shapes;
+        let label_tokens = acc.label_tokens;
         self.step = step;
-        self.trained_tokens += tokens;
+        self.trained_tokens += label_tokens;
         let secs = started.elapsed().as_secs_f64();
         self.elapsed_secs += secs;
         if loss.is_finite() {
@@ -1053,14 +1178,15 @@ impl TrainingRun {
             loss,
             lr,
             grad_norm,
-            tokens,
-            tokens_per_sec: tokens as f64 / secs.max(1e-9),
+            tokens: label_tokens,
+            tokens_per_sec: label_tokens as f64 / secs.max(1e-9),
             trained_tokens: self.trained_tokens,
             elapsed_secs: self.elapsed_secs,
             epoch: self.loader.epoch_progress(),
             skipped,
             loss_scale: self.scaler.as_ref().map(|s| s.scale),
             batch_shapes: shapes,
+            preference: acc.preference,
         })
     }
 
@@ -1159,6 +1285,21 @@ impl TrainingRun {
         let started = Instant::now();
         let settings = self.settings_summary();
         let mb = self.config.training.micro_batch.max(1);
+        if let Some(p) = &self.pairs {
+            // The preference loss over the validation pairs (perplexity is not defined).
+            let metrics = p
+                .evaluate(&self.model, self.pad_id, mb, self.config.eval.max_batches)
+                .map_err(|e| step_error(Phase::Eval, self.step, (mb, 0), e, &settings))?;
+            let loss = metrics.map_or(f64::NAN, |m| m.loss);
+            self.last_eval_loss = Some(loss).filter(|l| l.is_finite());
+            self.elapsed_secs += started.elapsed().as_secs_f64();
+            return Ok(EvalResult {
+                step: self.step,
+                loss,
+                perplexity: f64::NAN,
+                tokens: metrics.map_or(0, |m| m.pairs as u64),
+            });
+        }
         let max_batches = match self.config.eval.max_batches {
             0 => usize::MAX,
             n => n,

@@ -604,5 +604,16 @@ pub fn step_event(o: &StepOutcome) -> Event {
         epoch: o.epoch,
         skipped: o.skipped,
         loss_scale: o.loss_scale,
+        metrics: o
+            .preference
+            .map(|m| {
+                m.named()
+                    .into_iter()
+                    // The loss is the event's own field.
+                    .filter(|(name, _)| *name != "loss")
+                    .map(|(name, v)| (name.to_string(), v))
+                    .collect()
+            })
+            .unwrap_or_default(),
     }
 }

@@ -16,8 +16,76 @@ pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
     data_problems(config, &mut p);
     // [checkpoint] / [eval] have no invalid values (0 = off / keep all) beyond their types.
     devices_problems(config, &mut p);
+    preference_problems(config, &mut p);
     output_dir_problems(config, &mut p);
     p
+}
+
+/// `[training] method` and `[preference]`: the settings a preference run reads, and what this
+/// version runs of it (one device; the reference precomputed).
+fn preference_problems(config: &RunConfig, p: &mut Vec<ConfigProblem>) {
+    use super::config::{DpoLoss, ReferenceMode, TrainingMethod};
+    let mut bad = |field: &str, message: String| p.push(ConfigProblem::new(field, message));
+    let method = config.training.method;
+    if !method.is_preference() {
+        return;
+    }
+    let pref = &config.preference;
+    if !(pref.beta > 0.0 && pref.beta.is_finite()) {
+        bad(
+            "preference.beta",
+            format!("must be > 0 (got {}); TRL's default is 0.1", pref.beta),
+        );
+    }
+    if !(0.0..0.5).contains(&pref.label_smoothing) {
+        bad(
+            "preference.label_smoothing",
+            format!("must be in [0, 0.5) (got {})", pref.label_smoothing),
+        );
+    }
+    if pref.max_prompt_length == 0 || pref.max_completion_length == 0 {
+        bad(
+            "preference.max_prompt_length",
+            "the prompt and completion lengths must be ≥ 1".into(),
+        );
+    }
+    if method == TrainingMethod::Orpo
+        && (pref.loss != DpoLoss::Sigmoid || pref.label_smoothing != 0.0)
+    {
+        bad(
+            "preference.loss",
+            "ORPO has its own loss: `loss` and `label_smoothing` are DPO's; remove them or set training.method = \"dpo\"".into(),
+        );
+    }
+    if matches!(
+        pref.reference,
+        ReferenceMode::AdapterDisabled | ReferenceMode::Copy
+    ) {
+        bad(
+            "preference.reference",
+            format!(
+                "`{}` is not available in this version; use \"precomputed\" (the reference log-probabilities of every pair are computed once before the first step, with no second copy of the weights)",
+                if pref.reference == ReferenceMode::Copy { "copy" } else { "adapter-disabled" }
+            ),
+        );
+    }
+    if config.devices.strategy != crate::settings::Strategy::Single
+        && config.devices.devices.len() > 1
+    {
+        bad(
+            "devices.strategy",
+            format!(
+                "training.method = \"{}\" runs on one device in this version; set strategy = \"single\"",
+                method.name()
+            ),
+        );
+    }
+    if config.data.packing {
+        bad(
+            "data.packing",
+            "preference pairs are not packed; set packing = false".into(),
+        );
+    }
 }
 
 /// `[model]`: the source is a model folder or a hub id; the dtype matches the precision.

@@ -44,6 +44,7 @@ mod plan_verdicts;
 mod preference_data;
 mod preference_loss;
 mod preference_preview;
+mod preference_train;
 mod text_shaping;
 mod train_config;
 mod train_first_run;

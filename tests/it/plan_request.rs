@@ -18,6 +18,7 @@ use tunestudio::train::{
     self, CheckpointSection, DevicesSection, EvalSection, InitMode, LoraSection, ModelDtype,
     ModelSection, RunConfig, ScheduleKind, TrainingSection,
 };
+use tunestudio::train::{DpoLoss, PreferenceSection, ReferenceMode, TrainingMethod};
 
 /// Whether the planner reads a key.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -29,6 +30,9 @@ enum Reads {
     /// For the process's terms (`train::process_inputs`: file sizes, whether the run
     /// evaluates): a change changes the request exactly when it changes what is derived.
     ForProcess,
+    /// Only with `[training] method = "dpo" | "orpo"` (the pairs' lengths); under SFT a
+    /// change changes nothing.
+    WhenPreference,
     /// Never: a change must leave the request equal.
     No,
 }
@@ -427,6 +431,57 @@ fn keys() -> Vec<Key> {
             reads: Yes,
             change: |c| c.devices.strategy = next(&DeviceStrategy::ALL, c.devices.strategy),
         },
+        // A preference step runs each pair's two rows in one batch, cut at the pair's lengths.
+        Key {
+            name: "training.method",
+            reads: Yes,
+            change: |c| {
+                c.training.method = match c.training.method {
+                    TrainingMethod::Sft => TrainingMethod::Dpo,
+                    _ => TrainingMethod::Sft,
+                }
+            },
+        },
+        Key {
+            name: "preference.max_prompt_length",
+            reads: WhenPreference,
+            change: |c| c.preference.max_prompt_length += 1,
+        },
+        Key {
+            name: "preference.max_completion_length",
+            reads: WhenPreference,
+            change: |c| c.preference.max_completion_length += 1,
+        },
+        Key {
+            name: "preference.loss",
+            reads: No,
+            change: |c| {
+                c.preference.loss = match c.preference.loss {
+                    DpoLoss::Sigmoid => DpoLoss::Ipo,
+                    DpoLoss::Ipo => DpoLoss::Sigmoid,
+                }
+            },
+        },
+        Key {
+            name: "preference.beta",
+            reads: No,
+            change: |c| c.preference.beta *= 2.0,
+        },
+        Key {
+            name: "preference.label_smoothing",
+            reads: No,
+            change: |c| c.preference.label_smoothing += 0.1,
+        },
+        Key {
+            name: "preference.reference",
+            reads: No,
+            change: |c| {
+                c.preference.reference = match c.preference.reference {
+                    ReferenceMode::Precomputed => ReferenceMode::Auto,
+                    _ => ReferenceMode::Precomputed,
+                }
+            },
+        },
     ]
 }
 
@@ -463,6 +518,7 @@ fn run_config_keys() -> BTreeSet<String> {
         ("eval", fields_of::<EvalSection>()),
         ("checkpoint", fields_of::<CheckpointSection>()),
         ("devices", fields_of::<DevicesSection>()),
+        ("preference", fields_of::<PreferenceSection>()),
     ];
     let is_section = |name: &str| sections.iter().any(|(s, _)| *s == name);
     let mut out = BTreeSet::new();
@@ -582,6 +638,7 @@ fn changing_a_key_the_planner_reads_changes_the_request_and_no_other_does() {
                 let must_differ = match key.reads {
                     Reads::Yes => true,
                     Reads::WhenLoraIsOn => config.lora.enabled,
+                    Reads::WhenPreference => config.training.method.is_preference(),
                     Reads::ForProcess => {
                         train::process_inputs(&changed) != train::process_inputs(&config)
                     }
