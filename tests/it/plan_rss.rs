@@ -158,6 +158,43 @@ fn a_single_prompt_column_parquet_peaks_at_the_plan_of_its_longest_batch() {
     check_planned_peak_rss("single-Prompt Parquet at 1024", &config);
 }
 
+/// The new user's run of issue #44 in SmolLM2-135M's shape (30 layers, hidden 576, its
+/// tokenizer; random weights: no pretrained checkpoint is available offline): Hebrew Alpaca
+/// rows far shorter than `max_length = 192`, micro-batch 4. Before, the plan counted 4 × 192
+/// positions and was 14 % over the measured peak.
+#[cfg(target_os = "linux")]
+#[test]
+fn smollm2_shape_on_short_hebrew_rows_peaks_at_the_plan_of_its_longest_batch() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let model = tmp.path().join("smollm2-135m");
+    std::fs::create_dir_all(&model).unwrap();
+    std::fs::copy(
+        tunestudio::paths::shared_dir().join("model-configs/smollm2-135m.json"),
+        model.join("config.json"),
+    )
+    .unwrap();
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ] {
+        std::fs::copy(root.join("assets/demo-model").join(f), model.join(f)).unwrap();
+    }
+    let config = real_rows_config(tmp.path(), &root.join("tests/fixtures/alpaca_he.json"), 192);
+    let text = std::fs::read_to_string(&config).unwrap();
+    let demo_model = format!("{:?}", root.join("assets/demo-model").display().to_string());
+    let text = text.replace(&demo_model, &format!("{:?}", model.display().to_string()));
+    assert!(!text.contains(&demo_model));
+    std::fs::write(&config, text).unwrap();
+    let settings = planned_settings(&config);
+    assert!(
+        settings.contains("planned for the longest batch of this data"),
+        "{settings}"
+    );
+    check_planned_peak_rss("SmolLM2-135M shape, Hebrew rows at 192", &config);
+}
+
 /// The settings line of `tunestudio plan --config`.
 fn planned_settings(config: &Path) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_tunestudio"))
