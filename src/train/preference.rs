@@ -270,15 +270,7 @@ impl PairRun {
         device: &Device,
     ) -> Result<TensorBatch, ModelError> {
         let batch = collate_pairs(pairs, &CollateOptions::new(pad_id, self.max_length));
-        let (input_ids, attention_mask, labels) = batch.to_tensors(device)?;
-        Ok(TensorBatch {
-            input_ids,
-            attention_mask,
-            labels,
-            rows: batch.batch_size,
-            seq_len: batch.seq_len,
-            trained_tokens: batch.num_trained_tokens,
-        })
+        Ok(TensorBatch::from_batch(&batch, device)?)
     }
 
     /// The stored reference of pairs `indices` of a split (`None` for ORPO).

@@ -188,13 +188,23 @@ pub fn collate(
     device: &Device,
 ) -> Result<TensorBatch, candle_core::Error> {
     let batch = crate::data::collate(samples, &CollateOptions::new(pad_id, max_length));
-    let (input_ids, attention_mask, labels) = batch.to_tensors(device)?;
-    Ok(TensorBatch {
-        input_ids,
-        attention_mask,
-        labels,
-        rows: batch.batch_size,
-        seq_len: batch.seq_len,
-        trained_tokens: batch.num_trained_tokens,
-    })
+    TensorBatch::from_batch(&batch, device)
+}
+
+impl TensorBatch {
+    /// A collated batch moved to `device`.
+    pub fn from_batch(
+        batch: &crate::data::Batch,
+        device: &Device,
+    ) -> Result<TensorBatch, candle_core::Error> {
+        let (input_ids, attention_mask, labels) = batch.to_tensors(device)?;
+        Ok(TensorBatch {
+            input_ids,
+            attention_mask,
+            labels,
+            rows: batch.batch_size,
+            seq_len: batch.seq_len,
+            trained_tokens: batch.num_trained_tokens,
+        })
+    }
 }

@@ -106,6 +106,21 @@ struct Accumulated {
     backward_factor: f64,
 }
 
+impl Accumulated {
+    /// Nothing accumulated yet; the summed loss is multiplied by `backward_factor`.
+    fn new(backward_factor: f64) -> Self {
+        Accumulated {
+            grads: Vec::new(),
+            loss_sum: 0.0,
+            tokens: 0,
+            label_tokens: 0,
+            preference: None,
+            shapes: Vec::new(),
+            backward_factor,
+        }
+    }
+}
+
 /// A data-parallel rank other than rank 0: its own model replica and optimizer, on its device.
 struct Replica {
     model: CausalLm,
@@ -875,15 +890,7 @@ impl TrainingRun {
         };
         // Each rank's gradients, summed in place over the micro-batches (one buffer each).
         let mut per_rank: Vec<Gradients> = vec![Gradients::new(); ranks];
-        let mut acc = Accumulated {
-            grads: Vec::new(),
-            loss_sum: 0.0,
-            tokens: 0,
-            label_tokens: 0,
-            preference: None,
-            shapes: Vec::new(),
-            backward_factor,
-        };
+        let mut acc = Accumulated::new(backward_factor);
         let seed_base = derive_seed(self.config.training.seed, DROPOUT_STREAM, 0);
         self.model.dropout_seed_base = seed_base;
         for r in &mut self.replicas {
@@ -955,15 +962,7 @@ impl TrainingRun {
         let seed_base = derive_seed(self.config.training.seed, DROPOUT_STREAM, 0);
         self.model.dropout_seed_base = seed_base;
         let mut grads = Gradients::new();
-        let mut acc = Accumulated {
-            grads: Vec::new(),
-            loss_sum: 0.0,
-            tokens: 0,
-            label_tokens: 0,
-            preference: None,
-            shapes: Vec::new(),
-            backward_factor,
-        };
+        let mut acc = Accumulated::new(backward_factor);
         for (i, rows) in micro_batches.iter().enumerate() {
             let batch = pairs
                 .batch(rows, false, self.pad_id, &self.device)
