@@ -50,6 +50,11 @@ const BREAKING: &[(&str, &str)] = &[
     ("training.seed", "other random draws (data order, dropout)"),
     ("lora.", "another adapter shape"),
     ("devices.strategy", "another placement of the model"),
+    ("training.method", "another training objective"),
+    (
+        "preference.max_",
+        "other pair truncation (other tokens, another reference)",
+    ),
 ];
 
 /// Every setting that differs, in the run config's order.
@@ -158,6 +163,29 @@ mod tests {
             "{}",
             changes[0]
         );
+    }
+
+    #[test]
+    fn another_method_or_pair_cut_breaks_the_resume_and_another_beta_does_not() {
+        let before = RunConfig::default();
+        let mut after = before.clone();
+        after.training.method = super::super::config::TrainingMethod::Dpo;
+        after.preference.max_completion_length += 1;
+        after.preference.beta = 0.2;
+        let changes = config_changes(&before, &after);
+        let breaking: Vec<&str> = changes
+            .iter()
+            .filter(|c| c.breaks_resume)
+            .map(|c| c.setting.as_str())
+            .collect();
+        assert_eq!(
+            breaking,
+            ["preference.max_completion_length", "training.method"],
+            "{changes:?}"
+        );
+        assert!(changes
+            .iter()
+            .any(|c| c.setting == "preference.beta" && !c.breaks_resume));
     }
 
     #[test]
