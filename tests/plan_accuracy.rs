@@ -328,3 +328,99 @@ fn native_lora_step_matches_the_planner() {
         assert!(ea.abs() <= 10.0, "{c:?}: forward activations {ea:+.2} %");
     }
 }
+
+/// The plan follows the CPU's gemm geometry (#44 item 5): the same step, planned and measured
+/// in rayon pools of 1, 2 and 3 threads. Each thread that packs a product keeps one L2 slab of
+/// the size gemm read from this machine's sysfs, for the thread's life. Which of a pool's
+/// threads have packed by a given step depends on work stealing (measured here: 1 and 2
+/// threads' first step peaked alike, 3 threads' 2 MiB higher), while over a run every thread
+/// does, and the plan is for the run; so each pool's threads first touch their slab (what a
+/// later step finds), and the step is measured on top. The plans made with each pool's
+/// `GemmGeometry` must then be within 3 % and follow the measured differences within a quarter
+/// of a slab, which also checks the slab size the planner reads is the one gemm allocates.
+/// A plan for another machine's cache (Zen 4's 1 MiB slab) moves by exactly threads × the
+/// slab's difference.
+#[test]
+fn the_plan_follows_the_gemm_geometry_it_is_given() {
+    use candle_core::{DType, Device};
+    use tunestudio::model::{CausalLm, ModelConfig};
+    use tunestudio::plan::Precision::Fp32;
+    use tunestudio::plan::{DeviceSpec, GemmGeometry};
+    let _guard = exclusive();
+    let mut raw = harness::model_config().raw.clone();
+    raw["num_hidden_layers"] = 2.into();
+    raw["vocab_size"] = 4096.into();
+    let cfg = ModelConfig::from_json_str(&raw.to_string(), "2-layer smollm").unwrap();
+    harness::warm_up_process();
+    let slab = GemmGeometry::host().l2_slab_bytes;
+    let c = harness::case(Fp32, false, false, 2, 256);
+    let mut rows = Vec::new();
+    for threads in [1usize, 2, 3] {
+        // Taken before the pool exists: its threads' slabs are part of what is measured.
+        let zero = tunestudio::mem::current_bytes();
+        // Joinable threads: a dropped pool's threads free their slabs only when they exit,
+        // which must happen before the next pool's zero is taken.
+        let mut workers = Vec::new();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .spawn_handler(|thread| {
+                workers.push(std::thread::spawn(move || thread.run()));
+                Ok(())
+            })
+            .build()
+            .unwrap();
+        pool.broadcast(|_| gemm_common::gemm::L2_SLAB.with(|_| ()));
+        let m = pool.install(|| {
+            let mut model = CausalLm::random_init(&cfg, 7, DType::F32, &Device::Cpu).unwrap();
+            harness::measure(&mut model, &c, zero, 5)
+        });
+        drop(pool);
+        for worker in workers {
+            worker.join().unwrap();
+        }
+        // Inside `install` the caller is one of the pool's threads: `threads` slabs, not +1.
+        let geometry = GemmGeometry {
+            l2_slab_bytes: slab,
+            threads: threads as u64,
+        };
+        let mut req = harness::request(&cfg, &c);
+        req.devices = vec![DeviceSpec::cpu(1 << 40).with_gemm(geometry)];
+        let d = tunestudio::plan::plan(&req).unwrap().per_device.remove(0);
+        println!(
+            "{threads} thread(s), slab {} MiB: measured {:.2} MiB, planned {:.2} MiB ({:+.2} %)",
+            harness::mib(slab),
+            harness::mib(m.peak),
+            harness::mib(d.peak_bytes),
+            err_pct(d.peak_bytes, m.peak)
+        );
+        let e = err_pct(d.peak_bytes, m.peak);
+        assert!(e.abs() <= 3.0, "{threads} thread(s): peak {e:+.2} %");
+        rows.push((m.peak, d.peak_bytes));
+        // The same CPU with another machine's cache: the plan moves by threads × Δslab.
+        let zen4 = GemmGeometry {
+            l2_slab_bytes: 1 << 20,
+            ..geometry
+        };
+        req.devices = vec![DeviceSpec::cpu(1 << 40).with_gemm(zen4)];
+        let other = tunestudio::plan::plan(&req).unwrap().per_device.remove(0);
+        assert_eq!(
+            d.peak_bytes as i64 - other.peak_bytes as i64,
+            threads as i64 * (slab as i64 - (1 << 20)),
+            "a plan for a 1 MiB slab differs by each thread's slab difference"
+        );
+    }
+    for (i, (measured, planned)) in rows.iter().enumerate().skip(1) {
+        let measured_delta = *measured as i64 - rows[0].0 as i64;
+        let planned_delta = *planned as i64 - rows[0].1 as i64;
+        println!(
+            "{} threads − 1 thread: measured {:+.2} MiB, planned {:+.2} MiB",
+            i + 1,
+            measured_delta as f64 / (1 << 20) as f64,
+            planned_delta as f64 / (1 << 20) as f64
+        );
+        assert!(
+            (measured_delta - planned_delta).abs() <= slab as i64 / 4,
+            "{i} more thread(s) hold {measured_delta} B more; the plan says {planned_delta} B"
+        );
+    }
+}

@@ -1073,6 +1073,17 @@ impl StudioApp {
                 Ok(()) => eprintln!("screenshot saved to {}", shot.path.display()),
                 Err(e) => eprintln!("error: cannot save the screenshot: {e}"),
             }
+            // The Run chart's figures as the caption under it shows them, in bytes, for a
+            // script (or test) that compares the studio's measured peak with its plan.
+            for (device, series) in &self.state.run.memory {
+                eprintln!(
+                    "run chart: {device} peak_bytes={} predicted_peak_bytes={}",
+                    series.peak_bytes,
+                    series
+                        .predicted_peak_bytes
+                        .map_or_else(|| "none".to_string(), |p| p.to_string())
+                );
+            }
             shot.saved = true;
             if let Some(h) = &self.state.run.handle {
                 let _ = h.send(Command::Stop);

@@ -29,6 +29,39 @@ pub struct DeviceSpec {
     pub ordinal: Option<usize>,
     /// Total memory the run may use.
     pub capacity_bytes: u64,
+    /// On a CPU, what sizes gemm's per-thread workspace ([`GemmGeometry`]): this machine's
+    /// unless a test or a plan for another machine says otherwise. `None` on a GPU, and in plan
+    /// files written before it existed (then the planning machine's is used).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gemm: Option<GemmGeometry>,
+}
+
+/// The inputs of a CPU's gemm workspace: the L2 slab gemm-common reads from sysfs (per core:
+/// the L2 divided by the cores sharing it; 2 MiB on a Sapphire Rapids Xeon, 1 MiB on Zen 4)
+/// and the threads that pack products. The kernels read the same two values
+/// (`model::ops::matmul`), so a plan for this machine follows its cache and its thread count,
+/// and a plan for another geometry is one struct away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct GemmGeometry {
+    /// One thread's packing slab.
+    pub l2_slab_bytes: u64,
+    /// Threads that may hold a slab during a step.
+    pub threads: u64,
+}
+
+impl GemmGeometry {
+    /// This process's: gemm's slab and rayon's workers plus the thread that calls them.
+    pub fn host() -> Self {
+        GemmGeometry {
+            l2_slab_bytes: crate::model::ops::matmul::gemm_l2_slab_bytes(),
+            threads: crate::model::ops::matmul::gemm_workspace_threads(),
+        }
+    }
+
+    /// Every thread's slab: they live as long as the threads, so under every phase of a step.
+    pub fn workspace_bytes(&self) -> u64 {
+        super::step_model::gemm_workspace_bytes(self.l2_slab_bytes, self.threads)
+    }
 }
 
 impl DeviceSpec {
@@ -39,6 +72,7 @@ impl DeviceSpec {
             kind: DeviceKind::Cuda,
             ordinal: Some(ordinal),
             capacity_bytes,
+            gemm: None,
         }
     }
 
@@ -49,7 +83,15 @@ impl DeviceSpec {
             kind: DeviceKind::Cpu,
             ordinal: None,
             capacity_bytes,
+            gemm: Some(GemmGeometry::host()),
         }
+    }
+
+    /// The same CPU planned with another gemm geometry (a machine with another cache, or
+    /// another thread count).
+    pub fn with_gemm(mut self, gemm: GemmGeometry) -> Self {
+        self.gemm = Some(gemm);
+        self
     }
 
     /// Memory the runtime takes before any tensor: the CUDA context (cuBLAS

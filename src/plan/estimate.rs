@@ -3,8 +3,8 @@
 
 use super::step_model::{self, BlockKind, BlockTerms, StepDims};
 use super::{
-    fit, format_bytes, DeviceKind, DevicePlan, LayerMemory, PeakMoment, PhaseBytes, Plan,
-    PlanError, PlanRequest, StepPhase, Strategy, Verdict,
+    fit, format_bytes, DeviceKind, DevicePlan, GemmGeometry, LayerMemory, PeakMoment, PhaseBytes,
+    Plan, PlanError, PlanRequest, StepPhase, Strategy, Verdict,
 };
 use std::ops::Range;
 
@@ -464,7 +464,8 @@ fn gemm_workspace_on(req: &PlanRequest, n_used: usize, d: usize) -> u64 {
         .iter()
         .position(|dev| dev.kind == DeviceKind::Cpu);
     if first_cpu == Some(d) {
-        step_model::host_gemm_workspace_bytes()
+        let geometry = req.devices[d].gemm.unwrap_or_else(GemmGeometry::host);
+        geometry.workspace_bytes()
     } else {
         0
     }

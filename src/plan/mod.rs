@@ -33,6 +33,7 @@ pub use components::{
 };
 pub use device::{
     format_bytes, parse_bytes, parse_devices, parse_devices_with, DeviceKind, DeviceSpec,
+    GemmGeometry,
 };
 pub use dry_run::{
     dry_run, dry_run_with_components, dry_run_with_readings, DryRunOutcome, DryRunReport,

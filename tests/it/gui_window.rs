@@ -135,3 +135,65 @@ fn without_a_portal_browse_opens_the_built_in_picker_in_a_real_window() {
         "only {changed} pixels differ above the status bar with the picker open"
     );
 }
+
+/// Issue #44's new user's run through the studio's Run chart: the studio (a real window under
+/// Xvfb) opens the run config of the SmolLM2-135M-shaped model on short Hebrew rows at
+/// `max_length` 192, waits for its plan of the data's longest batch, trains two steps, and on
+/// exit writes the chart's figures (`run chart: cpu peak_bytes=… predicted_peak_bytes=…`, the
+/// caption under the chart in bytes). The measured peak is the studio process's `VmHWM` (GUI
+/// and all), the predicted one the plan the studio shows; they must agree within 5 %.
+#[test]
+#[cfg_attr(
+    tunestudio_missing_xvfb,
+    ignore = "xvfb-run is not installed (apt-get install xvfb xauth)"
+)]
+fn the_studios_run_chart_peaks_at_its_plan_of_the_longest_batch() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = super::plan_rss::smollm2_shape_hebrew_config(dir.path());
+    let png = dir.path().join("run.png");
+    let start = Instant::now();
+    let out = Command::new("timeout")
+        .args([
+            "300",
+            "xvfb-run",
+            "-a",
+            "-s",
+            "-screen 0 1400x900x24",
+            env!("CARGO_BIN_EXE_tunestudio"),
+        ])
+        .env("LIBGL_ALWAYS_SOFTWARE", "1")
+        .env_remove("TUNESTUDIO_OPS")
+        .env("TUNESTUDIO_SCREENSHOT", &png)
+        .env("TUNESTUDIO_SCREENSHOT_PANEL", "run")
+        .env("TUNESTUDIO_SCREENSHOT_TRAIN_STEPS", "2")
+        .env("TUNESTUDIO_CONFIG", &config)
+        .envs(fresh_home(dir.path()))
+        .output()
+        .expect("start xvfb-run (is xvfb installed? apt-get install xvfb xauth)");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the studio exited with {}: {stderr}", out.status);
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with("run chart: cpu "))
+        .unwrap_or_else(|| panic!("no CPU line of the Run chart on stderr: {stderr}"));
+    let field = |name: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(name)?.strip_prefix('='))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} in {line:?}"))
+    };
+    let (measured, predicted) = (field("peak_bytes"), field("predicted_peak_bytes"));
+    let err = (predicted as f64 - measured as f64) / measured as f64;
+    println!(
+        "studio Run chart: peak {:.1} MiB measured, {:.1} MiB predicted ({:+.1} %) in {:.0} s",
+        measured as f64 / (1 << 20) as f64,
+        predicted as f64 / (1 << 20) as f64,
+        100.0 * err,
+        start.elapsed().as_secs_f64()
+    );
+    assert!(
+        err.abs() <= 0.05,
+        "the Run chart's predicted {predicted} B against its measured {measured} B ({:+.1} %)",
+        100.0 * err
+    );
+}

@@ -166,8 +166,21 @@ fn a_single_prompt_column_parquet_peaks_at_the_plan_of_its_longest_batch() {
 #[test]
 fn smollm2_shape_on_short_hebrew_rows_peaks_at_the_plan_of_its_longest_batch() {
     let tmp = tempfile::tempdir().unwrap();
+    let config = smollm2_shape_hebrew_config(tmp.path());
+    let settings = planned_settings(&config);
+    assert!(
+        settings.contains("planned for the longest batch of this data"),
+        "{settings}"
+    );
+    check_planned_peak_rss("SmolLM2-135M shape, Hebrew rows at 192", &config);
+}
+
+/// The run config of the new user's run (issue #44) in `dir`: a model folder in SmolLM2-135M's
+/// shape with the demo's tokenizer (no weights), `tests/fixtures/alpaca_he.json` at
+/// `max_length = 192`, micro-batch 4, the longest batch first.
+pub(crate) fn smollm2_shape_hebrew_config(dir: &Path) -> std::path::PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let model = tmp.path().join("smollm2-135m");
+    let model = dir.join("smollm2-135m");
     std::fs::create_dir_all(&model).unwrap();
     std::fs::copy(
         tunestudio::paths::shared_dir().join("model-configs/smollm2-135m.json"),
@@ -181,18 +194,13 @@ fn smollm2_shape_on_short_hebrew_rows_peaks_at_the_plan_of_its_longest_batch() {
     ] {
         std::fs::copy(root.join("assets/demo-model").join(f), model.join(f)).unwrap();
     }
-    let config = real_rows_config(tmp.path(), &root.join("tests/fixtures/alpaca_he.json"), 192);
+    let config = real_rows_config(dir, &root.join("tests/fixtures/alpaca_he.json"), 192);
     let text = std::fs::read_to_string(&config).unwrap();
     let demo_model = format!("{:?}", root.join("assets/demo-model").display().to_string());
     let text = text.replace(&demo_model, &format!("{:?}", model.display().to_string()));
     assert!(!text.contains(&demo_model));
     std::fs::write(&config, text).unwrap();
-    let settings = planned_settings(&config);
-    assert!(
-        settings.contains("planned for the longest batch of this data"),
-        "{settings}"
-    );
-    check_planned_peak_rss("SmolLM2-135M shape, Hebrew rows at 192", &config);
+    config
 }
 
 /// The settings line of `tunestudio plan --config`.
