@@ -171,7 +171,11 @@ fn the_studios_run_chart_peaks_at_its_plan_of_the_longest_batch() {
         .output()
         .expect("start xvfb-run (is xvfb installed? apt-get install xvfb xauth)");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "the studio exited with {}: {stderr}", out.status);
+    assert!(
+        out.status.success(),
+        "the studio exited with {}: {stderr}",
+        out.status
+    );
     let line = stderr
         .lines()
         .find(|l| l.starts_with("run chart: cpu "))
