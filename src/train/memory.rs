@@ -1,4 +1,6 @@
-//! Memory samples for the GUI's memory chart, taken between steps on the trainer thread.
+//! Memory samples for the memory chart and `metrics.jsonl`: every device the run uses is read
+//! by one background sampler (the CPU's process and every GPU, every 250 ms), and the readings
+//! between two steps are folded into that step's events.
 //!
 //! CPU training reports the process: the counting allocator's bytes when a binary installed
 //! [`crate::mem::CountingAllocator`], otherwise the resident set (VmRSS / VmHWM).
@@ -13,18 +15,35 @@ use super::config::RunConfig;
 use super::events::{Event, MemoryScope};
 use crate::devices::{MemorySample, MemorySampler, SampleTarget};
 
-/// How often GPUs are read between steps: a step's peak lasts milliseconds to seconds, and
-/// NVML calls are cheap at this rate (see [`crate::devices::sampler`]).
-const GPU_SAMPLE_INTERVAL: Duration = Duration::from_millis(250);
+/// How often devices are read between steps: a step's peak lasts milliseconds to seconds, and
+/// NVML calls and `/proc/self/status` reads are cheap at this rate (see
+/// [`crate::devices::sampler`]).
+const SAMPLE_INTERVAL: Duration = Duration::from_millis(250);
 
-/// Samples memory for every device of the run: the CPU (this process) once per step, and
-/// every GPU NVML lists through a background sampler, whose readings between two steps are
-/// folded into that step's event (last reading, and the highest as the peak).
+/// The CPU's label among the sampler's targets.
+const CPU_LABEL: &str = "cpu";
+
+/// What the background readings of one device said since the last step's event.
+#[derive(Debug, Clone, Copy, Default)]
+struct Readings {
+    /// The highest reading since the last event (a spike inside a step).
+    highest_since_event: u64,
+    /// The last reading.
+    last: u64,
+    capacity_bytes: u64,
+    scope: Option<MemoryScope>,
+}
+
+/// Samples memory for every device of the run through one background sampler: the CPU (this
+/// process) when the run uses it, and every GPU NVML lists. Each step's event carries the
+/// highest reading since the previous one as `used_bytes`, so a spike inside a step shows on
+/// the chart, not only what is left at its end.
 #[derive(Debug)]
 pub struct MemoryMonitor {
-    devices: Vec<String>,
+    on_cpu: bool,
     total_bytes: Option<u64>,
-    gpus: Option<(MemorySampler, Receiver<MemorySample>)>,
+    sampler: Option<(MemorySampler, Receiver<MemorySample>)>,
+    readings: BTreeMap<String, Readings>,
     gpu_peaks: BTreeMap<String, u64>,
 }
 
@@ -37,24 +56,35 @@ impl MemoryMonitor {
             nvml_library: nvml_library.clone(),
             skip_gpus: false,
         });
-        let targets: Vec<SampleTarget> = inventory
-            .gpus()
-            .map(|g| SampleTarget::Gpu {
-                device_index: g.index,
-                label: format!("cuda:{}", g.cuda_ordinal.unwrap_or(g.index)),
-                nvml_index: g.index as u32,
-            })
-            .collect();
-        let gpus = (!targets.is_empty())
+        let on_cpu = config
+            .devices
+            .devices
+            .iter()
+            .any(|d| d == "cpu" || d.starts_with("cpu:"));
+        let total_bytes = system_memory_bytes();
+        let mut targets: Vec<SampleTarget> = Vec::new();
+        if on_cpu {
+            targets.push(SampleTarget::Cpu {
+                device_index: 0,
+                label: CPU_LABEL.into(),
+                capacity_bytes: total_bytes.unwrap_or(0),
+            });
+        }
+        targets.extend(inventory.gpus().map(|g| SampleTarget::Gpu {
+            device_index: g.index,
+            label: format!("cuda:{}", g.cuda_ordinal.unwrap_or(g.index)),
+            nvml_index: g.index as u32,
+        }));
+        let sampler = (!targets.is_empty())
             .then(|| {
-                MemorySampler::with_channel_and_library(targets, GPU_SAMPLE_INTERVAL, nvml_library)
-                    .ok()
+                MemorySampler::with_channel_and_library(targets, SAMPLE_INTERVAL, nvml_library).ok()
             })
             .flatten();
         MemoryMonitor {
-            devices: config.devices.devices.clone(),
-            total_bytes: system_memory_bytes(),
-            gpus,
+            on_cpu,
+            total_bytes,
+            sampler,
+            readings: BTreeMap::new(),
             gpu_peaks: BTreeMap::new(),
         }
     }
@@ -76,20 +106,50 @@ impl MemoryMonitor {
 
     /// Memory events for the step just done (devices that cannot be measured are left out).
     pub fn sample(&mut self, step: u64) -> Vec<Event> {
+        self.drain_readings();
         let mut out = Vec::new();
-        let on_cpu = self
-            .devices
-            .iter()
-            .any(|d| d == "cpu" || d.starts_with("cpu:"));
-        if on_cpu {
+        if self.on_cpu {
             out.extend(self.cpu_event(step));
         }
         out.extend(self.gpu_events(step));
+        for r in self.readings.values_mut() {
+            r.highest_since_event = 0;
+        }
         out
     }
 
+    /// Folds the sampler's readings since the last call into [`Readings`].
+    fn drain_readings(&mut self) {
+        let Some((_, rx)) = &self.sampler else {
+            return;
+        };
+        for s in rx.try_iter() {
+            let (used, scope) = if s.label == CPU_LABEL {
+                // The same figure the step-end reading takes (heap when counted, else RSS).
+                (
+                    s.allocator_bytes.unwrap_or(s.used_bytes),
+                    MemoryScope::Process,
+                )
+            } else {
+                match s.process_bytes {
+                    Some(b) => (b, MemoryScope::Process),
+                    None => (s.used_bytes, MemoryScope::Device),
+                }
+            };
+            let r = self.readings.entry(s.label.clone()).or_default();
+            r.highest_since_event = r.highest_since_event.max(used);
+            r.last = used;
+            r.capacity_bytes = s.capacity_bytes;
+            r.scope = Some(scope);
+            if s.label != CPU_LABEL {
+                let peak = self.gpu_peaks.entry(s.label).or_default();
+                *peak = (*peak).max(used);
+            }
+        }
+    }
+
     fn cpu_event(&self, step: u64) -> Option<Event> {
-        let (used, peak) = if crate::mem::is_installed() {
+        let (now, peak) = if crate::mem::is_installed() {
             (crate::mem::current_bytes(), crate::mem::peak_bytes())
         } else {
             match (
@@ -101,10 +161,15 @@ impl MemoryMonitor {
                 _ => return None,
             }
         };
+        let sampled = self
+            .readings
+            .get(CPU_LABEL)
+            .map_or(0, |r| r.highest_since_event);
+        let used = now.max(sampled);
         Some(Event::Memory {
             device: "cpu".into(),
             used_bytes: used,
-            peak_bytes: peak,
+            peak_bytes: peak.max(used),
             total_bytes: self.total_bytes,
             step,
             scope: MemoryScope::Process,
@@ -113,28 +178,18 @@ impl MemoryMonitor {
 
     /// One event per GPU read since the last step: this process's memory where NVML
     /// attributes it, the device's otherwise.
-    fn gpu_events(&mut self, step: u64) -> Vec<Event> {
-        let Some((_, rx)) = &self.gpus else {
-            return Vec::new();
-        };
-        let mut last: BTreeMap<String, (u64, u64, MemoryScope)> = BTreeMap::new();
-        for s in rx.try_iter() {
-            let (used, scope) = match s.process_bytes {
-                Some(b) => (b, MemoryScope::Process),
-                None => (s.used_bytes, MemoryScope::Device),
-            };
-            let peak = self.gpu_peaks.entry(s.label.clone()).or_default();
-            *peak = (*peak).max(used);
-            last.insert(s.label, (used, s.capacity_bytes, scope));
-        }
-        last.into_iter()
-            .map(|(device, (used, total, scope))| Event::Memory {
-                peak_bytes: self.gpu_peaks.get(&device).copied().unwrap_or(used),
-                device,
-                used_bytes: used,
-                total_bytes: Some(total),
+    fn gpu_events(&self, step: u64) -> Vec<Event> {
+        self.readings
+            .iter()
+            .filter(|(label, r)| label.as_str() != CPU_LABEL && r.scope.is_some())
+            .filter(|(_, r)| r.highest_since_event > 0)
+            .map(|(device, r)| Event::Memory {
+                peak_bytes: self.gpu_peaks.get(device).copied().unwrap_or(r.last),
+                device: device.clone(),
+                used_bytes: r.highest_since_event,
+                total_bytes: Some(r.capacity_bytes),
                 step,
-                scope,
+                scope: r.scope.unwrap_or(MemoryScope::Device),
             })
             .collect()
     }
@@ -231,5 +286,60 @@ pub fn check_request(
             summary: plan.summary.clone(),
             fixes: plan.fixes.iter().map(|f| f.description.clone()).collect(),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A spike inside a step (memory taken and given back before the step ends) shows in the
+    /// step's CPU event: the background sampler saw it, although the step-end reading does not.
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn a_spike_inside_a_step_shows_in_its_cpu_event() {
+        let mut config = RunConfig::default();
+        config.devices.devices = vec!["cpu".into()];
+        let mut monitor = MemoryMonitor::new(&config, Some("/nonexistent/libnvidia-ml.so".into()));
+        let before = crate::mem::process_rss_bytes().expect("VmRSS on Linux");
+        let spike_bytes = 512usize << 20;
+        {
+            // Touched page by page so it is resident; held for three sampling intervals.
+            let mut spike = vec![0u8; spike_bytes];
+            for i in (0..spike.len()).step_by(4096) {
+                spike[i] = 1;
+            }
+            std::thread::sleep(SAMPLE_INTERVAL * 3);
+            std::hint::black_box(&spike);
+        }
+        let after = crate::mem::process_rss_bytes().expect("VmRSS on Linux");
+        assert!(
+            after < before + spike_bytes as u64 / 2,
+            "the spike was given back ({before} → {after} B)"
+        );
+        let events = monitor.sample(1);
+        let used = events
+            .iter()
+            .find_map(|e| match e {
+                Event::Memory {
+                    device, used_bytes, ..
+                } if device == "cpu" => Some(*used_bytes),
+                _ => None,
+            })
+            .expect("a CPU event");
+        assert!(
+            used >= after + spike_bytes as u64 / 2,
+            "the step's CPU reading {used} B misses the {spike_bytes} B spike (RSS {before} B before, {after} B after)"
+        );
+        // The next step starts from its own readings.
+        std::thread::sleep(SAMPLE_INTERVAL * 2);
+        let next = monitor.sample(2);
+        let Some(Event::Memory { used_bytes, .. }) = next.first() else {
+            panic!("a CPU event for step 2: {next:?}");
+        };
+        assert!(
+            *used_bytes < before + spike_bytes as u64 / 2,
+            "{used_bytes}"
+        );
     }
 }
