@@ -906,6 +906,20 @@ impl CausalLm {
         Ok(())
     }
 
+    /// The token whose embedding lookups give the embedding matrix no gradient, as
+    /// transformers' decoders build `nn.Embedding(vocab, hidden, padding_idx=pad_token_id)`
+    /// (Llama, Mistral, Qwen2): `config.pad_token_id` when the embeddings are trained and it
+    /// is in the vocabulary. Only the lookup's part of that row is dropped: a tied lm-head
+    /// still trains it. With pad = eos, as in SmolLM2's and many chat models' configs, this
+    /// is a real token (`<|im_end|>` ends every ChatML turn), and full fine-tuning through
+    /// transformers never trains its input embedding — measured on
+    /// `fixtures/tiny-llama-dpo`, whose AdamW losses need it (`tests/it/preference_train.rs`).
+    fn padding_idx(&self) -> Option<u32> {
+        let pad = self.config.pad_token_id?;
+        let trained = self.param(EMBED_NAME).is_some_and(|p| p.trainable);
+        (trained && (pad as usize) < self.config.vocab_size).then_some(pad)
+    }
+
     fn check_ids(&self, ids: &Tensor) -> Result<(), ModelError> {
         let max = ids.max_all()?.to_dtype(DType::U32)?.to_scalar::<u32>()?;
         if max as usize >= self.config.vocab_size {
@@ -978,15 +992,27 @@ impl CausalLm {
             vec![(self.device.clone(), make_ctx(&self.device)?)];
         let hidden = self.config.hidden_size;
         let flat_ids = ids.flatten_all()?;
+        let padding_idx = self.padding_idx();
         let h = if train && self.native_embedding() {
             native_embedding::embedding(
                 &self.modules.embed,
                 flat_ids.to_vec1::<u32>()?,
+                padding_idx,
                 EMBED_NAME,
                 &self.side_grads,
             )?
         } else {
-            self.modules.embed.index_select(&flat_ids, 0)?
+            let rows = self.modules.embed.index_select(&flat_ids, 0)?;
+            match padding_idx {
+                // The pad token's rows come from a detached copy, so its lookups add
+                // nothing to the embedding's gradient (`nn.Embedding(padding_idx=…)`).
+                Some(pad) => flat_ids
+                    .eq(pad)?
+                    .unsqueeze(1)?
+                    .broadcast_as(rows.shape())?
+                    .where_cond(&rows.detach(), &rows)?,
+                None => rows,
+            }
         }
         .reshape((b, t, hidden))?;
         // The embeddings are stage 0's; every stage boundary is an explicit transfer.

@@ -30,10 +30,12 @@ pub(crate) fn applies(weight: &Tensor) -> bool {
 
 /// Rows `ids` of `weight` (`[vocab, hidden]`) as `[ids.len(), hidden]`; backward adds the
 /// gradient into the side-table entry `name` (creating it when absent) and reports no gradient
-/// to the graph. `ids` must be below `vocab` (the model checks them first).
+/// to the graph. `ids` must be below `vocab` (the model checks them first). Rows looked up
+/// for `padding_idx` add nothing (torch's `nn.Embedding(padding_idx=…)`).
 pub(crate) fn embedding(
     weight: &Tensor,
     ids: Vec<u32>,
+    padding_idx: Option<u32>,
     name: &str,
     side: &SideGrads,
 ) -> Result<Tensor> {
@@ -43,6 +45,7 @@ pub(crate) fn embedding(
     }
     weight.apply_op1(Embedding {
         ids,
+        padding_idx,
         name: name.to_string(),
         side: side.clone(),
     })
@@ -50,6 +53,7 @@ pub(crate) fn embedding(
 
 struct Embedding {
     ids: Vec<u32>,
+    padding_idx: Option<u32>,
     name: String,
     side: SideGrads,
 }
@@ -92,6 +96,7 @@ impl CustomOp1 for Embedding {
         let mut side = super::decoder::lock(&self.side);
         let scatter = ScatterAddRows {
             ids: &self.ids,
+            skip: self.padding_idx,
             rows: &g,
             hidden: h,
         };
@@ -118,9 +123,11 @@ impl CustomOp1 for Embedding {
 }
 
 /// `dst[ids[i]] += rows[i]` on a row-major `[vocab, hidden]` matrix, in the order of `ids`
-/// (repeated ids accumulate as `index_add` does; see the module's doc for half precision).
+/// (repeated ids accumulate as `index_add` does; see the module's doc for half precision),
+/// except for the id `skip` (the padding index).
 struct ScatterAddRows<'a> {
     ids: &'a [u32],
+    skip: Option<u32>,
     rows: &'a Tensor,
     hidden: usize,
 }
@@ -157,6 +164,9 @@ impl ScatterAddRows<'_> {
 
     fn add_f32(&self, dst: &mut [f32], start: usize, rows: &[f32]) -> Result<()> {
         for (&id, row) in self.ids.iter().zip(rows.chunks_exact(self.hidden.max(1))) {
+            if Some(id) == self.skip {
+                continue;
+            }
             for (d, r) in self.dst_row(dst, start, id)?.iter_mut().zip(row) {
                 *d += r;
             }
@@ -180,6 +190,9 @@ impl ScatterAddRows<'_> {
         order.sort_by_key(|&i| self.ids[i]); // stable: each id's rows stay in their order
         let mut acc = vec![0f32; h];
         for group in order.chunk_by(|&a, &b| self.ids[a] == self.ids[b]) {
+            if Some(self.ids[group[0]]) == self.skip {
+                continue;
+            }
             acc.fill(0.0);
             for &i in group {
                 for (a, r) in acc.iter_mut().zip(&rows[i * h..(i + 1) * h]) {
@@ -233,6 +246,7 @@ mod tests {
         let side: SideGrads = Arc::new(Mutex::new(HashMap::from([("w".to_string(), head)])));
         let op = Embedding {
             ids,
+            padding_idx: None,
             name: "w".into(),
             side: side.clone(),
         };
@@ -250,5 +264,56 @@ mod tests {
                 .collect()
         };
         assert_eq!(bits(&native), bits(&graph));
+    }
+
+    /// The padding index's lookups add nothing, in f32 and in bf16 (its row keeps the tied
+    /// head's gradient), and the other rows are added as without it.
+    #[test]
+    fn the_padding_index_gets_no_lookup_gradient() {
+        let dev = Device::Cpu;
+        let (vocab, h) = (6usize, 3usize);
+        let ids: Vec<u32> = vec![2, 4, 2, 0, 4];
+        let head: Vec<f32> = (0..vocab * h).map(|i| i as f32 * 0.5).collect();
+        let rows: Vec<f32> = (0..ids.len() * h).map(|i| 1.0 + i as f32).collect();
+        let mut want = head.clone();
+        for (&id, row) in ids.iter().zip(rows.chunks_exact(h)) {
+            if id != 2 {
+                for (w, r) in want[id as usize * h..][..h].iter_mut().zip(row) {
+                    *w += r;
+                }
+            }
+        }
+        for dtype in [DType::F32, DType::BF16] {
+            let t = |v: &[f32], shape: (usize, usize)| {
+                Tensor::from_slice(v, shape, &dev)
+                    .and_then(|x| x.to_dtype(dtype))
+                    .unwrap()
+            };
+            let weight = t(&vec![0.0; vocab * h], (vocab, h));
+            let side: SideGrads = Arc::new(Mutex::new(HashMap::from([(
+                "w".to_string(),
+                t(&head, (vocab, h)),
+            )])));
+            let op = Embedding {
+                ids: ids.clone(),
+                padding_idx: Some(2),
+                name: "w".into(),
+                side: side.clone(),
+            };
+            let out = weight.apply_op1_no_bwd(&op).unwrap();
+            assert!(op
+                .bwd(&weight, &out, &t(&rows, (ids.len(), h)))
+                .unwrap()
+                .is_none());
+            let got = side.lock().unwrap().remove("w").unwrap();
+            let got = got
+                .to_dtype(DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            assert_eq!(got, want, "{dtype:?}");
+        }
     }
 }

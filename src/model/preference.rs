@@ -258,10 +258,19 @@ pub struct PreferenceLoss {
     pub nll_loss: Option<Tensor>,
 }
 
-/// `log σ(x)` without overflow: `min(x, 0) − log(1 + e^{−|x|})`.
+/// `log σ(x)` without overflow: `min(x, 0) − log(1 + e^{−|x|})`, with `min(x, 0)` written
+/// `(x − |x|)/2` so that the gradient is `σ(−x)` at `x = 0` too.
+///
+/// Both terms have a kink at 0, and candle's subgradients there do not cancel: `minimum`
+/// splits a tie (½ to `x`) while `abs` takes +1, so `x.minimum(0.0)` gave the derivative
+/// ½ + ½ = 1 at 0, twice `σ(0)`. That is exactly where DPO starts when the policy is its own
+/// reference (every margin 0): the step-0 gradient of full fine-tuning came out doubled.
+/// With `(x − |x|)/2` the derivative at 0 is `(1 − s)/2 + s/2 = ½` whatever `abs`'s
+/// subgradient `s`.
 pub fn log_sigmoid(x: &Tensor) -> Result<Tensor, ModelError> {
-    let soft = x.abs()?.neg()?.exp()?.affine(1.0, 1.0)?.log()?;
-    Ok(x.minimum(0.0)?.sub(&soft)?)
+    let abs = x.abs()?;
+    let soft = abs.neg()?.exp()?.affine(1.0, 1.0)?.log()?;
+    Ok(x.sub(&abs)?.affine(0.5, 0.0)?.sub(&soft)?)
 }
 
 /// `(π_c − π_r) − (ρ_c − ρ_r)` and the rewards `β(π − ρ)` from the given per-pair numbers.
@@ -536,6 +545,27 @@ mod tests {
         ];
         for (a, b) in y.iter().zip(want) {
             assert!((a - b).abs() < 1e-5, "{y:?}");
+        }
+    }
+
+    #[test]
+    fn log_sigmoid_has_the_gradient_sigma_minus_x_at_the_kink() {
+        // At 0 (DPO's start when the policy is its own reference) the gradient is σ(0) = ½,
+        // not the 1 that `minimum`'s and `abs`'s subgradients at 0 used to add up to.
+        for v in [-30.0f32, -1.0, -1e-6, 0.0, 1e-6, 1.0, 30.0] {
+            let x = candle_core::Var::new(&[v], &Device::Cpu).unwrap();
+            let grads = log_sigmoid(x.as_tensor())
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let got = grads.get(x.as_tensor()).unwrap().to_vec1::<f32>().unwrap()[0];
+            let want = 1.0 / (1.0 + f64::from(v).exp());
+            assert!(
+                (f64::from(got) - want).abs() < 1e-6,
+                "x = {v}: {got} vs {want}"
+            );
         }
     }
 
