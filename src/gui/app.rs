@@ -343,8 +343,11 @@ impl StudioApp {
                     seq,
                     dir.clone(),
                     s.config.resolved_data(),
-                    s.preview.start_row,
-                    s.config.training.micro_batch.clamp(1, 16),
+                    (
+                        s.preview.start_row,
+                        s.config.training.micro_batch.clamp(1, 16),
+                    ),
+                    s.config.preference.limits(),
                 );
             }
         }
@@ -1033,15 +1036,21 @@ impl StudioApp {
                         .map(|d| (theme::OK, format!("{} rows", d.num_rows)))
                 }
             }
-            Panel::Preview => s.preview.preview.as_ref().map(|p| {
-                if p.has_errors() {
-                    (theme::ERROR, "the dataset has error-level lints".into())
-                } else if !p.lints.is_empty() {
-                    (theme::WARNING, format!("{} lint(s)", p.lints.len()))
-                } else {
-                    (theme::OK, "no lints".into())
-                }
-            }),
+            Panel::Preview => s
+                .preview
+                .preview
+                .as_ref()
+                .map(|p| p.lints.as_slice())
+                .or_else(|| s.preview.pairs.preview().map(|p| p.lints.as_slice()))
+                .map(|lints| {
+                    if tunestudio::data::has_errors(lints) {
+                        (theme::ERROR, "the dataset has error-level lints".into())
+                    } else if !lints.is_empty() {
+                        (theme::WARNING, format!("{} lint(s)", lints.len()))
+                    } else {
+                        (theme::OK, "no lints".into())
+                    }
+                }),
             Panel::Devices => s.plan.plan.as_ref().map(|p| match p.verdict {
                 tunestudio::plan::Verdict::Fits => (theme::OK, "fits".into()),
                 tunestudio::plan::Verdict::Tight => (theme::WARNING, "fits, tight".into()),

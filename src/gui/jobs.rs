@@ -18,6 +18,7 @@ use std::sync::{Arc, Mutex};
 use crossbeam_channel::{Receiver, Sender};
 use eframe::egui;
 
+use tunestudio::data::preference::{self as pref, PairLimits, PreferencePreview};
 use tunestudio::data::{
     self, DataConfig, DataPreview, PreviewOptions, RowSelection, TokenizerBundle,
 };
@@ -58,8 +59,8 @@ pub enum JobOutput {
     Preview {
         /// Request number.
         seq: u64,
-        /// The preview or the error.
-        result: Result<DataPreview, JobError>,
+        /// The preview (of rows, or of preference pairs) or the error.
+        result: Result<Previewed, JobError>,
     },
     /// A plan was made.
     Plan {
@@ -82,6 +83,17 @@ pub enum JobOutput {
     Picked(PickTarget, PathBuf),
     /// A report of the Playground's work.
     Playground(super::playground::PgMsg),
+}
+
+/// What the preview job built: the rows as SFT trains them, or, when the data holds
+/// preference pairs (the format is `auto` and the first row is a TRL or LLaMA-Factory pair),
+/// the pairs as DPO and ORPO train them.
+#[derive(Debug, Clone)]
+pub enum Previewed {
+    /// Rows of an SFT dataset.
+    Rows(DataPreview),
+    /// Preference pairs.
+    Pairs(PreferencePreview),
 }
 
 /// How a running job reports: each output wakes the UI.
@@ -252,14 +264,15 @@ impl Jobs {
         });
     }
 
-    /// Builds the token preview of `batch` rows starting at `start`.
+    /// Builds the token preview of `batch` rows starting at `start`; preference pairs are
+    /// cut at `limits` (`[preference]`), as the trainer cuts them.
     pub fn preview(
         &self,
         seq: u64,
         model_dir: String,
         cfg: DataConfig,
-        start: usize,
-        batch: usize,
+        (start, batch): (usize, usize),
+        limits: PairLimits,
     ) {
         let cache = Arc::clone(&self.tokenizer);
         self.spawn("preview", move |_| {
@@ -280,7 +293,13 @@ impl Jobs {
                     batch_size: batch.max(1),
                     full_scan: true,
                 };
-                Ok(data::preview_opened(&cfg, &tok, &opened, &opts)?)
+                if pref::is_preference_data(&cfg, &opened)? {
+                    let p = pref::preview_pairs_opened(&cfg, &tok, &opened, &opts, limits)?;
+                    return Ok(Previewed::Pairs(p));
+                }
+                Ok(Previewed::Rows(data::preview_opened(
+                    &cfg, &tok, &opened, &opts,
+                )?))
             })();
             Some(JobOutput::Preview { seq, result })
         });
@@ -521,7 +540,7 @@ pub fn dataset_summary(cfg: &DataConfig) -> Result<DatasetSummary, JobError> {
     cfg.validate()?;
     let opened = data::open_data(cfg)?;
     let n = opened.main.len();
-    let (detected, columns, first_row) = if n > 0 {
+    let (detected, preference, columns, first_row) = if n > 0 {
         let row = opened.main.row(0)?;
         let columns = row
             .as_object()
@@ -531,9 +550,18 @@ pub fn dataset_summary(cfg: &DataConfig) -> Result<DatasetSummary, JobError> {
         if text.chars().count() > 600 {
             text = text.chars().take(600).collect::<String>() + " …";
         }
-        (data::detect_format(&row, &cfg.columns), columns, text)
+        // As the preview decides (`is_preference_data`): pairs only under `format = auto`.
+        let preference = (cfg.format == data::Format::Auto)
+            .then(|| pref::detect_preference_format(&row, &cfg.columns))
+            .flatten();
+        (
+            data::detect_format(&row, &cfg.columns),
+            preference,
+            columns,
+            text,
+        )
     } else {
-        (None, Vec::new(), String::new())
+        (None, None, Vec::new(), String::new())
     };
     Ok(DatasetSummary {
         files: opened
@@ -547,6 +575,7 @@ pub fn dataset_summary(cfg: &DataConfig) -> Result<DatasetSummary, JobError> {
         validation_rows: opened.heldout_indices.len()
             + opened.separate_validation.as_ref().map_or(0, |v| v.len()),
         detected,
+        preference,
         columns,
         first_row,
     })

@@ -5,7 +5,7 @@
 
 use super::app::Action;
 use super::error::JobError;
-use super::jobs::{JobOutput, PickTarget};
+use super::jobs::{JobOutput, PickTarget, Previewed};
 use super::playground;
 use super::state::{push_recent, AppState};
 
@@ -47,12 +47,23 @@ pub fn apply_job(s: &mut AppState, out: JobOutput) -> Vec<Action> {
         }
         JobOutput::Preview { seq, result } if seq == s.preview.seq => {
             s.preview.loading = false;
-            if let Ok(p) = &result {
-                if std::mem::take(&mut s.dataset.propose_max_length) {
-                    propose_max_length(s, p);
+            // `max_length` cuts SFT rows only; pairs are cut at `[preference]`'s lengths.
+            let propose = std::mem::take(&mut s.dataset.propose_max_length);
+            let rows = match result {
+                Ok(Previewed::Pairs(p)) => {
+                    s.preview.pairs.set(p);
+                    s.preview.preview = None;
+                    s.preview.error = None;
+                    return Vec::new();
                 }
+                Ok(Previewed::Rows(p)) => Ok(p),
+                Err(e) => Err(e),
+            };
+            s.preview.pairs.clear();
+            if let (Ok(p), true) = (&rows, propose) {
+                propose_max_length(s, p);
             }
-            store(result, &mut s.preview.preview, &mut s.preview.error);
+            store(rows, &mut s.preview.preview, &mut s.preview.error);
         }
         JobOutput::Plan { seq, result } if seq == s.plan.seq => {
             s.plan.loading = false;

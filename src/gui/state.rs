@@ -183,6 +183,9 @@ pub struct DatasetSummary {
     pub validation_rows: usize,
     /// The format detected from the first row.
     pub detected: Option<Format>,
+    /// The preference-pair format of the first row, when it is a pair (then the preview shows
+    /// pairs, as DPO and ORPO train them).
+    pub preference: Option<tunestudio::data::preference::PreferenceFormat>,
     /// The first row's columns.
     pub columns: Vec<String>,
     /// The first row, pretty-printed and shortened.
@@ -225,6 +228,8 @@ pub struct PreviewState {
     pub key: String,
     /// Row to highlight (jumped to from a lint).
     pub highlight: Option<usize>,
+    /// The preview of preference pairs, when the data holds them (then `preview` is `None`).
+    pub pairs: crate::gui::panels::pairs::PairPreviewPanel,
 }
 
 /// Everything a memory plan depends on: the planner's request, as the one adapter
@@ -1136,11 +1141,12 @@ impl AppState {
     /// Key of everything the preview depends on.
     pub fn preview_key(&self) -> String {
         format!(
-            "{}|{:?}|{}|{}",
+            "{}|{:?}|{}|{}|{:?}",
             self.model_source(),
             self.config.resolved_data(),
             self.config.training.micro_batch,
-            self.preview.start_row
+            self.preview.start_row,
+            self.config.preference.limits(),
         )
     }
 
@@ -1169,6 +1175,11 @@ impl AppState {
     /// the plan's loss rows. `None` while a scan is missing, partial or running, and with
     /// packing (the scan's samples are not packed).
     pub fn trained_tokens(&self) -> Option<tunestudio::plan::TrainedTokens> {
+        // A preference step's rows are a pair's prompt and completions, not the SFT samples
+        // the scan counted.
+        if self.config.training.method.is_preference() {
+            return None;
+        }
         let p = self.preview.preview.as_ref()?;
         let data = &self.config.data;
         if !p.full_scan || self.preview.loading || data.packing || p.max_length != data.max_length {

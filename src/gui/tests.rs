@@ -1858,3 +1858,179 @@ fn the_studio_plans_the_longest_batch_of_the_data_as_the_cli_does() {
         "the panel says what the plan is sized for"
     );
 }
+
+/// LLaMA-Factory's sharegpt ranking demo (`dpo_en_demo.json`, from `$TUNESTUDIO_SHARED`).
+fn dpo_demo_data() -> Option<std::path::PathBuf> {
+    let shared = std::env::var_os("TUNESTUDIO_SHARED")?;
+    let path = Path::new(&shared).join("datasets/dpo_en_demo.json");
+    path.is_file().then_some(path)
+}
+
+/// Issue #40: preference data is previewed as pairs — the prompt masked, the chosen and the
+/// rejected completion trained, each as token chips with its lengths — then the pair lints.
+#[test]
+fn preference_data_shows_the_pair_preview() {
+    let Some(data) = dpo_demo_data() else {
+        eprintln!("skipped: no $TUNESTUDIO_SHARED/datasets/dpo_en_demo.json");
+        return;
+    };
+    let out = tempfile::tempdir().expect("tempdir");
+    let mut h = harness(Panel::Dataset, out.path());
+    wait_ready(&mut h);
+    // One pair per micro-batch row keeps the frame small.
+    h.state_mut().state.config.training.micro_batch = 1;
+    h.get_by_label("File, folder or hub id").focus();
+    h.step();
+    h.key_press_modifiers(egui::Modifiers::COMMAND, egui::Key::A);
+    h.step();
+    h.get_by_label("File, folder or hub id")
+        .type_text(&data.display().to_string());
+    h.step();
+    h.get_by_label("Open").click();
+    wait_for(&mut h, "the dataset", Duration::from_secs(30), |a| {
+        a.jobs.in_flight() == 0 && a.state.dataset.summary.is_some()
+    });
+    assert!(
+        h.query_by_label_contains("sharegpt_ranking (preference pairs")
+            .is_some(),
+        "the Dataset panel names the pair format"
+    );
+    h.get_by_label("Show the token preview").click();
+    h.step();
+    wait_for(&mut h, "the preview", Duration::from_secs(90), |a| {
+        let p = &a.state.preview;
+        a.jobs.in_flight() == 0
+            && (p.pairs.preview().is_some() || p.preview.is_some() || p.error.is_some())
+    });
+    let s = &h.state().state;
+    assert!(s.preview.error.is_none(), "{:?}", s.preview.error);
+    assert!(s.preview.preview.is_none(), "previewed as SFT rows");
+    let p = s.preview.pairs.preview().cloned().expect("pairs");
+    assert_eq!(p.format.name(), "sharegpt_ranking");
+    assert_eq!(p.num_rows, 300);
+    assert_eq!(p.pairs.len(), 1, "one pair per micro-batch row");
+    let pair = &p.pairs[0];
+    h.run_steps(2);
+
+    // The two completions, named, with their lengths.
+    assert!(h.query_by_label("chosen").is_some(), "no 'chosen' heading");
+    assert!(
+        h.query_by_label("rejected").is_some(),
+        "no 'rejected' heading"
+    );
+    assert!(
+        h.query_all_by_label("prompt").next().is_some(),
+        "no 'prompt' heading"
+    );
+    let lengths = format!(
+        "prompt {} · chosen {} · rejected {} tokens",
+        pair.prompt.num_tokens(),
+        pair.chosen.num_tokens(),
+        pair.rejected.num_tokens()
+    );
+    assert!(h.query_by_label(&lengths).is_some(), "no {lengths:?}");
+
+    // Their tokens as chips with their label classes: the prompt masked, the answers trained.
+    let chosen = &pair.chosen.tokens[0];
+    let rejected = &pair.rejected.tokens[0];
+    assert_eq!(chosen.text, "That", "dpo_en_demo's first chosen answer");
+    assert_eq!(rejected.text, "Hello");
+    for (t, class) in [(chosen, "trained"), (rejected, "trained")] {
+        let name = format!("token {} ({class}, id {}, position 0)", t.text, t.id);
+        assert!(h.query_by_label(&name).is_some(), "no chip {name:?}");
+    }
+    let prompt_first = &pair.prompt.tokens[0];
+    assert!(
+        h.query_by_label_contains(&format!("(masked, id {}, position 0)", prompt_first.id))
+            .is_some(),
+        "the prompt's first token is not a masked chip"
+    );
+    assert_eq!(
+        chip_nodes(&h).len(),
+        pair.prompt.num_tokens() + pair.chosen.num_tokens() + pair.rejected.num_tokens(),
+        "one chip per token of the three parts"
+    );
+
+    // The pair lints (the demo's long prompts and answers are cut), and the run's method:
+    // SFT does not learn from pairs.
+    assert!(p
+        .lints
+        .iter()
+        .any(|l| format!("{:?}", l.kind) == "PairPromptTruncated"));
+    assert!(h
+        .query_by_label(&format!("Pair lints ({})", p.lints.len()))
+        .is_some());
+    assert!(h.query_by_label("PairPromptTruncated").is_some());
+    assert!(h
+        .query_by_label_contains("This dataset holds preference pairs")
+        .is_some());
+    h.get_by_label("Open Training").click();
+    h.run_steps(2);
+    assert_eq!(h.state().state.panel, Panel::Training);
+}
+
+/// Issue #40: the Training panel's method switch edits `[training] method`, the plan follows
+/// (a DPO step runs a pair's chosen and rejected rows, cut at the pair lengths), and the saved
+/// run config says `method = "dpo"`.
+#[test]
+fn switching_the_method_to_dpo_changes_the_plan() {
+    let out = tempfile::tempdir().expect("tempdir");
+    let mut h = harness(Panel::Training, out.path());
+    wait_ready(&mut h);
+    wait_for_current_plan(&mut h, "the SFT plan", |_| true);
+    let sft_req = h.state().state.plan.request.clone().expect("request");
+    let sft_peak = planned_peaks(&h)[0];
+    assert_eq!(
+        h.state().state.config.training.method,
+        tunestudio::train::TrainingMethod::Sft
+    );
+    assert!(h.query_by_label("Beta").is_none(), "β is DPO's");
+
+    h.get_by_label("DPO").click();
+    h.run_steps(2);
+    assert_eq!(
+        h.state().state.config.training.method,
+        tunestudio::train::TrainingMethod::Dpo,
+        "the switch edits the run config"
+    );
+    let sft_summary = sft_req.settings_summary();
+    wait_for_current_plan(&mut h, "the DPO plan", |r| {
+        r.settings_summary() != sft_summary
+    });
+    let dpo_req = h.state().state.plan.request.clone().expect("request");
+    let pref = h.state().state.config.preference.clone();
+    assert_eq!(dpo_req.micro_batch, 2 * sft_req.micro_batch);
+    assert_eq!(
+        dpo_req.seq_len,
+        pref.max_prompt_length + pref.max_completion_length
+    );
+    let dpo_peak = planned_peaks(&h)[0];
+    assert_ne!(dpo_peak, sft_peak, "the planned peak follows the method");
+    println!("planned peak: sft {sft_peak} B → dpo {dpo_peak} B");
+
+    // DPO's own settings: the loss and β.
+    assert!(h.query_by_label("Beta").is_some());
+    pick(&mut h, "DPO loss", "IPO");
+    assert_eq!(
+        h.state().state.config.preference.loss,
+        tunestudio::train::DpoLoss::Ipo
+    );
+
+    // The saved run config trains DPO.
+    click_nav(&mut h, Panel::Export);
+    let saved = out.path().join("saved").join("run.toml");
+    h.state_mut().state.export.config_path = saved.display().to_string();
+    h.run_steps(2);
+    h.get_by_label("Save config").click();
+    h.step();
+    h.step();
+    let text = std::fs::read_to_string(&saved).expect("the saved config");
+    assert!(text.contains("method = \"dpo\""), "{text}");
+    assert!(text.contains("loss = \"ipo\""), "{text}");
+    let (config, problems) = super::app::load_config(&saved).expect("reload");
+    assert!(problems.is_empty(), "{problems:?}");
+    assert_eq!(
+        config.training.method,
+        tunestudio::train::TrainingMethod::Dpo
+    );
+}

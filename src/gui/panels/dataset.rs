@@ -93,11 +93,14 @@ fn source(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                 ))
                 .strong(),
             );
+            let detected = match (sum.preference, sum.detected) {
+                (Some(p), _) => format!("{} (preference pairs: DPO or ORPO)", p.name()),
+                (None, Some(f)) => f.name().to_string(),
+                (None, None) => "not recognised".to_string(),
+            };
             ui.label(
                 RichText::new(format!(
-                    "detected format: {}   ·   files: {}",
-                    sum.detected
-                        .map_or("not recognised".to_string(), |f| f.name().to_string()),
+                    "detected format: {detected}   ·   files: {}",
                     sum.files.join(", ")
                 ))
                 .weak(),
@@ -113,9 +116,11 @@ fn format_and_columns(ui: &mut Ui, s: &mut AppState) {
         egui::Grid::new("data-format").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
             // "auto" names what it detected, so the box always shows the format in use.
             let detected = s.dataset.summary.as_ref().and_then(|d| d.detected);
-            let auto = match detected {
-                Some(f) => format!("auto ({})", f.name()),
-                None => "auto-detect".to_string(),
+            let pairs = s.dataset.summary.as_ref().and_then(|d| d.preference);
+            let auto = match (pairs, detected) {
+                (Some(p), _) => format!("auto ({} pairs)", p.name()),
+                (None, Some(f)) => format!("auto ({})", f.name()),
+                (None, None) => "auto-detect".to_string(),
             };
             let mut choices: Vec<(Format, &str)> = vec![(Format::Auto, auto.as_str())];
             choices.extend(Format::ALL.iter().map(|f| (*f, f.name())));

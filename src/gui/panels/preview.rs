@@ -5,7 +5,7 @@
 use eframe::egui::{self, RichText, Ui};
 use egui_plot::{Bar, BarChart, Plot, VLine};
 
-use tunestudio::data::{DataPreview, RowPreview, Severity, SplitName, TokenClass};
+use tunestudio::data::{DataPreview, Lint, RowPreview, Severity, SplitName, TokenClass};
 
 use crate::gui::app::Action;
 use crate::gui::state::AppState;
@@ -14,7 +14,7 @@ use crate::gui::theme;
 
 /// At most this many chips per row are drawn (the rest are counted), so a
 /// 32k-token row cannot stall a frame.
-const MAX_CHIPS_PER_ROW: usize = 600;
+pub(crate) const MAX_CHIPS_PER_ROW: usize = 600;
 
 /// Draws the Preview panel.
 pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
@@ -31,6 +31,12 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         if s.model.info.is_none() {
             theme::note(ui, "Load a model with a tokenizer first (Model panel).");
         }
+        return;
+    }
+    if s.preview.pairs.preview().is_some() {
+        let method = s.config.training.method;
+        let highlight = s.preview.highlight;
+        s.preview.pairs.show(ui, method, highlight, actions);
         return;
     }
     let Some(p) = s.preview.preview.clone() else {
@@ -58,10 +64,16 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     });
 
     theme::section(ui, &format!("Lints ({})", p.lints.len()));
-    if p.lints.is_empty() {
+    lint_list(ui, &p.lints, actions);
+}
+
+/// The lints, worst first, each with buttons that jump to its example rows (shared with the
+/// pair preview).
+pub(crate) fn lint_list(ui: &mut Ui, lints: &[Lint], actions: &mut Vec<Action>) {
+    if lints.is_empty() {
         ui.label(RichText::new("No problems found.").color(theme::OK));
     }
-    for lint in &p.lints {
+    for lint in lints {
         let (color, word) = match lint.severity {
             Severity::Error => (theme::ERROR, "error"),
             Severity::Warning => (theme::WARNING, "warning"),
@@ -104,6 +116,7 @@ fn navigator(ui: &mut Ui, s: &mut AppState) {
         .preview
         .as_ref()
         .map(|p| p.num_rows)
+        .or_else(|| s.preview.pairs.preview().map(|p| p.num_rows))
         .or_else(|| s.dataset.summary.as_ref().map(|d| d.num_rows))
         .unwrap_or(0);
     let batch = s.config.training.micro_batch.clamp(1, 16);

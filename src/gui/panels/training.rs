@@ -3,7 +3,7 @@
 use eframe::egui::{self, RichText, Ui};
 
 use tunestudio::settings::Quantization;
-use tunestudio::train::{Precision, ScheduleKind};
+use tunestudio::train::{DpoLoss, Precision, ScheduleKind, TrainingMethod};
 
 use crate::gui::app::Action;
 use crate::gui::jobs::PickTarget;
@@ -29,6 +29,7 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     ui.columns(2, |cols| {
         batch_and_precision(&mut cols[0], s, ranks);
         method(&mut cols[0], s);
+        objective(&mut cols[0], s);
         optimizer_and_schedule(&mut cols[1], s);
         length_eval_and_checkpoints(&mut cols[1], s, actions);
     });
@@ -241,6 +242,76 @@ fn method(ui: &mut Ui, s: &mut AppState) {
                 }
             });
         }
+    });
+}
+
+/// What is learned (`[training] method`): SFT on the data's tokens, or DPO / ORPO on
+/// preference pairs, with `[preference]`'s loss, β and truncation lengths. Edited in place like
+/// every setting here: the plan key is derived from the run config (a preference step plans
+/// chosen and rejected rows cut at the pair lengths), so the plan follows.
+fn objective(ui: &mut Ui, s: &mut AppState) {
+    theme::section(ui, "Objective");
+    theme::card(ui, |ui| {
+        let method = &mut s.config.training.method;
+        let before = *method;
+        ui.horizontal(|ui| {
+            ui.radio_value(method, TrainingMethod::Sft, "SFT")
+                .on_hover_text("Supervised fine-tuning: the next-token loss on the trained tokens of each row.");
+            ui.radio_value(method, TrainingMethod::Dpo, "DPO")
+                .on_hover_text("Direct preference optimisation on prompt / chosen / rejected pairs, against the model as loaded \
+                                (its log-probabilities precomputed once). Each step runs a pair's chosen and rejected rows: twice the rows of SFT.");
+            ui.radio_value(method, TrainingMethod::Orpo, "ORPO")
+                .on_hover_text("Odds-ratio preference optimisation: the chosen answer's NLL plus an odds-ratio term; no reference model.");
+        });
+        let p = &mut s.config.preference;
+        // ORPO has its own loss: DPO's loss and label smoothing would be refused.
+        if *method == TrainingMethod::Orpo && before != TrainingMethod::Orpo {
+            p.loss = DpoLoss::Sigmoid;
+            p.label_smoothing = 0.0;
+        }
+        if !method.is_preference() {
+            theme::note(ui, "The data's rows are trained as they are; DPO and ORPO need preference pairs (prompt, chosen, rejected).");
+            return;
+        }
+        egui::Grid::new("train-preference")
+            .num_columns(2)
+            .spacing([12.0, 8.0])
+            .show(ui, |ui| {
+                if *method == TrainingMethod::Dpo {
+                    theme::combo_row(
+                        ui,
+                        "dpo-loss",
+                        "DPO loss",
+                        "sigmoid: TRL's −log σ(β·margin) of the reward margin. IPO: the squared distance of the margin of mean log-probabilities from 1/(2β); less prone to overfitting the pairs.",
+                        &mut p.loss,
+                        &[(DpoLoss::Sigmoid, "sigmoid"), (DpoLoss::Ipo, "IPO")],
+                    );
+                }
+                let (name, tip) = if *method == TrainingMethod::Dpo {
+                    ("Beta", "DPO's β: how far the model may move from the reference (TRL's default 0.1; smaller lets it move further).")
+                } else {
+                    ("Lambda", "ORPO's λ (stored as `[preference] beta`): the weight of the odds-ratio term against the NLL (TRL's default 0.1).")
+                };
+                theme::drag_row(ui, name, tip, &mut p.beta, 0.001..=10.0, 0.005, "");
+                theme::drag_row(
+                    ui,
+                    "Max prompt length",
+                    "Prompt tokens kept, from the prompt's end (TRL's max_prompt_length). With the completion length it sets the planned sequence.",
+                    &mut p.max_prompt_length,
+                    1..=131072,
+                    4.0,
+                    " tokens",
+                );
+                theme::drag_row(
+                    ui,
+                    "Max completion length",
+                    "Tokens kept of each completion, from its start (TRL's max_completion_length).",
+                    &mut p.max_completion_length,
+                    1..=131072,
+                    4.0,
+                    " tokens",
+                );
+            });
     });
 }
 
