@@ -369,6 +369,7 @@ fn request_and_config(args: &PlanArgs) -> anyhow::Result<(PlanRequest, Option<tr
             ops: tunestudio::model::OpsMode::from_env()?,
             process: None,
             trained_tokens: None,
+            head_loss: Default::default(),
         }
     };
     if let Some(p) = &args.precision {

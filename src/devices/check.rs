@@ -502,6 +502,7 @@ fn split_ranges(
         ops: crate::model::OpsMode::from_env().unwrap_or_default(),
         process: None,
         trained_tokens: None,
+        head_loss: Default::default(),
     };
     plan::layer_ranges(&req).map_err(|e| DevicesError::Input(format!("planner: {e}")))
 }
@@ -735,8 +736,32 @@ struct GridPoint {
     checkpointing: bool,
 }
 
+/// The plan request of one memory-grid point: the step alone (no process terms, no data).
+fn grid_point_request(
+    config: &ModelConfig,
+    g: &GridPoint,
+    spec: &crate::plan::DeviceSpec,
+) -> crate::plan::PlanRequest {
+    crate::plan::PlanRequest {
+        model: config.clone(),
+        precision: g.precision,
+        micro_batch: g.micro_batch,
+        gradient_accumulation: 1,
+        seq_len: g.seq_len,
+        activation_checkpointing: g.checkpointing,
+        optimizer_offload: false,
+        lora: None,
+        strategy: Strategy::Single,
+        devices: vec![spec.clone()],
+        ops: crate::model::OpsMode::from_env().unwrap_or_default(),
+        process: None,
+        trained_tokens: None,
+        head_loss: Default::default(),
+    }
+}
+
 fn step_memory_grid(o: &CheckOptions) -> Result<Outcome, DevicesError> {
-    use crate::plan::{self, DeviceSpec, PlanRequest};
+    use crate::plan::{self, DeviceSpec};
     let device = main_device(o.mode)?;
     let (config, origin) = bench_config(o)?;
     let inv = super::discover();
@@ -758,21 +783,7 @@ fn step_memory_grid(o: &CheckOptions) -> Result<Outcome, DevicesError> {
     // How the CPU peak was measured (the GPU's is the CUDA pool's, exact).
     let mut cpu_method = String::new();
     for (i, g) in grid.iter().enumerate() {
-        let req = PlanRequest {
-            model: config.clone(),
-            precision: g.precision,
-            micro_batch: g.micro_batch,
-            gradient_accumulation: 1,
-            seq_len: g.seq_len,
-            activation_checkpointing: g.checkpointing,
-            optimizer_offload: false,
-            lora: None,
-            strategy: Strategy::Single,
-            devices: vec![spec.clone()],
-            ops: crate::model::OpsMode::from_env().unwrap_or_default(),
-            process: None,
-            trained_tokens: None,
-        };
+        let req = grid_point_request(&config, g, &spec);
         let the_plan =
             plan::plan(&req).map_err(|e| DevicesError::Input(format!("planner: {e}")))?;
         let Some(dp) = the_plan.per_device.first() else {

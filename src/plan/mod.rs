@@ -199,6 +199,27 @@ pub struct PlanRequest {
     /// that trains completions has far fewer than every position). `None` plans every position of every row, the upper
     /// bound.
     pub trained_tokens: Option<TrainedTokens>,
+    /// What the loss holds of the head's output: the causal-LM loss's chunks of the trained
+    /// rows (SFT, the default), or the full logits of every row (preference training).
+    pub head_loss: HeadLoss,
+}
+
+/// What the step's loss holds of the head's output, for the `Head` block of the plan
+/// ([`step_model`]). Set by the run-config adapter from `[training] method`.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum HeadLoss {
+    /// The causal-LM loss (SFT): the fused CPU op or the generic one computes the logits of
+    /// the trained rows only, at most 1024 rows at a time.
+    #[default]
+    Chunked,
+    /// Sequence log-probabilities from the full logits (preference training: DPO, IPO,
+    /// ORPO; `model::preference::model_sequence_logps`): the f32 logits of every position of
+    /// every row exist at once, with their log-softmax temporaries and gradients.
+    /// [`PlanRequest::trained_tokens`] (counts of SFT samples) does not apply.
+    FullLogits,
 }
 
 /// The trained tokens (rows the loss sees) of a tokenized dataset's samples, for the loss's
@@ -280,8 +301,12 @@ impl TrainedTokens {
 impl PlanRequest {
     /// Rows the loss computes logits for per micro-batch: the most trained tokens a
     /// micro-batch of the data holds ([`Self::trained_tokens`]), else every position after the
-    /// first of each row.
+    /// first of each row; with [`HeadLoss::FullLogits`], every position of every row.
     pub fn loss_rows(&self) -> usize {
+        if self.head_loss == HeadLoss::FullLogits {
+            // Every position of every row, the last one included.
+            return self.micro_batch * self.planned_seq_len();
+        }
         let rows = self.micro_batch * self.planned_seq_len().saturating_sub(1);
         self.trained_tokens
             .as_ref()
@@ -294,6 +319,10 @@ impl PlanRequest {
     /// ([`TrainedTokens::longest_batch_len`]: dynamic padding never pads beyond it), else
     /// `seq_len` (`[data] max_length`, the bound).
     pub fn planned_seq_len(&self) -> usize {
+        if self.head_loss == HeadLoss::FullLogits {
+            // The counts describe SFT samples, not pairs: plan the cut (`seq_len`).
+            return self.seq_len;
+        }
         self.trained_tokens
             .as_ref()
             .and_then(|t| t.longest_batch_len(self.seq_len))
@@ -354,6 +383,9 @@ impl PlanRequest {
                 self.micro_batch,
                 self.planned_seq_len()
             ));
+        }
+        if self.head_loss == HeadLoss::FullLogits {
+            s.push_str(", loss on full logits (preference pairs)");
         }
         if self.activation_checkpointing {
             s.push_str(", checkpointing");

@@ -144,6 +144,17 @@ fn logits_chunk_rows(d: &StepDims) -> u64 {
         .min(crate::model::LOSS_CHUNK_TOKENS as u64)
 }
 
+/// The step's logits-sized blocks, which the pool refits each step rather than fragmenting:
+/// one chunk of the loss, or for a preference step every full-logits tensor (the three its
+/// graph keeps, the backward's and the residue: [`super::step_model::full_logits_bytes`]).
+fn logits_blocks_bytes(d: &StepDims) -> u64 {
+    if d.full_logits {
+        return (3 + super::step_model::FULL_LOGITS_BACKWARD_TENSORS)
+            * super::step_model::full_logits_bytes(d);
+    }
+    logits_chunk_rows(d) * d.vocab * 4
+}
+
 /// The evaluation's heap above what stays resident (weights, master copy, moments): the
 /// forward without a graph (the final norm output and its shifted copy) and the loss,
 /// chunk by chunk (`CausalLm::eval_loss`, the op training uses): on the CPU the fused op holds
@@ -152,6 +163,19 @@ fn logits_chunk_rows(d: &StepDims) -> u64 {
 /// device-generic op holds three chunk-sized f32 tensors (logits, `logits − max`, `exp`) plus
 /// the compute-dtype matmul output in half precision.
 pub(crate) fn evaluation_transient_bytes(d: &StepDims) -> u64 {
+    if d.full_logits {
+        // Preference pairs (`train::preference` evaluates, and computes the reference before
+        // the first step, without a graph): the norm's output and the full f32 logits with
+        // `logits − max` and its `exp` at once (in half precision the head's product too).
+        let half_product = if d.act_bytes == 4 {
+            0
+        } else {
+            d.tokens * d.vocab * d.act_bytes
+        };
+        return d.tokens * d.hidden * d.act_bytes
+            + half_product
+            + 3 * super::step_model::full_logits_bytes(d);
+    }
     let rows = d.micro_batch * d.seq_len.saturating_sub(1);
     // Logits exist for the trained rows only (both ops); the chunk in elements.
     let chunk = logits_chunk_rows(d) * d.vocab;
@@ -234,7 +258,7 @@ pub(crate) fn footprint(
             } else {
                 let fragmenting = step_peak
                     .saturating_sub(resident)
-                    .saturating_sub(logits_chunk_rows(d) * d.vocab * 4);
+                    .saturating_sub(logits_blocks_bytes(d));
                 (fragmenting as f64 * RETENTION_PER_TRANSIENT_BYTE) as u64
             },
             source: "0.26 × the step's transient heap besides one logits chunk (measured on \

@@ -144,6 +144,9 @@ pub struct StepDims {
     /// The device-generic ops run (`model::ops::generic`: any GPU, or `TUNESTUDIO_OPS=generic`):
     /// the loss is the generic chunked op and AdamW's state is updated with tensor ops.
     pub generic_ops: bool,
+    /// The loss takes the full logits of every row (preference training,
+    /// [`super::HeadLoss::FullLogits`]): see [`full_logits_head_terms`].
+    pub full_logits: bool,
 }
 
 impl StepDims {
@@ -207,6 +210,7 @@ impl StepDims {
                 && matches!(req.precision, Precision::Bf16Mixed | Precision::Bf16)
                 && crate::model::ops::bf16_gemm::available(),
             generic_ops,
+            full_logits: req.head_loss == super::HeadLoss::FullLogits,
         }
     }
 
@@ -755,8 +759,65 @@ pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
                 }
             }
         }
+        BlockKind::Head if d.full_logits => full_logits_head_terms(d),
         BlockKind::Head if d.generic_ops => generic_head_terms(d),
         BlockKind::Head => fused_head_terms(d),
+    }
+}
+
+/// Logits-sized f32 tensors a preference step's backward adds above the three its graph keeps
+/// (see [`full_logits_head_terms`]).
+pub(crate) const FULL_LOGITS_BACKWARD_TENSORS: u64 = 7;
+
+/// The bytes of one micro-batch's f32 logits, every position of every row (the unit of the
+/// preference head's terms).
+pub fn full_logits_bytes(d: &StepDims) -> u64 {
+    d.tokens * d.vocab * 4
+}
+
+/// The head of a preference step (DPO, IPO, ORPO: `model::preference::model_sequence_logps`
+/// on the 2 × micro-batch rows of chosen and rejected answers), the same on the native and
+/// the generic path: the final norm's output `[n, h]` goes through the head as it is (a view,
+/// no shifted copy), and the logits of **every** position exist at once in f32 — nothing is
+/// chunked, and ignored rows are not skipped.
+///
+/// * Kept until the loss is dropped (candle's graph): the logits (in half precision the
+///   head's product in the compute dtype too, and its f32 cast is the logits), `logits − max`
+///   and its `exp` (the log-sum-exp's operands), and per position the few `[rows, t]` values
+///   of the log-softmax at the target (max, sum, its log, the log-sum-exp, the gathered
+///   logit, their difference, the masked product, targets and mask); per pair the stored
+///   reference's two log-probabilities as tensors. (The reference for the whole run is 8
+///   bytes a pair in a `Vec`: inside the dataset's process term.)
+/// * Backward: [`FULL_LOGITS_BACKWARD_TENSORS`] more logits-sized f32 tensors at its peak,
+///   candle's zero-then-add on every logits-sized gradient edge (the gather's scatter into a
+///   zero tensor, the sum's broadcast gradient, `exp`'s product, both operands of the
+///   subtraction, the reshape before the head product). The subtraction's right operand is
+///   the detached max broadcast to the logits' shape: its full-size gradient is no graph
+///   node, so it stays in candle's store until backward returns (the residue). Measured with the counting allocator
+///   (demo model, LoRA r 8, fp32, 2 × 384 and 1 × 256 pairs × tokens): the step's heap
+///   peaked 10.11 and 10.09 logits above the weights on the native path, 10.40 and 10.31
+///   with `TUNESTUDIO_OPS=generic`, of which 3.11 / 3.09 (3.40 / 3.31) were kept after the
+///   forward — the decoder's activations the rest.
+/// * A trained head (full fine-tuning): its weight gradient arrives when the logits'
+///   gradient is the only logits-sized one left besides the kept three and the max's, as five
+///   weight-sized buffers (the module docs).
+fn full_logits_head_terms(d: &StepDims) -> BlockTerms {
+    let n = d.tokens;
+    let (a, g, h, v) = (d.act_bytes, d.grad_bytes, d.hidden, d.vocab);
+    let logits = full_logits_bytes(d);
+    let half_product = if a == 4 { 0 } else { n * v * a };
+    let pairs = d.micro_batch.div_ceil(2);
+    let kept = n * h * a + half_product + 3 * logits + n * 9 * 4 + pairs * 2 * 4;
+    let full = d.lora.is_none();
+    let weight = if full { v * h * g } else { 0 };
+    let backward = (FULL_LOGITS_BACKWARD_TENSORS * logits).max(2 * logits + 5 * weight);
+    BlockTerms {
+        kept_bytes: kept,
+        forward_transient_bytes: 0,
+        backward_transient_bytes: backward,
+        backward_grad_bytes: if full { (v * h + h) * g } else { 0 },
+        residue_bytes: logits,
+        freed_kept_bytes: 0,
     }
 }
 
@@ -930,6 +991,10 @@ pub fn accumulated_sum_temporaries(d: &StepDims, temporaries: u64, largest_elems
 /// the SmolLM2 shape (113 MB head, 12 MB chunk) −429 MB generic and +101 MB native;
 /// tiny-llama (12.6 MB head ≈ 12.4 MB chunk) no change on either path.
 pub fn accumulated_head_transient(d: &StepDims, logits: u64, head_elems: u64) -> u64 {
+    if d.full_logits {
+        // The peak is among the logits' gradients, before the head's weight gradient exists.
+        return logits;
+    }
     let tensor = head_elems * d.grad_bytes;
     let rows = d.micro_batch * d.seq_len.saturating_sub(1);
     let chunk_bytes = d.loss_rows.min(rows).min(LOSS_CHUNK_ROWS) * d.vocab * 4;

@@ -23,7 +23,8 @@
 //! The model's shape (`[model] source`, see [`plan_model`]); `[training] precision`,
 //! `micro_batch`, `gradient_accumulation`, `activation_checkpointing`, `optimizer_offload`
 //! and `method` (a preference step runs 2 × `micro_batch` rows cut at `[preference]
-//! max_prompt_length + max_completion_length`); `[data] max_length`; `[lora] enabled`, and when it is on `r`,
+//! max_prompt_length + max_completion_length`, and its loss takes their full logits:
+//! [`crate::plan::HeadLoss::FullLogits`]); `[data] max_length`; `[lora] enabled`, and when it is on `r`,
 //! `target_modules` and `[model] quantize` (QLoRA: a quantized base exists only under LoRA); `[devices] devices` (see [`plan_devices`]) and `strategy`; and the
 //! training-ops path (`TUNESTUDIO_OPS`). For the process's own terms ([`process_inputs`]): the
 //! sizes on disk of the tokenizer, the dataset (`[data] path`, `validation_path`) and the
@@ -46,7 +47,7 @@
 use std::path::Path;
 
 use crate::model::{ModelConfig, OpsMode, OptimizerOffload};
-use crate::plan::{self, DeviceSpec, LoraSpec, PlanError, PlanRequest};
+use crate::plan::{self, DeviceSpec, HeadLoss, LoraSpec, PlanError, PlanRequest};
 
 use super::config::RunConfig;
 use super::error::ConfigProblem;
@@ -69,8 +70,13 @@ pub fn plan_request(
         quantize: config.model.quantize,
     });
     // A preference step (DPO, ORPO) runs each pair's chosen and rejected rows as one batch,
-    // cut at the pair's prompt + completion lengths. (Its loss holds the rows' full logits,
-    // which the planner's chunked loss does not count yet.)
+    // cut at the pair's prompt + completion lengths, and its loss holds the full logits of
+    // every row (`model::preference::model_sequence_logps`), not the chunked SFT loss.
+    let head_loss = if t.method.is_preference() {
+        HeadLoss::FullLogits
+    } else {
+        HeadLoss::Chunked
+    };
     let (micro_batch, seq_len) = if t.method.is_preference() {
         let p = &config.preference;
         (
@@ -96,6 +102,7 @@ pub fn plan_request(
         // The data is not read here: the callers that have tokenized it set the bound
         // (`samples::max_trained_tokens`).
         trained_tokens: None,
+        head_loss,
     }
 }
 

@@ -152,10 +152,15 @@ pub fn settings_context(
 
 /// The trained tokens of the run's data for the memory plan (`PlanRequest::trained_tokens`):
 /// loads the model's tokenizer and tokenizes the dataset as the trainer does before its first
-/// step, then [`split_trained_tokens`].
+/// step, then [`split_trained_tokens`]. `None` for preference training (`[training] method =
+/// "dpo" | "orpo"`): its loss takes the full logits of every row
+/// ([`crate::plan::HeadLoss::FullLogits`]), and the pairs are not SFT samples.
 pub fn trained_tokens(
     config: &RunConfig,
 ) -> Result<Option<crate::plan::TrainedTokens>, TrainError> {
+    if config.training.method.is_preference() {
+        return Ok(None);
+    }
     let (model_dir, _, _) = super::step::locate_model(config)?;
     let tok = load_tokenizer(&model_dir)?;
     let splits = load_splits(config, &tok)?;

@@ -36,6 +36,7 @@ fn dictalm_request() -> PlanRequest {
         ops: tunestudio::model::OpsMode::Auto,
         process: None,
         trained_tokens: None,
+        head_loss: Default::default(),
     }
 }
 
@@ -571,6 +572,7 @@ fn the_verdict_names_the_largest_moment_of_the_process() {
             single_step: false,
         }),
         trained_tokens: None,
+        head_loss: Default::default(),
     };
     let p = plan::plan(&req).unwrap();
     let d = &p.per_device[0];

@@ -135,6 +135,7 @@ pub fn request(cfg: &ModelConfig, c: &Case) -> PlanRequest {
         ops: tunestudio::model::OpsMode::from_env().expect("TUNESTUDIO_OPS"),
         process: None,
         trained_tokens: None,
+        head_loss: Default::default(),
     }
 }
 
