@@ -9,7 +9,7 @@
 mod train_common;
 
 use tunestudio::model::{CausalLm, ModelConfig, OpsMode};
-use tunestudio::train::{InitMode, TrainingRun};
+use tunestudio::train::{InitMode, RunConfig, TrainingRun};
 
 #[global_allocator]
 static ALLOC: tunestudio::mem::CountingAllocator = tunestudio::mem::CountingAllocator::new();
@@ -125,4 +125,155 @@ fn generic_loss_keeps_no_vocab_sized_tensor_between_forward_and_backward() {
         generic < logits / 4,
         "the generic loss kept {generic} B between forward and backward (logits are {logits} B)"
     );
+}
+
+/// A resume from a checkpoint over two logical devices peaks where the plan's resume figure
+/// says (`plan::DevicePlan::resume_peak_bytes`, the CPU devices together): the weights and
+/// the optimizer state `TrainingRun::new` allocates, plus one tensor on its way in. Reading
+/// the whole optimizer file at once (a map of every tensor) would add twice the parameters
+/// in f32 and fail both the ±5 % and the transient bound; a memory-mapped file would keep its
+/// pages resident (`RssFile`), which the counting allocator does not see, so that is sampled
+/// from `/proc/self/status` while the resume runs.
+#[test]
+fn resume_peak_matches_the_plan_under_a_layer_split() {
+    resume_case(tunestudio::settings::Strategy::LayerSplit);
+}
+
+/// The same for data parallel: every rank reads its optimizer state from the file.
+#[test]
+fn resume_peak_matches_the_plan_under_data_parallel() {
+    resume_case(tunestudio::settings::Strategy::DataParallel);
+}
+
+/// A random-init model whose untied embeddings and head (49,152 × 64 each) make the optimizer
+/// state (51 MB) dwarf the rest of what a run allocates (the samples, the tokenizer's leftovers).
+fn resume_config(dir: &std::path::Path, strategy: tunestudio::settings::Strategy) -> RunConfig {
+    let model = train_common::random_model_dir(dir, 2, 64);
+    let config_path = model.join("config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    // Untied: a tied head on the second stage would be planned as a copy of its own, which on
+    // logical CPU devices shares the embeddings' storage.
+    json["tie_word_embeddings"] = false.into();
+    std::fs::write(&config_path, json.to_string()).unwrap();
+    let rows: Vec<serde_json::Value> = serde_json::from_str::<Vec<serde_json::Value>>(
+        &std::fs::read_to_string(train_common::alpaca()).unwrap(),
+    )
+    .unwrap()
+    .into_iter()
+    .take(16)
+    .collect();
+    let data = dir.join("rows.json");
+    std::fs::write(&data, serde_json::to_string(&rows).unwrap()).unwrap();
+    let mut c = train_common::tiny_config(&dir.join("out"), 1);
+    c.model.source = model.display().to_string();
+    c.model.init = InitMode::Random;
+    c.data.path = data.display().to_string();
+    c.training.micro_batch = 2;
+    c.devices.devices = vec!["cpu:0".into(), "cpu:1".into()];
+    c.devices.strategy = strategy;
+    c
+}
+
+/// `RssFile` of `/proc/self/status` (resident pages of mapped files), `None` where there is none.
+fn rss_file_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("RssFile:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// The highest `RssFile` (resident pages of mapped files) seen while `f` runs, sampled every
+/// millisecond; `None` off Linux.
+fn max_rss_file_during<T>(f: impl FnOnce() -> T) -> (T, Option<u64>) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let read = rss_file_bytes;
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let sampler = s.spawn(|| {
+            let mut max = read();
+            while !done.load(Ordering::Relaxed) {
+                max = max.max(read());
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            max.max(read())
+        });
+        let out = f();
+        done.store(true, Ordering::Relaxed);
+        (out, sampler.join().unwrap())
+    })
+}
+
+fn resume_case(strategy: tunestudio::settings::Strategy) {
+    let _guard = exclusive();
+    let tmp = tempfile::tempdir().unwrap();
+    let config = resume_config(tmp.path(), strategy);
+    let mut run = TrainingRun::new(config.clone()).unwrap();
+    run.step().unwrap();
+    let checkpoint = run.save_checkpoint().unwrap();
+    drop(run);
+    let optimizer_file_bytes =
+        std::fs::metadata(checkpoint.join(tunestudio::train::checkpoint::OPTIMIZER_FILE))
+            .unwrap()
+            .len();
+
+    let rss_file_before = rss_file_bytes();
+    let base = tunestudio::mem::current_bytes();
+    tunestudio::mem::reset_peak();
+    let (run, rss_file_max) =
+        max_rss_file_during(|| TrainingRun::resume(config.clone(), &checkpoint).unwrap());
+    let peak_bytes = tunestudio::mem::peak_bytes().saturating_sub(base);
+    let steady_bytes = tunestudio::mem::current_bytes().saturating_sub(base);
+    drop(run);
+
+    let mut request = tunestudio::train::local_plan_request(&config).unwrap();
+    // The training tensors only: what the counting allocator sees.
+    request.process = None;
+    let plan = tunestudio::plan::plan(&request).unwrap();
+    let planned_bytes = plan.cpu_resume_peak_bytes();
+    let transient_bytes = plan
+        .per_device
+        .iter()
+        .map(|d| d.resume_transient_bytes)
+        .max()
+        .unwrap();
+    // The largest parameter's m and v in f32 (fp32 weights: 4 bytes each, so 2 × its bytes).
+    let slot_staging_bytes = 2 * transient_bytes;
+    let mb = |b: u64| b as f64 / 1e6;
+    let error = peak_bytes as f64 / planned_bytes as f64 - 1.0;
+    println!(
+        "{strategy}: resume peak {:.1} MB, planned {:.1} MB ({:+.1} %); after the resume {:.1} MB, \
+         transient {:.1} MB (largest slot's staging {:.1} MB); optimizer file {:.1} MB",
+        mb(peak_bytes),
+        mb(planned_bytes),
+        100.0 * error,
+        mb(steady_bytes),
+        mb(peak_bytes - steady_bytes),
+        mb(slot_staging_bytes),
+        mb(optimizer_file_bytes)
+    );
+    assert!(
+        error.abs() <= 0.05,
+        "{strategy}: the resume peaked at {peak_bytes} B, the plan says {planned_bytes} B ({:+.1} %)",
+        100.0 * error
+    );
+    assert!(
+        (peak_bytes - steady_bytes) * 2 < 3 * slot_staging_bytes,
+        "{strategy}: the resume held {} B above what it keeps (more than 1.5 × the largest \
+         parameter's optimizer state, {slot_staging_bytes} B): was the file read at once?",
+        peak_bytes - steady_bytes
+    );
+    if let (Some(before), Some(max)) = (rss_file_before, rss_file_max) {
+        println!(
+            "{strategy}: RssFile {:.1} → at most {:.1} MB during the resume",
+            mb(before),
+            mb(max)
+        );
+        assert!(
+            max.saturating_sub(before) < optimizer_file_bytes / 4,
+            "{strategy}: mapped file pages grew by {} B during the resume (optimizer file \
+             {optimizer_file_bytes} B): the checkpoint was memory-mapped",
+            max - before
+        );
+    }
 }

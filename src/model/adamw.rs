@@ -407,8 +407,10 @@ impl AdamW {
 
     /// Restores a saved state one parameter at a time: every key and shape is checked first
     /// (nothing changes on a mismatch), then each parameter's moments are read, placed on its
-    /// own device (or kept in host RAM) and the next one read. At no moment does one device,
-    /// or the host, hold more than one parameter's saved state besides the optimizer's own.
+    /// own device (or kept in host RAM) and the next one read. Each parameter's old state is
+    /// freed before its saved one is read, so no device holds more than the optimizer's own
+    /// state, and the host at most one parameter's m, v (and master) in f32 on their way to a
+    /// GPU (the planner's resume figure, `plan::DevicePlan::resume_peak_bytes`, counts on this).
     pub fn load_state_from(
         &mut self,
         source: &dyn StateSource,
@@ -433,9 +435,14 @@ impl AdamW {
             }
         }
         for s in &mut self.slots {
+            let has_master = s.has_master();
+            // The old state goes before the new one is read: on the CPU the vectors read are
+            // the state itself, so a resume needs no memory beyond the optimizer's own. After a
+            // failed read the optimizer is partly loaded; the caller discards it.
+            s.state = State::empty();
             let m = source.load_f32(&format!("exp_avg.{}", s.name))?;
             let v = source.load_f32(&format!("exp_avg_sq.{}", s.name))?;
-            let master = if s.has_master() {
+            let master = if has_master {
                 let key = format!("master.{}", s.name);
                 Some(match source.dims(&key) {
                     Some(_) => source.load_f32(&key)?,
@@ -444,7 +451,6 @@ impl AdamW {
             } else {
                 None
             };
-            // The old state goes before the new one is placed.
             s.state = State::Host { m, v, master };
             s.place(self.placement)?;
         }
@@ -453,8 +459,8 @@ impl AdamW {
     }
 }
 
-/// A saved optimizer state read one tensor at a time (a checkpoint's memory-mapped
-/// `optimizer.safetensors`, or tensors already loaded).
+/// A saved optimizer state read one tensor at a time (a checkpoint's `optimizer.safetensors`
+/// through `train::checkpoint::TensorFile`, or tensors already loaded).
 pub trait StateSource {
     /// The shape of `key`, `None` when the state has no such tensor.
     fn dims(&self, key: &str) -> Option<Vec<usize>>;
@@ -472,16 +478,6 @@ impl StateSource for HashMap<String, Tensor> {
             .get(key)
             .ok_or_else(|| ModelError::Optimizer(format!("the optimizer state has no `{key}`")))?;
         to_f32_vec(t)
-    }
-}
-
-impl StateSource for candle_core::safetensors::MmapedSafetensors {
-    fn dims(&self, key: &str) -> Option<Vec<usize>> {
-        self.get(key).ok().map(|view| view.shape().to_vec())
-    }
-
-    fn load_f32(&self, key: &str) -> Result<Vec<f32>, ModelError> {
-        to_f32_vec(&self.load(key, &candle_core::Device::Cpu)?)
     }
 }
 

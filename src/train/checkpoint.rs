@@ -232,14 +232,218 @@ pub fn load_tensors(
     candle_core::safetensors::load(path, device).map_err(|e| io_err(path, e))
 }
 
-/// A checkpoint file memory-mapped, so a resume reads one tensor at a time and puts each
-/// directly on its own device (no copy of the whole file on one device or in the heap).
-pub fn open_tensors(
-    path: &Path,
-) -> Result<candle_core::safetensors::MmapedSafetensors, TrainError> {
-    // SAFETY: the checkpoint folder is the run's own; it is not modified while training
-    // resumes from it (a new checkpoint is written under a temporary name, then renamed).
-    unsafe { candle_core::safetensors::MmapedSafetensors::new(path) }.map_err(|e| io_err(path, e))
+/// The largest safetensors header accepted (the format's own limit).
+const MAX_HEADER_BYTES: u64 = 100_000_000;
+
+/// One tensor of a [`TensorFile`]: its dtype, shape and where its bytes are.
+#[derive(Debug, Clone)]
+struct Entry {
+    dtype: candle_core::DType,
+    shape: Vec<usize>,
+    /// Byte offset of the data from the start of the file.
+    offset: u64,
+}
+
+/// A checkpoint's safetensors file read one tensor at a time with positioned reads, so a
+/// resume puts each tensor directly on its own device and the host holds one tensor at a
+/// time. Not a memory map: a read-only mapping keeps every page it touched resident (and in
+/// the process's RSS) until it is unmapped, which for `optimizer.safetensors` is a full host
+/// copy of the optimizer state during the resume.
+pub struct TensorFile {
+    path: PathBuf,
+    file: std::fs::File,
+    entries: std::collections::HashMap<String, Entry>,
+}
+
+impl TensorFile {
+    /// Opens `path` and reads its header (the tensors' names, dtypes, shapes and offsets).
+    pub fn open(path: &Path) -> Result<Self, TrainError> {
+        let damaged = |what: String| {
+            io_err(
+                path,
+                format!("{what}: the file is damaged or truncated; resume from another checkpoint"),
+            )
+        };
+        let file = std::fs::File::open(path).map_err(|e| {
+            io_err(
+                path,
+                format!("cannot open it ({e}); is this a complete tunestudio checkpoint folder?"),
+            )
+        })?;
+        let file_bytes = file.metadata().map_err(|e| io_err(path, e))?.len();
+        let mut len = [0u8; 8];
+        read_exact_at(&file, &mut len, 0)
+            .map_err(|e| damaged(format!("cannot read the header length ({e})")))?;
+        let header_bytes = u64::from_le_bytes(len);
+        if header_bytes > MAX_HEADER_BYTES || 8 + header_bytes > file_bytes {
+            return Err(damaged(format!(
+                "the header claims {header_bytes} bytes of a {file_bytes}-byte file"
+            )));
+        }
+        let mut header = vec![0u8; header_bytes as usize];
+        read_exact_at(&file, &mut header, 8)
+            .map_err(|e| damaged(format!("cannot read the header ({e})")))?;
+        let metadata: safetensors::tensor::Metadata = serde_json::from_slice(&header)
+            .map_err(|e| damaged(format!("the header is not safetensors ({e})")))?;
+        let data_start = 8 + header_bytes;
+        let mut entries = std::collections::HashMap::new();
+        for (name, info) in metadata.tensors() {
+            let dtype = candle_dtype(info.dtype).ok_or_else(|| {
+                io_err(
+                    path,
+                    format!(
+                        "`{name}` has dtype {:?}, not f32, bf16, f16 or f64: not a tunestudio checkpoint",
+                        info.dtype
+                    ),
+                )
+            })?;
+            let (start, end) = info.data_offsets;
+            let elems: usize = info.shape.iter().product();
+            if end.checked_sub(start) != Some(elems * dtype.size_in_bytes())
+                || data_start + end as u64 > file_bytes
+            {
+                return Err(damaged(format!(
+                    "`{name}` ({:?}, bytes {start}..{end}) does not fit the file",
+                    info.shape
+                )));
+            }
+            let entry = Entry {
+                dtype,
+                shape: info.shape.clone(),
+                offset: data_start + start as u64,
+            };
+            entries.insert(name, entry);
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+            entries,
+        })
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The shape of `key`, `None` when the file has no such tensor.
+    pub fn dims(&self, key: &str) -> Option<&[usize]> {
+        self.entries.get(key).map(|e| e.shape.as_slice())
+    }
+
+    fn entry(&self, key: &str) -> Result<&Entry, TrainError> {
+        self.entries.get(key).ok_or_else(|| {
+            io_err(
+                &self.path,
+                format!(
+                    "has no tensor `{key}`; the checkpoint belongs to another model or LoRA setup"
+                ),
+            )
+        })
+    }
+
+    fn read<T: candle_core::WithDType>(&self, key: &str, e: &Entry) -> Result<Vec<T>, TrainError> {
+        let elems: usize = e.shape.iter().product();
+        read_elems::<T>(&self.file, e.offset, elems).map_err(|err| {
+            io_err(
+                &self.path,
+                format!("cannot read `{key}` ({err}); the file is damaged or truncated: resume from another checkpoint"),
+            )
+        })
+    }
+
+    /// `key` in its stored dtype on `device`: read into one host buffer that becomes the
+    /// tensor on the CPU (no second copy) or is copied to a GPU and dropped.
+    pub fn load(
+        &self,
+        key: &str,
+        device: &candle_core::Device,
+    ) -> Result<candle_core::Tensor, TrainError> {
+        use candle_core::{DType, Tensor};
+        let e = self.entry(key)?;
+        let shape = e.shape.as_slice();
+        let t = match e.dtype {
+            DType::F32 => Tensor::from_vec(self.read::<f32>(key, e)?, shape, device),
+            DType::BF16 => Tensor::from_vec(self.read::<half::bf16>(key, e)?, shape, device),
+            DType::F16 => Tensor::from_vec(self.read::<half::f16>(key, e)?, shape, device),
+            DType::F64 => Tensor::from_vec(self.read::<f64>(key, e)?, shape, device),
+            other => {
+                return Err(io_err(
+                    &self.path,
+                    format!("`{key}` has dtype {other:?}, not a float"),
+                ))
+            }
+        };
+        t.map_err(|err| io_err(&self.path, format!("cannot place `{key}`: {err}")))
+    }
+
+    /// `key`'s values as f32 in host RAM: an f32 tensor (the optimizer state's dtype) is
+    /// read straight into the vector.
+    pub fn load_f32(&self, key: &str) -> Result<Vec<f32>, TrainError> {
+        let e = self.entry(key)?;
+        if e.dtype == candle_core::DType::F32 {
+            return self.read::<f32>(key, e);
+        }
+        self.load(key, &candle_core::Device::Cpu)?
+            .to_dtype(candle_core::DType::F32)
+            .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
+            .map_err(|err| io_err(&self.path, format!("cannot convert `{key}` to f32: {err}")))
+    }
+}
+
+impl crate::model::StateSource for TensorFile {
+    fn dims(&self, key: &str) -> Option<Vec<usize>> {
+        TensorFile::dims(self, key).map(<[usize]>::to_vec)
+    }
+
+    fn load_f32(&self, key: &str) -> Result<Vec<f32>, crate::model::ModelError> {
+        TensorFile::load_f32(self, key)
+            .map_err(|e| crate::model::ModelError::Optimizer(e.to_string()))
+    }
+}
+
+fn candle_dtype(dtype: safetensors::Dtype) -> Option<candle_core::DType> {
+    use candle_core::DType;
+    match dtype {
+        safetensors::Dtype::F32 => Some(DType::F32),
+        safetensors::Dtype::BF16 => Some(DType::BF16),
+        safetensors::Dtype::F16 => Some(DType::F16),
+        safetensors::Dtype::F64 => Some(DType::F64),
+        _ => None,
+    }
+}
+
+/// `elems` values of `T` read from `offset` straight into a vector (safetensors stores them
+/// little-endian, as every platform tunestudio runs on lays them out).
+fn read_elems<T: candle_core::WithDType>(
+    file: &std::fs::File,
+    offset: u64,
+    elems: usize,
+) -> std::io::Result<Vec<T>> {
+    let mut v = vec![T::from_f64(0.0); elems];
+    // SAFETY: `T` is a plain float type (f32, f64, bf16, f16), for which every bit pattern is
+    // a value; the byte slice covers exactly the vector's initialised elements.
+    let bytes = unsafe {
+        std::slice::from_raw_parts_mut(
+            v.as_mut_ptr().cast::<u8>(),
+            std::mem::size_of_val(v.as_slice()),
+        )
+    };
+    read_exact_at(file, bytes, offset)?;
+    Ok(v)
+}
+
+#[cfg(unix)]
+fn read_exact_at(file: &std::fs::File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    std::os::unix::fs::FileExt::read_exact_at(file, buf, offset)
+}
+
+#[cfg(not(unix))]
+fn read_exact_at(file: &std::fs::File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = file;
+    f.seek(SeekFrom::Start(offset))?;
+    f.read_exact(buf)
 }
 
 #[cfg(test)]
@@ -263,6 +467,53 @@ mod tests {
             last_eval_loss: None,
             rows_per_micro_batch: Some(4),
         }
+    }
+
+    /// The streaming reader gives back what candle saved, in each tensor's dtype, and says
+    /// which file and tensor a damaged file breaks.
+    #[test]
+    fn tensor_file_reads_one_tensor_at_a_time() {
+        use candle_core::{DType, Device, Tensor};
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("t.safetensors");
+        let a = Tensor::arange(0f32, 12.0, &Device::Cpu)
+            .unwrap()
+            .reshape((3, 4))
+            .unwrap();
+        let b = a.to_dtype(DType::BF16).unwrap();
+        let tensors: std::collections::HashMap<String, Tensor> =
+            [("a".to_string(), a.clone()), ("b".to_string(), b.clone())].into();
+        save_tensors(&path, &tensors).unwrap();
+        let file = TensorFile::open(&path).unwrap();
+        assert_eq!(file.dims("a"), Some(&[3usize, 4][..]));
+        assert_eq!(file.dims("c"), None);
+        let got = file.load("b", &Device::Cpu).unwrap();
+        assert_eq!(got.dtype(), DType::BF16);
+        assert_eq!(
+            got.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap(),
+            a.to_vec2::<f32>().unwrap()
+        );
+        let want: Vec<f32> = (0..12).map(|i| i as f32).collect();
+        assert_eq!(file.load_f32("a").unwrap(), want);
+        assert_eq!(file.load_f32("b").unwrap(), want);
+        let missing = file.load_f32("c").unwrap_err().to_string();
+        assert!(
+            missing.contains("`c`") && missing.contains("t.safetensors"),
+            "{missing}"
+        );
+
+        // Cut the last tensor's bytes off: the header no longer fits the file.
+        let len = std::fs::metadata(&path).unwrap().len();
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.set_len(len - 8).unwrap();
+        let err = TensorFile::open(&path).err().unwrap().to_string();
+        assert!(
+            err.contains("t.safetensors") && err.contains("damaged or truncated"),
+            "{err}"
+        );
+        std::fs::write(&path, b"not a checkpoint").unwrap();
+        let err = TensorFile::open(&path).err().unwrap().to_string();
+        assert!(err.contains("damaged or truncated"), "{err}");
     }
 
     #[test]
