@@ -4,7 +4,8 @@
 //! the CPU, so the checks themselves are tested on every machine.
 //!
 //! Steps: discovery; parity with transformers' reference loss and gradients
-//! (fp32 and bf16); a layer split over two logical devices equal to one
+//! (fp32 and bf16, and both again through the generic ops with activation
+//! checkpointing); a layer split over two logical devices equal to one
 //! device; data parallel over two logical devices equal to one device on the
 //! whole batch; NCCL all-reduce (with `nccl`); the memory sampler.
 
@@ -102,11 +103,12 @@ impl CheckReport {
 pub const MEMORY_GRID_TOLERANCE: f64 = 0.05;
 
 /// The step names, in order.
-pub const STEPS: [&str; 10] = [
+pub const STEPS: [&str; 11] = [
     "discovery",
     "parity-fp32",
     "parity-bf16",
     "parity-generic",
+    "parity-generic-bf16",
     "layer-split",
     "data-parallel",
     "nccl",
@@ -167,6 +169,7 @@ fn run_step(name: &str, o: &CheckOptions) -> Result<Outcome, DevicesError> {
         "parity-fp32" => step_parity(o, DType::F32, false),
         "parity-bf16" => step_parity(o, DType::BF16, false),
         "parity-generic" => step_parity(o, DType::F32, true),
+        "parity-generic-bf16" => step_parity(o, DType::BF16, true),
         "layer-split" => step_layer_split(o),
         "data-parallel" => step_data_parallel(o),
         "nccl" => step_nccl(o),
@@ -503,6 +506,7 @@ fn split_ranges(
         process: None,
         trained_tokens: None,
         head_loss: Default::default(),
+        reference: Default::default(),
     };
     plan::layer_ranges(&req).map_err(|e| DevicesError::Input(format!("planner: {e}")))
 }
@@ -757,6 +761,7 @@ fn grid_point_request(
         process: None,
         trained_tokens: None,
         head_loss: Default::default(),
+        reference: Default::default(),
     }
 }
 
