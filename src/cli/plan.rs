@@ -370,6 +370,7 @@ fn request_and_config(args: &PlanArgs) -> anyhow::Result<(PlanRequest, Option<tr
             process: None,
             trained_tokens: None,
             head_loss: Default::default(),
+            reference: Default::default(),
         }
     };
     if let Some(p) = &args.precision {
@@ -512,6 +513,7 @@ fn print_plan(req: &PlanRequest, p: &Plan, per_layer: bool) {
         rows.push(r);
     }
     print_table(&rows);
+    print_resume(p);
     if p.host_offload_bytes > 0 {
         println!(
             "Host RAM: {} of optimizer state (moments{}) offloaded from the GPUs",
@@ -592,6 +594,19 @@ fn device_row(d: &DevicePlan) -> Vec<String> {
         format_bytes(d.device.capacity_bytes),
         status,
     ]
+}
+
+/// One line: each device's peak while a resume (or an out-of-memory refit) loads a checkpoint.
+fn print_resume(p: &Plan) {
+    let figures: Vec<String> = p
+        .per_device
+        .iter()
+        .map(|d| format!("{} {}", d.device.name, format_bytes(d.resume_peak_bytes)))
+        .collect();
+    println!(
+        "Resume from a checkpoint: {} (weights, optimizer state and one tensor being read)",
+        figures.join(", ")
+    );
 }
 
 /// The process's resident set on a CPU device, term by term (the table's columns are the

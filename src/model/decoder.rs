@@ -24,7 +24,7 @@ use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The HF name of the token embeddings (also the tied lm-head).
@@ -97,6 +97,9 @@ pub(crate) struct Ctx {
     /// `Some(seed)` when LoRA dropout is active (training); the same seed recomputes the
     /// same masks in checkpointed layers.
     pub dropout_seed: Option<u64>,
+    /// Whether the LoRA adapters add their update (false: the base alone, see
+    /// [`CausalLm::without_adapters`]).
+    pub adapters: bool,
     /// Which implementation runs each building block.
     pub ops: kernels::OpsKind,
     /// The tables native layers read, built by the first one.
@@ -169,6 +172,9 @@ pub struct CausalLm {
     side_routed: Mutex<std::collections::HashSet<String>>,
     pub(crate) forward_counter: AtomicU64,
     pub(crate) dropout_seed_base: u64,
+    /// The LoRA adapters are switched off: forward passes run the base alone (PEFT's
+    /// `disable_adapter()`), read by every linear layer through [`Ctx::adapters`].
+    adapters_disabled: AtomicBool,
     /// What `base_model_name_or_path` says when an adapter is saved.
     pub(crate) source: String,
 }
@@ -340,7 +346,7 @@ impl Linear {
         if let Some(b) = &self.b {
             y = y.broadcast_add(b)?;
         }
-        if let Some(l) = &self.lora {
+        if let Some(l) = self.lora.as_ref().filter(|_| ctx.adapters) {
             let xin = match ctx.dropout_seed {
                 Some(seed) if l.dropout > 0.0 => {
                     dropout(x, l.dropout, lora_dropout_seed(seed, self.key))?
@@ -484,6 +490,7 @@ impl CausalLm {
             side_routed: Mutex::new(Default::default()),
             forward_counter: AtomicU64::new(0),
             dropout_seed_base: 0x5EED,
+            adapters_disabled: AtomicBool::new(false),
             source,
         };
         model.set_ops_mode(OpsMode::from_env()?);
@@ -658,6 +665,39 @@ impl CausalLm {
     /// The active LoRA configuration, if an adapter is attached.
     pub fn lora_config(&self) -> Option<&LoraConfig> {
         self.lora.as_ref()
+    }
+
+    /// Runs `f` with the LoRA adapters switched off: every forward pass inside it is the base
+    /// model's (PEFT's `with model.disable_adapter():`), the adapters' weights untouched —
+    /// the linear layers read a flag, nothing is copied. The flag is restored when `f`
+    /// returns (or unwinds). Without an adapter it is a plain call.
+    pub fn without_adapters<R>(&self, f: impl FnOnce(&Self) -> R) -> R {
+        struct Restore<'a>(&'a AtomicBool, bool);
+        impl Drop for Restore<'_> {
+            fn drop(&mut self) {
+                self.0.store(self.1, Ordering::Relaxed);
+            }
+        }
+        let _restore = Restore(
+            &self.adapters_disabled,
+            self.adapters_disabled.swap(true, Ordering::Relaxed),
+        );
+        f(self)
+    }
+
+    /// Freezes every parameter: no gradient is computed for any of them again (a frozen
+    /// reference model, such as DPO's `reference = "copy"`).
+    pub fn freeze(&mut self) -> Result<(), ModelError> {
+        for p in &mut self.params {
+            p.trainable = false;
+        }
+        self.rebuild()
+    }
+
+    /// Whether forward passes include the LoRA adapters (false inside
+    /// [`Self::without_adapters`]).
+    pub fn adapters_enabled(&self) -> bool {
+        !self.adapters_disabled.load(Ordering::Relaxed)
     }
 
     /// Recompute each decoder layer in backward instead of keeping its activations.
@@ -984,6 +1024,7 @@ impl CausalLm {
                 mask,
                 sliding_mask,
                 dropout_seed,
+                adapters: !self.adapters_disabled.load(Ordering::Relaxed),
                 ops: self.ops,
                 native: OnceLock::new(),
             }))

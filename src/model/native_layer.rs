@@ -71,6 +71,8 @@ pub(crate) struct NativeCtx {
     mask: Vec<f32>,
     sliding_mask: Option<Vec<f32>>,
     mask_rows: usize,
+    /// Whether the adapters add their update ([`Ctx::adapters`]).
+    adapters: bool,
 }
 
 impl NativeCtx {
@@ -85,6 +87,7 @@ impl NativeCtx {
                 None => None,
             },
             mask_rows,
+            adapters: ctx.adapters,
         })
     }
 
@@ -456,7 +459,12 @@ fn layer_tensors(layer: &Layer) -> Vec<&Tensor> {
     tensors
 }
 
-fn with_params<R>(layer: &Layer, f: impl FnOnce(&Params<'_>) -> Result<R>) -> Result<R> {
+/// `adapters` false (the adapters switched off) leaves every adapter out of the products.
+fn with_params<R>(
+    layer: &Layer,
+    adapters: bool,
+    f: impl FnOnce(&Params<'_>) -> Result<R>,
+) -> Result<R> {
     let lins = linears(layer);
     let tensors = layer_tensors(layer);
     let guards: Vec<_> = tensors.iter().map(|t| t.storage_and_layout()).collect();
@@ -490,6 +498,12 @@ fn with_params<R>(layer: &Layer, f: impl FnOnce(&Params<'_>) -> Result<R>) -> Re
             None => None,
         };
         let lora = match &l.lora {
+            Some(_) if !adapters => {
+                // Read past the factors: the slices are in order.
+                next()?;
+                next()?;
+                None
+            }
             Some(f) => Some(LoraLin {
                 a: next()?,
                 b: next()?,
@@ -971,7 +985,7 @@ pub(crate) fn native_layer(
     check_dims(layer, &dims)?;
     let h = h.contiguous()?;
     let (out, saved) = with_f32(&h, |hs| {
-        with_params(layer, |p| {
+        with_params(layer, nc.adapters, |p| {
             forward(p, &dims, hs, nc, nc.mask_for(layer), dropout_seed)
         })
     })?;
@@ -1121,7 +1135,7 @@ impl CustomOp2 for NativeLayerOp {
         let saved = lock(&self.saved).take();
         let (dh, grads) = with_f32(&arg, |h| {
             with_f32(&grad, |g| {
-                with_params(layer, |p| {
+                with_params(layer, self.nc.adapters, |p| {
                     let recomputed;
                     let s = match &saved {
                         Some(s) => s,

@@ -144,7 +144,8 @@ pub fn layer_costs(req: &PlanRequest) -> LayerCosts {
         let memory = LayerMemory {
             name: kind.to_string(),
             parameters: params.total,
-            weights_bytes: params.weight_bytes(&dims),
+            weights_bytes: params.weight_bytes(&dims)
+                + super::reference::copy_weight_bytes(req, &dims, params.total),
             master_weights_bytes: params.trainable * dims.master_bytes,
             gradients_bytes: grad_bytes,
             optimizer_states_bytes: params.trainable * dims.optimizer_bytes,
@@ -392,7 +393,13 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
             }
             _ => None,
         };
-        let peak = process.as_ref().map_or(tensors_peak, |p| p.peak_bytes);
+        let resume = resume_moment(&costs, &dims, &blocks, &dp, overhead);
+        // The resume lies below the step's peak with the streaming loader (the step holds
+        // every gradient); the max keeps the peak honest should that ever change.
+        let peak = process
+            .as_ref()
+            .map_or(tensors_peak, |p| p.peak_bytes)
+            .max(resume.peak_bytes);
         let fits = peak <= device.capacity_bytes;
         let phases: Vec<PhaseBytes> = dp
             .phases
@@ -421,6 +428,8 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
             overhead_bytes: overhead,
             peak_bytes: peak,
             training_tensors_bytes: tensors_peak,
+            resume_peak_bytes: resume.peak_bytes,
+            resume_transient_bytes: resume.transient_bytes,
             process,
             peak_phase: dp.peak_phase,
             components: dp.components,
@@ -432,6 +441,16 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
             device,
         });
     }
+    Ok(finish_plan(req, &costs, &dims, per_device))
+}
+
+/// The plan around its per-device figures: verdict, summary and totals.
+fn finish_plan(
+    req: &PlanRequest,
+    costs: &LayerCosts,
+    dims: &StepDims,
+    per_device: Vec<DevicePlan>,
+) -> Plan {
     let verdict = if per_device.iter().any(|d| !d.fits) {
         Verdict::OutOfMemory
     } else if per_device
@@ -443,7 +462,7 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
         Verdict::Fits
     };
     let summary = summarize(&per_device, verdict);
-    Ok(Plan {
+    Plan {
         per_device,
         verdict,
         summary,
@@ -454,7 +473,40 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
         effective_batch: req.effective_batch(),
         settings: req.settings_summary(),
         host_offload_bytes: costs.trainable_parameters * dims.host_state_bytes,
-    })
+    }
+}
+
+/// A device's memory at the resume from a checkpoint (or an out-of-memory refit's).
+struct ResumeMoment {
+    peak_bytes: u64,
+    transient_bytes: u64,
+}
+
+/// What exists when `TrainingRun::resume` loads a checkpoint onto a device: the runtime
+/// overhead, the weights (a tied head's copy included) and the optimizer's own state (AdamW
+/// allocates its moments and master copy before the load), plus one trainable tensor on its
+/// way in (`checkpoint::TensorFile` reads one at a time; on a GPU it is placed, then copied
+/// into its parameter). The moments need nothing more: each parameter's old state is freed
+/// before its saved one is read (`AdamW::load_state_from`). No gradients, activations or
+/// gemm workspace exist yet.
+fn resume_moment(
+    costs: &LayerCosts,
+    dims: &StepDims,
+    held: &[usize],
+    dp: &Timeline,
+    overhead: u64,
+) -> ResumeMoment {
+    let largest_trainable = held
+        .iter()
+        .map(|&i| costs.blocks[i].largest_trainable_elems)
+        .max()
+        .unwrap_or(0);
+    let transient_bytes = largest_trainable * dims.weight_bytes;
+    let steady = dp.components.weights_bytes + dp.components.optimizer_bytes;
+    ResumeMoment {
+        peak_bytes: overhead + steady + transient_bytes,
+        transient_bytes,
+    }
 }
 
 /// gemm's per-thread workspace on device `d` of the `n_used` devices: the process's, so the
@@ -599,6 +651,22 @@ fn device_timeline(
         p.temporaries = b.terms.forward_transient_bytes;
         fwd_best = best_of(fwd_best, p);
         kept_so_far += b.terms.kept_bytes;
+    }
+    // A live reference's forward without a graph, before the policy's (`plan/reference.rs`).
+    let reference = super::reference::reference_forward_bytes(
+        req,
+        dims,
+        blocks.iter().map(|b| {
+            (
+                matches!(b.kind, BlockKind::Head),
+                b.terms.forward_transient_bytes,
+            )
+        }),
+    );
+    if reference > 0 {
+        let mut p = base;
+        p.temporaries = reference;
+        fwd_best = best_of(fwd_best, p);
     }
 
     // Backward: the graph (all kept tensors) stays alive until the loss is dropped;

@@ -25,6 +25,7 @@ mod gpu_catalog;
 mod model_source;
 pub mod placement;
 mod process;
+mod reference;
 pub mod step_model;
 
 pub use components::{
@@ -44,6 +45,7 @@ pub use fit::{auto_fit, relative_throughput, AutoFit};
 pub use gpu_catalog::{find_gpu_model, gpu_model_by_size_text, GpuModel, GPU_CATALOG};
 pub use model_source::model_config_path;
 pub use process::{ProcessFootprint, ProcessInputs, ProcessTerm};
+pub use reference::ReferencePlan;
 
 use crate::model::{ModelConfig, OpsMode};
 use std::fmt;
@@ -202,6 +204,9 @@ pub struct PlanRequest {
     /// What the loss holds of the head's output: the causal-LM loss's chunks of the trained
     /// rows (SFT, the default), or the full logits of every row (preference training).
     pub head_loss: HeadLoss,
+    /// A DPO run's reference: stored (nothing during the step), the base with the adapters
+    /// switched off, or a frozen copy of the weights (`plan/reference.rs`).
+    pub reference: ReferencePlan,
 }
 
 /// What the step's loss holds of the head's output, for the `Head` block of the plan
@@ -319,10 +324,8 @@ impl PlanRequest {
     /// ([`TrainedTokens::longest_batch_len`]: dynamic padding never pads beyond it), else
     /// `seq_len` (`[data] max_length`, the bound).
     pub fn planned_seq_len(&self) -> usize {
-        if self.head_loss == HeadLoss::FullLogits {
-            // The counts describe SFT samples, not pairs: plan the cut (`seq_len`).
-            return self.seq_len;
-        }
+        // A preference run's counts carry its longest pair (prompt + the longer completion,
+        // `train::samples::trained_tokens`), which its collator pads to as the SFT one does.
         self.trained_tokens
             .as_ref()
             .and_then(|t| t.longest_batch_len(self.seq_len))
@@ -387,6 +390,13 @@ impl PlanRequest {
         if self.head_loss == HeadLoss::FullLogits {
             s.push_str(", loss on full logits (preference pairs)");
         }
+        match self.reference {
+            ReferencePlan::Stored => {}
+            ReferencePlan::AdapterDisabled => {
+                s.push_str(", reference forward with the adapters disabled")
+            }
+            ReferencePlan::Copy => s.push_str(", frozen reference copy of the weights"),
+        }
         if self.activation_checkpointing {
             s.push_str(", checkpointing");
         }
@@ -441,6 +451,8 @@ pub enum PeakMoment {
     Evaluation,
     /// The loading of the weights (mapped files and the loaded tensors at once).
     Loading,
+    /// The resume from a checkpoint ([`DevicePlan::resume_peak_bytes`]).
+    Resume,
 }
 
 impl fmt::Display for PeakMoment {
@@ -449,6 +461,7 @@ impl fmt::Display for PeakMoment {
             PeakMoment::Step(phase) => phase.fmt(f),
             PeakMoment::Evaluation => f.write_str("evaluation"),
             PeakMoment::Loading => f.write_str("loading of the weights"),
+            PeakMoment::Resume => f.write_str("resume from a checkpoint"),
         }
     }
 }
@@ -496,6 +509,14 @@ pub struct DevicePlan {
     /// The training step's tensors at their peak (the components above plus the overhead):
     /// `peak_bytes` without the process terms.
     pub training_tensors_bytes: u64,
+    /// The high-water mark while a resume (or an out-of-memory refit) loads a checkpoint
+    /// onto this device: the overhead, the weights and the optimizer's state (allocated before
+    /// the load) plus [`DevicePlan::resume_transient_bytes`]. `peak_bytes` covers it.
+    pub resume_peak_bytes: u64,
+    /// The resume's transient: the largest trainable tensor held here, in its dtype, on its
+    /// way from the file into its parameter (the loader reads one tensor at a time, and each
+    /// parameter's optimizer state is freed before its saved one is read).
+    pub resume_transient_bytes: u64,
     /// The process's resident set, term by term (first CPU device, with
     /// [`PlanRequest::process`]).
     pub process: Option<ProcessFootprint>,
@@ -523,10 +544,18 @@ impl DevicePlan {
         (self.device.capacity_bytes as f64 - self.peak_bytes as f64) / cap
     }
 
-    /// The moment `peak_bytes` belongs to: the process's largest moment when the peak is the
-    /// process's resident set (the evaluation or the loading can be larger than the step),
-    /// else the step's phase ([`DevicePlan::peak_phase`]).
+    /// The moment `peak_bytes` belongs to: the resume when its figure is the largest, the
+    /// process's largest moment when the peak is the process's resident set (the evaluation
+    /// or the loading can be larger than the step), else the step's phase
+    /// ([`DevicePlan::peak_phase`]).
     pub fn peak_moment(&self) -> PeakMoment {
+        let others = self
+            .process
+            .as_ref()
+            .map_or(self.training_tensors_bytes, |p| p.peak_bytes);
+        if self.resume_peak_bytes > others {
+            return PeakMoment::Resume;
+        }
         match self.process.as_ref().map(|p| p.largest_moment) {
             Some(process::EVALUATION) => PeakMoment::Evaluation,
             Some(process::LOADING) => PeakMoment::Loading,
@@ -758,6 +787,23 @@ impl Plan {
     /// Whether every device fits.
     pub fn fits(&self) -> bool {
         self.per_device.iter().all(|d| d.fits)
+    }
+
+    /// The resume peak of the plan's CPU devices together: logical CPU devices
+    /// (`cpu:0,cpu:1`) share the host's memory and load the checkpoint one tensor at a time,
+    /// so their resume figures add up but for one transient (the largest). 0 without CPU
+    /// devices. The training tensors only, as [`DevicePlan::resume_peak_bytes`].
+    pub fn cpu_resume_peak_bytes(&self) -> u64 {
+        let cpus = self
+            .per_device
+            .iter()
+            .filter(|d| d.device.kind == DeviceKind::Cpu);
+        let steady: u64 = cpus
+            .clone()
+            .map(|d| d.resume_peak_bytes - d.resume_transient_bytes)
+            .sum();
+        let transient = cpus.map(|d| d.resume_transient_bytes).max().unwrap_or(0);
+        steady + transient
     }
 
     /// The device with the least headroom (largest shortfall).

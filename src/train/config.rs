@@ -231,16 +231,19 @@ pub enum DpoLoss {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum ReferenceMode {
-    /// `precomputed` (the only mode this version runs).
+    /// `precomputed`, for LoRA and full fine-tuning alike: the same numbers as TRL's default
+    /// reference (a fresh adapter adds nothing), at the least cost (see `train::preference`).
     #[default]
     Auto,
     /// One pass over the data before the first step stores each pair's reference
     /// log-probabilities (the model as loaded: the base, since a fresh LoRA adapter adds
     /// nothing), so no second copy of the weights is held. Stored in the run folder for resume.
     Precomputed,
-    /// The base with the adapter disabled, computed every step (not available yet).
+    /// The base with the adapters switched off, computed each micro-step without a graph
+    /// (LoRA and QLoRA only; TRL's reference for a PEFT model with no `ref_model`).
     AdapterDisabled,
-    /// A frozen copy of the weights on the training devices (not available yet).
+    /// A frozen copy of the starting weights on every rank's devices, run each micro-step
+    /// without a graph (full fine-tuning only; TRL's `ref_model`).
     Copy,
 }
 

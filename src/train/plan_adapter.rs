@@ -103,6 +103,22 @@ pub fn plan_request(
         // (`samples::max_trained_tokens`).
         trained_tokens: None,
         head_loss,
+        reference: plan_reference(config),
+    }
+}
+
+/// The reference a DPO run holds or runs during its steps ([`crate::plan::ReferencePlan`]):
+/// `[preference] reference` as the trainer resolves it (`train::preference::ReferenceSource`;
+/// `auto` is precomputed, ORPO has none).
+fn plan_reference(config: &RunConfig) -> crate::plan::ReferencePlan {
+    use super::preference::ReferenceSource;
+    if !config.training.method.is_preference() {
+        return crate::plan::ReferencePlan::Stored;
+    }
+    match ReferenceSource::of(config) {
+        ReferenceSource::None | ReferenceSource::Precomputed => crate::plan::ReferencePlan::Stored,
+        ReferenceSource::AdapterDisabled => crate::plan::ReferencePlan::AdapterDisabled,
+        ReferenceSource::Copy => crate::plan::ReferencePlan::Copy,
     }
 }
 

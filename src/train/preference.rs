@@ -1,11 +1,26 @@
 //! Preference training (`[training] method = "dpo"` or `"orpo"`): the data's pairs, the
 //! reference log-probabilities, and one micro-step's loss and TRL metrics.
 //!
-//! Why the reference is precomputed: a fresh LoRA adapter adds nothing (its `B` factor starts
-//! at zero), so the model as loaded *is* the reference, for LoRA and for full fine-tuning
-//! alike. One pass without a graph before the first step stores two numbers per pair, and no
-//! second copy of the weights is ever held (TRL's `precompute_ref_log_probs`). A resumed run
-//! repeats the pass before the checkpoint's weights are loaded, so it keeps the same reference.
+//! # The reference (`[preference] reference`, see [`ReferenceSource`])
+//! - `precomputed`: one pass without a graph before the first step stores two numbers per pair
+//!   (TRL's `precompute_ref_log_probs`); no second copy of the weights is ever held. A resumed
+//!   run repeats the pass before the checkpoint's weights are loaded, so it keeps the same
+//!   reference.
+//! - `adapter-disabled` (LoRA, QLoRA): each micro-step first runs the batch through the policy
+//!   with its adapters switched off ([`CausalLm::without_adapters`]: a flag the linear layers
+//!   read), without a graph — the base, as TRL computes it for a PEFT model with no
+//!   `ref_model`.
+//! - `copy` (full fine-tuning): a frozen copy of the starting weights on each rank's devices
+//!   (laid out like the policy under a layer split), run without a graph each micro-step — TRL's
+//!   `ref_model` made by `create_reference_model`.
+//! - `auto` is `precomputed`, for LoRA and full fine-tuning alike. A fresh LoRA adapter adds
+//!   nothing (its `B` factor starts at zero) and a run never starts from a trained adapter, so
+//!   the model as loaded *is* TRL's reference either way and the three modes give the same
+//!   numbers (`tests/it/preference_train.rs`); precomputed costs one forward per pair for the
+//!   whole run instead of one per pair per epoch, and holds no second copy of the weights (the
+//!   memory a reference model costs is the users' first complaint about DPO elsewhere).
+//!   `adapter-disabled` and `copy` remain for runs far shorter than an epoch (the pass covers
+//!   every pair) and for TRL's exact schedule of work.
 //!
 //! Normalisation: a micro-step returns the **sum** of its pairs' losses and counts pairs where
 //! SFT counts tokens, so the trainer's division by the step's count is the mean over the
@@ -24,7 +39,7 @@ use crate::model::preference::{
 };
 use crate::model::{CausalLm, Gradients, ModelError};
 
-use super::config::{DpoLoss, RunConfig, TrainingMethod};
+use super::config::{DpoLoss, ReferenceMode, RunConfig, TrainingMethod};
 use super::error::{Phase, TrainError};
 use super::samples::TensorBatch;
 
@@ -157,6 +172,34 @@ pub fn loss_kind(config: &RunConfig) -> PreferenceLossKind {
     }
 }
 
+/// Where a run's reference log-probabilities come from: `[preference] reference` resolved
+/// (see the module doc for `auto`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReferenceSource {
+    /// ORPO compares with no reference.
+    None,
+    /// Stored by one pass before the first step.
+    Precomputed,
+    /// The policy with its LoRA adapters switched off, each micro-step.
+    AdapterDisabled,
+    /// A frozen copy of the starting weights, each micro-step.
+    Copy,
+}
+
+impl ReferenceSource {
+    /// The source `config` selects.
+    pub fn of(config: &RunConfig) -> Self {
+        if config.training.method == TrainingMethod::Orpo {
+            return ReferenceSource::None;
+        }
+        match config.preference.reference {
+            ReferenceMode::Auto | ReferenceMode::Precomputed => ReferenceSource::Precomputed,
+            ReferenceMode::AdapterDisabled => ReferenceSource::AdapterDisabled,
+            ReferenceMode::Copy => ReferenceSource::Copy,
+        }
+    }
+}
+
 /// A preference run's data, loss and reference.
 #[derive(Debug, Clone)]
 pub struct PairRun {
@@ -166,6 +209,8 @@ pub struct PairRun {
     pub kind: PreferenceLossKind,
     /// β (ORPO's λ).
     pub beta: f64,
+    /// Where the reference comes from.
+    pub source: ReferenceSource,
     /// The reference's log-probabilities, once computed; ORPO has none.
     reference: Option<ReferenceLogps>,
     /// Rows are cut at prompt + completion lengths.
@@ -200,6 +245,7 @@ impl PairRun {
             splits,
             kind: loss_kind(config),
             beta: p.beta,
+            source: ReferenceSource::of(config),
             reference: None,
             max_length: p.max_prompt_length + p.max_completion_length,
         }
@@ -215,15 +261,15 @@ impl PairRun {
         self.splits.train.iter().map(pair_len).collect()
     }
 
-    /// The reference pass: `model` as loaded, without dropout or a graph, `micro_batch` pairs
-    /// at a time over both splits.
+    /// The reference pass of `precomputed` (nothing for the other sources): `model` as
+    /// loaded, without dropout or a graph, `micro_batch` pairs at a time over both splits.
     pub fn compute_reference(
         &mut self,
         model: &CausalLm,
         pad_id: u32,
         micro_batch: usize,
     ) -> Result<(), ModelError> {
-        if !self.needs_reference() {
+        if self.source != ReferenceSource::Precomputed {
             return Ok(());
         }
         let mut sides = Vec::with_capacity(2);
@@ -281,10 +327,12 @@ impl PairRun {
     }
 
     /// Forward and backward of the pairs `indices` of the training split in `batch`, adding
-    /// the gradient of the sum of their losses × `backward_factor` into `acc`.
+    /// the gradient of the sum of their losses × `backward_factor` into `acc`. `copy` is the
+    /// frozen reference on `model`'s devices (`reference = "copy"`).
     pub fn micro_step(
         &self,
         model: &CausalLm,
+        copy: Option<&CausalLm>,
         indices: &[usize],
         batch: &TensorBatch,
         backward_factor: f64,
@@ -292,7 +340,7 @@ impl PairRun {
     ) -> Result<PairStep, (Phase, ModelError)> {
         let forward = |e: ModelError| (Phase::Forward, e);
         let (loss, metrics) = self
-            .loss(model, indices, false, batch, true)
+            .loss(model, copy, (indices, false), batch, true)
             .map_err(forward)?;
         let pairs = metrics.pairs;
         let scaled = loss
@@ -310,10 +358,12 @@ impl PairRun {
     }
 
     /// The mean preference loss and metrics over the validation pairs (no dropout, no graph),
-    /// `micro_batch` pairs at a time, at most `max_batches` batches (0: all).
+    /// `micro_batch` pairs at a time, at most `max_batches` batches (0: all); `copy` as for
+    /// [`Self::micro_step`].
     pub fn evaluate(
         &self,
         model: &CausalLm,
+        copy: Option<&CausalLm>,
         pad_id: u32,
         micro_batch: usize,
         max_batches: usize,
@@ -328,31 +378,68 @@ impl PairRun {
         let mut merged: Option<PreferenceMetrics> = None;
         for chunk in all.chunks(micro_batch.max(1)).take(take) {
             let batch = self.batch(chunk, true, pad_id, model.device())?;
-            let (_, m) = self.loss(model, chunk, true, &batch, false)?;
+            let (_, m) = self.loss(model, copy, (chunk, true), &batch, false)?;
             merged = Some(merged.map_or(m, |a| a.merge(&m)));
         }
         Ok(merged)
     }
 
-    /// The loss tensor (mean over the pairs) and its metrics.
+    /// The reference of `batch` computed now (`adapter-disabled`, `copy`; `None` for the
+    /// other sources): a forward without dropout or a graph.
+    fn live_reference(
+        &self,
+        model: &CausalLm,
+        copy: Option<&CausalLm>,
+        batch: &TensorBatch,
+    ) -> Result<Option<PairLogps>, ModelError> {
+        let logps = |m: &CausalLm| -> Result<PairLogps, ModelError> {
+            PairLogps::from_concatenated(&sequence_logps(m, batch, false)?)
+        };
+        match self.source {
+            ReferenceSource::AdapterDisabled => {
+                if model.lora_config().is_none() {
+                    return Err(ModelError::Input(
+                        "reference = \"adapter-disabled\" needs LoRA adapters".into(),
+                    ));
+                }
+                model.without_adapters(logps).map(Some)
+            }
+            ReferenceSource::Copy => {
+                let copy = copy.ok_or_else(|| {
+                    ModelError::Input("reference = \"copy\": the frozen copy is missing".into())
+                })?;
+                logps(copy).map(Some)
+            }
+            ReferenceSource::None | ReferenceSource::Precomputed => Ok(None),
+        }
+    }
+
+    /// The loss tensor (mean over the pairs) and its metrics; `at` is the pairs' indices and
+    /// whether they are the validation split's.
     fn loss(
         &self,
         model: &CausalLm,
-        indices: &[usize],
-        eval: bool,
+        copy: Option<&CausalLm>,
+        at: (&[usize], bool),
         batch: &TensorBatch,
         train: bool,
     ) -> Result<(Tensor, PreferenceMetrics), ModelError> {
+        let (indices, eval) = at;
+        // The reference first: its forward's tensors are gone before the policy's graph grows.
+        let live = self.live_reference(model, copy, batch)?;
         let logps = sequence_logps(model, batch, train)?;
         let policy = PairLogps::from_concatenated(&logps)?;
-        let reference = match self.reference_of(indices, eval) {
-            Some(stored) => Some(stored_reference(&stored, &policy)?),
-            None if self.needs_reference() => {
-                return Err(ModelError::Input(
-                    "the reference log-probabilities were not computed before the step".into(),
-                ))
-            }
-            None => None,
+        let reference = match (self.source, live) {
+            (_, Some(live)) => Some(live),
+            (ReferenceSource::Precomputed, None) => match self.reference_of(indices, eval) {
+                Some(stored) => Some(stored_reference(&stored, &policy)?),
+                None => {
+                    return Err(ModelError::Input(
+                        "the reference log-probabilities were not computed before the step".into(),
+                    ))
+                }
+            },
+            _ => None,
         };
         let loss = preference_loss(self.kind, &policy, reference.as_ref(), self.beta)?;
         let metrics = loss.metrics()?;

@@ -152,17 +152,17 @@ pub fn settings_context(
 
 /// The trained tokens of the run's data for the memory plan (`PlanRequest::trained_tokens`):
 /// loads the model's tokenizer and tokenizes the dataset as the trainer does before its first
-/// step, then [`split_trained_tokens`]. `None` for preference training (`[training] method =
-/// "dpo" | "orpo"`): its loss takes the full logits of every row
-/// ([`crate::plan::HeadLoss::FullLogits`]), and the pairs are not SFT samples.
+/// step, then [`split_trained_tokens`]; for preference training (`[training] method =
+/// "dpo" | "orpo"`) the pairs, then [`pair_trained_tokens`].
 pub fn trained_tokens(
     config: &RunConfig,
 ) -> Result<Option<crate::plan::TrainedTokens>, TrainError> {
-    if config.training.method.is_preference() {
-        return Ok(None);
-    }
     let (model_dir, _, _) = super::step::locate_model(config)?;
     let tok = load_tokenizer(&model_dir)?;
+    if config.training.method.is_preference() {
+        let pairs = super::preference::load_pair_splits(config, &tok)?;
+        return Ok(Some(pair_trained_tokens(config, &pairs.train)));
+    }
     let splits = load_splits(config, &tok)?;
     Ok(split_trained_tokens(config, &splits.train))
 }
@@ -183,6 +183,26 @@ pub fn split_trained_tokens(
             crate::data::largest_trained_counts(train.iter()),
         )
     })
+}
+
+/// What a preference run's plan needs of its pairs: the longest pair (prompt + the longer
+/// completion, after truncation), which bounds every micro-batch's padded length. A
+/// preference step's loss takes the full logits of every position
+/// ([`crate::plan::HeadLoss::FullLogits`]), so no trained-token counts are kept.
+pub fn pair_trained_tokens(
+    config: &RunConfig,
+    pairs: &[crate::data::preference::PreferencePair],
+) -> crate::plan::TrainedTokens {
+    let p = &config.preference;
+    crate::plan::TrainedTokens::from_counts(
+        p.max_prompt_length + p.max_completion_length,
+        pairs
+            .iter()
+            .map(crate::data::preference::PreferencePair::len)
+            .max()
+            .unwrap_or(0),
+        std::iter::empty(),
+    )
 }
 
 /// Pads `samples` into a batch and moves it to `device`.

@@ -178,6 +178,39 @@ fn build_replicas(
     Ok(replicas)
 }
 
+/// `[preference] reference = "copy"`: a frozen copy of the starting weights for every rank, on
+/// that rank's devices (rank 0's spread over the stages like the policy under a layer split);
+/// none for any other run.
+fn build_reference_copies(
+    config: &RunConfig,
+    placement: &super::placement::RunPlacement,
+    pairs: Option<&super::preference::PairRun>,
+) -> Result<Vec<CausalLm>, TrainError> {
+    if pairs.is_none_or(|p| p.source != super::preference::ReferenceSource::Copy) {
+        return Ok(Vec::new());
+    }
+    let context = |what: &str| format!("cannot build the frozen reference copy ({what})");
+    let mut copies = Vec::new();
+    for (rank, d) in placement.devices.iter().take(placement.ranks()).enumerate() {
+        let (mut copy, _) = build_model(config, &d.candle)?;
+        if rank == 0 {
+            if let Some(per_layer) = placement.layer_devices(copy.config().num_hidden_layers) {
+                copy.set_layer_devices(&per_layer)
+                    .map_err(|cause| TrainError::Model {
+                        context: context("its layers over `[devices] devices`"),
+                        cause,
+                    })?;
+            }
+        }
+        copy.freeze().map_err(|cause| TrainError::Model {
+            context: context("freezing it"),
+            cause,
+        })?;
+        copies.push(copy);
+    }
+    Ok(copies)
+}
+
 /// A training run, driven synchronously.
 pub struct TrainingRun {
     config: RunConfig,
@@ -192,6 +225,8 @@ pub struct TrainingRun {
     /// `[training] method = "dpo" | "orpo"`: the pairs, loss and reference (`splits` is then
     /// empty but for its lints and warnings).
     pairs: Option<super::preference::PairRun>,
+    /// `reference = "copy"`: each rank's frozen reference, rank 0 first (empty otherwise).
+    reference_copies: Vec<CausalLm>,
     loader: DataLoader,
     schedule: LrSchedule,
     total_steps: u64,
@@ -397,6 +432,7 @@ impl TrainingRun {
                 })?;
         }
         let replicas = build_replicas(&config, &placement)?;
+        let reference_copies = build_reference_copies(&config, &placement, pairs.as_ref())?;
         let t = &config.training;
         let lengths = prepare_pairs(pairs.as_mut(), &model, pad_id, t.micro_batch)?
             .unwrap_or_else(|| splits.train.iter().map(|s| s.len()).collect());
@@ -432,6 +468,7 @@ impl TrainingRun {
             replicas,
             splits,
             pairs,
+            reference_copies,
             loader,
             schedule,
             total_steps,
@@ -534,6 +571,44 @@ impl TrainingRun {
         }
     }
 
+    /// Reads the trainable weights of checkpoint `dir` one tensor at a time, each straight
+    /// onto its parameter's own device (its stage under a layer split): the host holds one
+    /// tensor at a time (on the CPU that buffer is the tensor), a GPU one tensor besides its
+    /// weights. Data-parallel replicas take them from rank 0 afterwards (`sync_replicas`).
+    fn load_trainable(&self, dir: &Path) -> Result<(), TrainError> {
+        let file = checkpoint::TensorFile::open(&dir.join(checkpoint::TRAINABLE_FILE))?;
+        let ck_err = |message: String| TrainError::Checkpoint {
+            path: file.path().to_path_buf(),
+            message,
+        };
+        for p in self.model.params().iter().filter(|p| p.trainable) {
+            match file.dims(&p.name) {
+                None => {
+                    return Err(ck_err(format!(
+                        "has no tensor `{}`; the checkpoint belongs to another model or LoRA setup",
+                        p.name
+                    )))
+                }
+                Some(dims) if dims != p.var.dims() => {
+                    return Err(ck_err(format!(
+                        "`{}` has shape {dims:?} in the checkpoint but {:?} in the model; the checkpoint belongs to another model",
+                        p.name,
+                        p.var.dims()
+                    )))
+                }
+                Some(_) => {}
+            }
+            let t = file
+                .load(&p.name, p.var.device())?
+                .to_dtype(p.var.dtype())
+                .map_err(|e| ck_err(format!("`{}`: {e}", p.name)))?;
+            p.var
+                .set(&t)
+                .map_err(|e| ck_err(format!("`{}`: {e}", p.name)))?;
+        }
+        Ok(())
+    }
+
     fn load_checkpoint(&mut self, dir: &Path, state: &TrainerState) -> Result<(), TrainError> {
         let ck_err = |message: String| TrainError::Checkpoint {
             path: dir.to_path_buf(),
@@ -551,42 +626,20 @@ impl TrainingRun {
                 state.precision, self.config.training.precision
             )));
         }
-        let tensors = checkpoint::open_tensors(&dir.join(checkpoint::TRAINABLE_FILE))?;
-        for p in self.model.params().iter().filter(|p| p.trainable) {
-            let view = tensors.get(&p.name).map_err(|_| {
-                ck_err(format!(
-                    "`{}` has no tensor `{}`; the checkpoint belongs to another model or LoRA setup",
-                    checkpoint::TRAINABLE_FILE,
-                    p.name
-                ))
-            })?;
-            if view.shape() != p.var.dims() {
-                return Err(ck_err(format!(
-                    "`{}` has shape {:?} in the checkpoint but {:?} in the model",
-                    p.name,
-                    view.shape(),
-                    p.var.dims()
-                )));
-            }
-            // Straight onto the parameter's own device (its stage under a layer split).
-            let t = tensors
-                .load(&p.name, p.var.device())
-                .and_then(|t| t.to_dtype(p.var.dtype()))
-                .map_err(|e| ck_err(e.to_string()))?;
-            p.var.set(&t).map_err(|e| ck_err(e.to_string()))?;
-        }
-        drop(tensors);
-        let opt = checkpoint::open_tensors(&dir.join(checkpoint::OPTIMIZER_FILE))?;
+        self.load_trainable(dir)?;
+        // One tensor at a time from the file, straight into each rank's optimizer on its own
+        // device: every data-parallel rank reads the same file.
+        let opt = checkpoint::TensorFile::open(&dir.join(checkpoint::OPTIMIZER_FILE))?;
         self.optimizer
             .load_state_from(&opt, state.optimizer_steps)
             .map_err(|e| ck_err(format!("optimizer state: {e}")))?;
-        // Every data-parallel rank reads the same file onto its own device.
         for replica in &mut self.replicas {
             replica
                 .optimizer
                 .load_state_from(&opt, state.optimizer_steps)
                 .map_err(|e| ck_err(format!("optimizer state: {e}")))?;
         }
+        drop(opt);
         self.sync_replicas()?;
         self.step = state.step;
         let index = match state.rows_per_micro_batch {
@@ -940,9 +993,15 @@ impl TrainingRun {
         Ok(acc)
     }
 
-    /// [`Self::accumulate`] for preference pairs (one device): each micro-batch's pairs as one
-    /// batch of chosen then rejected rows, the gradient of the sum of their losses added in
-    /// place; the count is the step's pairs (see `train::preference`).
+    /// [`Self::accumulate`] for preference pairs: each micro-batch's pairs as one batch of
+    /// chosen then rejected rows, the gradient of the sum of their losses added in place; the
+    /// count is the step's pairs (see `train::preference`).
+    ///
+    /// Data parallel: each rank takes a contiguous shard of whole pairs (a pair's chosen and
+    /// rejected rows stay together on one rank), collated on its device, with its own
+    /// reference (its adapters switched off, or its frozen copy); the per-rank gradients of the
+    /// loss sums are all-reduced once per step, as for SFT, so dividing by the step's pairs
+    /// gives the one-device gradient. A layer split runs through the model's stages as SFT.
     fn accumulate_pairs(
         &mut self,
         micro_batches: &[Vec<usize>],
@@ -950,9 +1009,7 @@ impl TrainingRun {
     ) -> Result<Accumulated, TrainError> {
         let step = self.step + 1;
         let settings = self.settings_summary();
-        let Some(pairs) = self.pairs.as_ref() else {
-            return Err(TrainError::EmptyDataset("no preference pairs".into()));
-        };
+        let ranks = self.placement.ranks();
         let step_pairs: usize = micro_batches.iter().map(Vec::len).sum();
         let backward_factor = if loss_scale != 1.0 {
             loss_scale / step_pairs.max(1) as f64
@@ -961,36 +1018,100 @@ impl TrainingRun {
         };
         let seed_base = derive_seed(self.config.training.seed, DROPOUT_STREAM, 0);
         self.model.dropout_seed_base = seed_base;
-        let mut grads = Gradients::new();
+        for r in &mut self.replicas {
+            r.model.dropout_seed_base = seed_base;
+        }
+        let Some(pairs) = self.pairs.as_ref() else {
+            return Err(TrainError::EmptyDataset("no preference pairs".into()));
+        };
+        let models = self.rank_models();
+        let concurrent = ranks > 1 && models.iter().all(|m| m.device().is_cuda());
+        let mut per_rank: Vec<Gradients> = vec![Gradients::new(); ranks];
         let mut acc = Accumulated::new(backward_factor);
         for (i, rows) in micro_batches.iter().enumerate() {
-            let batch = pairs
-                .batch(rows, false, self.pad_id, &self.device)
+            let shards = self
+                .pair_shards(pairs, rows)
                 .map_err(|e| step_error(Phase::Forward, step, (2 * rows.len(), 0), e, &settings))?;
-            let shape = (batch.rows, batch.seq_len);
+            let live = shards.iter().flatten();
+            let shape = (
+                live.clone().map(|(_, b)| b.rows).sum(),
+                live.map(|(_, b)| b.seq_len).max().unwrap_or(0),
+            );
             acc.shapes.push(shape);
             if let Some(message) = super::oom::injected_failure(step, Phase::Forward) {
                 return Err(step_error(Phase::Forward, step, shape, message, &settings));
             }
-            self.model.forward_counter.store(
-                (step << 16) + i as u64,
-                std::sync::atomic::Ordering::Relaxed,
-            );
-            let out = pairs
-                .micro_step(&self.model, rows, &batch, backward_factor, &mut grads)
-                .map_err(|(phase, e)| step_error(phase, step, shape, e, &settings))?;
-            acc.loss_sum += out.loss_sum;
-            acc.tokens += out.pairs as u64;
-            acc.label_tokens += out.label_tokens as u64;
-            acc.preference = Some(match acc.preference {
-                Some(m) => m.merge(&out.metrics),
-                None => out.metrics,
+            // LoRA dropout masks derive from (seed, step, micro-batch), as for SFT.
+            let counter = (step << 16) + i as u64;
+            let jobs: Vec<_> = models
+                .iter()
+                .zip(shards)
+                .zip(std::mem::take(&mut per_rank))
+                .enumerate()
+                .map(|(rank, ((model, shard), grads))| {
+                    (*model, self.reference_copies.get(rank), shard, grads)
+                })
+                .collect();
+            let results = run_rank_jobs(concurrent, jobs, |(model, copy, shard, mut grads)| {
+                let Some((indices, batch)) = shard else {
+                    return Ok((None, grads));
+                };
+                model
+                    .forward_counter
+                    .store(counter, std::sync::atomic::Ordering::Relaxed);
+                pairs
+                    .micro_step(model, copy, indices, &batch, backward_factor, &mut grads)
+                    .map(|out| (Some(out), grads))
             });
+            for (rank, result) in results.into_iter().enumerate() {
+                let (out, grads) = result.map_err(|(phase, e)| {
+                    let mut err = step_error(phase, step, shape, e, &settings);
+                    if let TrainError::Step { device, .. } = &mut err {
+                        *device = (ranks > 1).then_some(rank);
+                    }
+                    err
+                })?;
+                per_rank.push(grads);
+                let Some(out) = out else { continue };
+                acc.loss_sum += out.loss_sum;
+                acc.tokens += out.pairs as u64;
+                acc.label_tokens += out.label_tokens as u64;
+                acc.preference = Some(match acc.preference {
+                    Some(m) => m.merge(&out.metrics),
+                    None => out.metrics,
+                });
+            }
         }
-        if !grads.is_empty() {
-            acc.grads = vec![grads];
+        if per_rank.iter().any(|g| !g.is_empty()) {
+            let shape = acc.shapes.last().copied().unwrap_or((0, 0));
+            acc.grads = self
+                .all_reduce(per_rank)
+                .map_err(|e| step_error(Phase::Backward, step, shape, e, &settings))?;
         }
         Ok(acc)
+    }
+
+    /// A micro-step's pairs cut into one contiguous shard of whole pairs per rank, each
+    /// collated on its rank's device (`None` for a rank a short batch leaves empty).
+    fn pair_shards<'r>(
+        &self,
+        pairs: &super::preference::PairRun,
+        rows: &'r [usize],
+    ) -> Result<Vec<Option<PairShard<'r>>>, crate::model::ModelError> {
+        shard_rows(rows, self.placement.ranks())
+            .into_iter()
+            .enumerate()
+            .map(|(rank, shard)| {
+                if shard.is_empty() {
+                    return Ok(None);
+                }
+                let device = &self.placement.devices[rank].candle;
+                Ok(Some((
+                    shard,
+                    pairs.batch(shard, false, self.pad_id, device)?,
+                )))
+            })
+            .collect()
     }
 
     /// Sums every rank's gradients and hands each rank the sum on its own device:
@@ -1287,7 +1408,13 @@ impl TrainingRun {
         if let Some(p) = &self.pairs {
             // The preference loss over the validation pairs (perplexity is not defined).
             let metrics = p
-                .evaluate(&self.model, self.pad_id, mb, self.config.eval.max_batches)
+                .evaluate(
+                    &self.model,
+                    self.reference_copies.first(),
+                    self.pad_id,
+                    mb,
+                    self.config.eval.max_batches,
+                )
                 .map_err(|e| step_error(Phase::Eval, self.step, (mb, 0), e, &settings))?;
             let loss = metrics.map_or(f64::NAN, |m| m.loss);
             self.last_eval_loss = Some(loss).filter(|l| l.is_finite());
@@ -1471,6 +1598,32 @@ fn run_ranks<T: Send>(
         let work = &work;
         let handles: Vec<_> = jobs
             .map(|((m, b), acc)| scope.spawn(move || work(m, b.as_ref(), acc)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    })
+}
+
+/// One rank's pairs of a micro-step (their indices) and their batch on its device.
+type PairShard<'r> = (&'r [usize], samples::TensorBatch);
+
+/// [`run_ranks`]'s schedule for any per-rank job: a thread per rank when `concurrent` (every
+/// rank a GPU), in turn otherwise. Results come back in rank order.
+fn run_rank_jobs<J: Send, T: Send>(
+    concurrent: bool,
+    jobs: Vec<J>,
+    work: impl Fn(J) -> T + Sync,
+) -> Vec<T> {
+    if !concurrent {
+        return jobs.into_iter().map(&work).collect();
+    }
+    std::thread::scope(|scope| {
+        let work = &work;
+        let handles: Vec<_> = jobs
+            .into_iter()
+            .map(|job| scope.spawn(move || work(job)))
             .collect();
         handles
             .into_iter()

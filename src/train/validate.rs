@@ -21,8 +21,8 @@ pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
     p
 }
 
-/// `[training] method` and `[preference]`: the settings a preference run reads, and what this
-/// version runs of it (one device; the reference precomputed).
+/// `[training] method` and `[preference]`: the settings a preference run reads, and which
+/// reference fits the run (`adapter-disabled` needs LoRA; `copy` is for full fine-tuning).
 fn preference_problems(config: &RunConfig, p: &mut Vec<ConfigProblem>) {
     use super::config::{DpoLoss, ReferenceMode, TrainingMethod};
     let mut bad = |field: &str, message: String| p.push(ConfigProblem::new(field, message));
@@ -57,27 +57,17 @@ fn preference_problems(config: &RunConfig, p: &mut Vec<ConfigProblem>) {
             "ORPO has its own loss: `loss` and `label_smoothing` are DPO's; remove them or set training.method = \"dpo\"".into(),
         );
     }
-    if matches!(
-        pref.reference,
-        ReferenceMode::AdapterDisabled | ReferenceMode::Copy
-    ) {
+    let lora = config.lora.enabled;
+    if pref.reference == ReferenceMode::AdapterDisabled && !lora {
         bad(
             "preference.reference",
-            format!(
-                "`{}` is not available in this version; use \"precomputed\" (the reference log-probabilities of every pair are computed once before the first step, with no second copy of the weights)",
-                if pref.reference == ReferenceMode::Copy { "copy" } else { "adapter-disabled" }
-            ),
+            "`adapter-disabled` takes the base with the LoRA adapters switched off as the reference, and this run has no adapters; set [lora] enabled = true, or with full fine-tuning use \"copy\" (a frozen copy of the starting weights) or \"precomputed\" (the reference log-probabilities computed once before the first step)".into(),
         );
     }
-    if config.devices.strategy != crate::settings::Strategy::Single
-        && config.devices.devices.len() > 1
-    {
+    if pref.reference == ReferenceMode::Copy && lora {
         bad(
-            "devices.strategy",
-            format!(
-                "training.method = \"{}\" runs on one device in this version; set strategy = \"single\"",
-                method.name()
-            ),
+            "preference.reference",
+            "`copy` holds a second copy of the weights, which LoRA does not need: the base with the adapters switched off is the reference; use \"adapter-disabled\" or \"precomputed\"".into(),
         );
     }
     if config.data.packing {

@@ -195,6 +195,7 @@ fn bytes_placed_per_logical_device_equal_the_planners() {
             process: None,
             trained_tokens: None,
             head_loss: Default::default(),
+            reference: Default::default(),
         };
         let the_plan = plan::plan(&req).unwrap();
         let expected = planner_bytes(&the_plan);

@@ -33,6 +33,8 @@ enum Reads {
     /// Only with `[training] method = "dpo" | "orpo"` (the pairs' lengths); under SFT a
     /// change changes nothing.
     WhenPreference,
+    /// Only with `[training] method = "dpo"` (the reference; ORPO has none).
+    WhenDpo,
     /// Never: a change must leave the request equal.
     No,
 }
@@ -474,11 +476,14 @@ fn keys() -> Vec<Key> {
         },
         Key {
             name: "preference.reference",
-            reads: No,
+            // Each change moves between the memory cases: stored (auto, precomputed), the
+            // adapters disabled, a frozen copy.
+            reads: WhenDpo,
             change: |c| {
                 c.preference.reference = match c.preference.reference {
-                    ReferenceMode::Precomputed => ReferenceMode::Auto,
-                    _ => ReferenceMode::Precomputed,
+                    ReferenceMode::Auto | ReferenceMode::Precomputed => ReferenceMode::Copy,
+                    ReferenceMode::Copy => ReferenceMode::AdapterDisabled,
+                    ReferenceMode::AdapterDisabled => ReferenceMode::Precomputed,
                 }
             },
         },
@@ -639,6 +644,7 @@ fn changing_a_key_the_planner_reads_changes_the_request_and_no_other_does() {
                     Reads::Yes => true,
                     Reads::WhenLoraIsOn => config.lora.enabled,
                     Reads::WhenPreference => config.training.method.is_preference(),
+                    Reads::WhenDpo => config.training.method == TrainingMethod::Dpo,
                     Reads::ForProcess => {
                         train::process_inputs(&changed) != train::process_inputs(&config)
                     }

@@ -224,6 +224,57 @@ fn a_dpo_run_with_lora_peaks_at_the_planned_full_logits() {
     check_planned_peak_rss("DPO, LoRA r 8, 2 pairs × 192", &config);
 }
 
+/// A DPO plan is sized by the data's longest pair, as an SFT plan is by its longest batch:
+/// with limits of 512 + 512 tokens, the demo's pairs pad to less than 1024 (985 tokens), and
+/// `tunestudio plan --config` plans that length (`planned_seq_len`).
+#[test]
+fn a_dpo_plan_is_sized_by_the_longest_pair_of_the_data() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = dpo_lora_demo_config(tmp.path());
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("max_prompt_length = 64", "max_prompt_length = 512")
+        .replace("max_completion_length = 128", "max_completion_length = 512")
+        .replace(
+            "\"pair-completion-truncated\", \"pair-prompt-truncated\"",
+            "",
+        );
+    std::fs::write(&config, text).unwrap();
+    let plan = |config: &Path| -> serde_json::Value {
+        let out = Command::new(env!("CARGO_BIN_EXE_tunestudio"))
+            .args(["plan", "--json", "--config"])
+            .arg(config)
+            .env_remove("TUNESTUDIO_OPS")
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let sized = plan(&config);
+    // The longest of the 16 pairs, tokenized here as the trainer does.
+    let run = tunestudio::train::RunConfig::load(&config).unwrap();
+    let tok =
+        tunestudio::data::TokenizerBundle::load(&run.resolve_path(Path::new(&run.model.source)))
+            .unwrap();
+    let pairs = tunestudio::train::preference::load_pair_splits(&run, &tok).unwrap();
+    let longest = pairs.train.iter().map(|p| p.len()).max().unwrap();
+    let request = &sized["request"];
+    assert_eq!(request["seq_len"], 1024, "{request}");
+    assert_eq!(
+        request["planned_seq_len"].as_u64().unwrap() as usize,
+        longest.next_multiple_of(8),
+        "the longest pair has {longest} tokens: {request}"
+    );
+    assert!(
+        longest.next_multiple_of(8) < 1024,
+        "the demo's pairs are shorter than the limits: {longest}"
+    );
+}
+
 /// The DPO run of [`a_dpo_run_with_lora_peaks_at_the_planned_full_logits`] in `dir`.
 fn dpo_lora_demo_config(dir: &Path) -> std::path::PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));

@@ -37,6 +37,7 @@ fn dictalm_request() -> PlanRequest {
         process: None,
         trained_tokens: None,
         head_loss: Default::default(),
+        reference: Default::default(),
     }
 }
 
@@ -573,6 +574,7 @@ fn the_verdict_names_the_largest_moment_of_the_process() {
         }),
         trained_tokens: None,
         head_loss: Default::default(),
+        reference: Default::default(),
     };
     let p = plan::plan(&req).unwrap();
     let d = &p.per_device[0];

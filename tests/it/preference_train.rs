@@ -371,3 +371,333 @@ fn an_identical_pair_stops_a_dpo_run_unless_allowed() {
         String::from_utf8_lossy(&allowed.stderr)
     );
 }
+
+/// Three steps of `fixture_config` with `[preference] reference = mode` (after `tweak`): the
+/// losses and the first step's TRL metrics.
+fn three_steps(
+    dir: &Path,
+    mode: tunestudio::train::ReferenceMode,
+    tweak: impl Fn(&mut RunConfig),
+) -> (Vec<f64>, tunestudio::model::preference::PreferenceMetrics) {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut c = fixture_config(dir);
+    c.preference.reference = mode;
+    tweak(&mut c);
+    let mut run = TrainingRun::new(c).unwrap();
+    let mut losses = Vec::new();
+    let mut first = None;
+    for _ in 0..3 {
+        let o = run.step().unwrap();
+        first.get_or_insert(o.preference.expect("TRL's metrics"));
+        losses.push(o.loss);
+    }
+    (losses, first.unwrap())
+}
+
+/// LoRA on the fixture's pairs (r 8, no dropout), a rate at which the adapter moves.
+fn with_lora(c: &mut RunConfig) {
+    c.lora.enabled = true;
+    c.lora.r = 8;
+    c.lora.alpha = 16.0;
+    c.lora.dropout = 0.0;
+    c.lora.target_modules = vec!["all-linear".into()];
+    c.training.learning_rate = 0.05;
+}
+
+/// The policy with its adapters switched off is the base, exactly, whatever the adapters
+/// hold; the switch is a flag (restored afterwards), on the native and the generic layers.
+#[test]
+fn disabling_the_adapters_gives_the_base_exactly() {
+    use tunestudio::model::preference::model_sequence_logps;
+    use tunestudio::model::{CausalLm, LoraConfig};
+    let r = fixture();
+    let cat = |k: &str| {
+        Tensor::cat(
+            &[&r[&format!("chosen.{k}")], &r[&format!("rejected.{k}")]],
+            0,
+        )
+        .unwrap()
+    };
+    let (ids, mask, labels) = (cat("input_ids"), cat("attention_mask"), cat("labels"));
+    let load = || {
+        CausalLm::load(
+            &tiny_llama_dir(),
+            candle_core::DType::F32,
+            &candle_core::Device::Cpu,
+        )
+        .unwrap()
+    };
+    let logps = |m: &CausalLm| {
+        model_sequence_logps(m, &ids, Some(&mask), &labels, false)
+            .unwrap()
+            .sum
+    };
+    let base = logps(&load());
+    let mut model = load();
+    model
+        .apply_lora(
+            &LoraConfig {
+                r: 8,
+                alpha: 16.0,
+                dropout: 0.0,
+                target_modules: vec!["all-linear".into()],
+            },
+            0,
+        )
+        .unwrap();
+    // A trained adapter: every B factor non-zero.
+    for p in model.params().iter().filter(|p| p.name.contains("lora_B")) {
+        let t = (p.var.as_tensor().ones_like().unwrap() * 0.05).unwrap();
+        p.var.set(&t).unwrap();
+    }
+    let adapted = logps(&model);
+    assert!(
+        max_diff(&adapted, &base) > 1e-2,
+        "the adapter changes the model"
+    );
+    let off = model.without_adapters(|m| {
+        assert!(!m.adapters_enabled());
+        logps(m)
+    });
+    assert!(model.adapters_enabled(), "the switch is restored");
+    assert_eq!(max_diff(&off, &base), 0.0, "{off} vs {base}");
+    assert_eq!(max_diff(&logps(&model), &adapted), 0.0);
+}
+
+/// `reference = "adapter-disabled"` with LoRA: at step 0 (a fresh adapter adds nothing) its
+/// reference is the precomputed one exactly, so the first step's loss and rewards are the
+/// same numbers; after the adapter has trained the reference is still the base's, so three
+/// steps give the precomputed run's losses within 1e-5 (had the reference followed the
+/// adapter, every margin would stay 0 and the loss ln 2).
+#[test]
+fn the_adapter_disabled_reference_is_the_base_as_the_adapter_trains() {
+    use tunestudio::train::ReferenceMode;
+    let tmp = tempfile::tempdir().unwrap();
+    let (pre, pre0) = three_steps(
+        &tmp.path().join("pre"),
+        ReferenceMode::Precomputed,
+        with_lora,
+    );
+    let (off, off0) = three_steps(
+        &tmp.path().join("off"),
+        ReferenceMode::AdapterDisabled,
+        with_lora,
+    );
+    println!(
+        "precomputed {pre:?}, adapter-disabled {off:?}: worst {:.3e}",
+        worst(&pre, &off)
+    );
+    assert_eq!(pre[0], off[0], "step 0: the same reference");
+    assert_eq!(pre0.rewards_chosen, off0.rewards_chosen);
+    assert!(
+        (pre[2] - std::f64::consts::LN_2).abs() > 1e-3,
+        "the adapter trains: {pre:?}"
+    );
+    assert!(worst(&pre, &off) <= 1e-5, "{pre:?} vs {off:?}");
+}
+
+/// `reference = "copy"` on the fixture's full fine-tuning case: a frozen copy of the starting
+/// weights gives the precomputed run's losses and transformers' (`full.dpo_sigmoid_losses`)
+/// within 1e-5 over three AdamW steps (had the copy followed the policy, the loss would stay
+/// ln 2). `adapter-disabled` without LoRA and `copy` with LoRA are refused with the fix.
+#[test]
+fn the_copy_reference_is_the_frozen_start_under_full_fine_tuning() {
+    use tunestudio::train::ReferenceMode;
+    let tmp = tempfile::tempdir().unwrap();
+    let (pre, _) = three_steps(&tmp.path().join("pre"), ReferenceMode::Precomputed, |_| {});
+    let (copy, _) = three_steps(&tmp.path().join("copy"), ReferenceMode::Copy, |_| {});
+    let fixture_losses = fixture()["full.dpo_sigmoid_losses"]
+        .to_dtype(candle_core::DType::F64)
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap();
+    println!(
+        "precomputed {pre:?}, copy {copy:?}: worst {:.3e}, vs transformers {:.3e}",
+        worst(&pre, &copy),
+        worst(&copy, &fixture_losses)
+    );
+    assert!(worst(&pre, &copy) <= 1e-5, "{pre:?} vs {copy:?}");
+    assert!(worst(&copy, &fixture_losses) <= 1e-5, "{copy:?}");
+
+    let mut c = fixture_config(tmp.path());
+    c.preference.reference = ReferenceMode::AdapterDisabled;
+    let message: String = c.validate().iter().map(|p| p.to_string()).collect();
+    assert!(
+        message.contains("lora] enabled = true") && message.contains("\"copy\""),
+        "{message}"
+    );
+    with_lora(&mut c);
+    c.preference.reference = ReferenceMode::Copy;
+    let message: String = c.validate().iter().map(|p| p.to_string()).collect();
+    assert!(message.contains("\"adapter-disabled\""), "{message}");
+}
+
+/// DPO on 12 pairs of `dpo_en_demo.json` (tiny-llama, short cuts), accumulation 2, 4 steps, on
+/// `devices` under `strategy`: LoRA with the adapters-disabled reference, or full fine-tuning
+/// with the frozen copy.
+fn multi_device_config(
+    dir: &Path,
+    lora: bool,
+    micro_batch: usize,
+    devices: &[&str],
+    strategy: tunestudio::settings::Strategy,
+) -> RunConfig {
+    use tunestudio::train::ReferenceMode;
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(dataset("dpo_en_demo.json")).unwrap())
+            .unwrap();
+    std::fs::create_dir_all(dir).unwrap();
+    let data = dir.join("pairs.json");
+    std::fs::write(&data, serde_json::to_string(&rows[..12]).unwrap()).unwrap();
+    let mut c = super::train_common::tiny_config(&dir.join("out"), 4);
+    c.model.source = tiny_llama_dir().display().to_string();
+    c.data = tunestudio::data::DataConfig::new(data.display().to_string());
+    c.data.validation_ratio = 0.0;
+    c.data.allow = vec![
+        "learning-rate".into(),
+        "pair-completion-truncated".into(),
+        "pair-prompt-truncated".into(),
+    ];
+    c.training.method = TrainingMethod::Dpo;
+    c.training.micro_batch = micro_batch;
+    c.training.gradient_accumulation = 2;
+    c.preference.max_prompt_length = 48;
+    c.preference.max_completion_length = 24;
+    if lora {
+        with_lora(&mut c);
+        c.training.learning_rate = 0.01;
+        c.preference.reference = ReferenceMode::AdapterDisabled;
+    } else {
+        c.preference.reference = ReferenceMode::Copy;
+    }
+    c.devices.devices = devices.iter().map(|d| d.to_string()).collect();
+    c.devices.strategy = strategy;
+    c
+}
+
+/// `tunestudio train` on `config` with `TUNESTUDIO_OPS=ops`: each step's loss, the ranks and
+/// the devices the layers were placed on.
+fn cli_losses(config: &RunConfig, ops: &str) -> (Vec<f64>, usize, usize) {
+    let path = config.output_dir.with_extension("toml");
+    config.clone().with_absolute_paths().save(&path).unwrap();
+    let result = std::process::Command::new(env!("CARGO_BIN_EXE_tunestudio"))
+        .args(["train", "--config"])
+        .arg(&path)
+        .env(tunestudio::model::OPS_ENV, ops)
+        .output()
+        .unwrap();
+    assert!(
+        result.status.success(),
+        "{}",
+        String::from_utf8_lossy(&result.stderr)
+    );
+    let (mut losses, mut ranks, mut stages) = (Vec::new(), 0, 0);
+    for e in tunestudio::train::read_metrics(&config.output_dir).unwrap() {
+        match e {
+            tunestudio::train::Event::Step { loss, .. } => losses.push(loss),
+            tunestudio::train::Event::Started {
+                ranks: r,
+                placement,
+                ..
+            } => (ranks, stages) = (r, placement.len()),
+            _ => {}
+        }
+    }
+    (losses, ranks, stages)
+}
+
+/// DPO through `tunestudio train` over `cpu:0,cpu:1`, accumulation 2, on both ops paths: data
+/// parallel (each rank takes 2 whole pairs a micro-batch, its own reference) and a layer
+/// split (the pairs' batch through both stages) give one device's losses within 1e-5 — with
+/// LoRA and the adapters-disabled reference, and with full fine-tuning and a frozen copy per
+/// rank.
+#[test]
+fn dpo_on_two_devices_trains_like_one_device() {
+    use tunestudio::settings::Strategy;
+    let tmp = tempfile::tempdir().unwrap();
+    for ops in ["native", "generic"] {
+        for lora in [true, false] {
+            let case = format!("{ops}-{}", if lora { "lora" } else { "full" });
+            let (one, _, _) = cli_losses(
+                &multi_device_config(
+                    &tmp.path().join(format!("one-{case}")),
+                    lora,
+                    4,
+                    &["cpu"],
+                    Strategy::Single,
+                ),
+                ops,
+            );
+            assert_eq!(one.len(), 4, "{one:?}");
+            for (strategy, micro_batch) in [(Strategy::DataParallel, 2), (Strategy::LayerSplit, 4)]
+            {
+                let dir = tmp.path().join(format!("{strategy:?}-{case}"));
+                let c = multi_device_config(&dir, lora, micro_batch, &["cpu:0", "cpu:1"], strategy);
+                let (got, ranks, stages) = cli_losses(&c, ops);
+                assert_eq!(stages, 2, "{strategy:?}: both devices hold layers");
+                assert_eq!(
+                    ranks,
+                    if strategy == Strategy::DataParallel {
+                        2
+                    } else {
+                        1
+                    }
+                );
+                println!(
+                    "{case} {strategy:?}: {got:?} vs one device {one:?}: worst {:.3e}",
+                    worst(&one, &got)
+                );
+                assert!(
+                    worst(&one, &got) <= 1e-5,
+                    "{case} {strategy:?}: {got:?} vs {one:?}"
+                );
+            }
+        }
+    }
+}
+
+/// The plan counts the reference: `copy` a second set of weights on every rank's device (a
+/// full fine-tuning run's weights exactly double, on one device and on each of two
+/// data-parallel ranks), `adapter-disabled` no weights but a forward without a graph before
+/// the policy's (the forward phase never shrinks); `auto` plans as `precomputed`.
+#[test]
+fn the_plan_counts_the_reference_copy_and_its_forward() {
+    use tunestudio::train::{local_plan_request, ReferenceMode};
+    let tmp = tempfile::tempdir().unwrap();
+    let planned = |c: &RunConfig| tunestudio::plan::plan(&local_plan_request(c).unwrap()).unwrap();
+    let weights = |p: &tunestudio::plan::Plan| -> Vec<u64> {
+        p.per_device.iter().map(|d| d.weights_bytes).collect()
+    };
+    let forward = |p: &tunestudio::plan::Plan| p.per_device[0].phases[0].bytes;
+    let mut c = fixture_config(tmp.path());
+    for devices in [&["cpu"][..], &["cpu:0", "cpu:1"][..]] {
+        c.devices.devices = devices.iter().map(|d| d.to_string()).collect();
+        c.devices.strategy = if devices.len() > 1 {
+            tunestudio::settings::Strategy::DataParallel
+        } else {
+            tunestudio::settings::Strategy::Single
+        };
+        c.preference.reference = ReferenceMode::Precomputed;
+        let stored = planned(&c);
+        c.preference.reference = ReferenceMode::Auto;
+        assert_eq!(weights(&planned(&c)), weights(&stored));
+        c.preference.reference = ReferenceMode::Copy;
+        let copy = planned(&c);
+        let doubled: Vec<u64> = weights(&stored).iter().map(|w| 2 * w).collect();
+        assert_eq!(weights(&copy), doubled, "{devices:?}");
+        assert!(copy.per_device[0].peak_bytes > stored.per_device[0].peak_bytes);
+    }
+    let mut c = fixture_config(tmp.path());
+    with_lora(&mut c);
+    c.preference.reference = ReferenceMode::Precomputed;
+    let stored = planned(&c);
+    c.preference.reference = ReferenceMode::AdapterDisabled;
+    let off = planned(&c);
+    assert_eq!(weights(&off), weights(&stored));
+    assert!(forward(&off) >= forward(&stored));
+    assert!(
+        off.settings.contains("adapters disabled"),
+        "{}",
+        off.settings
+    );
+}

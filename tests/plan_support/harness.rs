@@ -136,6 +136,7 @@ pub fn request(cfg: &ModelConfig, c: &Case) -> PlanRequest {
         process: None,
         trained_tokens: None,
         head_loss: Default::default(),
+        reference: Default::default(),
     }
 }
 
