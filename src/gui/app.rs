@@ -103,6 +103,9 @@ pub struct StartOptions {
     pub no_system_dialog: Option<String>,
     /// In screenshot mode: press this field's "Browse…" before the screenshot.
     pub screenshot_pick: Option<PickTarget>,
+    /// Tests: the first run started makes this step fail once as out of memory (`STEP:PHASE`,
+    /// see [`train::TrainerOptions::inject_oom`]); later runs (the refit's resume) do not.
+    pub inject_oom: Option<String>,
 }
 
 impl StartOptions {
@@ -127,6 +130,7 @@ impl StartOptions {
                 "dataset-folder" => Some(PickTarget::DatasetFolder),
                 _ => None,
             }),
+            inject_oom: None,
         }
     }
 }
@@ -161,6 +165,8 @@ pub struct StudioApp {
     nvml_library: Option<PathBuf>,
     /// The panel the last frame showed (opening the Playground lists checkpoints again).
     shown_panel: Option<Panel>,
+    /// See [`StartOptions::inject_oom`] (taken by the first run).
+    inject_oom: Option<String>,
 }
 
 /// The in-app picker's title and what it chooses, per studio field (as the system dialog's
@@ -300,6 +306,7 @@ impl StudioApp {
             frame_count: 0,
             nvml_library: opts.nvml_library,
             shown_panel: None,
+            inject_oom: opts.inject_oom,
         };
         app.jobs.discover_devices(app.nvml_library.clone());
         app.state.devices.loading = true;
@@ -546,6 +553,7 @@ impl StudioApp {
         let options = train::TrainerOptions {
             nvml_library: self.nvml_library.clone(),
             resume_latest,
+            inject_oom: self.inject_oom.take(),
             ..train::TrainerOptions::default()
         };
         let handle = Trainer::spawn_with(config, options, Some(waker));

@@ -1176,9 +1176,9 @@ impl AppState {
     /// packing (the scan's samples are not packed).
     pub fn trained_tokens(&self) -> Option<tunestudio::plan::TrainedTokens> {
         // A preference step's rows are a pair's prompt and completions, not the SFT samples
-        // the scan counted.
+        // the scan counted: the pair preview's scan gives the longest pair.
         if self.config.training.method.is_preference() {
-            return None;
+            return self.preview.pairs.trained_tokens(&self.config);
         }
         let p = self.preview.preview.as_ref()?;
         let data = &self.config.data;

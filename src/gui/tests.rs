@@ -16,6 +16,8 @@ use super::app::{StartOptions, StudioApp};
 use super::state::{Panel, RunPhase};
 use tunestudio::train::FinishReason;
 
+mod runs;
+
 /// The app on the demo project, output going to `out`.
 fn harness(panel: Panel, out: &Path) -> Harness<'static, StudioApp> {
     let opts = StartOptions {

@@ -125,6 +125,44 @@ pub fn section(ui: &mut Ui, title: &str) {
     ui.add_space(2.0);
 }
 
+/// A striped two-column grid of statistics; `add` gets a `row(name, value)` writer.
+pub fn stats_grid(ui: &mut Ui, id: &str, add: impl FnOnce(&mut dyn FnMut(&str, String))) {
+    egui::Grid::new(id)
+        .num_columns(2)
+        .spacing([16.0, 4.0])
+        .striped(true)
+        .show(ui, |ui| {
+            let mut row = |k: &str, v: String| {
+                ui.label(RichText::new(k).weak());
+                ui.label(v);
+                ui.end_row();
+            };
+            add(&mut row);
+        });
+}
+
+/// "1,200 (1,140 train / 60 validation)", with " — shown {noun} only" when the preview did
+/// not read the whole file.
+pub fn split_counts(
+    total: usize,
+    train: usize,
+    validation: usize,
+    full_scan: bool,
+    noun: &str,
+) -> String {
+    format!(
+        "{} ({} train / {} validation){}",
+        count(total as u64),
+        count(train as u64),
+        count(validation as u64),
+        if full_scan {
+            String::new()
+        } else {
+            format!(" — shown {noun} only")
+        }
+    )
+}
+
 /// A card: a framed group with a little padding.
 pub fn card<R>(ui: &mut Ui, add: impl FnOnce(&mut Ui) -> R) -> R {
     egui::Frame::group(ui.style())

@@ -3,8 +3,11 @@
 //! the run config so the run resumes from its last good step with the same effective batch.
 //!
 //! [`INJECT_OOM_ENV`] makes one step fail as an allocation failure would (`3:backward`), so
-//! all of this is tested on the CPU, where a real allocation failure aborts the process.
+//! all of this is tested on the CPU, where a real allocation failure aborts the process;
+//! [`TrainerOptions::inject_oom`](super::TrainerOptions::inject_oom) does the same for one
+//! trainer thread only (the studio's tests, where other runs share the process).
 
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::config::RunConfig;
@@ -21,13 +24,39 @@ const REFIT_CAPACITY_FRACTION: f64 = 0.85;
 
 static INJECTED: AtomicBool = AtomicBool::new(false);
 
-/// The injected failure for `step` in `phase`, when [`INJECT_OOM_ENV`] asks for it (once).
+thread_local! {
+    /// This trainer thread's own injection (`TrainerOptions::inject_oom`), taken when it fires.
+    static THREAD_INJECTION: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// Sets the injection of the calling (trainer) thread: `STEP:PHASE` as [`INJECT_OOM_ENV`].
+pub(crate) fn inject_on_this_thread(spec: Option<String>) {
+    THREAD_INJECTION.with(|t| *t.borrow_mut() = spec);
+}
+
+/// Whether `spec` (`STEP:PHASE`) names `step` in `phase`.
+fn spec_matches(spec: &str, step: u64, phase: Phase) -> bool {
+    spec.split_once(':').is_some_and(|(at, when)| {
+        at.trim().parse::<u64>().ok() == Some(step)
+            && when.trim().eq_ignore_ascii_case(&phase.to_string())
+    })
+}
+
+/// The injected failure for `step` in `phase`, when this thread's injection or
+/// [`INJECT_OOM_ENV`] asks for it (once per thread, once per process respectively).
 pub(crate) fn injected_failure(step: u64, phase: Phase) -> Option<super::error::InjectedOom> {
+    let own = THREAD_INJECTION.with(|t| {
+        let mut t = t.borrow_mut();
+        let fires = t.as_deref().is_some_and(|s| spec_matches(s, step, phase));
+        fires.then(|| t.take()).flatten()
+    });
+    if let Some(spec) = own {
+        return Some(super::error::InjectedOom(format!(
+            "out of memory: allocation failed (injected by the trainer option inject_oom={spec})"
+        )));
+    }
     let spec = std::env::var(INJECT_OOM_ENV).ok()?;
-    let (at, when) = spec.split_once(':')?;
-    let matches = at.trim().parse::<u64>().ok() == Some(step)
-        && when.trim().eq_ignore_ascii_case(&phase.to_string());
-    (matches && !INJECTED.swap(true, Ordering::SeqCst)).then(|| {
+    (spec_matches(&spec, step, phase) && !INJECTED.swap(true, Ordering::SeqCst)).then(|| {
         super::error::InjectedOom(format!(
             "out of memory: allocation failed (injected by {INJECT_OOM_ENV}={spec})"
         ))

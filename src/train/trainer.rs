@@ -45,6 +45,10 @@ pub struct TrainerOptions {
     /// The NVML library the memory samples read GPUs through (`None`: `$TUNESTUDIO_NVML_LIB`,
     /// then the driver's); the studio passes the one its device discovery used.
     pub nvml_library: Option<PathBuf>,
+    /// Test switch: `STEP:PHASE` makes that step of this run fail once with an out-of-memory
+    /// error, as [`super::oom::INJECT_OOM_ENV`] does for every run of the process (the
+    /// studio's tests, whose runs share one process). `None` in normal use.
+    pub inject_oom: Option<String>,
 }
 
 /// The front end's side of a trainer thread.
@@ -106,6 +110,7 @@ impl Trainer {
                     waker,
                     metrics: None,
                 };
+                super::oom::inject_on_this_thread(options.inject_oom.clone());
                 // The last resort: nothing a run does may take the thread down silently.
                 let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                     thread_main(config, options, cmd_rx, &mut emitter)

@@ -61,6 +61,7 @@ fn devices_section(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             planned_machine(ui, s);
         } else {
             device_list(ui, s);
+            logical_cpu_devices(ui, s);
         }
         strategy_row(ui, s);
         if s.planned_machine().is_none() && ui.small_button("Refresh devices").clicked() {
@@ -418,7 +419,11 @@ fn device_list(ui: &mut Ui, s: &mut AppState) {
                     DeviceKind::Cpu => "cpu".to_string(),
                     DeviceKind::Cuda => format!("cuda:{}", d.cuda_ordinal.unwrap_or(d.index)),
                 };
-                let mut on = s.config.devices.devices.contains(&label);
+                // The CPU is in use as `cpu` or as logical devices `cpu:N`.
+                let is_entry = |l: &String| {
+                    *l == label || (d.kind == DeviceKind::Cpu && l.starts_with("cpu:"))
+                };
+                let mut on = s.config.devices.devices.iter().any(is_entry);
                 let r = ui
                     .checkbox(&mut on, format!("{} ({label})", d.name))
                     .on_hover_text("Train on this device");
@@ -427,12 +432,11 @@ fn device_list(ui: &mut Ui, s: &mut AppState) {
                         s.config.devices.devices.push(label.clone());
                         // The CPU and GPUs are not mixed in one run.
                         let gpu = d.kind == DeviceKind::Cuda;
-                        s.config
-                            .devices
-                            .devices
-                            .retain(|l| (l == "cpu") != gpu || *l == label);
+                        s.config.devices.devices.retain(|l| {
+                            (l == "cpu" || l.starts_with("cpu:")) != gpu || *l == label
+                        });
                     } else {
-                        s.config.devices.devices.retain(|l| *l != label);
+                        s.config.devices.devices.retain(|l| !is_entry(l));
                     }
                     if s.config.devices.devices.len() <= 1 {
                         s.config.devices.strategy = tunestudio::settings::Strategy::Single;
@@ -470,6 +474,38 @@ fn device_list(ui: &mut Ui, s: &mut AppState) {
         });
     for n in &inv.notes {
         theme::note(ui, n);
+    }
+}
+
+/// How many logical CPU devices a CPU run uses (`cpu`, or `cpu:0`, `cpu:1`, …): several
+/// share this machine's cores and RAM, to try a layer split or data parallel without GPUs.
+fn logical_cpu_devices(ui: &mut Ui, s: &mut AppState) {
+    let entries = &s.config.devices.devices;
+    if entries.is_empty() || !entries.iter().all(|e| e == "cpu" || e.starts_with("cpu:")) {
+        return;
+    }
+    let before = entries.len();
+    let mut n = before;
+    egui::Grid::new("logical-cpus").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
+        theme::combo_row(
+            ui,
+            "logical-cpu-combo",
+            "Logical CPU devices",
+            "Split the CPU into logical devices (cpu:0, cpu:1, …) that share its cores and RAM, \
+             to try a layer split or data parallel without GPUs",
+            &mut n,
+            &[(1, "1 (cpu)"), (2, "2 (cpu:0, cpu:1)"), (3, "3 (cpu:0 … cpu:2)"), (4, "4 (cpu:0 … cpu:3)")],
+        );
+    });
+    if n != before {
+        s.config.devices.devices = if n == 1 {
+            vec!["cpu".to_string()]
+        } else {
+            (0..n).map(|i| format!("cpu:{i}")).collect()
+        };
+        if n == 1 {
+            s.config.devices.strategy = tunestudio::settings::Strategy::Single;
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use eframe::egui::{self, Color32, RichText, Ui};
 
 use tunestudio::data::preference::{PairPreview, PartPreview, PreferencePreview};
 use tunestudio::data::{RowPreview, SplitName};
-use tunestudio::train::TrainingMethod;
+use tunestudio::train::{RunConfig, TrainingMethod};
 
 use super::preview::{lint_list, MAX_CHIPS_PER_ROW};
 use crate::gui::app::Action;
@@ -54,6 +54,24 @@ impl PairPreviewPanel {
     pub fn set(&mut self, p: PreferencePreview) {
         self.rows = p.pairs.iter().map(pair_rows).collect();
         self.preview = Some(p);
+    }
+
+    /// What the plan needs of the pairs: their longest (prompt + the longer completion), once
+    /// the preview has scanned them all at `config`'s lengths (`None` before, or while the
+    /// preview is of other lengths), as `tunestudio plan --config` derives it.
+    pub fn trained_tokens(&self, config: &RunConfig) -> Option<tunestudio::plan::TrainedTokens> {
+        let p = self.preview.as_ref().filter(|p| p.full_scan)?;
+        let want = &config.preference;
+        let limits = p.limits;
+        (limits.max_prompt_length == Some(want.max_prompt_length)
+            && limits.max_completion_length == Some(want.max_completion_length))
+        .then(|| {
+            tunestudio::plan::TrainedTokens::from_counts(
+                want.max_prompt_length + want.max_completion_length,
+                p.stats.max_sequence,
+                std::iter::empty(),
+            )
+        })
     }
 
     /// Forgets the pair preview (the data is not pairs, or it could not be read).
@@ -303,55 +321,42 @@ fn part(ui: &mut Ui, name: &str, color: Color32, p: &PartPreview, row: &RowPrevi
 
 fn stats(ui: &mut Ui, p: &PreferencePreview) {
     let st = &p.stats;
-    egui::Grid::new("pair-stats")
-        .num_columns(2)
-        .spacing([16.0, 4.0])
-        .striped(true)
-        .show(ui, |ui| {
-            let mut row = |k: &str, v: String| {
-                ui.label(RichText::new(k).weak());
-                ui.label(v);
-                ui.end_row();
-            };
-            row(
+    theme::stats_grid(ui, "pair-stats", |row| {
+        row(
+            "pairs",
+            theme::split_counts(
+                p.num_rows,
+                p.num_train_rows,
+                p.num_validation_rows,
+                p.full_scan,
                 "pairs",
-                format!(
-                    "{} ({} train / {} validation){}",
-                    theme::count(p.num_rows as u64),
-                    theme::count(p.num_train_rows as u64),
-                    theme::count(p.num_validation_rows as u64),
-                    if p.full_scan {
-                        ""
-                    } else {
-                        " — shown pairs only"
-                    }
-                ),
-            );
-            row(
-                "prompt",
-                format!("mean {:.1} · max {} tokens", st.mean_prompt, st.max_prompt),
-            );
-            row(
-                "completions",
-                format!(
-                    "chosen mean {:.1} · rejected mean {:.1} tokens",
-                    st.mean_chosen, st.mean_rejected
-                ),
-            );
-            row(
-                "longest sequence",
-                format!("{} tokens (prompt + completion)", st.max_sequence),
-            );
-            let n = st.num_pairs.max(1) as f64;
-            row(
-                "truncated",
-                format!(
-                    "{} prompt(s) ({:.1} %) lost their start · {} pair(s) ({:.1} %) a completion's end",
-                    st.num_prompt_cut,
-                    100.0 * st.num_prompt_cut as f64 / n,
-                    st.num_completion_cut,
-                    100.0 * st.num_completion_cut as f64 / n
-                ),
-            );
-        });
+            ),
+        );
+        row(
+            "prompt",
+            format!("mean {:.1} · max {} tokens", st.mean_prompt, st.max_prompt),
+        );
+        row(
+            "completions",
+            format!(
+                "chosen mean {:.1} · rejected mean {:.1} tokens",
+                st.mean_chosen, st.mean_rejected
+            ),
+        );
+        row(
+            "longest sequence",
+            format!("{} tokens (prompt + completion)", st.max_sequence),
+        );
+        let n = st.num_pairs.max(1) as f64;
+        row(
+            "truncated",
+            format!(
+                "{} prompt(s) ({:.1} %) lost their start · {} pair(s) ({:.1} %) a completion's end",
+                st.num_prompt_cut,
+                100.0 * st.num_prompt_cut as f64 / n,
+                st.num_completion_cut,
+                100.0 * st.num_completion_cut as f64 / n
+            ),
+        );
+    });
 }

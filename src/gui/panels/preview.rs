@@ -329,83 +329,70 @@ fn histogram(ui: &mut Ui, p: &DataPreview) {
 
 fn stats(ui: &mut Ui, p: &DataPreview) {
     let st = &p.stats;
-    egui::Grid::new("preview-stats")
-        .num_columns(2)
-        .spacing([16.0, 4.0])
-        .striped(true)
-        .show(ui, |ui| {
-            let mut row = |k: &str, v: String| {
-                ui.label(RichText::new(k).weak());
-                ui.label(v);
-                ui.end_row();
-            };
-            row(
+    theme::stats_grid(ui, "preview-stats", |row| {
+        row(
+            "rows",
+            theme::split_counts(
+                p.num_rows,
+                p.num_train_rows,
+                p.num_validation_rows,
+                p.full_scan,
                 "rows",
-                format!(
-                    "{} ({} train / {} validation){}",
-                    theme::count(p.num_rows as u64),
-                    theme::count(p.num_train_rows as u64),
-                    theme::count(p.num_validation_rows as u64),
-                    if p.full_scan {
-                        ""
-                    } else {
-                        " — shown rows only"
-                    }
-                ),
-            );
-            row(
-                "samples kept",
-                format!(
-                    "{} ({} dropped)",
-                    theme::count(st.num_samples as u64),
-                    st.num_dropped
-                ),
-            );
-            row(
-                "tokens",
-                format!(
-                    "{} total · {} trained ({:.1} %)",
-                    theme::count(st.total_tokens as u64),
-                    theme::count(st.trained_tokens as u64),
-                    100.0 * st.trained_fraction
-                ),
-            );
-            row(
-                "length",
-                format!(
-                    "mean {:.0} · median {} · max {}",
-                    st.mean_length, st.median_length, st.max_length_seen
-                ),
-            );
-            row(
-                "padding waste",
-                format!(
-                    "{:.1} % at batch {} ({:.1} % grouped by length)",
-                    100.0 * st.padding_waste,
-                    st.batch_size,
-                    100.0 * st.padding_waste_grouped
-                ),
-            );
-            row(
-                "packing",
-                format!(
-                    "{} sequences of {} ({:.1} % full)",
-                    theme::count(st.packed_sequences as u64),
-                    p.max_length,
-                    100.0 * st.packing_efficiency
-                ),
-            );
-            row(
-                "pad token",
-                format!(
-                    "id {}{}",
-                    p.pad_id,
-                    if p.pad_is_fallback {
-                        " (EOS fallback)"
-                    } else {
-                        ""
-                    }
-                ),
-            );
-        });
+            ),
+        );
+        row(
+            "samples kept",
+            format!(
+                "{} ({} dropped)",
+                theme::count(st.num_samples as u64),
+                st.num_dropped
+            ),
+        );
+        row(
+            "tokens",
+            format!(
+                "{} total · {} trained ({:.1} %)",
+                theme::count(st.total_tokens as u64),
+                theme::count(st.trained_tokens as u64),
+                100.0 * st.trained_fraction
+            ),
+        );
+        row(
+            "length",
+            format!(
+                "mean {:.0} · median {} · max {}",
+                st.mean_length, st.median_length, st.max_length_seen
+            ),
+        );
+        row(
+            "padding waste",
+            format!(
+                "{:.1} % at batch {} ({:.1} % grouped by length)",
+                100.0 * st.padding_waste,
+                st.batch_size,
+                100.0 * st.padding_waste_grouped
+            ),
+        );
+        row(
+            "packing",
+            format!(
+                "{} sequences of {} ({:.1} % full)",
+                theme::count(st.packed_sequences as u64),
+                p.max_length,
+                100.0 * st.packing_efficiency
+            ),
+        );
+        row(
+            "pad token",
+            format!(
+                "id {}{}",
+                p.pad_id,
+                if p.pad_is_fallback {
+                    " (EOS fallback)"
+                } else {
+                    ""
+                }
+            ),
+        );
+    });
 }
