@@ -240,21 +240,7 @@ fn a_dpo_plan_is_sized_by_the_longest_pair_of_the_data() {
             "",
         );
     std::fs::write(&config, text).unwrap();
-    let plan = |config: &Path| -> serde_json::Value {
-        let out = Command::new(env!("CARGO_BIN_EXE_tunestudio"))
-            .args(["plan", "--json", "--config"])
-            .arg(config)
-            .env_remove("TUNESTUDIO_OPS")
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
-    };
-    let sized = plan(&config);
+    let sized = plan_json(&config);
     // The longest of the 16 pairs, tokenized here as the trainer does.
     let run = tunestudio::train::RunConfig::load(&config).unwrap();
     let tok =
@@ -342,22 +328,27 @@ fn planned_settings(config: &Path) -> String {
     format!("{line}\n{stderr}")
 }
 
-/// Plans `config` with `tunestudio plan --config`, trains it 2 steps as a child process, and
-/// compares the first device's planned peak (the process's) with the child's `VmHWM`: ±5 %.
-fn check_planned_peak_rss(label: &str, config: &Path) {
-    let bin = env!("CARGO_BIN_EXE_tunestudio");
-    let plan = Command::new(bin)
+/// `tunestudio plan --json --config config` (the native or generic ops as the machine picks).
+fn plan_json(config: &Path) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_tunestudio"))
         .args(["plan", "--json", "--config"])
         .arg(config)
         .env_remove("TUNESTUDIO_OPS")
         .output()
         .unwrap();
     assert!(
-        plan.status.success(),
+        out.status.success(),
         "{}",
-        String::from_utf8_lossy(&plan.stderr)
+        String::from_utf8_lossy(&out.stderr)
     );
-    let json: serde_json::Value = serde_json::from_slice(&plan.stdout).unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Plans `config` with `tunestudio plan --config`, trains it 2 steps as a child process, and
+/// compares the first device's planned peak (the process's) with the child's `VmHWM`: ±5 %.
+fn check_planned_peak_rss(label: &str, config: &Path) {
+    let bin = env!("CARGO_BIN_EXE_tunestudio");
+    let json = plan_json(config);
     let device = &json["plan"]["per_device"][0];
     let device = if device.is_null() {
         &json["per_device"][0]
