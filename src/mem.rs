@@ -19,14 +19,16 @@
 //! ```
 //!
 //! The counters are process-wide statics rather than fields of the allocator
-//! value, so library code ([`crate::plan::dry_run`]) can read them without
+//! value, so library code ([`crate::devices::dry_run`], through [`Meter`]) can read them without
 //! knowing the name of the static the binary declared.
 
 pub mod alloc_failure;
 mod large_blocks;
+mod meter;
 mod page_policy;
 
 pub use large_blocks::{free_block_bytes, release_free_blocks, LargeBlockPool, LARGE_BLOCK_BYTES};
+pub use meter::{MeasureMethod, Meter};
 pub use page_policy::disable_transparent_huge_pages;
 
 use std::alloc::{GlobalAlloc, Layout, System};

@@ -105,12 +105,13 @@ fn dry_run_measures_one_step_and_refuses_a_predicted_oom() {
         .unwrap();
     let labels = ids.to_dtype(DType::I64).unwrap();
     let p = plan::plan(&req).unwrap();
-    let report = plan::dry_run(&p, 0, || -> Result<(), tunestudio::model::ModelError> {
-        let loss = model.loss(&ids, None, &labels)?;
-        let grads = model.backward(&loss.sum)?;
-        drop(loss);
-        opt.step(&grads, 1e-4, 1.0 / 62.0)
-    });
+    let report =
+        tunestudio::devices::dry_run(&p, 0, || -> Result<(), tunestudio::model::ModelError> {
+            let loss = model.loss(&ids, None, &labels)?;
+            let grads = model.backward(&loss.sum)?;
+            drop(loss);
+            opt.step(&grads, 1e-4, 1.0 / 62.0)
+        });
     println!("{}", report.summary);
     assert!(report.ok(), "{}", report.summary);
     assert_eq!(report.method, MeasureMethod::CountingAllocator);
@@ -135,7 +136,7 @@ fn dry_run_measures_one_step_and_refuses_a_predicted_oom() {
     req.devices = vec![DeviceSpec::cpu(1 << 20)];
     let p = plan::plan(&req).unwrap();
     let mut ran = false;
-    let report = plan::dry_run(&p, 0, || -> Result<(), String> {
+    let report = tunestudio::devices::dry_run(&p, 0, || -> Result<(), String> {
         ran = true;
         Ok(())
     });
@@ -149,7 +150,7 @@ fn dry_run_measures_one_step_and_refuses_a_predicted_oom() {
         ..req
     })
     .unwrap();
-    let report = plan::dry_run(&p, 0, || -> Result<(), String> {
+    let report = tunestudio::devices::dry_run(&p, 0, || -> Result<(), String> {
         Err("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into())
     });
     assert!(matches!(report.outcome, DryRunOutcome::OutOfMemory { .. }));

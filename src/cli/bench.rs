@@ -117,6 +117,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     println!("trainable         {}", r.trainable_parameters);
     println!("threads           {}", r.threads);
     println!("matmul SIMD       {}", matmul_simd());
+    if let Some(k) = &r.bf16_kernel {
+        println!("bf16 products     {} ({})", k.kernel.name(), k.why());
+    }
     println!("ops               {}", cfg.ops);
     println!("tokens/step       {}", r.tokens_per_step);
     println!(

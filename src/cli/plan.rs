@@ -6,17 +6,18 @@
 //! Exit status: 0 when the (fitted) plan fits, 2 when it does not (or the dry run is out of
 //! memory, predicted or measured), 1 on errors (a dry run whose step fails included).
 
-use anyhow::Context;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
-use tunestudio::model::ModelConfig;
 use tunestudio::plan::{
-    self, format_bytes, parse_devices, AutoFit, DevicePlan, DryRunOutcome, DryRunReport, LoraSpec,
-    PeakMoment, Plan, PlanRequest, Precision, Strategy,
+    self, format_bytes, AutoFit, DevicePlan, DryRunOutcome, DryRunReport, PeakMoment, Plan,
+    PlanRequest,
 };
-use tunestudio::settings::Quantization;
 use tunestudio::train;
+
+mod request;
+
+use request::request_and_config;
 
 /// Arguments of `tunestudio plan`.
 #[derive(Debug, clap::Args)]
@@ -35,7 +36,8 @@ pub struct PlanArgs {
     /// fp32, bf16-mixed, bf16 or fp16-mixed.
     #[arg(long)]
     pub precision: Option<String>,
-    /// Rows per micro-batch (per device under data parallel).
+    /// Samples per micro-batch (per device under data parallel; a preference pair runs as two
+    /// rows).
     #[arg(long)]
     pub micro_batch: Option<usize>,
     /// Micro-batches accumulated per optimizer step.
@@ -296,153 +298,11 @@ fn print_json(
     Ok(())
 }
 
-/// The run config at `path` through the one adapter (`train::plan_adapter`), as the trainer's
-/// pre-flight and the studio plan it (`--model-config` and `--devices` replace its model and
-/// devices; the other flags override its settings later), with the config itself.
-fn config_request(
-    args: &PlanArgs,
-    path: &Path,
-    devices: Option<Vec<plan::DeviceSpec>>,
-    gpu_capacity: &dyn Fn(usize) -> Option<u64>,
-) -> anyhow::Result<(PlanRequest, train::RunConfig)> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("cannot read the run config {}", path.display()))?;
-    let base = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let (config, ignored) =
-        train::read_run_config_leniently(&text, &path.display().to_string(), base)?;
-    for p in &ignored {
-        eprintln!("note: {} ignores {p}", path.display());
-    }
-    let model = match &args.model_config {
-        Some(m) => ModelConfig::from_file(&plan::model_config_path(m, Path::new("."))?)?,
-        None => train::plan_model(&config)?,
-    };
-    let devices = match devices {
-        Some(d) => d,
-        None => train::plan_devices(&config, gpu_capacity)?,
-    };
-    Ok((train::plan_request(&config, model, devices), config))
-}
-
 /// The request `tunestudio plan` plans for these arguments (the studio's tests compare
 /// their plans with it).
 #[cfg(all(test, feature = "gui"))]
 pub(crate) fn build_request(args: &PlanArgs) -> anyhow::Result<PlanRequest> {
     Ok(request_and_config(args)?.0)
-}
-
-/// [`build_request`], with the run config it read (with `--config`).
-fn request_and_config(args: &PlanArgs) -> anyhow::Result<(PlanRequest, Option<train::RunConfig>)> {
-    let mut run_config = None;
-    let gpu_capacity = tunestudio::devices::driver_gpu_capacity();
-    let devices = match &args.devices {
-        Some(d) => Some(plan::parse_devices_with(d, &gpu_capacity)?),
-        None => None,
-    };
-    let mut req = if let Some(path) = &args.config {
-        let (req, config) = config_request(args, path, devices, &gpu_capacity)?;
-        run_config = Some(config);
-        req
-    } else {
-        let source = args.model_config.as_deref().context(
-            "give the model: --model-config path/to/config.json (or a model folder), or --config run.toml",
-        )?;
-        let path = plan::model_config_path(source, Path::new("."))?;
-        let model = ModelConfig::from_file(&path)?;
-        PlanRequest {
-            model,
-            precision: Precision::Fp32,
-            micro_batch: 1,
-            gradient_accumulation: 1,
-            seq_len: 2048,
-            activation_checkpointing: false,
-            optimizer_offload: false,
-            lora: None,
-            strategy: Strategy::Single,
-            devices: match devices {
-                Some(d) => d,
-                None => parse_devices("cpu")?,
-            },
-            ops: tunestudio::model::OpsMode::from_env()?,
-            process: None,
-            trained_tokens: None,
-            head_loss: Default::default(),
-            reference: Default::default(),
-        }
-    };
-    if let Some(p) = &args.precision {
-        req.precision = p.parse()?;
-    }
-    if let Some(v) = args.micro_batch {
-        req.micro_batch = v;
-    }
-    if let Some(v) = args.accumulation {
-        req.gradient_accumulation = v;
-    }
-    if let Some(v) = args.seq_len {
-        req.seq_len = v;
-    }
-    if args.checkpointing {
-        req.activation_checkpointing = true;
-    }
-    if args.optimizer_offload {
-        req.optimizer_offload = true;
-    }
-    if let Some(s) = &args.strategy {
-        req.strategy = s.parse()?;
-    }
-    if let Some(o) = &args.ops {
-        req.ops = o.parse()?;
-    }
-    if let Some(r) = args.lora_r {
-        let mut spec = LoraSpec::all_linear(r);
-        if let Some(t) = &args.lora_targets {
-            spec.target_modules = t
-                .split(',')
-                .map(|s| s.trim().to_string())
-                .filter(|s| !s.is_empty())
-                .collect();
-        }
-        req.lora = Some(spec);
-    } else if args.lora_targets.is_some() {
-        anyhow::bail!("--lora-targets needs --lora-r (the adapter rank)");
-    }
-    if let Some(q) = &args.quantize {
-        let q: Quantization = q.parse()?;
-        match req.lora.as_mut() {
-            Some(l) => l.quantize = q,
-            None if q.is_on() => anyhow::bail!(
-                "--quantize {q} needs LoRA (a quantized base is frozen): add --lora-r 16"
-            ),
-            None => {}
-        }
-    }
-    // A dry run measures this process's resident set, so the data is not tokenized here a
-    // second time: its plan counts every loss row (the upper bound).
-    if let Some(config) = run_config.as_ref().filter(|_| !args.dry_run) {
-        req.trained_tokens = data_trained_tokens(config);
-    }
-    Ok((req, run_config))
-}
-
-/// The trained tokens of the run's data, for the loss's rows (`PlanRequest::trained_tokens`):
-/// the dataset tokenized as the trainer will (a flag's micro-batch or shorter sequence length
-/// applies to the counts). `None`, with a note, when it cannot be read: the plan then counts
-/// every position.
-fn data_trained_tokens(config: &train::RunConfig) -> Option<plan::TrainedTokens> {
-    match train::samples::trained_tokens(config) {
-        Ok(t) => t,
-        Err(e) => {
-            eprintln!(
-                "note: the loss is planned for every position of every row, since the data \
-                 could not be tokenized: {e}"
-            );
-            None
-        }
-    }
 }
 
 fn model_summary(req: &PlanRequest) -> String {

@@ -2,7 +2,7 @@
 //! Ctrl-C writes a checkpoint and exits cleanly (a second Ctrl-C exits at once).
 
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -11,7 +11,10 @@ use crossbeam_channel::Sender;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
-use tunestudio::train::{Command, Event, FinishReason, RunConfig, Trainer, TrainerOptions};
+use tunestudio::train::render::{self, EventRenderer};
+use tunestudio::train::{
+    self, Command, FinishReason, LintFinding, RunConfig, Trainer, TrainerOptions,
+};
 
 /// Arguments of `tunestudio train`.
 #[derive(Debug, clap::Args)]
@@ -148,60 +151,31 @@ fn drive(
     if let Ok(mut c) = current.lock() {
         *c = Some(handle.commands.clone());
     }
-
-    let interactive = std::io::stderr().is_terminal() && !args.json;
-    let mut bar: Option<ProgressBar> = None;
-    let log_every = args.log_every.max(1);
-    let mut reason = FinishReason::Failed;
-    let mut blocked = false;
-    let mut oom_checkpoint = false;
+    let mut line = ProgressLine {
+        bar: None,
+        interactive: std::io::stderr().is_terminal() && !args.json,
+        log_every: args.log_every.max(1),
+        json: args.json,
+        finished: None,
+        blocked_by_lints: false,
+        out_of_memory_with_checkpoint: false,
+    };
     for event in handle.events.iter() {
-        blocked |= matches!(event, Event::LintsBlocked { .. });
-        oom_checkpoint |= matches!(
-            event,
-            Event::OutOfMemory {
-                checkpoint: Some(_),
-                ..
-            }
-        );
         if args.json {
-            if let Ok(line) = serde_json::to_string(&event) {
-                println!("{line}");
+            if let Ok(json) = serde_json::to_string(&event) {
+                println!("{json}");
             }
         }
-        match &event {
-            Event::Error { message, hint, .. } => {
-                if let Some(b) = &bar {
-                    b.abandon();
-                }
-                eprintln!("error: {message}\nhint: {hint}");
-            }
-            Event::Finished {
-                reason: r,
-                step,
-                final_loss,
-                elapsed_secs,
-                ..
-            } => {
-                reason = *r;
-                if let Some(b) = &bar {
-                    b.finish_and_clear();
-                }
-                if !args.json {
-                    let loss = final_loss.map_or("-".to_string(), |l| format!("{l:.4}"));
-                    eprintln!("{r:?} at step {step} (loss {loss}) after {elapsed_secs:.1} s");
-                }
-                break;
-            }
-            _ if !args.json => render(&event, &mut bar, interactive, log_every),
-            _ => {}
+        train::dispatch(&event, &mut line);
+        if line.finished.is_some() {
+            break;
         }
     }
     handle.join();
     Ok(Outcome {
-        reason,
-        blocked_by_lints: blocked,
-        out_of_memory_with_checkpoint: oom_checkpoint,
+        reason: line.finished.unwrap_or(FinishReason::Failed),
+        blocked_by_lints: line.blocked_by_lints,
+        out_of_memory_with_checkpoint: line.out_of_memory_with_checkpoint,
     })
 }
 
@@ -213,98 +187,180 @@ fn say(bar: Option<&ProgressBar>, line: String) {
     }
 }
 
-/// The human rendering of an event other than the error and the end (not in `--json` mode).
-fn render(event: &Event, bar: &mut Option<ProgressBar>, interactive: bool, log_every: u64) {
-    match event {
-        Event::Status { message } => eprintln!("{message}…"),
-        Event::Started { .. } => {
-            if let Some(b) = started(event, bar.as_ref(), interactive) {
-                *bar = Some(b);
-            }
+/// The terminal's rendering of a run: the progress bar and the log lines (with `--json`,
+/// only errors: the events themselves go to stdout), and what the run's end means for the
+/// exit code.
+struct ProgressLine {
+    bar: Option<ProgressBar>,
+    interactive: bool,
+    log_every: u64,
+    json: bool,
+    finished: Option<FinishReason>,
+    blocked_by_lints: bool,
+    out_of_memory_with_checkpoint: bool,
+}
+
+impl ProgressLine {
+    /// A log line above the bar (not with `--json`).
+    fn say(&self, line: String) {
+        if !self.json {
+            say(self.bar.as_ref(), line);
         }
-        Event::Step {
-            step,
-            loss,
-            lr,
-            grad_norm,
-            tokens_per_sec,
-            skipped,
-            metrics,
-            ..
-        } => {
-            if let Some(b) = bar {
-                b.set_position(*step);
-                b.set_message(format!("loss {loss:.4} | {tokens_per_sec:.0} tok/s"));
-            }
-            if step % log_every == 0 || *step == 1 || *skipped {
-                let note = if *skipped {
-                    " (skipped: fp16 overflow)"
-                } else {
-                    ""
-                };
-                // Preference runs: TRL's reward figures on the same line.
-                let rewards: String = [
-                    ("rewards/accuracies", "acc"),
-                    ("rewards/margins", "margin"),
-                    ("rewards/chosen", "chosen"),
-                    ("rewards/rejected", "rejected"),
-                ]
-                .iter()
-                .filter_map(|(key, short)| metrics.get(*key).map(|v| format!("  {short} {v:.3}")))
-                .collect();
-                say(
-                    bar.as_ref(),
-                    format!(
-                        "step {step:>6}  loss {loss:.4}{rewards}  lr {lr:.2e}  grad_norm {grad_norm:.3}  {tokens_per_sec:.0} tok/s{note}"
-                    ),
-                );
-            }
+    }
+
+    /// A line on stderr (not with `--json`).
+    fn tell(&self, line: String) {
+        if !self.json {
+            eprintln!("{line}");
         }
-        Event::Eval {
-            step,
-            loss,
-            perplexity,
-            ..
-        } => say(
-            bar.as_ref(),
-            format!("eval   {step:>6}  loss {loss:.4}  perplexity {perplexity:.2}"),
-        ),
-        Event::CheckpointSaved { path, .. } => {
-            say(bar.as_ref(), format!("saved {}", path.display()))
-        }
-        Event::Warning { message } => say(bar.as_ref(), format!("warning: {message}")),
-        Event::Divergence {
-            step,
-            loss,
-            median_loss,
-            suggested_learning_rate,
-            stopped,
-        } => say(
-            bar.as_ref(),
-            format!(
-                "warning: the loss diverged at step {step}: {loss:.4} against a recent median of {median_loss:.4}{}; resume with training.learning_rate = {suggested_learning_rate:e} (tunestudio train --resume latest)",
-                if *stopped {
-                    " (on_divergence = \"stop\": stopped, the last checkpoint is before the spike)"
-                } else {
-                    ""
-                }
-            ),
-        ),
-        Event::OutOfMemory { .. } => out_of_memory(event),
-        Event::LintAllowed { lint } => say(
-            bar.as_ref(),
-            format!(
-                "warning: training despite lint `{}` ({} rows), allowed by name: {}",
-                lint.lint, lint.count, lint.message
-            ),
-        ),
-        _ => {}
     }
 }
 
+impl EventRenderer for ProgressLine {
+    fn status(&mut self, message: &str) {
+        self.tell(format!("{message}…"));
+    }
+
+    fn started(&mut self, e: render::Started<'_>) {
+        if !self.json {
+            self.bar = Some(started(&e, self.bar.as_ref(), self.interactive));
+        }
+    }
+
+    fn step(&mut self, e: render::Step<'_>) {
+        if let Some(b) = &self.bar {
+            b.set_position(e.step);
+            b.set_message(format!(
+                "loss {:.4} | {:.0} tok/s",
+                e.loss, e.tokens_per_sec
+            ));
+        }
+        if let Some(line) = step_line(&e, self.log_every) {
+            self.say(line);
+        }
+    }
+
+    fn eval(&mut self, e: render::Eval) {
+        self.say(format!(
+            "eval   {:>6}  loss {:.4}  perplexity {:.2}",
+            e.step, e.loss, e.perplexity
+        ));
+    }
+
+    fn memory(&mut self, _: render::Memory<'_>) {}
+
+    fn checkpoint_saved(&mut self, _: u64, path: &Path) {
+        self.say(format!("saved {}", path.display()));
+    }
+
+    fn paused(&mut self, _: u64) {}
+
+    fn resumed(&mut self, _: u64) {}
+
+    fn divergence(&mut self, e: render::Divergence) {
+        self.say(divergence_line(&e));
+    }
+
+    fn warning(&mut self, message: &str) {
+        self.say(format!("warning: {message}"));
+    }
+
+    fn error(&mut self, e: render::ErrorReport<'_>) {
+        if let Some(b) = &self.bar {
+            b.abandon();
+        }
+        eprintln!("error: {}\nhint: {}", e.message, e.hint);
+    }
+
+    fn lints_blocked(&mut self, _: &[LintFinding]) {
+        // The error event that follows says why; the exit code says it was the data.
+        self.blocked_by_lints = true;
+    }
+
+    fn out_of_memory(&mut self, e: render::OutOfMemory<'_>) {
+        self.out_of_memory_with_checkpoint |= e.checkpoint.is_some();
+        if !self.json {
+            out_of_memory(&e);
+        }
+    }
+
+    fn lint_allowed(&mut self, lint: &LintFinding) {
+        self.say(format!(
+            "warning: training despite lint `{}` ({} rows), allowed by name: {}",
+            lint.lint, lint.count, lint.message
+        ));
+    }
+
+    fn finished(&mut self, e: render::Finished<'_>) {
+        self.finished = Some(e.reason);
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
+        }
+        let loss = e.final_loss.map_or("-".to_string(), |l| format!("{l:.4}"));
+        self.tell(format!(
+            "{:?} at step {} (loss {loss}) after {:.1} s",
+            e.reason, e.step, e.elapsed_secs
+        ));
+    }
+}
+
+/// The log line of a step: the first, every `log_every`-th and every skipped one.
+fn step_line(e: &render::Step<'_>, log_every: u64) -> Option<String> {
+    let render::Step {
+        step,
+        loss,
+        lr,
+        grad_norm,
+        tokens_per_sec,
+        skipped,
+        metrics,
+        ..
+    } = e;
+    if !(step % log_every == 0 || *step == 1 || *skipped) {
+        return None;
+    }
+    let note = if *skipped {
+        " (skipped: fp16 overflow)"
+    } else {
+        ""
+    };
+    // Preference runs: TRL's reward figures on the same line.
+    let rewards: String = [
+        ("rewards/accuracies", "acc"),
+        ("rewards/margins", "margin"),
+        ("rewards/chosen", "chosen"),
+        ("rewards/rejected", "rejected"),
+    ]
+    .iter()
+    .filter_map(|(key, short)| metrics.get(*key).map(|v| format!("  {short} {v:.3}")))
+    .collect();
+    Some(format!(
+        "step {step:>6}  loss {loss:.4}{rewards}  lr {lr:.2e}  grad_norm {grad_norm:.3}  {tokens_per_sec:.0} tok/s{note}"
+    ))
+}
+
+/// The warning of a loss spike, with the rate to resume with.
+fn divergence_line(e: &render::Divergence) -> String {
+    let render::Divergence {
+        step,
+        loss,
+        median_loss,
+        suggested_learning_rate,
+        stopped,
+    } = e;
+    format!(
+        "warning: the loss diverged at step {step}: {loss:.4} against a recent median of {median_loss:.4}{}; resume with training.learning_rate = {suggested_learning_rate:e} (tunestudio train --resume latest)",
+        if *stopped {
+            " (on_divergence = \"stop\": stopped, the last checkpoint is before the spike)"
+        } else {
+            ""
+        }
+    )
+}
+
 /// What the run is about to train, and the progress bar for it.
-fn started(event: &Event, bar: Option<&ProgressBar>, interactive: bool) -> Option<ProgressBar> {
-    let Event::Started {
+fn started(e: &render::Started<'_>, bar: Option<&ProgressBar>, interactive: bool) -> ProgressBar {
+    let render::Started {
         total_steps,
         start_step,
         resumed_from,
@@ -316,10 +372,7 @@ fn started(event: &Event, bar: Option<&ProgressBar>, interactive: bool) -> Optio
         effective_batch,
         ranks,
         placement,
-    } = event
-    else {
-        return None;
-    };
+    } = e;
     if let Some(p) = resumed_from {
         say(
             bar,
@@ -338,7 +391,7 @@ fn started(event: &Event, bar: Option<&ProgressBar>, interactive: bool) -> Optio
         format!("effective batch {effective_batch} rows per step ({ranks} data-parallel rank(s))"),
     );
     if placement.len() > 1 {
-        for d in placement {
+        for d in placement.iter() {
             say(
                 bar,
                 format!("  {}: layers {}..{}", d.device, d.start_layer, d.end_layer),
@@ -355,12 +408,12 @@ fn started(event: &Event, bar: Option<&ProgressBar>, interactive: bool) -> Optio
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     b.set_position(*start_step);
-    Some(b)
+    b
 }
 
 /// Where a device ran out of memory, what was saved, and the settings a resume would use.
-fn out_of_memory(event: &Event) {
-    let Event::OutOfMemory {
+fn out_of_memory(e: &render::OutOfMemory<'_>) {
+    let render::OutOfMemory {
         step,
         phase,
         device,
@@ -370,15 +423,10 @@ fn out_of_memory(event: &Event) {
         refit,
         refit_error,
         ..
-    } = event
-    else {
-        return;
-    };
-    let saved = checkpoint
-        .as_ref()
-        .map_or("no checkpoint yet".to_string(), |p| {
-            format!("saved the last good step: {}", p.display())
-        });
+    } = e;
+    let saved = checkpoint.map_or("no checkpoint yet".to_string(), |p| {
+        format!("saved the last good step: {}", p.display())
+    });
     eprintln!(
         "{device} ran out of memory at step {step} ({phase}{}); {saved}",
         tunestudio::train::oom::planned_and_observed(*planned_bytes, *observed_bytes)
@@ -389,5 +437,68 @@ fn out_of_memory(event: &Event) {
             "settings that fit what {device} held (same effective batch): {}\nresume with them: tunestudio train --config … --resume latest --on-oom auto-fit, or apply them to the config",
             refit.join("; ")
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    fn step(step: u64, metrics: &BTreeMap<String, f64>) -> render::Step<'_> {
+        render::Step {
+            step,
+            loss: 0.625,
+            lr: 5e-7,
+            grad_norm: 1.25,
+            tokens_per_sec: 88.4,
+            trained_tokens: 4096,
+            elapsed_secs: 12.0,
+            epoch: 0.5,
+            skipped: false,
+            loss_scale: None,
+            metrics,
+        }
+    }
+
+    #[test]
+    fn a_step_line_is_the_first_every_nth_and_every_skipped_step() {
+        let none = BTreeMap::new();
+        assert_eq!(
+            step_line(&step(10, &none), 10).as_deref(),
+            Some("step     10  loss 0.6250  lr 5.00e-7  grad_norm 1.250  88 tok/s")
+        );
+        assert_eq!(
+            step_line(&step(1, &none), 10).as_deref(),
+            Some("step      1  loss 0.6250  lr 5.00e-7  grad_norm 1.250  88 tok/s")
+        );
+        assert_eq!(step_line(&step(7, &none), 10), None);
+        let skipped = render::Step {
+            skipped: true,
+            grad_norm: f64::NAN,
+            ..step(7, &none)
+        };
+        assert_eq!(
+            step_line(&skipped, 10).as_deref(),
+            Some("step      7  loss 0.6250  lr 5.00e-7  grad_norm NaN  88 tok/s (skipped: fp16 overflow)")
+        );
+    }
+
+    #[test]
+    fn a_preference_step_line_shows_the_rewards_in_a_fixed_order() {
+        let metrics: BTreeMap<String, f64> = [
+            ("logps/chosen", -10.0),
+            ("rewards/accuracies", 0.75),
+            ("rewards/chosen", 0.5),
+            ("rewards/margins", 0.1234),
+            ("rewards/rejected", -0.25),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        assert_eq!(
+            step_line(&step(20, &metrics), 10).as_deref(),
+            Some("step     20  loss 0.6250  acc 0.750  margin 0.123  chosen 0.500  rejected -0.250  lr 5.00e-7  grad_norm 1.250  88 tok/s")
+        );
     }
 }

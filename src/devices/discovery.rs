@@ -150,6 +150,27 @@ pub fn driver_gpu_capacity() -> impl Fn(usize) -> Option<u64> {
     move |ordinal| inventory.get_or_init(discover).gpu_capacity_bytes(ordinal)
 }
 
+/// The host's total memory (`MemTotal` of `/proc/meminfo`): what the planner plans a bare
+/// `cpu` against. `None` off Linux.
+pub fn host_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    parse_meminfo(&text).map(|m| m.total_bytes)
+}
+
+/// A device list (`cpu`, `2x80GiB`, `cuda:0`) parsed against this machine
+/// ([`crate::plan::parse_devices_with`]): a bare `cpu` is the host's memory
+/// ([`host_memory_bytes`]), a bare `cuda:N` what the driver reports ([`driver_gpu_capacity`]).
+pub fn parse_local_devices(
+    text: &str,
+) -> Result<Vec<crate::plan::DeviceSpec>, crate::plan::PlanError> {
+    let gpu_bytes = driver_gpu_capacity();
+    let machine = crate::plan::MachineMemory {
+        host_bytes: host_memory_bytes(),
+        gpu_bytes: &gpu_bytes,
+    };
+    crate::plan::parse_devices_with(text, &machine)
+}
+
 /// [`discover`] with explicit options.
 pub fn discover_with(options: &DiscoveryOptions) -> DeviceInventory {
     let mut inventory = DeviceInventory {

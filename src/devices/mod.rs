@@ -11,6 +11,7 @@
 //!   (single, layer split, data parallel) and the bytes each device holds.
 //! * [`parallel`] — a data-parallel step: shard the batch, run each rank,
 //!   all-reduce the gradients (host sum; NCCL with the `nccl` feature).
+//! * [`parse`] — a `[devices]` entry (`cpu`, `cuda:1`) opened as a candle device.
 //! * [`sampler`] — a background thread sampling every used device's memory at
 //!   2–5 Hz for the live memory chart.
 //! * [`check`] — the device checks `tunestudio devices --check` runs (on a GPU
@@ -22,8 +23,10 @@
 pub mod check;
 pub mod cuda_pool;
 pub mod discovery;
+mod dry_run;
 pub mod nvml;
 pub mod parallel;
+pub mod parse;
 /// The balanced layer split lives with the planner (it is pure and the planner is its first
 /// user); re-exported here because the trainer and the device checks place layers with it.
 pub use crate::plan::placement;
@@ -31,12 +34,14 @@ pub mod sampler;
 pub mod strategy;
 
 pub use discovery::{
-    discover, discover_with, driver_gpu_capacity, match_cuda_ordinals, DeviceInfo, DeviceInventory,
-    DeviceKind, DiscoveryOptions, GpuProcess,
+    discover, discover_with, driver_gpu_capacity, host_memory_bytes, match_cuda_ordinals,
+    parse_local_devices, DeviceInfo, DeviceInventory, DeviceKind, DiscoveryOptions, GpuProcess,
 };
+pub use dry_run::{dry_run, dry_run_with_components, dry_run_with_readings};
 pub use parallel::{
     data_parallel_step, split_batch, DataParallelOutput, DeviceBatch, GradientReducer, HostReducer,
 };
+pub use parse::{parse_device, DeviceParseError};
 pub use placement::{balance_layers, LayerSplit, PlacementError, StageCosts};
 pub use sampler::{MemorySample, MemorySampler, SampleTarget};
 pub use strategy::{placed_bytes, Assignment, LogicalDevice, ParamBlock, PlacedBytes, Strategy};

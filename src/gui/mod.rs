@@ -12,18 +12,22 @@
 //! `tunestudio train --config` runs headless.
 
 pub mod app;
+pub mod disk;
 pub mod error;
 pub mod file_picker;
 pub mod follow;
 pub mod fonts;
+pub mod frame_stats;
 pub mod jobs;
 pub mod panels;
 pub mod planned;
 pub mod playground;
 pub mod reducer;
+pub mod run_state;
 pub mod state;
 pub mod text;
 pub mod theme;
+pub mod widgets;
 
 #[cfg(test)]
 mod tests;

@@ -16,7 +16,9 @@ use super::app::{StartOptions, StudioApp};
 use super::state::{Panel, RunPhase};
 use tunestudio::train::FinishReason;
 
+mod fixes;
 mod runs;
+mod slow_disk;
 
 /// The app on the demo project, output going to `out`.
 fn harness(panel: Panel, out: &Path) -> Harness<'static, StudioApp> {

@@ -92,6 +92,9 @@ pub struct BenchReport {
     pub peak_rss_bytes: Option<u64>,
     /// Loss of the last step (a sanity figure: about ln(vocab) for random weights).
     pub last_loss: f64,
+    /// The path bf16 products ran on, and why (`model::ops::kernel_path`; None for f32 and f16
+    /// models, and off the native CPU ops, where no bf16 kernel runs).
+    pub bf16_kernel: Option<crate::model::ops::kernel_path::KernelChoice>,
 }
 
 fn median(v: &[f64]) -> f64 {
@@ -178,6 +181,9 @@ fn run_inner(cfg: &BenchConfig, threads: usize) -> Result<BenchReport, ModelErro
     if cfg.ops == OpsMode::Generic {
         opt.set_state_placement(StatePlacement::Device)?;
     }
+    // Chosen (measured, or read from the cache) on this pool before the timed steps.
+    let bf16_kernel = (cfg.dtype == DType::BF16 && cfg.ops != OpsMode::Generic)
+        .then(|| crate::model::ops::kernel_path::choice().clone());
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed ^ 0xB0BA);
     let accumulation = cfg.accumulation.max(1);
     let n_tok = cfg.batch * cfg.seq_len * accumulation;
@@ -235,5 +241,6 @@ fn run_inner(cfg: &BenchConfig, threads: usize) -> Result<BenchReport, ModelErro
         step_secs,
         peak_rss_bytes: peak_rss_bytes(),
         last_loss,
+        bf16_kernel,
     })
 }

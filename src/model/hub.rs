@@ -153,6 +153,25 @@ pub fn resolve_model(source: &str) -> Result<ModelFiles, ModelError> {
     resolve_model_in(source, &HubOptions::from_env())
 }
 
+/// Where a model source's `config.json` is: a folder or a `.json` file (relative to
+/// `base_dir`), or (through [`resolve_model`]) a hub id, downloaded unless cached. The planner
+/// reads no files: its callers find the model's shape here.
+pub fn model_config_path(source: &str, base_dir: &Path) -> Result<PathBuf, ModelError> {
+    let p = Path::new(source);
+    let p = if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        base_dir.join(p)
+    };
+    if p.is_dir() {
+        return Ok(p.join("config.json"));
+    }
+    if p.is_file() {
+        return Ok(p);
+    }
+    Ok(resolve_model(source)?.config)
+}
+
 /// Resolves a local folder, else `org/name` in `opts.cache_dir`, else downloads it
 /// (unless `opts.offline`).
 pub fn resolve_model_in(source: &str, opts: &HubOptions) -> Result<ModelFiles, ModelError> {

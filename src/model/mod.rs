@@ -2,7 +2,8 @@
 //! training-ready decoder that matches transformers (logits, loss, gradients), with LoRA,
 //! activation checkpointing, a torch-exact AdamW and HF-compatible saving.
 //!
-//! Layout: [`config`] parses `config.json`; [`hub`] finds model files (local or HF cache);
+//! Layout: [`config`] parses `config.json`; [`hub`] finds model files (local or HF cache) and
+//! [`locate`] a model's folder without reading its weights;
 //! [`weights`] memory-maps safetensors; [`decoder`] is the model; [`loss`] the chunked
 //! causal-LM loss; [`checkpoint`] activation checkpointing; [`lora`] PEFT adapters;
 //! [`preference`] the DPO / IPO / ORPO losses on sequence log-probabilities;
@@ -19,6 +20,7 @@ pub mod error;
 pub mod gradients;
 pub mod hub;
 mod kernels;
+pub mod locate;
 pub mod lora;
 pub mod loss;
 mod native_embedding;
@@ -38,7 +40,8 @@ pub use config::{Architecture, ModelConfig, RopeScaling};
 pub use decoder::{rope_inv_freq, CausalLm, LossOutput, IGNORE_INDEX, LOSS_CHUNK_TOKENS};
 pub use error::ModelError;
 pub use gradients::{Gradients, NamedParam};
-pub use hub::{resolve_model, resolve_model_in, HubOptions, ModelFiles};
+pub use hub::{model_config_path, resolve_model, resolve_model_in, HubOptions, ModelFiles};
+pub use locate::{locate_model, ModelLocation};
 pub use lora::LINEAR_MODULES;
 pub use lora::{parse_adapter_config, LoraConfig};
 pub use ops_mode::{OpsMode, OPS_ENV};

@@ -18,8 +18,9 @@
 //! Half-precision layers compute in f32 on their half values (input widened once per call,
 //! output and gradients rounded back). candle's CPU matmul in bf16 ran the SmolLM2-135M step
 //! at ≈ 20 tokens/s against ≈ 150 in f32 (issue #23's table). The products of a bf16 weight
-//! run on the CPU's bf16 dot-product instruction where it has one ([`bf16_gemm`]: the other
-//! operand rounded to bf16, sums in f32, as PyTorch's autocast does); elsewhere, and for f16,
+//! run on the bf16 kernel measured fastest on this CPU ([`kernel_path`]: AMX tiles or the bf16
+//! dot-product instruction, the other operand rounded to bf16, sums in f32, as PyTorch's
+//! autocast does); where widening the weight and multiplying in f32 was faster, and for f16,
 //! each product widens its weight and multiplies in f32.
 //!
 //! The graph path in `decoder.rs` stays the reference and covers what this op does not: GPUs. The fixture parity tests (logits, loss, every gradient, AdamW steps) run
@@ -27,7 +28,7 @@
 //! every architecture, with and without adapters and dropout.
 
 use super::decoder::{dropout_mask, lock, lora_dropout_seed, Ctx, Layer, Linear};
-use super::ops::bf16_gemm;
+use super::ops::kernel_path;
 use super::ops::matmul::{sgemm, sgemm_new, sgemm_on, MatRef};
 use super::ops::simd::widen_par as widen;
 use super::ops::{
@@ -257,8 +258,8 @@ struct LinGrads {
     lora_b: Option<Vec<f32>>,
 }
 
-/// A linear layer's weight: `f32` data read in place (and `bf16` data too, by the bf16
-/// dot-product path where the CPU has one: `Lin::bf16_weight`); otherwise `bf16` / `f16`
+/// A linear layer's weight: `f32` data read in place (and `bf16` data too, by a bf16 kernel
+/// where that is this CPU's fastest path: `Lin::bf16_weight`); otherwise `bf16` / `f16`
 /// data, widened for each product that reads it; or a quantized frozen base weight (QLoRA),
 /// dequantized likewise. The
 /// f32 copy is dropped after the product, so at most one weight's copy exists at a time, and
@@ -296,11 +297,11 @@ impl Lin<'_> {
         }
     }
 
-    /// The weight as bf16 when its products run on the CPU's bf16 dot-product instruction
-    /// (see [`bf16_gemm`]); None when they run in f32.
+    /// The weight as bf16 when its products run on a bf16 kernel (see [`kernel_path`]); None
+    /// when they run in f32.
     fn bf16_weight(&self) -> Option<MatRef<'_, bf16>> {
         match self.w {
-            WeightRef::Bf16(w) if bf16_gemm::available() => {
+            WeightRef::Bf16(w) if kernel_path::bf16_products() => {
                 Some(MatRef::row_major(w, self.out, self.inp))
             }
             _ => None,
@@ -312,7 +313,7 @@ impl Lin<'_> {
     fn forward(&self, x: &[f32], n: usize, seed: Option<u64>) -> Result<(Vec<f32>, LoraSaved)> {
         let x_m = MatRef::row_major(x, n, self.inp);
         let mut y = match self.bf16_weight() {
-            Some(w) => bf16_gemm::bf16_gemm_new(x_m, w.t())?,
+            Some(w) => kernel_path::gemm_new(x_m, w.t())?,
             None => self.with_w(|w| sgemm_new(x_m, w.t()))?,
         };
         if let Some(b) = self.b {
@@ -353,11 +354,11 @@ impl Lin<'_> {
         if let Some(w) = self.bf16_weight() {
             // A bf16 weight's gradient is rounded to bf16 anyway: its operands may be too.
             if self.train_w {
-                grads.w = Some(bf16_gemm::bf16_gemm_new(dy_m.t(), x_m)?);
+                grads.w = Some(kernel_path::gemm_new(dy_m.t(), x_m)?);
             }
             match dx {
-                Some(dx) => bf16_gemm::bf16_gemm(dx, self.inp, true, dy_m, w)?,
-                None => *dx = Some(bf16_gemm::bf16_gemm_new(dy_m, w)?),
+                Some(dx) => kernel_path::gemm(dx, self.inp, true, dy_m, w)?,
+                None => *dx = Some(kernel_path::gemm_new(dy_m, w)?),
             }
         } else {
             if self.train_w {

@@ -169,18 +169,37 @@ pub use crate::units::format_bytes;
 /// * `cpu:1` (or `cpu:1=8GiB`) — logical CPU device 1 (several share the host; without a
 ///   size each gets an equal share of its memory), as the trainer's `[devices]` lists them.
 ///
-/// A bare `cuda:0` has no capacity the planner could know without the driver:
-/// [`parse_devices_with`] asks the caller (device discovery reads NVML).
+/// A bare `cpu` and a bare `cuda:0` have no capacity the planner could know without asking
+/// the machine: [`parse_devices_with`] takes what the caller measured
+/// (`devices::parse_local_devices` reads `/proc/meminfo` and asks NVML); here both are unknown.
 pub fn parse_devices(text: &str) -> Result<Vec<DeviceSpec>, PlanError> {
-    parse_devices_with(text, &|_| None)
+    parse_devices_with(text, &MachineMemory::UNKNOWN)
 }
 
-/// [`parse_devices`] where `gpu_capacity(ordinal)` supplies the memory of a GPU
-/// named without a size (`cuda:0`); `None` makes that entry an error that says
-/// how to give the size.
+/// What the planner cannot know without asking the machine, measured by the layer that
+/// gathers its inputs (the planner itself reads nothing).
+#[derive(Clone, Copy)]
+pub struct MachineMemory<'a> {
+    /// The host's total memory: what a bare `cpu` (or `cpu:N`) is planned against.
+    pub host_bytes: Option<u64>,
+    /// A GPU's memory by CUDA ordinal: what a bare `cuda:N` is planned against.
+    pub gpu_bytes: &'a dyn Fn(usize) -> Option<u64>,
+}
+
+impl MachineMemory<'static> {
+    /// Nothing measured: only devices written with a size can be planned.
+    pub const UNKNOWN: MachineMemory<'static> = MachineMemory {
+        host_bytes: None,
+        gpu_bytes: &|_| None,
+    };
+}
+
+/// [`parse_devices`] with the machine's measured memory: `machine.gpu_bytes(ordinal)` supplies
+/// the memory of a GPU named without a size (`cuda:0`), `machine.host_bytes` that of a bare
+/// `cpu`; `None` makes that entry an error that says how to give the size.
 pub fn parse_devices_with(
     text: &str,
-    gpu_capacity: &dyn Fn(usize) -> Option<u64>,
+    machine: &MachineMemory<'_>,
 ) -> Result<Vec<DeviceSpec>, PlanError> {
     let mut out: Vec<DeviceSpec> = Vec::new();
     let mut next_gpu = 0usize;
@@ -204,7 +223,7 @@ pub fn parse_devices_with(
         if let Some((index, size)) = logical_cpu_index(&lower) {
             let capacity = match size {
                 Some(size) => parse_bytes(size).map_err(|e| bad(e.to_string()))?,
-                None => host_memory_bytes().ok_or_else(unknown_host)? / logical_cpus,
+                None => machine.host_bytes.ok_or_else(unknown_host)? / logical_cpus,
             };
             let mut spec = DeviceSpec::cpu(capacity);
             spec.name = format!("cpu:{index}");
@@ -212,7 +231,7 @@ pub fn parse_devices_with(
         } else if let Some(rest) = lower.strip_prefix("cpu") {
             let rest = rest.trim_start_matches([':', '=']).trim();
             let capacity = if rest.is_empty() {
-                host_memory_bytes().ok_or_else(unknown_host)?
+                machine.host_bytes.ok_or_else(unknown_host)?
             } else {
                 parse_bytes(rest).map_err(|e| bad(e.to_string()))?
             };
@@ -235,7 +254,7 @@ pub fn parse_devices_with(
             };
             let capacity = match size {
                 Some(size) => parse_bytes(size).map_err(|e| bad(e.to_string()))?,
-                None => gpu_capacity(ordinal).ok_or_else(|| {
+                None => (machine.gpu_bytes)(ordinal).ok_or_else(|| {
                     bad(format!(
                         "no NVIDIA driver reports its memory here, so the planner needs the size: write cuda:{ordinal}=80GiB (see `tunestudio devices`)"
                     ))
@@ -308,16 +327,6 @@ fn logical_cpu_index(lower: &str) -> Option<(usize, Option<&str>)> {
     Some((index.parse().ok()?, size))
 }
 
-/// Total host memory from `/proc/meminfo` (`None` off Linux).
-fn host_memory_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    text.lines().find_map(|l| {
-        let rest = l.strip_prefix("MemTotal:")?;
-        let kib: u64 = rest.split_whitespace().next()?.parse().ok()?;
-        Some(kib * 1024)
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -359,8 +368,16 @@ mod tests {
 
         let e = parse_devices("cuda:0").unwrap_err().to_string();
         assert!(e.contains("cuda:0=80GiB"), "{e}");
-        let d = parse_devices_with("cuda:1", &|o| (o == 1).then_some(40 << 30)).unwrap();
+        let machine = MachineMemory {
+            host_bytes: Some(64 * GIB),
+            gpu_bytes: &|o| (o == 1).then_some(40 << 30),
+        };
+        let d = parse_devices_with("cuda:1", &machine).unwrap();
         assert_eq!((d[0].ordinal, d[0].capacity_bytes), (Some(1), 40 << 30));
+        let d = parse_devices_with("cpu, cpu:0, cpu:1", &machine).unwrap();
+        assert_eq!(d[0].capacity_bytes, 64 * GIB);
+        assert_eq!(d[2].capacity_bytes, 32 * GIB);
+        assert!(parse_devices("cpu").is_err());
         let d = parse_devices("cpu:0=8GiB,cpu:1=8GiB").unwrap();
         assert_eq!(d[1].name, "cpu:1");
         assert_eq!(d[1].capacity_bytes, 8 << 30);

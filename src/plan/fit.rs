@@ -9,12 +9,15 @@
 
 use super::estimate::{plan_without_fixes, TIGHT_HEADROOM};
 use super::{
-    format_bytes, Change, DeviceKind, Fix, LoraSpec, Plan, PlanError, PlanRequest, Precision,
-    Quantization, Strategy,
+    format_bytes, Change, DeviceKind, Fix, HeadLoss, LoraSpec, Plan, PlanError, PlanRequest,
+    Precision, Quantization, ReferencePlan, Strategy,
 };
 
 /// LoRA rank auto-fit proposes when nothing else fits.
 pub(crate) const AUTO_LORA_RANK: usize = 16;
+
+mod throughput;
+pub use throughput::relative_throughput;
 
 /// The result of [`auto_fit`].
 #[derive(Debug, Clone)]
@@ -27,8 +30,54 @@ pub struct AutoFit {
     pub plan: Plan,
     /// Each change in words with its effect ("bf16 mixed precision: −4.0 GiB on GPU 0").
     pub changes: Vec<String>,
+    /// The changes themselves, in the order `changes` explains them: applied one after the
+    /// other ([`Change::apply`]) they turn the request given into `request`.
+    pub steps: Vec<Change>,
     /// Estimated throughput relative to the request as given (1.0 = same).
     pub relative_throughput: f64,
+}
+
+impl ReferencePlan {
+    /// The reference once LoRA is on: a frozen copy is full fine-tuning's reference, and with
+    /// adapters the base with them switched off is the same model (validation rejects `copy`
+    /// with LoRA).
+    pub(crate) fn with_lora(self) -> Self {
+        match self {
+            ReferencePlan::Copy => ReferencePlan::AdapterDisabled,
+            other => other,
+        }
+    }
+
+    /// The switch to this reference in words, with the run-config key it sets.
+    pub(crate) fn describe_change(self) -> String {
+        match self {
+            ReferencePlan::Stored => "reference log-probabilities precomputed before the first step, no reference weights (preference.reference = \"precomputed\")".into(),
+            ReferencePlan::AdapterDisabled => "reference = the base with the LoRA adapters switched off (preference.reference = \"adapter-disabled\")".into(),
+            ReferencePlan::Copy => "a frozen copy of the weights as the reference (preference.reference = \"copy\")".into(),
+        }
+    }
+}
+
+/// Rows a sample puts in a micro-batch: 2 for a preference pair (chosen and rejected run as
+/// one batch), else 1. A micro-batch the search proposes is a whole number of samples.
+fn rows_per_sample(req: &PlanRequest) -> usize {
+    match req.head_loss {
+        HeadLoss::FullLogits => 2,
+        HeadLoss::Chunked => 1,
+    }
+}
+
+/// A change in words, and the reference it switches along with it (LoRA on a run with a
+/// frozen copy as its reference).
+fn describe(change: &Change, req: &PlanRequest, after: &PlanRequest) -> String {
+    let words = change.describe(req);
+    match change {
+        Change::Reference(_) => words,
+        _ if after.reference != req.reference => {
+            format!("{words}; {}", after.reference.describe_change())
+        }
+        _ => words,
+    }
 }
 
 /// How much a change alters what training learns (lower is preferred).
@@ -43,96 +92,6 @@ fn quality_tier(original: &PlanRequest, r: &PlanRequest) -> u8 {
     } else {
         0
     }
-}
-
-/// Estimated training throughput in arbitrary units (tokens per unit time).
-///
-/// A coarse cost model, only used to rank settings: matmul FLOPs per token (6 × N for
-/// full training, 4 × N with a frozen base, +2 × N recompute with checkpointing, plus
-/// attention), device speed by precision (tensor cores make half precision ≈ 3×
-/// faster on CUDA; on CPU bf16 is slower than f32), efficiency falling for small
-/// micro-batches, and the strategy (data parallel scales with ranks minus the
-/// all-reduce; a layer split runs one device at a time).
-pub fn relative_throughput(req: &PlanRequest) -> f64 {
-    let m = &req.model;
-    let n_params = m.num_parameters() as f64;
-    let layers = m.num_hidden_layers as f64;
-    let t = req.seq_len as f64;
-    let attn = 12.0 * layers * t * (m.num_attention_heads * m.head_dim) as f64;
-    let (fwd, bwd) = if req.lora.is_some() {
-        (2.0 * n_params, 2.0 * n_params)
-    } else {
-        (2.0 * n_params, 4.0 * n_params)
-    };
-    let recompute = if req.activation_checkpointing {
-        fwd
-    } else {
-        0.0
-    };
-    let kind = req
-        .devices
-        .first()
-        .map(|d| d.kind)
-        .unwrap_or(DeviceKind::Cpu);
-    // A quantized base is dequantized once per weight and pass (forward, backward, and the
-    // recomputation under checkpointing), whatever the number of tokens. Dequantizing is
-    // memory-bound (≈ 0.5 byte read, 2–4 written a weight): in matmul-FLOP equivalents about
-    // 256 a weight on a GPU (≈ 100 FLOP per byte of bandwidth) and 16 on a CPU, spread over
-    // the micro-batch's tokens. At 512 tokens on a GPU that is ≈ 25 % slower than LoRA, in
-    // line with QLoRA's reported overhead.
-    let dequant = match &req.lora {
-        Some(l) if l.quantize.is_on() => {
-            let passes = if req.activation_checkpointing {
-                3.0
-            } else {
-                2.0
-            };
-            let tokens = (req.micro_batch * req.seq_len).max(1) as f64;
-            let per_weight = if kind == DeviceKind::Cpu { 16.0 } else { 256.0 };
-            per_weight * passes * n_params / tokens
-        }
-        _ => 0.0,
-    };
-    let flops_per_token = fwd + bwd + recompute + attn + dequant;
-    let speed = match (kind, req.precision) {
-        (DeviceKind::Cuda, Precision::Fp32) => 1.0,
-        (DeviceKind::Cuda, _) => 3.0,
-        (DeviceKind::Cpu, Precision::Fp32) => 1.0,
-        (DeviceKind::Cpu, _) => 0.6,
-    };
-    let tokens = (req.micro_batch * req.seq_len) as f64;
-    let half_efficiency_tokens = match kind {
-        DeviceKind::Cuda => 512.0,
-        DeviceKind::Cpu => 64.0,
-    };
-    let efficiency = tokens / (tokens + half_efficiency_tokens);
-    let parallel = match req.strategy {
-        Strategy::Single => 1.0,
-        Strategy::LayerSplit => {
-            if req.devices.len() > 1 {
-                0.95
-            } else {
-                1.0
-            }
-        }
-        Strategy::DataParallel => {
-            let r = req.devices.len().max(1) as f64;
-            if r > 1.0 {
-                r * 0.9
-            } else {
-                1.0
-            }
-        }
-    };
-    // Offloaded optimizer state: every step copies each gradient to the host and each
-    // updated parameter back, and the update runs on the CPU (a coarse 0.7: ZeRO-Offload
-    // reports most of a GPU's throughput kept at large batches, less at small ones).
-    let offload = if req.optimizer_offload && kind != DeviceKind::Cpu {
-        0.7
-    } else {
-        1.0
-    };
-    1e12 * speed * efficiency * parallel * offload / flops_per_token
 }
 
 fn max_peak(p: &Plan) -> u64 {
@@ -173,20 +132,7 @@ fn candidate_changes(req: &PlanRequest) -> Vec<Change> {
     if !req.activation_checkpointing {
         out.push(Change::ActivationCheckpointing);
     }
-    if req.micro_batch > 1 {
-        let mut mbs = vec![1];
-        if req.micro_batch.is_multiple_of(2) && req.micro_batch > 2 {
-            mbs.push(req.micro_batch / 2);
-        }
-        for mb in mbs {
-            if req.micro_batch.is_multiple_of(mb) {
-                out.push(Change::MicroBatch {
-                    micro_batch: mb,
-                    gradient_accumulation: req.gradient_accumulation * (req.micro_batch / mb),
-                });
-            }
-        }
-    }
+    out.extend(micro_batch_changes(req));
     if req.lora.is_none() {
         out.push(Change::Lora(LoraSpec::all_linear(AUTO_LORA_RANK)));
     }
@@ -201,7 +147,34 @@ fn candidate_changes(req: &PlanRequest) -> Vec<Change> {
     if on_gpu && !req.optimizer_offload {
         out.push(Change::OptimizerOffload);
     }
+    if req.reference != ReferencePlan::Stored {
+        out.push(Change::Reference(ReferencePlan::Stored));
+    }
+    if req.reference == ReferencePlan::Copy && req.lora.is_some() {
+        out.push(Change::Reference(ReferencePlan::AdapterDisabled));
+    }
     out
+}
+
+/// Smaller micro-batches with more accumulation (one sample, and half as many), in whole
+/// samples (a preference pair is two rows).
+fn micro_batch_changes(req: &PlanRequest) -> Vec<Change> {
+    let rows = rows_per_sample(req);
+    let samples = req.micro_batch / rows;
+    if samples <= 1 || !req.micro_batch.is_multiple_of(rows) {
+        return Vec::new();
+    }
+    let mut per_batch = vec![1];
+    if samples.is_multiple_of(2) && samples > 2 {
+        per_batch.push(samples / 2);
+    }
+    per_batch
+        .into_iter()
+        .map(|n| Change::MicroBatch {
+            micro_batch: n * rows,
+            gradient_accumulation: req.gradient_accumulation * (samples / n),
+        })
+        .collect()
 }
 
 /// Ranks single-change fixes for a plan that does not fit (or is tight): those that
@@ -224,7 +197,7 @@ pub(crate) fn rank_fixes(req: &PlanRequest, plan: &Plan) -> Vec<Fix> {
         let speed = relative_throughput(&r) / base_speed.max(f64::MIN_POSITIVE);
         let description = format!(
             "{}: −{} on {}{}",
-            change.describe(req),
+            describe(&change, req, &r),
             format_bytes(saving),
             worst_name,
             if fits_alone {
@@ -268,13 +241,56 @@ fn divisors(n: usize) -> Vec<usize> {
 /// Finds settings that fit every device with ≥ 5 % headroom, keeping the effective
 /// batch, with the highest estimated throughput (see the module docs for the order
 /// of preference), and explains each change.
-#[allow(clippy::too_many_lines)] // the search in its order of preference (module docs); to split
 pub fn auto_fit(req: &PlanRequest) -> Result<AutoFit, PlanError> {
     // Validates the request (errors such as zero devices surface here).
     let original_plan = super::plan(req)?;
-    let effective = req.effective_batch();
-    let base_speed = relative_throughput(req);
+    let mut search = Search::default();
+    for r in search_space(req) {
+        search.consider(req, r);
+    }
+    Ok(search.finish(req, &original_plan))
+}
 
+/// Every request the search plans, in its order of preference: strategy × precision ×
+/// checkpointing × LoRA × reference × micro-batch, each keeping the effective batch.
+fn search_space(req: &PlanRequest) -> Vec<PlanRequest> {
+    let effective = req.effective_batch();
+    let rows = rows_per_sample(req);
+    let mut out = Vec::new();
+    for strategy in strategy_options(req) {
+        let ranks = if strategy == Strategy::DataParallel {
+            req.devices.len()
+        } else {
+            1
+        };
+        if !effective.is_multiple_of(ranks * rows) {
+            continue;
+        }
+        let per_rank = effective / ranks;
+        for precision in precision_options(req) {
+            for ckpt in checkpointing_options(req) {
+                for lora in lora_options(req) {
+                    for reference in reference_options(req, lora.as_ref()) {
+                        for samples in divisors(per_rank / rows) {
+                            let mut r = req.clone();
+                            r.strategy = strategy;
+                            r.precision = precision;
+                            r.activation_checkpointing = ckpt;
+                            r.lora = lora.clone();
+                            r.reference = reference;
+                            r.micro_batch = samples * rows;
+                            r.gradient_accumulation = per_rank / r.micro_batch;
+                            out.push(r);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn strategy_options(req: &PlanRequest) -> Vec<Strategy> {
     let mut strategies = vec![req.strategy];
     if req.devices.len() > 1 {
         for s in [Strategy::LayerSplit, Strategy::DataParallel] {
@@ -283,6 +299,10 @@ pub fn auto_fit(req: &PlanRequest) -> Result<AutoFit, PlanError> {
             }
         }
     }
+    strategies
+}
+
+fn precision_options(req: &PlanRequest) -> Vec<Precision> {
     let mut precisions = vec![req.precision];
     for p in [Precision::Bf16Mixed, Precision::Bf16] {
         let fp16_already_mixed = p == Precision::Bf16Mixed && req.precision == Precision::Fp16Mixed;
@@ -290,13 +310,21 @@ pub fn auto_fit(req: &PlanRequest) -> Result<AutoFit, PlanError> {
             precisions.push(p);
         }
     }
-    let checkpointing = if req.activation_checkpointing {
+    precisions
+}
+
+fn checkpointing_options(req: &PlanRequest) -> Vec<bool> {
+    if req.activation_checkpointing {
         vec![true]
     } else {
         vec![false, true]
-    };
-    // QLoRA 4-bit last: it changes what is learned the most (tier 3).
-    let loras = match &req.lora {
+    }
+}
+
+/// The request's LoRA, then LoRA r=16 on every linear, then QLoRA 4-bit last: it changes
+/// what is learned the most (tier 3).
+fn lora_options(req: &PlanRequest) -> Vec<Option<LoraSpec>> {
+    match &req.lora {
         Some(l) if l.quantize.is_on() => vec![Some(l.clone())],
         Some(l) => vec![
             Some(l.clone()),
@@ -307,93 +335,106 @@ pub fn auto_fit(req: &PlanRequest) -> Result<AutoFit, PlanError> {
             Some(LoraSpec::all_linear(AUTO_LORA_RANK)),
             Some(LoraSpec::all_linear(AUTO_LORA_RANK).quantized(Quantization::Q4K)),
         ],
-    };
+    }
+}
 
-    // (tier, throughput, number of changes, request, plan)
-    let mut best: Option<(u8, f64, usize, PlanRequest, Plan)> = None;
-    // Fallback when nothing fits: the candidate with the smallest worst-device fill.
-    let mut least_bad: Option<(f64, PlanRequest, Plan)> = None;
-    for &strategy in &strategies {
-        let ranks = if strategy == Strategy::DataParallel {
-            req.devices.len()
-        } else {
-            1
+/// A DPO run's reference as given (the base with the adapters off once LoRA is on, for a
+/// frozen copy), then precomputed: it learns the same (`train/preference.rs`) and holds
+/// nothing during the step.
+fn reference_options(req: &PlanRequest, lora: Option<&LoraSpec>) -> Vec<ReferencePlan> {
+    let given = if lora.is_some() {
+        req.reference.with_lora()
+    } else {
+        req.reference
+    };
+    if given == ReferencePlan::Stored {
+        vec![given]
+    } else {
+        vec![given, ReferencePlan::Stored]
+    }
+}
+
+/// A fitting candidate: its quality tier, throughput and number of changes, the request and
+/// its plan.
+struct Candidate {
+    tier: u8,
+    speed: f64,
+    n_changes: usize,
+    request: PlanRequest,
+    plan: Plan,
+}
+
+/// The search's state: the best fitting candidate, and the one that fills the worst device
+/// least (the answer when nothing fits).
+#[derive(Default)]
+struct Search {
+    best: Option<Candidate>,
+    least_bad: Option<(f64, PlanRequest, Plan)>,
+}
+
+impl Search {
+    fn consider(&mut self, req: &PlanRequest, r: PlanRequest) {
+        let Ok(p) = plan_without_fixes(&r) else {
+            return;
         };
-        if !effective.is_multiple_of(ranks) {
-            continue;
+        let fill = p
+            .per_device
+            .iter()
+            .map(|d| d.peak_bytes as f64 / d.device.capacity_bytes.max(1) as f64)
+            .fold(0.0, f64::max);
+        if self.least_bad.as_ref().is_none_or(|(f, _, _)| fill < *f) {
+            self.least_bad = Some((fill, r.clone(), p.clone()));
         }
-        let per_rank = effective / ranks;
-        for &precision in &precisions {
-            for &ckpt in &checkpointing {
-                for lora in &loras {
-                    for mb in divisors(per_rank) {
-                        let mut r = req.clone();
-                        r.strategy = strategy;
-                        r.precision = precision;
-                        r.activation_checkpointing = ckpt;
-                        r.lora = lora.clone();
-                        r.micro_batch = mb;
-                        r.gradient_accumulation = per_rank / mb;
-                        let Ok(p) = plan_without_fixes(&r) else {
-                            continue;
-                        };
-                        let fill = p
-                            .per_device
-                            .iter()
-                            .map(|d| d.peak_bytes as f64 / d.device.capacity_bytes.max(1) as f64)
-                            .fold(0.0, f64::max);
-                        if least_bad.as_ref().is_none_or(|(f, _, _)| fill < *f) {
-                            least_bad = Some((fill, r.clone(), p.clone()));
-                        }
-                        if !fits_with_headroom(&p) {
-                            continue;
-                        }
-                        let tier = quality_tier(req, &r);
-                        let speed = relative_throughput(&r);
-                        let n_changes = count_changes(req, &r);
-                        let better = match &best {
-                            None => true,
-                            Some((bt, bs, bn, _, _)) => {
-                                tier < *bt
-                                    || (tier == *bt
-                                        && (speed > bs * 1.02
-                                            || (speed > bs * 0.98 && n_changes < *bn)))
-                            }
-                        };
-                        if better {
-                            best = Some((tier, speed, n_changes, r, p));
-                        }
-                    }
-                }
-            }
+        if !fits_with_headroom(&p) {
+            return;
+        }
+        let c = Candidate {
+            tier: quality_tier(req, &r),
+            speed: relative_throughput(&r),
+            n_changes: count_changes(req, &r),
+            request: r,
+            plan: p,
+        };
+        let better = self.best.as_ref().is_none_or(|b| {
+            c.tier < b.tier
+                || (c.tier == b.tier
+                    && (c.speed > b.speed * 1.02
+                        || (c.speed > b.speed * 0.98 && c.n_changes < b.n_changes)))
+        });
+        if better {
+            self.best = Some(c);
         }
     }
-    match best {
-        Some((_, speed, _, r, p)) => {
-            let changes = explain_changes(req, &original_plan, &r);
-            Ok(AutoFit {
+
+    fn finish(self, req: &PlanRequest, original_plan: &Plan) -> AutoFit {
+        let base_speed = relative_throughput(req).max(f64::MIN_POSITIVE);
+        if let Some(c) = self.best {
+            let (steps, changes) = explain_changes(req, original_plan, &c.request);
+            return AutoFit {
                 found: true,
-                relative_throughput: speed / base_speed.max(f64::MIN_POSITIVE),
-                request: r,
-                plan: p,
+                relative_throughput: c.speed / base_speed,
+                request: c.request,
+                plan: c.plan,
                 changes,
-            })
+                steps,
+            };
         }
-        None => {
-            let (_, r, p) = least_bad.unwrap_or((0.0, req.clone(), original_plan.clone()));
-            let mut changes = explain_changes(req, &original_plan, &r);
-            changes.push(format!(
-                "nothing fits these devices with {:.0} % headroom, even with QLoRA 4-bit r={}: use larger or more devices, or shorter sequences",
-                100.0 * TIGHT_HEADROOM,
-                AUTO_LORA_RANK
-            ));
-            Ok(AutoFit {
-                found: false,
-                relative_throughput: relative_throughput(&r) / base_speed.max(f64::MIN_POSITIVE),
-                request: r,
-                plan: p,
-                changes,
-            })
+        let (_, r, p) = self
+            .least_bad
+            .unwrap_or((0.0, req.clone(), original_plan.clone()));
+        let (steps, mut changes) = explain_changes(req, original_plan, &r);
+        changes.push(format!(
+            "nothing fits these devices with {:.0} % headroom, even with QLoRA 4-bit r={}: use larger or more devices, or shorter sequences",
+            100.0 * TIGHT_HEADROOM,
+            AUTO_LORA_RANK
+        ));
+        AutoFit {
+            found: false,
+            relative_throughput: relative_throughput(&r) / base_speed,
+            request: r,
+            plan: p,
+            changes,
+            steps,
         }
     }
 }
@@ -405,11 +446,11 @@ fn count_changes(a: &PlanRequest, b: &PlanRequest) -> usize {
         + usize::from(a.micro_batch != b.micro_batch)
         + usize::from(a.lora != b.lora)
         + usize::from(a.optimizer_offload != b.optimizer_offload)
+        + usize::from(a.reference != b.reference)
 }
 
-/// Applies the differences from `from` to `to` one at a time, in the order of
-/// preference, and says what each saved on the device that was fullest before it.
-fn explain_changes(from: &PlanRequest, from_plan: &Plan, to: &PlanRequest) -> Vec<String> {
+/// The changes from `from` to `to`, in the order of preference (the micro-batch split last).
+fn steps_between(from: &PlanRequest, to: &PlanRequest) -> Vec<Change> {
     let mut steps: Vec<Change> = Vec::new();
     if from.strategy != to.strategy {
         steps.push(Change::Strategy(to.strategy));
@@ -430,28 +471,36 @@ fn explain_changes(from: &PlanRequest, from_plan: &Plan, to: &PlanRequest) -> Ve
     if to.optimizer_offload && !from.optimizer_offload {
         steps.push(Change::OptimizerOffload);
     }
+    // Last of the settings: turning LoRA on may already have switched it.
+    if to.reference != from.reference {
+        steps.push(Change::Reference(to.reference));
+    }
+    steps
+}
+
+/// Applies the differences from `from` to `to` one at a time, in the order of
+/// preference, and says what each saved on the device that was fullest before it: the
+/// changes applied, and each in words.
+fn explain_changes(
+    from: &PlanRequest,
+    from_plan: &Plan,
+    to: &PlanRequest,
+) -> (Vec<Change>, Vec<String>) {
     let mut cur = from.clone();
     let mut cur_plan = from_plan.clone();
+    let mut applied = Vec::new();
     let mut out = Vec::new();
-    for change in steps {
-        let mut next = change.apply(&cur);
-        if let Change::Strategy(_) = change {
-            // The micro-batch split is explained separately below.
-            next.micro_batch = cur.micro_batch;
-            next.gradient_accumulation = cur.gradient_accumulation;
-            let ranks = next.data_parallel_ranks();
-            if from
-                .effective_batch()
-                .is_multiple_of(ranks * next.micro_batch)
-            {
-                next.gradient_accumulation = from.effective_batch() / (ranks * next.micro_batch);
-            }
+    for change in steps_between(from, to) {
+        if matches!(change, Change::Reference(r) if r == cur.reference) {
+            continue;
         }
+        let next = change.apply(&cur);
         out.push(describe_step(&change, &cur, &cur_plan, &next));
         if let Ok(p) = plan_without_fixes(&next) {
             cur_plan = p;
         }
         cur = next;
+        applied.push(change);
     }
     if cur.micro_batch != to.micro_batch || cur.gradient_accumulation != to.gradient_accumulation {
         let change = Change::MicroBatch {
@@ -461,12 +510,13 @@ fn explain_changes(from: &PlanRequest, from_plan: &Plan, to: &PlanRequest) -> Ve
         let next = change.apply(&cur);
         out.push(describe_step(&change, &cur, &cur_plan, &next));
         cur = next;
+        applied.push(change);
     }
     if out.is_empty() {
         out.push("the requested settings already fit with headroom; nothing changed".into());
     }
     debug_assert_eq!(cur.effective_batch(), to.effective_batch());
-    out
+    (applied, out)
 }
 
 fn describe_step(
@@ -476,7 +526,7 @@ fn describe_step(
     next: &PlanRequest,
 ) -> String {
     let (name, before) = worst(cur_plan);
-    let words = change.describe(cur);
+    let words = describe(change, cur, next);
     match plan_without_fixes(next) {
         Ok(p) => {
             let after = p

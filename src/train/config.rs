@@ -15,6 +15,13 @@ use super::precision::Precision;
 use super::schedule::ScheduleKind;
 use crate::settings::{Quantization, Strategy};
 
+mod method;
+mod probe;
+
+use probe::probe_and_strip;
+
+pub use method::{DpoLoss, PreferenceSection, ReferenceMode, TrainingMethod};
+
 /// A complete training run description (`run.toml`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -183,110 +190,6 @@ pub struct TrainingSection {
     /// What is learned: `"sft"` (next tokens of the data), `"dpo"` or `"orpo"` (preference
     /// pairs; see `[preference]`).
     pub method: TrainingMethod,
-}
-
-/// `[training] method`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum TrainingMethod {
-    /// Supervised fine-tuning: the causal-LM loss on the trained tokens.
-    #[default]
-    Sft,
-    /// Direct preference optimisation (`[preference] loss = "sigmoid"` or `"ipo"`) against a
-    /// reference model.
-    Dpo,
-    /// Odds-ratio preference optimisation: the chosen answers' NLL plus an odds-ratio term;
-    /// no reference model.
-    Orpo,
-}
-
-impl TrainingMethod {
-    /// Whether the method trains on preference pairs.
-    pub fn is_preference(self) -> bool {
-        self != TrainingMethod::Sft
-    }
-
-    /// The config spelling.
-    pub fn name(self) -> &'static str {
-        match self {
-            TrainingMethod::Sft => "sft",
-            TrainingMethod::Dpo => "dpo",
-            TrainingMethod::Orpo => "orpo",
-        }
-    }
-}
-
-/// `[preference] loss` (for DPO).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DpoLoss {
-    /// TRL's `sigmoid`: −log σ(β·margin), with cDPO's `label_smoothing`.
-    #[default]
-    Sigmoid,
-    /// IPO: (margin of mean log-probabilities − 1/(2β))².
-    Ipo,
-}
-
-/// `[preference] reference`: where DPO's reference log-probabilities come from.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum ReferenceMode {
-    /// `precomputed`, for LoRA and full fine-tuning alike: the same numbers as TRL's default
-    /// reference (a fresh adapter adds nothing), at the least cost (see `train::preference`).
-    #[default]
-    Auto,
-    /// One pass over the data before the first step stores each pair's reference
-    /// log-probabilities (the model as loaded: the base, since a fresh LoRA adapter adds
-    /// nothing), so no second copy of the weights is held. Stored in the run folder for resume.
-    Precomputed,
-    /// The base with the adapters switched off, computed each micro-step without a graph
-    /// (LoRA and QLoRA only; TRL's reference for a PEFT model with no `ref_model`).
-    AdapterDisabled,
-    /// A frozen copy of the starting weights on every rank's devices, run each micro-step
-    /// without a graph (full fine-tuning only; TRL's `ref_model`).
-    Copy,
-}
-
-/// `[preference]`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct PreferenceSection {
-    /// DPO's loss.
-    pub loss: DpoLoss,
-    /// DPO's β (the reward scale; TRL's default 0.1); ORPO's λ, as in TRL.
-    pub beta: f64,
-    /// cDPO's ε: the probability that a pair's labels are flipped, in `[0, 0.5)`.
-    pub label_smoothing: f64,
-    /// Where the reference log-probabilities come from (DPO).
-    pub reference: ReferenceMode,
-    /// Prompt tokens kept, from the prompt's end (TRL's `max_prompt_length`).
-    pub max_prompt_length: usize,
-    /// Tokens kept of each completion, from its start.
-    pub max_completion_length: usize,
-}
-
-impl Default for PreferenceSection {
-    fn default() -> Self {
-        let limits = crate::data::preference::PairLimits::default();
-        PreferenceSection {
-            loss: DpoLoss::Sigmoid,
-            beta: 0.1,
-            label_smoothing: 0.0,
-            reference: ReferenceMode::Auto,
-            max_prompt_length: limits.max_prompt_length.unwrap_or(512),
-            max_completion_length: limits.max_completion_length.unwrap_or(512),
-        }
-    }
-}
-
-impl PreferenceSection {
-    /// The pair tokeniser's truncation lengths.
-    pub fn limits(&self) -> crate::data::preference::PairLimits {
-        crate::data::preference::PairLimits {
-            max_prompt_length: Some(self.max_prompt_length),
-            max_completion_length: Some(self.max_completion_length),
-        }
-    }
 }
 
 impl Default for TrainingSection {
@@ -650,74 +553,4 @@ fn normalize(p: &Path) -> PathBuf {
         return PathBuf::from(".");
     }
     out.iter().collect()
-}
-
-/// Deserialises every key of every known section on its own, so that each bad key gives its
-/// own problem (serde stops at the first); bad keys are removed from `table`.
-fn probe_and_strip(table: &mut toml::Table) -> Vec<ConfigProblem> {
-    let mut problems = Vec::new();
-    let keys: Vec<String> = table.keys().cloned().collect();
-    for key in keys {
-        let Some(value) = table.get(&key).cloned() else {
-            continue;
-        };
-        let bad = match key.as_str() {
-            "output_dir" => probe_value::<PathBuf>(&value).err(),
-            "model" => probe_section::<ModelSection>(&key, table, &mut problems),
-            "training" => probe_section::<TrainingSection>(&key, table, &mut problems),
-            "lora" => probe_section::<LoraSection>(&key, table, &mut problems),
-            "eval" => probe_section::<EvalSection>(&key, table, &mut problems),
-            "checkpoint" => probe_section::<CheckpointSection>(&key, table, &mut problems),
-            "devices" => probe_section::<DevicesSection>(&key, table, &mut problems),
-            "preference" => probe_section::<PreferenceSection>(&key, table, &mut problems),
-            "data" => probe_section::<DataConfig>(&key, table, &mut problems),
-            _ => Some(format!(
-                "unknown setting; expected one of {}",
-                SECTIONS
-                    .iter()
-                    .map(|s| format!("`{s}`"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )),
-        };
-        if let Some(message) = bad {
-            problems.push(ConfigProblem::new(&key, message));
-            table.remove(&key);
-        }
-    }
-    problems
-}
-
-fn probe_value<T: serde::de::DeserializeOwned>(value: &toml::Value) -> Result<T, String> {
-    value
-        .clone()
-        .try_into::<T>()
-        .map_err(|e| e.message().trim().to_string())
-}
-
-/// Probes the keys of one section; returns `Some` only when the section itself is not a table.
-fn probe_section<T: serde::de::DeserializeOwned>(
-    section: &str,
-    table: &mut toml::Table,
-    problems: &mut Vec<ConfigProblem>,
-) -> Option<String> {
-    let Some(toml::Value::Table(inner)) = table.get_mut(section) else {
-        return Some("must be a table (a `[section]`)".to_string());
-    };
-    let keys: Vec<String> = inner.keys().cloned().collect();
-    for key in keys {
-        let Some(value) = inner.get(&key).cloned() else {
-            continue;
-        };
-        let mut single = toml::Table::new();
-        single.insert(key.clone(), value);
-        if let Err(e) = toml::Value::Table(single).try_into::<T>() {
-            problems.push(ConfigProblem::new(
-                &format!("{section}.{key}"),
-                e.message().trim().to_string(),
-            ));
-            inner.remove(&key);
-        }
-    }
-    None
 }

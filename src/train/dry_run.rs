@@ -3,7 +3,8 @@
 
 use super::config::RunConfig;
 use super::step::TrainingRun;
-use crate::plan::{self, DryRunReport, Meter, Plan, PlanRequest, StepMeasured, StepReadings};
+use crate::mem::Meter;
+use crate::plan::{self, DryRunReport, Plan, PlanRequest, StepMeasured, StepReadings};
 
 /// Builds the run exactly as training does ([`TrainingRun::new`]: model, tokenizer, data,
 /// optimizer) and takes one optimizer step with the trainer's own step code, on the longest
@@ -12,7 +13,7 @@ use crate::plan::{self, DryRunReport, Meter, Plan, PlanRequest, StepMeasured, St
 ///
 /// The report's components are what the run can measure of itself: the tensors it holds
 /// ([`TrainingRun::tensor_bytes`]: weights, AdamW state, gradients) and the dry run's meter
-/// around the step (the resident set on a CPU, see [`plan::dry_run_with_readings`]); the
+/// around the step (the resident set on a CPU, see [`crate::devices::dry_run_with_readings`]); the
 /// rest is derived, and the report says which figure is which. On several devices the
 /// tensors are not attributed to device 0 and only the peak is compared.
 ///
@@ -28,7 +29,7 @@ pub fn dry_run(
     let request = request.for_dry_run();
     let upper_bound = plan::plan(&request)?;
     let (report, plan_for_data) =
-        plan::dry_run_with_readings(&upper_bound, 0, move |meter: &Meter| {
+        crate::devices::dry_run_with_readings(&upper_bound, 0, move |meter: &Meter| {
             // The error as text: TrainError is large, and the report keeps its message only.
             let mut run = TrainingRun::new(config).map_err(|e| e.to_string())?;
             let in_use_before_step = meter.in_use_bytes();

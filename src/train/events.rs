@@ -1,5 +1,7 @@
 //! Messages between the trainer thread and its front end (GUI or CLI).
 //! Events are serde-serialisable: the same objects are the lines of `metrics.jsonl`.
+//! Front ends turn them into state or text through [`EventRenderer`](crate::train::EventRenderer): a new
+//! kind of event is added there (the trait's doc says how).
 
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;

@@ -16,7 +16,7 @@ use super::checkpoint;
 use super::config::InitMode;
 use super::error::TrainError;
 use super::export::checkpoint_config;
-use super::step::locate_model;
+use super::samples::locate_model;
 
 /// What an export wrote.
 #[derive(Debug, Clone)]
@@ -150,7 +150,8 @@ fn adapter_source(dir: &Path, base: Option<&Path>) -> Result<ExportSource, Train
 fn checkpoint_source(ck: &Path) -> Result<ExportSource, TrainError> {
     let run = checkpoint_config(ck)?;
     let state = checkpoint::read_state(ck)?;
-    let (model_dir, config_path, has_weights) = locate_model(&run)?;
+    let located = locate_model(&run)?;
+    let (model_dir, config_path, has_weights) = (located.dir, located.config, located.has_weights);
     let config = ModelConfig::from_file(&config_path).map_err(model_err(format!(
         "cannot read `{}`",
         config_path.display()

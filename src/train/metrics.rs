@@ -6,7 +6,8 @@ use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
 use super::error::TrainError;
-use super::events::Event;
+use super::events::{Event, LintFinding};
+use super::render::{self, EventRenderer};
 
 /// The metrics file's name inside the output folder.
 pub const METRICS_FILE: &str = "metrics.jsonl";
@@ -109,38 +110,105 @@ pub struct RunCurves {
 impl RunCurves {
     /// Builds the curves from events in file order.
     pub fn from_events(events: &[Event]) -> Self {
-        let mut loss = BTreeMap::new();
-        let mut lr = BTreeMap::new();
-        let mut tps = BTreeMap::new();
-        let mut eval = BTreeMap::new();
-        let mut trained_tokens = 0;
+        let mut builder = CurvesBuilder::default();
         for e in events {
-            match e {
-                Event::Step {
-                    step,
-                    loss: l,
-                    lr: r,
-                    tokens_per_sec,
-                    trained_tokens: t,
-                    ..
-                } => {
-                    loss.insert(*step, *l);
-                    lr.insert(*step, *r);
-                    tps.insert(*step, *tokens_per_sec);
-                    trained_tokens = *t;
-                }
-                Event::Eval { step, loss: l, .. } => {
-                    eval.insert(*step, *l);
-                }
-                _ => {}
-            }
+            super::render::dispatch(e, &mut builder);
         }
+        builder.finish()
+    }
+}
+
+/// [`RunCurves`] being rebuilt: by step, so a step written twice (a resumed run) keeps its
+/// later value.
+#[derive(Debug, Default)]
+struct CurvesBuilder {
+    loss: BTreeMap<u64, f64>,
+    lr: BTreeMap<u64, f64>,
+    tokens_per_sec: BTreeMap<u64, f64>,
+    eval_loss: BTreeMap<u64, f64>,
+    trained_tokens: u64,
+}
+
+impl CurvesBuilder {
+    fn finish(self) -> RunCurves {
         RunCurves {
-            loss: loss.into_iter().collect(),
-            lr: lr.into_iter().collect(),
-            tokens_per_sec: tps.into_iter().collect(),
-            eval_loss: eval.into_iter().collect(),
-            trained_tokens,
+            loss: self.loss.into_iter().collect(),
+            lr: self.lr.into_iter().collect(),
+            tokens_per_sec: self.tokens_per_sec.into_iter().collect(),
+            eval_loss: self.eval_loss.into_iter().collect(),
+            trained_tokens: self.trained_tokens,
         }
+    }
+}
+
+/// The curves are the steps and evaluations; every other kind leaves them as they are.
+impl EventRenderer for CurvesBuilder {
+    fn status(&mut self, _: &str) {}
+    fn started(&mut self, _: render::Started<'_>) {}
+    fn step(&mut self, e: render::Step<'_>) {
+        self.loss.insert(e.step, e.loss);
+        self.lr.insert(e.step, e.lr);
+        self.tokens_per_sec.insert(e.step, e.tokens_per_sec);
+        self.trained_tokens = e.trained_tokens;
+    }
+    fn eval(&mut self, e: render::Eval) {
+        self.eval_loss.insert(e.step, e.loss);
+    }
+    fn memory(&mut self, _: render::Memory<'_>) {}
+    fn checkpoint_saved(&mut self, _: u64, _: &Path) {}
+    fn paused(&mut self, _: u64) {}
+    fn resumed(&mut self, _: u64) {}
+    fn divergence(&mut self, _: render::Divergence) {}
+    fn warning(&mut self, _: &str) {}
+    fn error(&mut self, _: render::ErrorReport<'_>) {}
+    fn lints_blocked(&mut self, _: &[LintFinding]) {}
+    fn out_of_memory(&mut self, _: render::OutOfMemory<'_>) {}
+    fn lint_allowed(&mut self, _: &LintFinding) {}
+    fn finished(&mut self, _: render::Finished<'_>) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn step(step: u64, loss: f64) -> Event {
+        Event::Step {
+            step,
+            loss,
+            lr: 1e-3,
+            grad_norm: 1.0,
+            tokens_per_sec: 100.0 * step as f64,
+            trained_tokens: 64 * step,
+            elapsed_secs: step as f64,
+            epoch: 0.1,
+            skipped: false,
+            loss_scale: None,
+            metrics: BTreeMap::new(),
+        }
+    }
+
+    #[test]
+    fn curves_keep_the_later_value_of_a_step_written_twice() {
+        let events = [
+            Event::Warning {
+                message: "ignored".into(),
+            },
+            step(1, 3.0),
+            step(2, 2.5),
+            Event::Eval {
+                step: 2,
+                loss: 2.7,
+                perplexity: 2.7f64.exp(),
+                tokens: 10,
+            },
+            // Resumed from the checkpoint of step 1: step 2 again.
+            step(2, 2.4),
+        ];
+        let curves = RunCurves::from_events(&events);
+        assert_eq!(curves.loss, [(1, 3.0), (2, 2.4)]);
+        assert_eq!(curves.lr, [(1, 1e-3), (2, 1e-3)]);
+        assert_eq!(curves.tokens_per_sec, [(1, 100.0), (2, 200.0)]);
+        assert_eq!(curves.eval_loss, [(2, 2.7)]);
+        assert_eq!(curves.trained_tokens, 128);
     }
 }

@@ -8,6 +8,7 @@
 //! - [`TrainingRun`] is the same loop, synchronously: `TrainingRun::new(config)?` then
 //!   `.step()` until `.is_done()`; tests and the CLI use it.
 
+pub mod apply_plan;
 pub mod checkpoint;
 pub mod config;
 pub mod divergence;
@@ -24,6 +25,7 @@ pub mod placement;
 pub mod plan_adapter;
 pub mod precision;
 pub mod preference;
+pub mod render;
 pub mod resume_changes;
 pub mod samples;
 pub mod schedule;
@@ -32,6 +34,7 @@ pub mod step;
 pub mod trainer;
 pub mod validate;
 
+pub use apply_plan::{apply_fix, apply_plan_request};
 pub use checkpoint::{existing_run, latest_checkpoint, list_checkpoints, TrainerState};
 pub use config::{
     CheckpointSection, DevicesSection, DpoLoss, EvalSection, InitMode, LoraSection, ModelDtype,
@@ -51,6 +54,7 @@ pub use plan_adapter::{
     read_run_config_leniently,
 };
 pub use precision::{LossScaler, Precision, UnknownPrecision};
+pub use render::{dispatch, EventRenderer};
 pub use schedule::{LrSchedule, ScheduleKind};
 pub use step::{EvalResult, StepGradients, StepOutcome, TrainingRun};
 pub use trainer::{Trainer, TrainerHandle, TrainerOptions, Waker};

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::config::RunConfig;
 use super::error::{Phase, TrainError};
-use crate::plan::PlanRequest;
+use crate::plan::Change;
 
 /// Test switch: `STEP:PHASE` (`forward`, `backward` or `optimizer`) makes that step fail
 /// once per process with an out-of-memory error, before anything of the step is applied.
@@ -97,8 +97,9 @@ pub struct OomRefit {
 
 /// Fits `config` to a device that ran out at the plan's predicted peak: every device is
 /// planned with at most [`REFIT_CAPACITY_FRACTION`] of that peak, and auto-fit searches
-/// settings that keep the effective batch. Changes a checkpoint could not resume into
-/// (precision, LoRA) are refused with the reason.
+/// settings that keep the effective batch, written into the config by the one edit
+/// ([`super::apply_plan_request`]). Changes a checkpoint could not resume into (precision,
+/// LoRA, QLoRA) are refused with the reason.
 pub fn refit_after_oom(config: &RunConfig) -> Result<OomRefit, String> {
     let req = super::plan_adapter::local_plan_request(config).map_err(|e| e.to_string())?;
     let plan = crate::plan::plan(&req).map_err(|e| e.to_string())?;
@@ -111,28 +112,38 @@ pub fn refit_after_oom(config: &RunConfig) -> Result<OomRefit, String> {
     if !fit.found {
         return Err("no settings with the same effective batch fit what the device held; lower data.max_length or train LoRA".into());
     }
-    if fit.request.precision != req.precision || fit.request.lora != req.lora {
+    let refused: Vec<String> = fit
+        .steps
+        .iter()
+        .filter(|c| !resumes_into(c))
+        .map(|c| c.describe(&req))
+        .collect();
+    if !refused.is_empty() {
         return Err(format!(
-            "only a change of precision or LoRA would fit ({}); a checkpoint cannot resume into it: start a new run with those settings",
+            "only a change a checkpoint cannot resume into would fit ({}); start a new run with those settings ({})",
+            refused.join("; "),
             fit.changes.join("; ")
         ));
     }
     let mut fitted = config.clone();
-    apply_resumable(&mut fitted, &fit.request);
+    super::apply_plan::apply_plan_request(&mut fitted, &fit.request);
     Ok(OomRefit {
         config: fitted,
         changes: fit.changes,
     })
 }
 
-/// The settings of `req` a checkpoint resumes into, written into `config`.
-fn apply_resumable(config: &mut RunConfig, req: &PlanRequest) {
-    let t = &mut config.training;
-    t.micro_batch = req.micro_batch;
-    t.gradient_accumulation = req.gradient_accumulation;
-    t.activation_checkpointing = req.activation_checkpointing;
-    if req.optimizer_offload {
-        t.optimizer_offload = crate::model::OptimizerOffload::Host;
+/// Whether a checkpoint resumes into the run after `change`: what is trained (precision,
+/// LoRA and its quantized base, the rows' length) must stay; how a step is laid out may
+/// change, and so may a DPO run's reference (a precomputed one is recomputed from the
+/// starting weights before the checkpoint is loaded: the same numbers).
+fn resumes_into(change: &Change) -> bool {
+    match change {
+        Change::Strategy(_)
+        | Change::ActivationCheckpointing
+        | Change::MicroBatch { .. }
+        | Change::OptimizerOffload
+        | Change::Reference(_) => true,
+        Change::Precision(_) | Change::Lora(_) | Change::Quantize(_) | Change::SeqLen(_) => false,
     }
-    config.devices.strategy = req.strategy;
 }

@@ -165,7 +165,10 @@ fn open_device(index: usize, entry: &str, count: usize) -> Result<LogicalDevice,
                 })?
                 .candle
         }
-        _ => super::step::parse_device(name)?,
+        _ => crate::devices::parse_device(name).map_err(|e| TrainError::Device {
+            device: e.device,
+            message: e.message,
+        })?,
     };
     Ok(LogicalDevice {
         index,

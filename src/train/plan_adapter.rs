@@ -77,21 +77,12 @@ pub fn plan_request(
     } else {
         HeadLoss::Chunked
     };
-    let (micro_batch, seq_len) = if t.method.is_preference() {
-        let p = &config.preference;
-        (
-            2 * t.micro_batch,
-            p.max_prompt_length + p.max_completion_length,
-        )
-    } else {
-        (t.micro_batch, config.data.max_length)
-    };
     PlanRequest {
         model,
         precision: t.precision,
-        micro_batch,
+        micro_batch: rows_per_sample(config) * t.micro_batch,
         gradient_accumulation: t.gradient_accumulation,
-        seq_len,
+        seq_len: planned_seq_len(config),
         activation_checkpointing: t.activation_checkpointing,
         optimizer_offload: t.optimizer_offload == OptimizerOffload::Host,
         lora,
@@ -107,10 +98,31 @@ pub fn plan_request(
     }
 }
 
+/// Rows a sample puts in a micro-batch: a preference pair's chosen and rejected run as one
+/// batch (2), an SFT sample is one row. `micro_batch` counts samples; the request, rows.
+pub(crate) fn rows_per_sample(config: &RunConfig) -> usize {
+    if config.training.method.is_preference() {
+        2
+    } else {
+        1
+    }
+}
+
+/// Tokens a row is cut at: `[data] max_length`, or for a preference pair its prompt plus
+/// completion lengths (`[preference] max_prompt_length + max_completion_length`).
+pub(crate) fn planned_seq_len(config: &RunConfig) -> usize {
+    if config.training.method.is_preference() {
+        let p = &config.preference;
+        p.max_prompt_length + p.max_completion_length
+    } else {
+        config.data.max_length
+    }
+}
+
 /// The reference a DPO run holds or runs during its steps ([`crate::plan::ReferencePlan`]):
 /// `[preference] reference` as the trainer resolves it (`train::preference::ReferenceSource`;
 /// `auto` is precomputed, ORPO has none).
-fn plan_reference(config: &RunConfig) -> crate::plan::ReferencePlan {
+pub(crate) fn plan_reference(config: &RunConfig) -> crate::plan::ReferencePlan {
     use super::preference::ReferenceSource;
     if !config.training.method.is_preference() {
         return crate::plan::ReferencePlan::Stored;
@@ -141,7 +153,7 @@ pub fn process_inputs(config: &RunConfig) -> crate::plan::ProcessInputs {
             base.join(p)
         }
     };
-    let model_dir = plan::model_config_path(config.model.source.trim(), base)
+    let model_dir = crate::model::model_config_path(config.model.source.trim(), base)
         .ok()
         .and_then(|c| c.parent().map(Path::to_path_buf));
     let tokenizer_file_bytes = model_dir
@@ -211,7 +223,7 @@ pub fn plan_model(config: &RunConfig) -> Result<ModelConfig, PlanError> {
     } else {
         config.base_dir.as_path()
     };
-    Ok(ModelConfig::from_file(&plan::model_config_path(
+    Ok(ModelConfig::from_file(&crate::model::model_config_path(
         source, base,
     )?)?)
 }
@@ -224,7 +236,11 @@ pub fn plan_devices(
     config: &RunConfig,
     gpu_capacity: &dyn Fn(usize) -> Option<u64>,
 ) -> Result<Vec<DeviceSpec>, PlanError> {
-    plan::parse_devices_with(&config.devices.devices.join(","), gpu_capacity)
+    let machine = plan::MachineMemory {
+        host_bytes: crate::devices::host_memory_bytes(),
+        gpu_bytes: gpu_capacity,
+    };
+    plan::parse_devices_with(&config.devices.devices.join(","), &machine)
 }
 
 /// [`plan_request`] for this machine: the model read from disk ([`plan_model`]) and the devices

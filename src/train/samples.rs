@@ -9,6 +9,16 @@ use crate::data::{CollateOptions, TokenizerBundle};
 use super::config::RunConfig;
 use super::error::TrainError;
 
+/// The run's model folder, its `config.json` and whether it has weights, without reading them
+/// ([`crate::model::locate_model`] with the run config's source).
+pub(crate) fn locate_model(config: &RunConfig) -> Result<crate::model::ModelLocation, TrainError> {
+    let source = config.model_source();
+    crate::model::locate_model(&source).map_err(|cause| TrainError::Model {
+        context: format!("cannot find the model `{source}` (model.source)"),
+        cause,
+    })
+}
+
 /// A tokenised, labelled sample.
 pub type Sample = crate::data::TokenizedSample;
 
@@ -157,8 +167,7 @@ pub fn settings_context(
 pub fn trained_tokens(
     config: &RunConfig,
 ) -> Result<Option<crate::plan::TrainedTokens>, TrainError> {
-    let (model_dir, _, _) = super::step::locate_model(config)?;
-    let tok = load_tokenizer(&model_dir)?;
+    let tok = load_tokenizer(&locate_model(config)?.dir)?;
     if config.training.method.is_preference() {
         let pairs = super::preference::load_pair_splits(config, &tok)?;
         return Ok(Some(pair_trained_tokens(config, &pairs.train)));

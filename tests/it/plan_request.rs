@@ -743,3 +743,208 @@ fn the_cli_reading_and_the_trainer_make_the_same_request() {
 fn json<T: serde::Serialize>(value: &T) -> serde_json::Value {
     serde_json::to_value(value).unwrap()
 }
+
+/// Every kind of fix, with the values the planner proposes (and the others a front end may
+/// write), for the config `req` was made from. The match in `kind` makes a new kind of fix
+/// fail to compile here until it is listed.
+fn every_change(
+    config: &RunConfig,
+    req: &tunestudio::plan::PlanRequest,
+) -> Vec<tunestudio::plan::Change> {
+    use tunestudio::plan::{Change, HeadLoss, LoraSpec, ReferencePlan};
+    let rows = if req.head_loss == HeadLoss::FullLogits {
+        2
+    } else {
+        1
+    };
+    let mut out: Vec<Change> = DeviceStrategy::ALL
+        .iter()
+        .map(|s| Change::Strategy(*s))
+        .collect();
+    out.extend(Precision::ALL.iter().map(|p| Change::Precision(*p)));
+    out.push(Change::ActivationCheckpointing);
+    out.push(Change::MicroBatch {
+        micro_batch: rows,
+        gradient_accumulation: req.gradient_accumulation * (req.micro_batch / rows),
+    });
+    out.push(Change::Lora(LoraSpec::all_linear(16)));
+    out.push(Change::SeqLen((req.seq_len / 2).max(2)));
+    out.push(Change::OptimizerOffload);
+    out.extend([Quantization::Q4K, Quantization::Q8_0].map(Change::Quantize));
+    // A reference is a DPO run's only (SFT and ORPO have none to switch).
+    if config.training.method == TrainingMethod::Dpo {
+        out.push(Change::Reference(ReferencePlan::Stored));
+        out.push(Change::Reference(if req.lora.is_some() {
+            ReferencePlan::AdapterDisabled
+        } else {
+            ReferencePlan::Copy
+        }));
+    }
+    let kinds: BTreeSet<usize> = out.iter().map(kind).collect();
+    let expected = if config.training.method == TrainingMethod::Dpo {
+        9
+    } else {
+        8
+    };
+    assert_eq!(kinds.len(), expected, "every kind of fix is listed");
+    out
+}
+
+fn kind(c: &tunestudio::plan::Change) -> usize {
+    use tunestudio::plan::Change;
+    match c {
+        Change::Strategy(_) => 0,
+        Change::Precision(_) => 1,
+        Change::ActivationCheckpointing => 2,
+        Change::MicroBatch { .. } => 3,
+        Change::Lora(_) => 4,
+        Change::SeqLen(_) => 5,
+        Change::OptimizerOffload => 6,
+        Change::Quantize(_) => 7,
+        Change::Reference(_) => 8,
+    }
+}
+
+/// The one edit back (issue #39 item 3): for random configs (SFT, DPO with each reference,
+/// ORPO) and every kind of fix, the fix written into the run config
+/// (`train::apply_fix`) plans as the fix itself, and adds no problem of the settings it writes
+/// (LoRA with a `copy` reference, a quantized base without LoRA, a dtype against the
+/// precision).
+#[test]
+fn every_fix_written_into_the_run_config_plans_as_the_fix() {
+    let methods = (0..4usize, any::<bool>(), any::<bool>());
+    let mut runner = TestRunner::new(Config {
+        cases: 32,
+        ..Config::default()
+    });
+    runner
+        .run(
+            &(arb_config(), methods),
+            |(mut config, (method, q8, f32_dtype))| {
+                config.training.method = [
+                    TrainingMethod::Sft,
+                    TrainingMethod::Dpo,
+                    TrainingMethod::Orpo,
+                ][method % 3];
+                config.preference.reference = match (method, config.lora.enabled) {
+                    (3, _) => ReferenceMode::Auto,
+                    (_, true) => ReferenceMode::AdapterDisabled,
+                    (_, false) => ReferenceMode::Copy,
+                };
+                if q8 && config.lora.enabled {
+                    config.model.quantize = Quantization::Q8_0;
+                }
+                if f32_dtype {
+                    config.training.precision = Precision::Fp32;
+                    config.model.dtype = ModelDtype::F32;
+                }
+                let req = train::local_plan_request(&config).expect("the config plans");
+                let guarded = ["preference.reference", "model.quantize", "model.dtype"];
+                let problems = |c: &RunConfig| -> BTreeSet<String> {
+                    c.validate()
+                        .into_iter()
+                        .map(|p| p.field)
+                        .filter(|f| guarded.contains(&f.as_str()))
+                        .collect()
+                };
+                let before = problems(&config);
+                for change in every_change(&config, &req) {
+                    let expected = change.apply(&req);
+                    let mut edited = config.clone();
+                    train::apply_fix(&mut edited, &req, &change);
+                    let planned =
+                        train::local_plan_request(&edited).expect("the edited config plans");
+                    prop_assert_eq!(
+                        &planned,
+                        &expected,
+                        "{:?} written into the run config",
+                        change
+                    );
+                    let added: Vec<String> =
+                        problems(&edited).difference(&before).cloned().collect();
+                    prop_assert!(added.is_empty(), "{:?} added {:?}", change, added);
+                }
+                Ok(())
+            },
+        )
+        .unwrap();
+}
+
+/// Issue #40's ranked fix: a DPO full fine-tune with a frozen `copy` as its reference that
+/// does not fit, on a device where the same run with a precomputed reference does. The plan
+/// ranks the switch as a fix that fits alone, `tunestudio plan --config` shows it, auto-fit
+/// makes it (and nothing that changes what is learned), and the run config it edits plans to
+/// fit.
+#[test]
+fn auto_fit_switches_a_dpo_copy_reference_to_precomputed() {
+    use tunestudio::plan::{Change, ReferencePlan};
+    let mut config = RunConfig::default();
+    config.model.source = model_source(0);
+    config.training.method = TrainingMethod::Dpo;
+    config.training.activation_checkpointing = true;
+    config.preference.reference = ReferenceMode::Copy;
+    config.preference.max_prompt_length = 128;
+    config.preference.max_completion_length = 128;
+    let peak = |c: &RunConfig| {
+        let p = tunestudio::plan::plan(&train::local_plan_request(c).unwrap()).unwrap();
+        p.per_device[0].peak_bytes
+    };
+    config.devices.devices = vec!["cuda:0=80GiB".into()];
+    let mut precomputed = config.clone();
+    precomputed.preference.reference = ReferenceMode::Precomputed;
+    let (copy_peak, stored_peak) = (peak(&config), peak(&precomputed));
+    assert!(stored_peak < copy_peak, "{stored_peak} vs {copy_peak}");
+    // Room for the precomputed run with 7 % headroom, short of the copy.
+    let capacity_mib = (stored_peak as f64 / 0.93 / (1 << 20) as f64).ceil() as u64;
+    assert!(capacity_mib << 20 < copy_peak, "the copy must not fit");
+    config.devices.devices = vec![format!("cuda:0={capacity_mib}MiB")];
+
+    let req = train::local_plan_request(&config).unwrap();
+    let plan = tunestudio::plan::plan(&req).unwrap();
+    assert!(!plan.fits());
+    let fix = plan
+        .fixes
+        .iter()
+        .find(|f| f.change == Change::Reference(ReferencePlan::Stored))
+        .unwrap_or_else(|| panic!("no reference fix in {:#?}", plan.fixes));
+    assert!(fix.fits_alone, "{}", fix.description);
+    assert!(
+        fix.description.contains("precomputed"),
+        "{}",
+        fix.description
+    );
+
+    let fit = tunestudio::plan::auto_fit(&req).unwrap();
+    assert!(fit.found, "{:?}", fit.changes);
+    assert!(
+        fit.steps
+            .contains(&Change::Reference(ReferencePlan::Stored)),
+        "{:?}",
+        fit.changes
+    );
+    assert_eq!(fit.request.lora, None, "{:?}", fit.changes);
+    assert_eq!(fit.request.precision, req.precision, "{:?}", fit.changes);
+    let mut edited = config.clone();
+    train::apply_plan_request(&mut edited, &fit.request);
+    assert_eq!(edited.preference.reference, ReferenceMode::Precomputed);
+    let replanned = train::local_plan_request(&edited).unwrap();
+    assert_eq!(replanned, fit.request);
+    assert!(tunestudio::plan::plan(&replanned).unwrap().fits());
+
+    // `tunestudio plan --config` lists the fix with the key it sets.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("run.toml");
+    std::fs::write(&path, config.to_toml_string().unwrap()).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tunestudio"))
+        .args(["plan", "--config"])
+        .arg(&path)
+        .env_remove("TUNESTUDIO_OPS")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(2), "{stdout}");
+    assert!(
+        stdout.contains("preference.reference = \"precomputed\""),
+        "{stdout}"
+    );
+}

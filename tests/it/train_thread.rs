@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use train_common::*;
+use tunestudio::train::render::{self, dispatch, EventRenderer};
 use tunestudio::train::{read_metrics, Command, Event, FinishReason, Trainer, TrainerHandle};
 
 fn next(h: &TrainerHandle, timeout_secs: u64) -> Event {
@@ -252,5 +253,135 @@ fn a_run_predicted_to_exhaust_host_memory_is_refused() {
     assert!(
         started.elapsed() < Duration::from_secs(30),
         "the model was loaded before the check"
+    );
+}
+
+/// Records which [`EventRenderer`] method each event reached, with its step where it has one.
+#[derive(Default)]
+struct Recorder {
+    seen: Vec<String>,
+}
+
+impl Recorder {
+    fn saw(&mut self, kind: &str, step: Option<u64>) {
+        self.seen
+            .push(step.map_or(kind.to_string(), |s| format!("{kind}{s}")));
+    }
+}
+
+impl EventRenderer for Recorder {
+    fn status(&mut self, _: &str) {
+        self.saw("status", None);
+    }
+    fn started(&mut self, e: render::Started<'_>) {
+        self.saw("started", Some(e.start_step));
+    }
+    fn step(&mut self, e: render::Step<'_>) {
+        self.saw("step", Some(e.step));
+    }
+    fn eval(&mut self, e: render::Eval) {
+        self.saw("eval", Some(e.step));
+    }
+    fn memory(&mut self, e: render::Memory<'_>) {
+        self.saw("memory", Some(e.step));
+    }
+    fn checkpoint_saved(&mut self, step: u64, _: &std::path::Path) {
+        self.saw("checkpoint_saved", Some(step));
+    }
+    fn paused(&mut self, step: u64) {
+        self.saw("paused", Some(step));
+    }
+    fn resumed(&mut self, step: u64) {
+        self.saw("resumed", Some(step));
+    }
+    fn divergence(&mut self, e: render::Divergence) {
+        self.saw("divergence", Some(e.step));
+    }
+    fn warning(&mut self, _: &str) {
+        self.saw("warning", None);
+    }
+    fn error(&mut self, e: render::ErrorReport<'_>) {
+        self.saw("error", e.step);
+    }
+    fn lints_blocked(&mut self, _: &[tunestudio::train::LintFinding]) {
+        self.saw("lints_blocked", None);
+    }
+    fn out_of_memory(&mut self, e: render::OutOfMemory<'_>) {
+        self.saw("out_of_memory", Some(e.step));
+    }
+    fn lint_allowed(&mut self, _: &tunestudio::train::LintFinding) {
+        self.saw("lint_allowed", None);
+    }
+    fn finished(&mut self, e: render::Finished<'_>) {
+        self.saw("finished", Some(e.step));
+    }
+}
+
+/// The step an event carries, as the recorder notes it.
+fn step_of(e: &Event) -> Option<u64> {
+    match e {
+        Event::Started { start_step, .. } => Some(*start_step),
+        Event::Step { step, .. }
+        | Event::Eval { step, .. }
+        | Event::Memory { step, .. }
+        | Event::CheckpointSaved { step, .. }
+        | Event::Paused { step }
+        | Event::Resumed { step }
+        | Event::Divergence { step, .. }
+        | Event::OutOfMemory { step, .. }
+        | Event::Finished { step, .. } => Some(*step),
+        Event::Error { step, .. } => *step,
+        _ => None,
+    }
+}
+
+/// `dispatch` hands a renderer every event of a real run, in order, each to the method of its
+/// kind with its fields.
+#[test]
+fn a_renderer_sees_every_event_of_a_run_in_order() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = tiny_config(tmp.path(), 3);
+    c.training.micro_batch = 2;
+    c.data.validation_ratio = 0.01;
+    c.eval.eval_every = 2;
+    c.eval.max_batches = 1;
+    c.checkpoint.save_final = true;
+    let h = Trainer::spawn(c, None);
+    assert!(h.send(Command::Start));
+    let mut all = Vec::new();
+    let mut recorder = Recorder::default();
+    loop {
+        let e = next(&h, 120);
+        dispatch(&e, &mut recorder);
+        all.push(e.clone());
+        if matches!(e, Event::Finished { .. }) {
+            break;
+        }
+    }
+    h.join();
+    let expected: Vec<String> = all
+        .iter()
+        .map(|e| step_of(e).map_or(e.kind().to_string(), |s| format!("{}{s}", e.kind())))
+        .collect();
+    assert_eq!(recorder.seen, expected);
+    let milestones: Vec<&str> = recorder
+        .seen
+        .iter()
+        .map(String::as_str)
+        .filter(|k| !k.starts_with("status") && !k.starts_with("memory"))
+        .filter(|k| !k.starts_with("warning") && !k.starts_with("lint_allowed"))
+        .collect();
+    assert_eq!(
+        milestones,
+        [
+            "started0",
+            "step1",
+            "step2",
+            "eval2",
+            "step3",
+            "eval3",
+            "checkpoint_saved3",
+            "finished3"
+        ]
     );
 }

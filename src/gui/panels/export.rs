@@ -7,10 +7,101 @@ use std::sync::atomic::Ordering;
 use eframe::egui::{self, RichText, Ui};
 
 use crate::gui::app::Action;
+use crate::gui::error::JobError;
 use crate::gui::jobs::PickTarget;
-use crate::gui::state::{AppState, ExportDtype, ExportKind};
+use crate::gui::state::AppState;
 use crate::gui::theme;
 use tunestudio::gguf::GgufQuant;
+
+/// What to export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExportKind {
+    /// The LoRA adapter (PEFT layout).
+    Adapter,
+    /// Base + adapter merged into a full HF model.
+    Merged,
+    /// The full fine-tuned model.
+    Full,
+    /// One GGUF file (adapter merged) for llama.cpp / Ollama, with a Modelfile.
+    Gguf,
+}
+
+/// How far a GGUF export is: bytes written and the file's size, written by the export's
+/// thread and read by the panel each frame (no message per tensor).
+#[derive(Debug, Default)]
+pub struct ExportProgressCell {
+    /// Bytes written so far.
+    pub done_bytes: std::sync::atomic::AtomicU64,
+    /// The file's size (0 until the plan is known).
+    pub total_bytes: std::sync::atomic::AtomicU64,
+}
+
+/// Export dtype choices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExportDtype {
+    /// 32-bit float.
+    F32,
+    /// bfloat16.
+    Bf16,
+    /// IEEE half.
+    F16,
+}
+
+impl ExportDtype {
+    /// The candle dtype.
+    pub fn to_dtype(self) -> candle_core::DType {
+        match self {
+            ExportDtype::F32 => candle_core::DType::F32,
+            ExportDtype::Bf16 => candle_core::DType::BF16,
+            ExportDtype::F16 => candle_core::DType::F16,
+        }
+    }
+}
+
+/// The Export panel.
+#[derive(Debug)]
+pub struct ExportState {
+    /// What to export.
+    pub kind: ExportKind,
+    /// Weights dtype of merged/full exports.
+    pub dtype: ExportDtype,
+    /// The GGUF file type.
+    pub gguf_quant: tunestudio::gguf::GgufQuant,
+    /// Overwrite an existing GGUF file.
+    pub replace: bool,
+    /// Progress of the GGUF export in flight.
+    pub progress: std::sync::Arc<ExportProgressCell>,
+    /// The checkpoint to export (defaults to the run's last).
+    pub checkpoint: String,
+    /// Destination folder.
+    pub destination: String,
+    /// Export in flight.
+    pub running: bool,
+    /// The last export's result.
+    pub result: Option<Result<PathBuf, JobError>>,
+    /// Where the run config is saved.
+    pub config_path: String,
+    /// The last save/load message.
+    pub config_message: Option<Result<String, String>>,
+}
+
+impl Default for ExportState {
+    fn default() -> Self {
+        ExportState {
+            kind: ExportKind::Adapter,
+            dtype: ExportDtype::Bf16,
+            gguf_quant: tunestudio::gguf::GgufQuant::Q4KM,
+            replace: false,
+            progress: Default::default(),
+            checkpoint: String::new(),
+            destination: String::new(),
+            running: false,
+            result: None,
+            config_path: String::new(),
+            config_message: None,
+        }
+    }
+}
 
 /// The command that reproduces the run headless.
 pub fn cli_command(config_path: &str) -> String {

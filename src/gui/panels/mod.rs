@@ -6,8 +6,6 @@ pub mod dataset;
 pub mod devices;
 pub mod export;
 pub mod model;
-/// Part of the Preview panel: preference pairs, a panel struct that owns its state.
-pub mod pairs;
 pub mod preview;
 pub mod run;
 pub mod training;

@@ -23,8 +23,9 @@ use half::bf16;
 
 /// Rows of the kernel's tile.
 const MR: usize = 12;
-/// Columns of the kernel's tile (two 16-lane vectors).
-const NR: usize = 32;
+/// Columns of the kernel's tile (two 16-lane vectors); the AMX kernel's right-operand panels
+/// are the same (`amx_gemm`).
+pub(super) const NR: usize = 32;
 /// Inner-dimension length of one packed block (a multiple of 2): one kernel call reads
 /// `KC / 2 · NR · 4` = 16 KiB of the right operand, which stays in the 32 KiB L1 while the
 /// kernel walks down the left operand's panels.
@@ -41,6 +42,8 @@ pub(crate) trait PackElem: Copy + Send + Sync {
     const IS_F32: bool;
     /// The bf16 bits of this value (rounded to nearest even).
     fn bf16_bits(self) -> u16;
+    /// The values as `f32` (borrowed for `f32`, widened for bf16): the f32 path's operands.
+    fn as_f32(data: &[Self]) -> std::borrow::Cow<'_, [f32]>;
 }
 
 impl PackElem for f32 {
@@ -49,6 +52,9 @@ impl PackElem for f32 {
     fn bf16_bits(self) -> u16 {
         f32_to_bf16(self).to_bits()
     }
+    fn as_f32(data: &[Self]) -> std::borrow::Cow<'_, [f32]> {
+        std::borrow::Cow::Borrowed(data)
+    }
 }
 
 impl PackElem for bf16 {
@@ -56,6 +62,9 @@ impl PackElem for bf16 {
     #[inline(always)]
     fn bf16_bits(self) -> u16 {
         self.to_bits()
+    }
+    fn as_f32(data: &[Self]) -> std::borrow::Cow<'_, [f32]> {
+        std::borrow::Cow::Owned(super::simd::widen_par(data))
     }
 }
 
@@ -201,7 +210,7 @@ unsafe fn gemm_block<A: PackElem, B: PackElem>(
         };
         for k0 in (0..k).step_by(KC) {
             let kc = KC.min(k - k0);
-            pack_rhs(&mut packed_b, rhs_block, k0, kc);
+            pack_rhs(&mut packed_b, rhs_block, (k0, kc), kc.div_ceil(2));
             let overwrite = k0 == 0 && !accumulate;
             for m0 in (0..m).step_by(MC) {
                 let mc = MC.min(m - m0);
@@ -329,24 +338,32 @@ unsafe fn col_pair<T: PackElem>(m: &MatRef<'_, T>, r: usize, c0: usize, end: usi
     pair(bits_at(m, r, c0), hi)
 }
 
-/// Packs rows `k0 .. k0 + kc` of `rhs` into panels of [`NR`] columns: panel `jp`, pair `p`,
-/// column `j` holds `(rhs[k0 + 2p][jp·NR + j], rhs[k0 + 2p + 1][jp·NR + j])`, zero past the
-/// matrix (an odd last row pairs with zero). The loop runs along whichever direction the
-/// view is contiguous in (columns of a row-major matrix, rows of a transposed one).
+/// Packs rows `k0 .. k0 + kc` of `rhs` into panels of [`NR`] columns and `panel_pairs`
+/// (≥ `kc / 2`, rounded up) pairs of rows: panel `jp`, pair `p`, column `j` holds
+/// `(rhs[k0 + 2p][jp·NR + j], rhs[k0 + 2p + 1][jp·NR + j])`, zero past the matrix (an odd last
+/// row pairs with zero, and pairs past `kc` are zero). The loop runs along whichever direction
+/// the view is contiguous in (columns of a row-major matrix, rows of a transposed one).
 ///
 /// # Safety
-/// `rhs` passed [`MatRef::check`] and `k0 + kc ≤ rhs.rows`; `packed` holds every panel.
+/// `rhs` passed [`MatRef::check`] and `k0 + kc ≤ rhs.rows`; `packed` holds every panel; the
+/// caller's CPU has AVX512-BF16 and BW (the SIMD panels are inlined into it).
 #[inline(always)]
-unsafe fn pack_rhs<B: PackElem>(packed: &mut [u32], rhs: MatRef<'_, B>, k0: usize, kc: usize) {
+pub(super) unsafe fn pack_rhs<B: PackElem>(
+    packed: &mut [u32],
+    rhs: MatRef<'_, B>,
+    (k0, kc): (usize, usize),
+    panel_pairs: usize,
+) {
     let pairs = kc.div_ceil(2);
     let (n, end) = (rhs.cols, k0 + kc);
     for (jp, panel) in packed
-        .chunks_exact_mut(pairs * NR)
+        .chunks_exact_mut(panel_pairs * NR)
         .take(n.div_ceil(NR))
         .enumerate()
     {
         let j0 = jp * NR;
         let cols = NR.min(n - j0);
+        panel[pairs * NR..].fill(0);
         if cols == NR && simd_pack::rhs_panel(panel, &rhs, (k0, kc), j0) {
             continue;
         }

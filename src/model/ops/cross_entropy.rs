@@ -1,7 +1,7 @@
 //! Cross-entropy losses with backward: on logits (`cross_entropy_rows`) and fused with the lm-head
 //! projection so the full `[n, vocab]` logits never exist at once (`linear_cross_entropy`).
 
-use super::bf16_gemm;
+use super::kernel_path;
 use super::matmul::{sgemm, sgemm_new, MatRef};
 use super::simd::narrow_par;
 use super::{
@@ -263,11 +263,11 @@ pub(crate) fn linear_cross_entropy_with_sink(
     let sink = sink.filter(|_| row_major);
     let weight_dtype = weight.dtype();
     let hidden = hidden.to_dtype(DType::F32)?.contiguous()?;
-    // A bf16 head is multiplied as it is where the CPU has bf16 dot products, when its
-    // gradient goes to the sink (or it has none); otherwise the head is cast on every thread
-    // (see `cast`).
+    // A bf16 head is multiplied as it is where a bf16 kernel is this CPU's fastest path
+    // (`kernel_path`), when its gradient goes to the sink (or it has none); otherwise the head
+    // is cast on every thread (see `cast`).
     let bf16_head = weight_dtype == DType::BF16
-        && bf16_gemm::available()
+        && kernel_path::bf16_products()
         && row_major
         && (sink.is_some() || !weight.track_op());
     let mut weight = if bf16_head {
@@ -316,7 +316,7 @@ struct LinearCrossEntropy {
     /// Where the weight gradient goes instead of the graph (see `linear_cross_entropy_with_sink`).
     sink: Option<WeightGradSink>,
     /// The dtype of the weight the caller passed (the op computes on its f32 cast, or on the
-    /// bf16 weight itself on the bf16 dot-product path).
+    /// bf16 weight itself on a bf16 kernel's path).
     weight_dtype: DType,
 }
 
@@ -343,8 +343,8 @@ fn weight_view<'a, T>(data: &'a [T], layout: &Layout) -> Result<MatRef<'a, T>> {
     })
 }
 
-/// The lm-head weight the op multiplies: `f32`, or bf16 on a CPU with the bf16 dot-product
-/// instruction (the products round their other operand to bf16, as autocast does).
+/// The lm-head weight the op multiplies: `f32`, or bf16 where a bf16 kernel is the chosen path
+/// (`kernel_path`; the products round their other operand to bf16, as autocast does).
 #[derive(Clone, Copy)]
 enum Head<'a> {
     F32(MatRef<'a>),
@@ -373,7 +373,7 @@ impl<'a> Head<'a> {
         let hm = MatRef::row_major(hc, c, h);
         match self {
             Head::F32(w) => sgemm_new(hm, w.t()),
-            Head::Bf16(w) => bf16_gemm::bf16_gemm_new(hm, w.t()),
+            Head::Bf16(w) => kernel_path::gemm_new(hm, w.t()),
         }
     }
 
@@ -381,7 +381,7 @@ impl<'a> Head<'a> {
     fn input_grad(self, dst: &mut [f32], h: usize, d: MatRef<'_>) -> Result<()> {
         match self {
             Head::F32(w) => sgemm(dst, h, 1, false, d, w),
-            Head::Bf16(w) => bf16_gemm::bf16_gemm(dst, h, false, d, w),
+            Head::Bf16(w) => kernel_path::gemm(dst, h, false, d, w),
         }
     }
 
@@ -389,7 +389,7 @@ impl<'a> Head<'a> {
     fn new_weight_grad(self, d: MatRef<'_>, hm: MatRef<'_>) -> Result<Vec<f32>> {
         match self {
             Head::F32(_) => sgemm_new(d.t(), hm),
-            Head::Bf16(_) => bf16_gemm::bf16_gemm_new(d.t(), hm),
+            Head::Bf16(_) => kernel_path::gemm_new(d.t(), hm),
         }
     }
 
@@ -404,7 +404,7 @@ impl<'a> Head<'a> {
         hm: MatRef<'_>,
     ) -> Result<()> {
         match self {
-            Head::Bf16(_) if cs == 1 => bf16_gemm::bf16_gemm(gw, rs, accumulate, d.t(), hm),
+            Head::Bf16(_) if cs == 1 => kernel_path::gemm(gw, rs, accumulate, d.t(), hm),
             _ => sgemm(gw, rs, cs, accumulate, d.t(), hm),
         }
     }

@@ -12,12 +12,14 @@
 //! - falls back to a composite of differentiable candle ops ([`composite`]) on non-CPU devices
 //!   and for other dtypes, so callers never need a device check of their own.
 
+pub(crate) mod amx_gemm;
 pub(crate) mod bf16_gemm;
 mod cast;
 pub mod composite;
 mod cross_entropy;
 mod frozen_linear;
 pub(crate) mod generic;
+pub mod kernel_path;
 pub(crate) mod matmul;
 pub(crate) mod rms_norm;
 mod rope;

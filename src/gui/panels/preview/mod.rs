@@ -12,6 +12,9 @@ use crate::gui::state::AppState;
 use crate::gui::text;
 use crate::gui::theme;
 
+/// Preference pairs: the Preview's view of DPO / ORPO data, a struct that owns its state.
+pub mod pairs;
+
 /// At most this many chips per row are drawn (the rest are counted), so a
 /// 32k-token row cannot stall a frame.
 pub(crate) const MAX_CHIPS_PER_ROW: usize = 600;

@@ -15,7 +15,7 @@ use tunestudio::data::preference::{PairPreview, PartPreview, PreferencePreview};
 use tunestudio::data::{RowPreview, SplitName};
 use tunestudio::train::{RunConfig, TrainingMethod};
 
-use super::preview::{lint_list, MAX_CHIPS_PER_ROW};
+use super::{lint_list, MAX_CHIPS_PER_ROW};
 use crate::gui::app::Action;
 use crate::gui::state::Panel;
 use crate::gui::text;

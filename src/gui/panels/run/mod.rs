@@ -8,9 +8,13 @@ use egui_plot::{HLine, Legend, Line, LineStyle, Plot, PlotPoints, Points};
 use tunestudio::train::FinishReason;
 
 use crate::gui::app::Action;
-use crate::gui::jobs::PickTarget;
-use crate::gui::state::{AppState, LogLevel, RunPhase};
+use crate::gui::run_state::{LogLevel, RunPhase};
+use crate::gui::state::AppState;
 use crate::gui::theme;
+
+mod history;
+use history::history;
+pub use history::{HistoryRun, HistoryState};
 
 /// Draws the Run panel.
 pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
@@ -46,7 +50,7 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             match s.plan.plan.clone() {
                 Some(plan) if !plan.fixes.is_empty() => {
                     ui.label(RichText::new("Fixes from the memory plan, best first:").strong());
-                    super::devices::fixes(ui, &plan, actions);
+                    crate::gui::widgets::fixes(ui, &plan, actions);
                 }
                 _ => {
                     ui.horizontal(|ui| {
@@ -165,7 +169,7 @@ fn controls(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     let blocking = blocking_lints(s);
     ui.horizontal(|ui| {
         // A planned machine (not this one) shows its `tunestudio train` command instead.
-        let planning_only = super::devices::planning_only_note(ui, s, actions);
+        let planning_only = crate::gui::widgets::planning_only_note(ui, s, actions);
         let can_start = !s.run.is_active() && blocking.is_empty() && !planning_only;
         let start = ui
             .add_enabled(
@@ -558,78 +562,6 @@ fn log(ui: &mut Ui, s: &AppState) {
                     }
                 });
         });
-}
-
-fn history(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
-    ui.horizontal(|ui| {
-        if ui
-            .small_button("Refresh")
-            .on_hover_text("Re-read metrics.jsonl of known runs")
-            .clicked()
-        {
-            actions.push(Action::RefreshHistory);
-        }
-        if ui.small_button("Add run folder…").clicked() {
-            actions.push(Action::Pick(PickTarget::RunDir));
-        }
-        if s.history.loading {
-            ui.add(egui::Spinner::new().size(12.0));
-        }
-    });
-    if s.history.runs.is_empty() {
-        theme::note(
-            ui,
-            "No finished runs found yet (runs are read from their output folders' metrics.jsonl).",
-        );
-        return;
-    }
-    ui.label(
-        RichText::new("Tick runs to overlay their curves on the loss chart.")
-            .small()
-            .weak(),
-    );
-    for (i, h) in s.history.runs.iter().enumerate() {
-        let mut on = s.history.overlay.contains(&i);
-        let last = h
-            .curves
-            .loss
-            .last()
-            .map(|p| format!("loss {:.4}", p.1))
-            .unwrap_or_default();
-        let eval = h
-            .curves
-            .eval_loss
-            .last()
-            .map(|p| format!(" · eval {:.4}", p.1))
-            .unwrap_or_default();
-        let status = match h.finished {
-            Some(FinishReason::Completed) => "completed",
-            Some(FinishReason::Stopped) => "stopped",
-            Some(FinishReason::Failed) => "failed",
-            Some(FinishReason::Diverged) => "diverged",
-            None => "unfinished",
-        };
-        let r = ui
-            .checkbox(
-                &mut on,
-                format!(
-                    "{} — {} steps, {last}{eval}, {status}",
-                    h.name(),
-                    h.curves.loss.len()
-                ),
-            )
-            .on_hover_text(h.dir.display().to_string());
-        if r.changed() {
-            if on {
-                s.history.overlay.push(i);
-            } else {
-                s.history.overlay.retain(|&x| x != i);
-            }
-        }
-    }
-    if let Some(e) = &s.history.error {
-        theme::note(ui, e);
-    }
 }
 
 #[cfg(test)]

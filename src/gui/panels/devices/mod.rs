@@ -2,17 +2,17 @@
 //! planner's per-device memory prediction for the current settings — with
 //! the verdict, ranked fixes, auto-fit and a measured dry run.
 
-use std::path::PathBuf;
-
 use eframe::egui::{self, Color32, RichText, Sense, Ui};
 
 use tunestudio::devices::DeviceKind;
-use tunestudio::plan::{DevicePlan, Plan, Verdict, GPU_CATALOG};
+use tunestudio::plan::{DevicePlan, Plan, Verdict};
 
 use crate::gui::app::Action;
-use crate::gui::planned::GPU_COUNTS;
 use crate::gui::state::AppState;
 use crate::gui::theme;
+
+mod machine;
+use machine::{planned_machine, which_machine_question};
 
 /// Draws the GPUs & memory panel.
 pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
@@ -47,7 +47,7 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     autofit_and_dry_run(ui, s, actions);
     if !plan.fixes.is_empty() {
         theme::section(ui, "Fixes, best first");
-        fixes(ui, &plan, actions);
+        crate::gui::widgets::fixes(ui, &plan, actions);
     }
     memory_per_block(ui, &plan);
 }
@@ -78,7 +78,7 @@ fn devices_section(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                 )
                 .wrap(),
             );
-            planning_only_note(ui, s, actions);
+            crate::gui::widgets::planning_only_note(ui, s, actions);
         });
     }
 }
@@ -236,166 +236,8 @@ fn plan_for(ui: &mut Ui, s: &mut AppState) {
     }
 }
 
-/// The planned machine's GPU count and model (or custom size).
-fn planned_machine(ui: &mut Ui, s: &mut AppState) {
-    let draft = s.devices.planner.clone();
-    let mut count = draft.count;
-    let mut model = draft.model;
-    let mut custom = draft.custom_size.clone();
-    let mixed = s.planned_machine().filter(|m| m.uniform().is_none());
-    egui::Grid::new("planned-machine")
-        .num_columns(2)
-        .spacing([12.0, 8.0])
-        .show(ui, |ui| {
-            let l = ui.label("GPUs");
-            egui::ComboBox::from_id_salt("planned-count")
-                .selected_text(gpu_count_text(count))
-                .show_ui(ui, |ui| {
-                    for n in GPU_COUNTS {
-                        ui.selectable_value(&mut count, n, gpu_count_text(n));
-                    }
-                })
-                .response
-                .labelled_by(l.id);
-            ui.end_row();
-
-            let l = ui.label("GPU model").on_hover_text(
-                "Memory as the vendor sells it and as the driver reports it; the plan uses the driver's figure.",
-            );
-            let shown = match (&mixed, model) {
-                (Some(_), _) => "as the config lists them".to_string(),
-                (None, Some(m)) => m.name.to_string(),
-                (None, None) => CUSTOM.to_string(),
-            };
-            // Tall enough for the whole catalogue without scrolling.
-            egui::ComboBox::from_id_salt("planned-model")
-                .selected_text(shown)
-                .width(200.0)
-                .height(400.0)
-                .show_ui(ui, |ui| {
-                    for m in &GPU_CATALOG {
-                        ui.selectable_value(&mut model, Some(m), m.name)
-                            .on_hover_text(m.memory_summary());
-                    }
-                    ui.selectable_value(&mut model, None, CUSTOM);
-                })
-                .response
-                .labelled_by(l.id);
-            ui.end_row();
-
-            if model.is_none() {
-                theme::text_row(
-                    ui,
-                    "Memory per GPU",
-                    "Each GPU's total memory as the driver reports it, e.g. 80GiB, 81559MiB or 24GB",
-                    &mut custom,
-                    "80GiB",
-                );
-            }
-        });
-    match (&mixed, model) {
-        (Some(m), _) => theme::note(ui, &format!("The config plans for {}.", m.describe())),
-        (None, Some(m)) => theme::note(ui, &format!("{}: {}.", m.name, m.memory_summary())),
-        (None, None) => {}
-    }
-    let changed = count != draft.count || model != draft.model || custom != draft.custom_size;
-    if changed {
-        let p = &mut s.devices.planner;
-        p.count = count;
-        p.model = model;
-        p.custom_size = custom;
-        // A size that does not read leaves the config on the last machine that did.
-        let _ = s.plan_for_draft();
-    }
-    if let Err(e) = s.devices.planner.size_text() {
-        ui.label(RichText::new(format!("Memory per GPU: {e}")).color(theme::ERROR));
-    }
-}
-
 /// The model picker's entry for a size of one's own.
 const CUSTOM: &str = "Custom size";
-
-fn gpu_count_text(n: usize) -> String {
-    if n == 1 {
-        "1 GPU".into()
-    } else {
-        format!("{n} GPUs")
-    }
-}
-
-/// When the config plans for GPUs this machine has not, shows both and asks which to use.
-fn which_machine_question(ui: &mut Ui, s: &mut AppState) {
-    let Some(m) = s.planned_machine() else {
-        return;
-    };
-    let Some(inv) = s.devices.inventory.as_ref().filter(|i| i.has_gpu()) else {
-        return;
-    };
-    let entries = s.config.devices.devices.clone();
-    if m.runs_on(Some(inv)) || s.devices.planner.keep_planned_for.as_ref() == Some(&entries) {
-        return;
-    }
-    let real: Vec<String> = inv
-        .gpus()
-        .map(|g| format!("{} ({})", g.name, theme::bytes(g.total_bytes)))
-        .collect();
-    let planned = m.describe();
-    let mut keep = false;
-    let mut use_real = false;
-    theme::card(ui, |ui| {
-        ui.label(
-            RichText::new("Which machine?")
-                .strong()
-                .color(theme::WARNING),
-        );
-        ui.add(
-            egui::Label::new(format!(
-                "The config plans for {planned}; this machine has {}. Plan for the config's machine \
-                 (planning only here), or for this machine's GPUs (and train here)?",
-                real.join(", ")
-            ))
-            .wrap(),
-        );
-        ui.horizontal(|ui| {
-            keep = ui.button(format!("Keep planning for {planned}")).clicked();
-            use_real = ui.button("Use this machine's GPUs").clicked();
-        });
-    });
-    if keep {
-        s.devices.planner.keep_planned_for = Some(entries);
-    } else if use_real {
-        let gpus = s.real_gpu_entries(m.gpus.len());
-        s.devices.planner.real_selection = None;
-        s.set_device_entries(gpus);
-    }
-}
-
-/// When the config plans for a machine this one is not, draws "planning only" with the
-/// `tunestudio train --config …` command to run on the target (and a button that saves
-/// the config and copies it), and returns `true`: Start is then not offered.
-pub fn planning_only_note(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) -> bool {
-    let Some(cmd) = s.planning_only() else {
-        return false;
-    };
-    ui.horizontal_wrapped(|ui| {
-        ui.label(RichText::new("Planning only").strong().color(theme::WARNING))
-            .on_hover_text("The config plans for another machine; train there.");
-        ui.label(
-            RichText::new(&cmd)
-                .monospace()
-                .background_color(ui.visuals().extreme_bg_color),
-        );
-        let r = ui
-            .button("Save config & copy command")
-            .on_hover_text("Saves the config where Export does and copies the command that trains it on the target");
-        if r.clicked() {
-            actions.push(Action::SaveConfig(PathBuf::from(s.train_config_path())));
-            ui.ctx().copy_text(cmd.clone());
-            s.toast("saved the config and copied the command for the target machine");
-        }
-    });
-    true
-}
 
 fn device_list(ui: &mut Ui, s: &mut AppState) {
     let Some(inv) = s.devices.inventory.clone() else {
@@ -668,28 +510,4 @@ fn legend(ui: &mut Ui) {
         }
         ui.label(RichText::new("| = capacity").small().weak());
     });
-}
-
-/// The plan's ranked fixes, each with an Apply button.
-pub fn fixes(ui: &mut Ui, plan: &Plan, actions: &mut Vec<Action>) {
-    for (i, f) in plan.fixes.iter().enumerate() {
-        ui.horizontal(|ui| {
-            ui.label(RichText::new(format!("{}.", i + 1)).weak());
-            let r = ui
-                .button("Apply")
-                .on_hover_text(format!("Apply: {}", f.description));
-            if r.clicked() {
-                actions.push(Action::ApplyChange(f.change.clone()));
-            }
-            ui.add(egui::Label::new(&f.description).wrap());
-            if f.fits_alone {
-                ui.label(RichText::new("fits alone").color(theme::OK).small());
-            }
-            ui.label(
-                RichText::new(format!("speed ×{:.2}", f.relative_throughput))
-                    .small()
-                    .weak(),
-            );
-        });
-    }
 }

@@ -1,0 +1,151 @@
+//! The request `tunestudio plan` plans: a run config — the file given with `--config`, else
+//! the run config's defaults — with the flags written into it, through the one adapter
+//! (`train::plan_request`). The flags have no defaults of their own.
+
+use anyhow::Context;
+use std::path::Path;
+use tunestudio::model::ModelConfig;
+use tunestudio::plan::{self, PlanRequest};
+use tunestudio::settings::Quantization;
+use tunestudio::train::{self, RunConfig};
+
+use super::PlanArgs;
+
+/// The request for these arguments, with the run config read with `--config`.
+pub(super) fn request_and_config(
+    args: &PlanArgs,
+) -> anyhow::Result<(PlanRequest, Option<RunConfig>)> {
+    let gpu_capacity = tunestudio::devices::driver_gpu_capacity();
+    let devices = match &args.devices {
+        Some(d) => Some(plan::parse_devices_with(
+            d,
+            &plan::MachineMemory {
+                host_bytes: tunestudio::devices::host_memory_bytes(),
+                gpu_bytes: &gpu_capacity,
+            },
+        )?),
+        None => None,
+    };
+    let file = args.config.as_deref().map(read_config).transpose()?;
+    let mut config = file.clone().unwrap_or_default();
+    let model = match (&args.model_config, &file) {
+        (Some(m), _) => {
+            ModelConfig::from_file(&tunestudio::model::model_config_path(m, Path::new("."))?)?
+        }
+        (None, Some(c)) => train::plan_model(c)?,
+        (None, None) => anyhow::bail!(
+            "give the model: --model-config path/to/config.json (or a model folder), or --config run.toml"
+        ),
+    };
+    apply_flags(&mut config, args)?;
+    let devices = match devices {
+        Some(d) => d,
+        // The config's devices, or the run config's default (`cpu`: the host's memory).
+        None => train::plan_devices(&config, &gpu_capacity)?,
+    };
+    let mut req = train::plan_request(&config, model, devices);
+    if file.is_none() {
+        // No run config, no process to plan: the training tensors only.
+        req.process = None;
+    }
+    if let Some(o) = &args.ops {
+        req.ops = o.parse()?;
+    }
+    // A dry run measures this process's resident set, so the data is not tokenized here a
+    // second time: its plan counts every loss row (the upper bound).
+    if file.is_some() && !args.dry_run {
+        req.trained_tokens = data_trained_tokens(&config);
+    }
+    Ok((req, file.map(|_| config)))
+}
+
+/// The run config at `path`, read leniently (`train::read_run_config_leniently`), with a note
+/// for each key it leaves out.
+fn read_config(path: &Path) -> anyhow::Result<RunConfig> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the run config {}", path.display()))?;
+    let base = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let (config, ignored) =
+        train::read_run_config_leniently(&text, &path.display().to_string(), base)?;
+    for p in &ignored {
+        eprintln!("note: {} ignores {p}", path.display());
+    }
+    Ok(config)
+}
+
+/// Writes the settings flags into `config` (each replaces the config's value).
+fn apply_flags(config: &mut RunConfig, args: &PlanArgs) -> anyhow::Result<()> {
+    let t = &mut config.training;
+    if let Some(p) = &args.precision {
+        t.precision = p.parse()?;
+    }
+    if let Some(v) = args.micro_batch {
+        t.micro_batch = v;
+    }
+    if let Some(v) = args.accumulation {
+        t.gradient_accumulation = v;
+    }
+    if args.checkpointing {
+        t.activation_checkpointing = true;
+    }
+    if args.optimizer_offload {
+        t.optimizer_offload = tunestudio::model::OptimizerOffload::Host;
+    }
+    if let Some(v) = args.seq_len {
+        train::apply_plan::set_seq_len(config, v);
+    }
+    if let Some(s) = &args.strategy {
+        config.devices.strategy = s.parse()?;
+    }
+    apply_lora_flags(config, args)
+}
+
+/// `--lora-r`, `--lora-targets` (every linear layer by default) and `--quantize` (QLoRA: only
+/// under LoRA).
+fn apply_lora_flags(config: &mut RunConfig, args: &PlanArgs) -> anyhow::Result<()> {
+    if let Some(r) = args.lora_r {
+        config.lora.enabled = true;
+        config.lora.r = r;
+        config.lora.target_modules = match &args.lora_targets {
+            Some(t) => t
+                .split(',')
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect(),
+            None => plan::LoraSpec::all_linear(r).target_modules,
+        };
+        config.model.quantize = Quantization::None;
+    } else if args.lora_targets.is_some() {
+        anyhow::bail!("--lora-targets needs --lora-r (the adapter rank)");
+    }
+    if let Some(q) = &args.quantize {
+        let q: Quantization = q.parse()?;
+        if q.is_on() && !config.lora.enabled {
+            anyhow::bail!(
+                "--quantize {q} needs LoRA (a quantized base is frozen): add --lora-r 16"
+            );
+        }
+        config.model.quantize = q;
+    }
+    Ok(())
+}
+
+/// The trained tokens of the run's data, for the loss's rows (`PlanRequest::trained_tokens`):
+/// the dataset tokenized as the trainer will (a flag's micro-batch or shorter sequence length
+/// applies to the counts). `None`, with a note, when it cannot be read: the plan then counts
+/// every position.
+fn data_trained_tokens(config: &RunConfig) -> Option<plan::TrainedTokens> {
+    match train::samples::trained_tokens(config) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!(
+                "note: the loss is planned for every position of every row, since the data \
+                 could not be tokenized: {e}"
+            );
+            None
+        }
+    }
+}

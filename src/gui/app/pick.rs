@@ -1,0 +1,82 @@
+//! File choosing: the system dialog when the session has one, else the in-app picker.
+
+use eframe::egui;
+
+use super::StudioApp;
+use crate::gui::file_picker::{PickKind, PickerOutcome};
+use crate::gui::jobs::{JobOutput, PickTarget};
+use crate::gui::state::PickFor;
+
+impl StudioApp {
+    pub(super) fn pick(&mut self, target: PickTarget) {
+        let base = self.state.config.base_dir.clone();
+        let start = match target {
+            PickTarget::ModelFolder => {
+                crate::gui::state::dialog_dir(&self.state.model.source_input, &base)
+            }
+            PickTarget::DatasetFile | PickTarget::DatasetFolder => {
+                crate::gui::state::dialog_dir(&self.state.dataset.path_input, &base)
+            }
+            PickTarget::Checkpoint | PickTarget::RunDir | PickTarget::OutputDir => {
+                Some(self.state.output_dir()).filter(|p| p.is_dir())
+            }
+            _ => None,
+        };
+        if self.state.system_dialog.is_ok() {
+            self.jobs.pick(target, start);
+        } else {
+            let (title, kind) = pick_kind(target);
+            self.state
+                .open_picker(PickFor::Studio(target), title, kind, start);
+        }
+    }
+
+    /// Draws the in-app file picker when open; a choice goes where a system dialog's would.
+    pub(super) fn show_picker(&mut self, ctx: &egui::Context) {
+        let Some((who, picker)) = self.state.picker.as_mut() else {
+            return;
+        };
+        let who = *who;
+        match picker.show(ctx) {
+            PickerOutcome::Open => {}
+            PickerOutcome::Cancelled => {
+                self.state.picker = None;
+                if let PickFor::Playground(p) = who {
+                    if let Some(msg) = crate::gui::playground::picked(p, None) {
+                        self.handle_job(JobOutput::Playground(msg));
+                    }
+                }
+            }
+            PickerOutcome::Chosen(path) => {
+                self.state.picker = None;
+                match who {
+                    PickFor::Studio(target) => self.handle_job(JobOutput::Picked(target, path)),
+                    PickFor::Playground(p) => {
+                        if let Some(msg) = crate::gui::playground::picked(p, Some(path)) {
+                            self.handle_job(JobOutput::Playground(msg));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The in-app picker's title and what it chooses, per studio field (as the system dialog's
+/// filters in `Jobs::pick`).
+fn pick_kind(target: PickTarget) -> (&'static str, PickKind) {
+    match target {
+        PickTarget::ModelFolder => ("Choose a model folder", PickKind::Folder),
+        PickTarget::DatasetFolder => ("Choose a folder of data files", PickKind::Folder),
+        PickTarget::OutputDir => ("Choose the output folder", PickKind::Folder),
+        PickTarget::Checkpoint => ("Choose a checkpoint folder", PickKind::Folder),
+        PickTarget::ExportDest => ("Choose where to export", PickKind::Folder),
+        PickTarget::RunDir => ("Choose a run folder", PickKind::Folder),
+        PickTarget::DatasetFile | PickTarget::ValidationFile => (
+            "Choose a data file",
+            PickKind::File(crate::gui::jobs::DATA_EXTENSIONS.to_vec()),
+        ),
+        PickTarget::ConfigOpen => ("Open a run config", PickKind::File(vec!["toml"])),
+        PickTarget::ConfigSave => ("Save the run config", PickKind::Save(vec!["toml"])),
+    }
+}

@@ -1,0 +1,155 @@
+//! The fixes the planner ranks: one [`Change`] of settings, how it is applied to a request and
+//! described, and a ranked [`Fix`].
+
+use super::*;
+
+/// One change of settings.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub enum Change {
+    /// Switch the device strategy.
+    Strategy(Strategy),
+    /// Switch the precision.
+    Precision(Precision),
+    /// Turn activation checkpointing on.
+    ActivationCheckpointing,
+    /// Smaller micro-batch with more accumulation (same effective batch).
+    MicroBatch {
+        /// New micro-batch.
+        micro_batch: usize,
+        /// New accumulation.
+        gradient_accumulation: usize,
+    },
+    /// Train LoRA adapters instead of every weight.
+    Lora(LoraSpec),
+    /// Shorter sequences (changes what is trained: never chosen by auto-fit).
+    SeqLen(usize),
+    /// Keep the optimizer's state in host RAM (GPU runs).
+    OptimizerOffload,
+    /// Quantize the frozen base (QLoRA); turns LoRA on (rank 16 on every linear) when it is off.
+    Quantize(Quantization),
+    /// Where a DPO run's reference comes from (`[preference] reference`): `Stored` is
+    /// `precomputed`, `AdapterDisabled` needs LoRA.
+    Reference(ReferencePlan),
+}
+
+impl Change {
+    /// Applies the change to a request. Strategy changes that alter the number of
+    /// data-parallel ranks re-split accumulation so the effective batch stays the same
+    /// when it divides.
+    pub fn apply(&self, req: &PlanRequest) -> PlanRequest {
+        let mut r = req.clone();
+        match self {
+            Change::Strategy(s) => {
+                let effective = req.effective_batch();
+                r.strategy = *s;
+                let ranks = r.data_parallel_ranks();
+                if effective.is_multiple_of(ranks * r.micro_batch) {
+                    r.gradient_accumulation = effective / (ranks * r.micro_batch);
+                }
+            }
+            Change::Precision(p) => r.precision = *p,
+            Change::ActivationCheckpointing => r.activation_checkpointing = true,
+            Change::MicroBatch {
+                micro_batch,
+                gradient_accumulation,
+            } => {
+                r.micro_batch = *micro_batch;
+                r.gradient_accumulation = *gradient_accumulation;
+            }
+            Change::Lora(l) => {
+                r.lora = Some(l.clone());
+                r.reference = r.reference.with_lora();
+            }
+            Change::SeqLen(t) => r.seq_len = *t,
+            Change::OptimizerOffload => r.optimizer_offload = true,
+            Change::Quantize(q) => {
+                let lora = r
+                    .lora
+                    .take()
+                    .unwrap_or_else(|| LoraSpec::all_linear(fit::AUTO_LORA_RANK));
+                r.lora = Some(lora.quantized(*q));
+                r.reference = r.reference.with_lora();
+            }
+            Change::Reference(reference) => r.reference = *reference,
+        }
+        r
+    }
+
+    /// The change in words ("bf16 mixed precision", "layer split over 2 GPUs").
+    pub fn describe(&self, req: &PlanRequest) -> String {
+        match self {
+            Change::Strategy(Strategy::LayerSplit) => {
+                format!("split the layers over the {} devices", req.devices.len())
+            }
+            Change::Strategy(Strategy::DataParallel) => {
+                let r = self.apply(req);
+                format!(
+                    "data parallel on {} devices (accumulation {} → {})",
+                    req.devices.len(),
+                    req.gradient_accumulation,
+                    r.gradient_accumulation
+                )
+            }
+            Change::Strategy(Strategy::Single) => "train on a single device".into(),
+            Change::Precision(p) => match p {
+                Precision::Bf16Mixed => "bf16 mixed precision".into(),
+                Precision::Fp16Mixed => "fp16 mixed precision".into(),
+                Precision::Bf16 => "pure bf16 (no f32 master weights)".into(),
+                Precision::Fp32 => "fp32".into(),
+            },
+            Change::ActivationCheckpointing => "activation checkpointing".into(),
+            Change::MicroBatch {
+                micro_batch,
+                gradient_accumulation,
+            } => format!(
+                "micro-batch {} × accumulation {} (was {} × {})",
+                micro_batch, gradient_accumulation, req.micro_batch, req.gradient_accumulation
+            ),
+            Change::Lora(l) if l.quantize.is_on() => format!(
+                "QLoRA r={} on {} (base frozen, quantized {})",
+                l.r,
+                l.target_modules.join(", "),
+                l.quantize
+            ),
+            Change::Lora(l) => format!(
+                "LoRA r={} on {} (base frozen)",
+                l.r,
+                l.target_modules.join(", ")
+            ),
+            Change::Quantize(q) => {
+                let bits = match q {
+                    Quantization::Q4K => "QLoRA 4-bit",
+                    Quantization::Q8_0 => "QLoRA 8-bit",
+                    Quantization::None => "dense base",
+                };
+                match &req.lora {
+                    Some(l) => format!("{bits} (base linears as {q}, LoRA r={} kept)", l.r),
+                    None => format!(
+                        "{bits} (base linears as {q}, LoRA r={} on every linear)",
+                        fit::AUTO_LORA_RANK
+                    ),
+                }
+            }
+            Change::SeqLen(t) => format!("sequence length {} (was {})", t, req.seq_len),
+            Change::OptimizerOffload => {
+                "optimizer state in host RAM (training.optimizer_offload = \"host\")".into()
+            }
+            Change::Reference(reference) => reference.describe_change(),
+        }
+    }
+}
+
+/// A ranked suggestion for a plan that does not fit.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Fix {
+    /// The fix in words, with its saving ("bf16 mixed precision: −4.1 GiB on GPU 0").
+    pub description: String,
+    /// Bytes saved on the device that is shortest of memory.
+    pub saving_bytes: u64,
+    /// Whether this change alone makes every device fit.
+    pub fits_alone: bool,
+    /// Relative throughput of the run after the change (1.0 = as requested).
+    pub relative_throughput: f64,
+    /// The change itself (apply it with [`Change::apply`]).
+    pub change: Change,
+}

@@ -1,0 +1,195 @@
+//! The head and the loss: the fused linear cross-entropy, the generic path, and a preference
+//! step's full logits.
+
+use super::*;
+
+/// Logits-sized f32 tensors a preference step's backward adds above the three its graph keeps
+/// (see [`full_logits_head_terms`]).
+pub(crate) const FULL_LOGITS_BACKWARD_TENSORS: u64 = 7;
+
+/// The bytes of one micro-batch's f32 logits, every position of every row (the unit of the
+/// preference head's terms).
+pub fn full_logits_bytes(d: &StepDims) -> u64 {
+    d.tokens * d.vocab * 4
+}
+
+/// The head of a preference step (DPO, IPO, ORPO: `model::preference::model_sequence_logps`
+/// on the 2 × micro-batch rows of chosen and rejected answers), the same on the native and
+/// the generic path: the final norm's output `[n, h]` goes through the head as it is (a view,
+/// no shifted copy), and the logits of **every** position exist at once in f32 — nothing is
+/// chunked, and ignored rows are not skipped.
+///
+/// * Kept until the loss is dropped (candle's graph): the logits (in half precision the
+///   head's product in the compute dtype too, and its f32 cast is the logits), `logits − max`
+///   and its `exp` (the log-sum-exp's operands), and per position the few `[rows, t]` values
+///   of the log-softmax at the target (max, sum, its log, the log-sum-exp, the gathered
+///   logit, their difference, the masked product, targets and mask); per pair the stored
+///   reference's two log-probabilities as tensors. (The reference for the whole run is 8
+///   bytes a pair in a `Vec`: inside the dataset's process term.)
+/// * Backward: [`FULL_LOGITS_BACKWARD_TENSORS`] more logits-sized f32 tensors at its peak,
+///   candle's zero-then-add on every logits-sized gradient edge (the gather's scatter into a
+///   zero tensor, the sum's broadcast gradient, `exp`'s product, both operands of the
+///   subtraction, the reshape before the head product). The subtraction's right operand is
+///   the detached max broadcast to the logits' shape: its full-size gradient is no graph
+///   node, so it stays in candle's store until backward returns (the residue). Measured with the counting allocator
+///   (demo model, LoRA r 8, fp32, 2 × 384 and 1 × 256 pairs × tokens): the step's heap
+///   peaked 10.11 and 10.09 logits above the weights on the native path, 10.40 and 10.31
+///   with `TUNESTUDIO_OPS=generic`, of which 3.11 / 3.09 (3.40 / 3.31) were kept after the
+///   forward — the decoder's activations the rest.
+/// * A trained head (full fine-tuning): its weight gradient arrives when the logits'
+///   gradient is the only logits-sized one left besides the kept three and the max's, as five
+///   weight-sized buffers (the module docs).
+pub(super) fn full_logits_head_terms(d: &StepDims) -> BlockTerms {
+    let n = d.tokens;
+    let (a, g, h, v) = (d.act_bytes, d.grad_bytes, d.hidden, d.vocab);
+    let logits = full_logits_bytes(d);
+    let half_product = if a == 4 { 0 } else { n * v * a };
+    let pairs = d.micro_batch.div_ceil(2);
+    let kept = n * h * a + half_product + 3 * logits + n * 9 * 4 + pairs * 2 * 4;
+    let full = d.lora.is_none();
+    let weight = if full { v * h * g } else { 0 };
+    let backward = (FULL_LOGITS_BACKWARD_TENSORS * logits).max(2 * logits + 5 * weight);
+    BlockTerms {
+        kept_bytes: kept,
+        forward_transient_bytes: 0,
+        backward_transient_bytes: backward,
+        backward_grad_bytes: if full { (v * h + h) * g } else { 0 },
+        residue_bytes: logits,
+        freed_kept_bytes: 0,
+    }
+}
+
+/// The head on the fused CPU path (`ops::linear_cross_entropy`).
+pub(super) fn fused_head_terms(d: &StepDims) -> BlockTerms {
+    let n = d.tokens;
+    let (a, g, h, v) = (d.act_bytes, d.grad_bytes, d.hidden, d.vocab);
+    let full = d.lora.is_none();
+    let rows = d.micro_batch * d.seq_len.saturating_sub(1);
+    // Logits exist for the trained rows only, chunk by chunk.
+    let active = d.loss_rows.min(rows);
+    let chunk = active.min(LOSS_CHUNK_ROWS);
+    let mut kept = n * h * a; // final norm output
+    if d.micro_batch > 1 {
+        // hidden[:, :-1] is not contiguous for b > 1: the reshape copies it.
+        kept += rows * h * a;
+    }
+    if a != 4 {
+        // The fused loss works in f32: casts of the hidden rows and of lm_head (a bf16 head
+        // on the bf16 dot-product path is multiplied as it is).
+        kept += rows * h * 4 + if d.bf16_products { 0 } else { v * h * 4 };
+    }
+    // The bf16 path's packing buffers, while a chunk's logits (forward) or its gradients
+    // (backward) are computed.
+    let packing = if d.bf16_products {
+        bf16_pack_bytes([(chunk, h, v), (chunk, v, h), (v, chunk, h)])
+    } else {
+        0
+    };
+    // Loss op state: labels (i64) and active rows (usize) copies, per-row
+    // log-sum-exp and loss (f32), and the last chunk's probabilities (each
+    // chunk's logits are a buffer of exactly its rows). Another micro-batch of
+    // fewer trained rows may leave a larger last chunk, so past one chunk the
+    // plan keeps a whole one.
+    let last_rows = if active == 0 {
+        0
+    } else if active > LOSS_CHUNK_ROWS && d.loss_rows < rows {
+        chunk
+    } else {
+        active - (active.div_ceil(chunk) - 1) * chunk
+    };
+    let last_chunk = last_rows * v * 4;
+    kept += rows * (8 + 8 + 4 + 4) + last_chunk;
+    // Backward of the fused loss: while it runs, its f32 weight and hidden
+    // gradients next to the cached last chunk (kept); once it returns the chunk
+    // is gone and candle adds each gradient it receives into a zero tensor. With
+    // native layers the weight gradient goes to the side table instead (one
+    // weight-sized buffer, not three).
+    // A frozen head (LoRA) gets no weight gradient at all.
+    let head_w = if full { v * h * 4 } else { 0 };
+    let in_op = head_w + rows * h * 4 + rows * 8 + chunk * h * 4 + packing;
+    let weight_bufs = if d.native_embedding { 1 } else { 3 };
+    // In half precision the side table gets the gradient rounded inside the op, while
+    // its f32 original is still alive.
+    let rounded = if d.native_embedding && g != 4 && full {
+        v * h * g
+    } else {
+        0
+    };
+    let f32_head =
+        in_op.max((weight_bufs * head_w + rounded + 2 * rows * h * 4).saturating_sub(last_chunk));
+    // Earlier chunks are recomputed in full-size buffers once the cached last one is
+    // consumed.
+    let multi_chunk_extra = (chunk - last_rows) * v * 4;
+    // Half precision: the f32 gradients flow back through the casts
+    // (f32 sum + half cast + zero + sum), after the chunk is freed.
+    let cast_back = if a != 4 && full && !d.native_embedding {
+        (v * h * (4 + 3 * g)).saturating_sub(last_chunk)
+    } else {
+        0
+    };
+    // The norm's and lm_head's gradients appear here; with tied embeddings the
+    // shared matrix's gradient first appears here too.
+    let head_grads = if full { (v * h + h) * g } else { 0 };
+    BlockTerms {
+        kept_bytes: kept,
+        forward_transient_bytes: packing,
+        backward_transient_bytes: f32_head.max(cast_back) + multi_chunk_extra,
+        backward_grad_bytes: head_grads,
+        residue_bytes: 0,
+        freed_kept_bytes: last_chunk,
+    }
+}
+
+/// The head on the generic path (`ops::generic::linear_cross_entropy`): between forward and
+/// backward the loss keeps one log-sum-exp (and label) per row; each chunk's `[rows × vocab]`
+/// f32 logits exist only inside the op.
+pub(super) fn generic_head_terms(d: &StepDims) -> BlockTerms {
+    let n = d.tokens;
+    let (a, g, h, v) = (d.act_bytes, d.grad_bytes, d.hidden, d.vocab);
+    let rows = d.micro_batch * d.seq_len.saturating_sub(1);
+    // Only the rows that carry a label go through the head (`loss::causal_lm_loss` selects
+    // them first when some are ignored).
+    let active = d.loss_rows.min(rows);
+    let selected = active < rows;
+    let chunk = active.min(LOSS_CHUNK_ROWS);
+    let full = d.lora.is_none();
+    // Final norm output; log-sum-exp and target per active row.
+    let mut kept = n * h * a + active * (4 + 4);
+    if d.micro_batch > 1 {
+        // hidden[:, :-1] is not contiguous for b > 1: the reshape copies it.
+        kept += rows * h * a;
+    }
+    if selected {
+        // The selected rows (a copy, the op's input) and their indices.
+        kept += active * (h * a + 4);
+    }
+    // Forward of a chunk: the logits, logits − max and their exp live until the
+    // log-sum-exp statement ends (f32; in half precision the matmul output is cast first).
+    let logits_f32 = chunk * v * 4;
+    let forward = (3 * logits_f32).max(chunk * v * (a + 4));
+    // Backward of a chunk: the same three while the probabilities are formed, then at most
+    // two (probabilities and their gradient). The rows' gradient is assembled from its
+    // chunks (a cat), and candle adds it into a zero tensor.
+    let rows_grad = active * h * a;
+    // In half precision the chunk's matmul output lives until its f32 cast's statement ends.
+    let half_logits = if a == 4 { 0 } else { chunk * v * a };
+    let chunk_peak = 3 * logits_f32 + half_logits + rows_grad;
+    let mut rows_end = 3 * rows_grad;
+    if selected {
+        // The selection's backward adds the rows' gradient into a zero tensor of every row
+        // (`index_add`: the zeros and the sum, next to the selected rows' gradient).
+        rows_end = rows_end.max(rows_grad + 2 * rows * h * a);
+    }
+    // A trained head: its gradient per chunk (summed over chunks), then candle's zero-then-add
+    // into the store, three weight-sized buffers at once.
+    let weight = if full { 3 * v * h * g } else { 0 };
+    let head_grads = if full { (v * h + h) * g } else { 0 };
+    BlockTerms {
+        kept_bytes: kept,
+        forward_transient_bytes: forward,
+        backward_transient_bytes: chunk_peak.max(rows_end).max(weight + rows_grad),
+        backward_grad_bytes: head_grads,
+        residue_bytes: 0,
+        freed_kept_bytes: 0,
+    }
+}
