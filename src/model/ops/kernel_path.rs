@@ -402,20 +402,7 @@ fn cpu_model() -> String {
 
 /// The cache file: [`CACHE_ENV`], else `$XDG_CACHE_HOME` or `~/.cache`, `tunestudio/kernel-paths.json`.
 fn cache_file() -> Option<PathBuf> {
-    if let Ok(v) = std::env::var(CACHE_ENV) {
-        let v = v.trim();
-        if v.eq_ignore_ascii_case("off") || v == "0" {
-            return None;
-        }
-        if !v.is_empty() {
-            return Some(PathBuf::from(v));
-        }
-    }
-    let base = match std::env::var_os("XDG_CACHE_HOME") {
-        Some(x) if !x.is_empty() => PathBuf::from(x),
-        _ => PathBuf::from(std::env::var_os("HOME")?).join(".cache"),
-    };
-    Some(base.join("tunestudio").join("kernel-paths.json"))
+    crate::paths::user_cache_path(CACHE_ENV, "kernel-paths.json")
 }
 
 /// The cache file: a JSON object of keys to `{"kernel": name, "gflops": {name: value}}`.

@@ -37,20 +37,7 @@ const KEY_FIELD: &str = "tunestudio.cache_key";
 
 /// The cache folder, or `None` when disabled or no home is known.
 pub fn cache_dir() -> Option<PathBuf> {
-    if let Ok(v) = std::env::var(CACHE_ENV) {
-        let v = v.trim();
-        if v.eq_ignore_ascii_case("off") || v == "0" {
-            return None;
-        }
-        if !v.is_empty() {
-            return Some(PathBuf::from(v));
-        }
-    }
-    let base = match std::env::var_os("XDG_CACHE_HOME") {
-        Some(x) if !x.is_empty() => PathBuf::from(x),
-        _ => PathBuf::from(std::env::var_os("HOME")?).join(".cache"),
-    };
-    Some(base.join("tunestudio").join("quantized"))
+    crate::paths::user_cache_path(CACHE_ENV, "quantized")
 }
 
 /// FNV-1a, 64 bits: a stable hash (std's hasher may change between Rust releases).
