@@ -13,9 +13,10 @@
 //! the global allocator of the programs linking it). A test or bench binary
 //! opts in with:
 //!
-//! ```ignore
+//! ```
 //! #[global_allocator]
 //! static A: tunestudio::mem::CountingAllocator = tunestudio::mem::CountingAllocator::new();
+//! # fn main() {}
 //! ```
 //!
 //! The counters are process-wide statics rather than fields of the allocator

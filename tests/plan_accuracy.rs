@@ -160,9 +160,9 @@ fn dry_run_measures_one_step_and_refuses_a_predicted_oom() {
 /// allocator): it must judge the planner within ±5 %, not report figures only.
 #[test]
 fn memory_grid_check_is_exact_within_5_percent() {
-    use tunestudio::devices::check::{run_checks, CheckMode, CheckOptions, CheckStatus};
+    use tunestudio::devices::check::{run_checks, CheckMode, CheckStatus};
     let _guard = exclusive();
-    let mut options = CheckOptions::new(CheckMode::Cpu);
+    let mut options = tunestudio::train::check_options(CheckMode::Cpu);
     options.only = vec!["memory-grid".to_string()];
     let report = run_checks(&options);
     let step = &report.steps[0];

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use tunestudio::devices::check::{run_checks, CheckMode, CheckOptions, CheckStatus};
+use tunestudio::devices::check::{run_checks, CheckMode, CheckStatus};
 use tunestudio::devices::{discover, DeviceKind};
 use tunestudio::units::format_bytes;
 
@@ -97,7 +97,8 @@ pub fn run(args: DevicesArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn run_check(args: &DevicesArgs) -> anyhow::Result<ExitCode> {
-    let mut options = CheckOptions::new(if args.cpu {
+    // The checks' runs are planned through the run-config adapter, as `train` and `plan` plan.
+    let mut options = tunestudio::train::check_options(if args.cpu {
         CheckMode::Cpu
     } else {
         CheckMode::Gpu

@@ -17,6 +17,7 @@ use crate::model::{AdamW, AdamWConfig, CausalLm, Gradients, ModelConfig};
 use candle_core::{DType, Device, Tensor};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod bench;
@@ -35,8 +36,33 @@ pub enum CheckMode {
     Gpu,
 }
 
+/// A training run a step plans, in the run config's terms (the layer split's fixture run, a
+/// memory-grid point): what [`CheckOptions::planner`] turns into the planner's request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckRun {
+    /// The model's shape.
+    pub model: ModelConfig,
+    /// `[training] precision`.
+    pub precision: crate::settings::Precision,
+    /// `[training] micro_batch` (one step, no accumulation).
+    pub micro_batch: usize,
+    /// `[data] max_length`: the batch's row length.
+    pub seq_len: usize,
+    /// `[training] activation_checkpointing`.
+    pub activation_checkpointing: bool,
+    /// `[devices] strategy`.
+    pub strategy: Strategy,
+    /// The devices the run is planned on.
+    pub devices: Vec<crate::plan::DeviceSpec>,
+}
+
+/// Makes the planner's request of a [`CheckRun`]: `train::check_request`, through the one
+/// run-config adapter (`train::plan_request`). `devices` sits below `train`, so the caller
+/// hands it in.
+pub type CheckPlanner = Arc<dyn Fn(&CheckRun) -> crate::plan::PlanRequest + Send + Sync>;
+
 /// What to check.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct CheckOptions {
     /// CPU or GPU.
     pub mode: CheckMode,
@@ -44,17 +70,30 @@ pub struct CheckOptions {
     pub fixture_dir: PathBuf,
     /// Run only the steps with these names (all when empty).
     pub only: Vec<String>,
+    /// The request of each run the checks plan (`train::check_options` gives the adapter's).
+    pub planner: CheckPlanner,
+}
+
+impl std::fmt::Debug for CheckOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CheckOptions")
+            .field("mode", &self.mode)
+            .field("fixture_dir", &self.fixture_dir)
+            .field("only", &self.only)
+            .finish_non_exhaustive()
+    }
 }
 
 impl CheckOptions {
-    /// The defaults: the shared tiny-llama fixture.
-    pub fn new(mode: CheckMode) -> Self {
+    /// The defaults: the shared tiny-llama fixture, every step, runs planned by `planner`.
+    pub fn new(mode: CheckMode, planner: CheckPlanner) -> Self {
         CheckOptions {
             mode,
             fixture_dir: crate::paths::shared_dir()
                 .join("fixtures")
                 .join("tiny-llama"),
             only: Vec::new(),
+            planner,
         }
     }
 }
@@ -387,37 +426,30 @@ fn step_layer_split(o: &CheckOptions) -> Result<Outcome, DevicesError> {
 }
 
 /// The layer ranges the trainer would use for the fixture over `devices` (fp32, the
-/// reference batch's shape), from the planner's one split rule.
+/// reference batch's shape), from the planner's one split rule on the request the run config
+/// adapter makes ([`CheckOptions::planner`]).
 fn split_ranges(
     o: &CheckOptions,
     devices: &[LogicalDevice],
 ) -> Result<Vec<std::ops::Range<usize>>, DevicesError> {
-    use crate::plan::{self, DeviceSpec, PlanRequest};
+    use crate::plan::DeviceSpec;
     let config = ModelConfig::from_file(&o.fixture_dir.join("config.json"))?;
     let (batch, _) = load_reference(&o.fixture_dir)?;
     let (rows, seq) = batch.input_ids.dims2()?;
-    let spec = |i: usize| match o.mode {
-        CheckMode::Cpu => DeviceSpec::cpu(devices[i].capacity_bytes),
-        CheckMode::Gpu => DeviceSpec::cuda(0, devices[i].capacity_bytes),
+    let spec = |d: &LogicalDevice| match o.mode {
+        CheckMode::Cpu => DeviceSpec::cpu(d.capacity_bytes),
+        CheckMode::Gpu => DeviceSpec::cuda(0, d.capacity_bytes),
     };
-    let req = PlanRequest {
+    let req = (o.planner)(&CheckRun {
         model: config,
         precision: crate::settings::Precision::Fp32,
         micro_batch: rows,
-        gradient_accumulation: 1,
         seq_len: seq,
         activation_checkpointing: false,
-        optimizer_offload: false,
-        lora: None,
         strategy: Strategy::LayerSplit,
-        devices: (0..devices.len()).map(spec).collect(),
-        ops: crate::model::OpsMode::from_env().unwrap_or_default(),
-        process: None,
-        trained_tokens: None,
-        head_loss: Default::default(),
-        reference: Default::default(),
-    };
-    plan::layer_ranges(&req).map_err(|e| DevicesError::Input(format!("planner: {e}")))
+        devices: devices.iter().map(spec).collect(),
+    });
+    crate::plan::layer_ranges(&req).map_err(|e| DevicesError::Input(format!("planner: {e}")))
 }
 
 fn step_data_parallel(o: &CheckOptions) -> Result<Outcome, DevicesError> {

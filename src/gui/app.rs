@@ -1,7 +1,8 @@
-//! The studio application: navigation, status bar, and the loop that feeds
-//! job outputs and trainer events into the state and starts background work
-//! when the settings change. Panels (in `panels/`) draw the state and queue
-//! [`Action`]s; the app carries them out after the frame is drawn.
+//! The studio application: it owns the session, the panels, the jobs and the trainer
+//! thread; routes job outputs and trainer events to the panel they belong to, starts
+//! background work when the settings change, and carries out the [`Action`]s the panels
+//! queue after the frame is drawn. Panels (in `panels/`, `playground/`) own their state and
+//! view.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -13,20 +14,26 @@ use tunestudio::plan::{Change, PlanRequest};
 use tunestudio::train::{self, Command, RunConfig};
 
 use super::jobs::{JobOutput, Jobs};
-use super::panels;
+use super::panels::export::ExportKind;
+use super::panels::Panels;
 use super::playground;
 use super::reducer::apply_job;
-use super::state::{push_recent, AppState, Panel, Settings};
+use super::session::{push_recent, Panel, Session, Settings};
 
 mod action;
+mod central;
 mod chrome;
 mod config_file;
 mod pick;
+mod schedule;
 mod screenshot;
 mod trainer;
 
+pub use super::session::demo_config_path;
 pub use action::{Action, StartOptions};
+pub use chrome::{Chrome, PickFor};
 pub use config_file::load_config;
+pub use schedule::plan_key;
 use screenshot::Screenshot;
 
 /// Storage key of [`Settings`].
@@ -34,8 +41,12 @@ const SETTINGS_KEY: &str = "tunestudio.settings";
 
 /// The studio.
 pub struct StudioApp {
-    /// Everything the panels show.
-    pub state: AppState,
+    /// The document the panels share (the run config, the persisted settings).
+    pub session: Session,
+    /// Every panel's own state.
+    pub panels: Panels,
+    /// The window around the panels: status bar, toasts, file picker.
+    pub chrome: Chrome,
     /// Background work.
     pub jobs: Jobs,
     ctx: egui::Context,
@@ -49,22 +60,9 @@ pub struct StudioApp {
     shown_panel: Option<Panel>,
     /// See [`StartOptions::inject_oom`] (taken by the first run).
     inject_oom: Option<String>,
-    /// The trainer thread of the live run (its events fold into `state.run`).
+    /// The trainer thread of the live run (its events fold into `panels.run.live`).
     trainer: Option<train::TrainerHandle>,
 }
-
-/// Whether the settings `key` changed since the last request: if so, records it and
-/// returns the new request's sequence number (answers to older numbers are dropped).
-fn next_request<K: PartialEq>(key: K, last: &mut K, seq: &mut u64) -> Option<u64> {
-    if key == *last {
-        return None;
-    }
-    *last = key;
-    *seq += 1;
-    Some(*seq)
-}
-
-pub use super::state::demo_config_path;
 
 impl StudioApp {
     /// Builds the app (eframe's creation hook).
@@ -115,18 +113,23 @@ impl StudioApp {
         if let Some(out) = &opts.output_dir {
             config.output_dir = std::path::absolute(out).unwrap_or_else(|_| out.clone());
         }
-        let mut state = AppState::new(config, path, settings);
-        state.system_dialog = match &opts.no_system_dialog {
-            Some(why) => Err(why.clone()),
-            None => super::file_picker::system_dialog(),
-        };
-        state.config_problems = problems;
+        let mut session = Session::new(config, path, settings);
+        session.config_problems = problems;
         if let Some(p) = opts.panel {
-            state.panel = p;
+            session.panel = p;
         }
+        let chrome = Chrome {
+            system_dialog: match &opts.no_system_dialog {
+                Some(why) => Err(why.clone()),
+                None => super::file_picker::system_dialog(),
+            },
+            ..Chrome::default()
+        };
         let jobs = Jobs::new(ctx.clone());
         let mut app = StudioApp {
-            state,
+            session,
+            panels: Panels::default(),
+            chrome,
             jobs,
             ctx: ctx.clone(),
             actions: Vec::new(),
@@ -146,86 +149,76 @@ impl StudioApp {
             inject_oom: opts.inject_oom,
             trainer: None,
         };
+        app.sync_inputs_from_config();
         app.jobs.discover_devices(app.nvml_library.clone());
-        app.state.devices.loading = true;
+        app.panels.devices.loading = true;
         app.jobs.scan_hub_cache();
         app.actions.push(Action::LoadModel);
         app.actions.push(Action::RefreshHistory);
         app
     }
 
-    /// Folds a job's report into the state (see [`apply_job`]) and queues what follows.
+    /// Routes a job's report to its panel (see [`apply_job`]) and queues what follows.
     fn handle_job(&mut self, out: JobOutput) {
-        let follow = apply_job(&mut self.state, out);
+        let follow = apply_job(&mut self.session, &mut self.panels, out);
         self.actions.extend(follow);
     }
 
-    /// Starts background work the current settings need (dataset scan, preview, plan). The
-    /// keys compare the settings as written and read no disk; the jobs resolve paths and
-    /// measure files on their own threads.
-    fn schedule_jobs(&mut self) {
-        let s = &mut self.state;
-        if let Some(seq) = next_request(s.dataset_key(), &mut s.dataset.key, &mut s.dataset.seq) {
-            s.dataset.loading = true;
-            self.jobs.scan_dataset(seq, s.config.clone());
-        }
-        if let Some(dir) = s.model.info.as_ref().map(|i| i.dir.display().to_string()) {
-            let key = format!("{dir}|{}", s.preview_key());
-            if let Some(seq) = next_request(key, &mut s.preview.key, &mut s.preview.seq) {
-                s.preview.loading = true;
-                let rows = (
-                    s.preview.start_row,
-                    s.config.training.micro_batch.clamp(1, 16),
-                );
-                let limits = s.config.preference.limits();
-                self.jobs.preview(seq, dir, s.config.clone(), rows, limits);
-            }
-        }
-        let Some(key) = s.plan_key() else {
-            return;
+    /// Replaces the config (loaded from a file or the demo): the panels' fields that copy
+    /// it follow, and what was fitted to the old one is dropped.
+    pub fn set_config(&mut self, config: RunConfig, path: Option<PathBuf>) {
+        self.session.set_config(config, path);
+        let plan = &mut self.panels.devices.plan;
+        plan.autofit = None;
+        plan.autofit_applied.clear();
+        plan.dry_run = None;
+        self.sync_inputs_from_config();
+    }
+
+    /// Copies the config's paths into the panels' text fields (after loading a config).
+    fn sync_inputs_from_config(&mut self) {
+        let (s, p) = (&self.session, &mut self.panels);
+        p.model.source_input = s.config.model.source.clone();
+        p.dataset.path_input = s.config.data.path.clone();
+        // Never offer to overwrite the bundled demo: its copy goes to <output>/run.toml.
+        p.export.config_path = match &s.config_path {
+            Some(path) if !s.is_demo() => path.display().to_string(),
+            _ => s.default_config_path().display().to_string(),
         };
-        let Some(seq) = next_request(Some(key.clone()), &mut s.plan.key, &mut s.plan.seq) else {
-            return;
+        p.export.kind = if s.config.lora.enabled {
+            ExportKind::Adapter
+        } else {
+            ExportKind::Full
         };
-        match key.devices {
-            Ok(devices) => {
-                s.plan.loading = true;
-                self.jobs
-                    .plan(seq, key.model, key.config, devices, key.trained_tokens);
-            }
-            Err(e) => {
-                s.plan.error = Some(super::error::JobError::of(
-                    super::error::ErrorKind::Config,
-                    e,
-                ));
-                s.plan.plan = None;
-            }
-        }
+        p.export.checkpoint.clear();
+        p.export.destination.clear();
+        p.preview.start_row = 0;
+        p.preview.highlight = None;
     }
 
     /// Applies a planner request's settings to the run config (the one edit,
     /// `train::apply_plan_request`: LoRA's quantized base and a DPO run's reference included).
     fn apply_request(&mut self, req: &PlanRequest) {
-        train::apply_plan_request(&mut self.state.config, req);
+        train::apply_plan_request(&mut self.session.config, req);
     }
 
     /// A new dataset gets its own settings: the format and columns are detected afresh
     /// (the previous file's `alpaca` would misread a pre-tokenized one), and `max_length`
     /// follows its lengths once the preview has them.
     fn new_dataset_settings(&mut self) {
-        let d = &mut self.state.config.data;
+        let d = &mut self.session.config.data;
         d.format = tunestudio::data::Format::Auto;
         d.columns = Default::default();
         d.txt_split = Default::default();
         d.allow.clear();
-        self.state.dataset.propose_max_length = true;
+        self.panels.dataset.propose_max_length = true;
     }
 
     /// A new model or dataset is a new project: it gets a fresh output folder beside the
     /// current one (`runs/<model>-<data>`, numbered when taken) instead of writing into the
     /// previous run's.
     fn propose_output_dir(&mut self) {
-        let c = &self.state.config;
+        let c = &self.session.config;
         let stem = |s: &str| {
             Path::new(s.trim_end_matches('/'))
                 .file_stem()
@@ -235,7 +228,7 @@ impl StudioApp {
         let name = format!(
             "{}-{}",
             stem(&c.model.source),
-            stem(&self.state.dataset.path_input)
+            stem(&self.panels.dataset.path_input)
         )
         .replace(
             |ch: char| !ch.is_alphanumeric() && ch != '-' && ch != '_',
@@ -258,20 +251,20 @@ impl StudioApp {
             .find(|n| !super::disk::exists(&base.join(n)))
             .unwrap_or(name);
         let proposed = parent.join(fresh);
-        if proposed != self.state.config.output_dir {
-            let old_default = self.state.default_config_path().display().to_string();
-            self.state.config.output_dir = proposed.clone();
+        if proposed != self.session.config.output_dir {
+            let old_default = self.session.default_config_path().display().to_string();
+            self.session.config.output_dir = proposed.clone();
             // The project owns its run config too: a path the user did not choose (the old
             // folder's default, or the demo's) moves beside the new output folder.
-            let demo = self.state.config_path.as_deref() == Some(demo_config_path().as_path());
-            if demo || self.state.export.config_path == old_default {
-                self.state.export.config_path =
-                    self.state.default_config_path().display().to_string();
+            let demo = self.session.is_demo();
+            if demo || self.panels.export.config_path == old_default {
+                self.panels.export.config_path =
+                    self.session.default_config_path().display().to_string();
             }
             if demo {
-                self.state.config_path = None;
+                self.session.config_path = None;
             }
-            self.state
+            self.chrome
                 .toast(format!("new project: output folder {}", proposed.display()));
         }
     }
@@ -290,11 +283,11 @@ impl StudioApp {
             Action::Start => self.start_training(false),
             Action::StartResumingLatest => self.start_training(true),
             Action::StartInNewFolder => {
-                self.state.run.existing_run = None;
+                self.panels.run.live.existing_run = None;
                 self.propose_output_dir();
                 self.start_training(false);
             }
-            Action::CancelStart => self.state.run.existing_run = None,
+            Action::CancelStart => self.panels.run.live.existing_run = None,
             Action::ApplyOomRefitAndResume => self.refit_and_resume(),
             Action::Pause => self.send(Command::Pause),
             Action::Resume => self.send(Command::Resume),
@@ -307,22 +300,22 @@ impl StudioApp {
             Action::SaveNow => self.send(Command::SaveNow),
             Action::ApplyChange(change) => self.apply_change(&change),
             Action::AutoFit => {
-                if let Some(req) = self.state.plan.request.clone() {
-                    self.state.plan.autofit_running = true;
+                if let Some(req) = self.panels.devices.plan.request.clone() {
+                    self.panels.devices.plan.autofit_running = true;
                     self.jobs.auto_fit(req);
                 }
             }
             Action::ApplyAutoFit => self.apply_auto_fit(),
             Action::DryRun => self.dry_run(),
             Action::RefreshDevices => {
-                self.state.devices.loading = true;
+                self.panels.devices.loading = true;
                 self.jobs.discover_devices(self.nvml_library.clone());
             }
-            Action::Goto(p) => self.state.panel = p,
+            Action::Goto(p) => self.session.panel = p,
             Action::JumpToRow(row) => {
-                self.state.preview.start_row = row;
-                self.state.preview.highlight = Some(row);
-                self.state.panel = Panel::Preview;
+                self.panels.preview.start_row = row;
+                self.panels.preview.highlight = Some(row);
+                self.session.panel = Panel::Preview;
             }
             Action::SaveConfig(path) => self.save_config(path),
             Action::LoadConfig(path) => self.open_config(path),
@@ -330,57 +323,61 @@ impl StudioApp {
             Action::Export => self.export(),
             Action::RefreshHistory => self.refresh_history(),
             Action::Pick(target) => self.pick(target),
-            Action::Playground(a) => playground::apply(&mut self.state, a, &self.jobs),
+            Action::Playground(a) => {
+                let pg = &mut self.panels.playground;
+                playground::apply(pg, &self.session, &mut self.chrome, a, &self.jobs);
+            }
+            Action::Toast(text) => self.chrome.toast(text),
             Action::AddRunDir(dir) => {
-                push_recent(&mut self.state.settings.run_dirs, dir);
+                push_recent(&mut self.session.settings.run_dirs, dir);
                 self.actions.push(Action::RefreshHistory);
             }
         }
     }
 
     fn load_model(&mut self) {
-        let typed = self.state.model.source_input.trim().to_string();
-        if typed != self.state.config.model.source {
-            self.state.config.model.source = typed;
+        let typed = self.panels.model.source_input.trim().to_string();
+        if typed != self.session.config.model.source {
+            self.session.config.model.source = typed;
             self.propose_output_dir();
         }
-        self.state.model.seq += 1;
-        self.state.model.loading = Some(Instant::now());
-        self.state.model.download_bytes = None;
-        self.state.model.error = None;
+        self.panels.model.seq += 1;
+        self.panels.model.loading = Some(Instant::now());
+        self.panels.model.download_bytes = None;
+        self.panels.model.error = None;
         self.jobs
-            .load_model(self.state.model.seq, self.state.config.clone());
+            .load_model(self.panels.model.seq, self.session.config.clone());
     }
 
     fn scan_dataset(&mut self) {
-        let path = self.state.dataset.path_input.trim().to_string();
-        if path != self.state.config.data.path {
+        let path = self.panels.dataset.path_input.trim().to_string();
+        if path != self.session.config.data.path {
             self.new_dataset_settings();
             self.propose_output_dir();
         }
-        self.state.config.data.path = path;
-        self.state.dataset.key.clear();
-        self.state.preview.key.clear();
-        self.state.preview.start_row = 0;
-        let p = self.state.config.data.path.clone();
+        self.session.config.data.path = path;
+        self.panels.dataset.key.clear();
+        self.panels.preview.key.clear();
+        self.panels.preview.start_row = 0;
+        let p = self.session.config.data.path.clone();
         if !p.is_empty() {
-            push_recent(&mut self.state.settings.recent_datasets, p);
+            push_recent(&mut self.session.settings.recent_datasets, p);
         }
     }
 
     fn apply_change(&mut self, change: &Change) {
-        if let Some(req) = self.state.plan.request.clone() {
+        if let Some(req) = self.panels.devices.plan.request.clone() {
             let new = change.apply(&req);
             let text = change.describe(&req);
             self.apply_request(&new);
-            self.state.toast(format!("applied: {text}"));
+            self.chrome.toast(format!("applied: {text}"));
         }
     }
 
     fn apply_auto_fit(&mut self) {
-        if let Some(fit) = self.state.plan.autofit.take() {
+        if let Some(fit) = self.panels.devices.plan.autofit.take() {
             self.apply_request(&fit.request);
-            self.state.plan.autofit_applied = if fit.changes.is_empty() {
+            self.panels.devices.plan.autofit_applied = if fit.changes.is_empty() {
                 vec!["the settings already fit; nothing changed".into()]
             } else {
                 fit.changes.clone()
@@ -390,19 +387,19 @@ impl StudioApp {
 
     fn dry_run(&mut self) {
         // A dry run trains a real step: not on a planned machine.
-        let real = self.state.planning_only().is_none();
-        if let Some(request) = self.state.plan.request.clone().filter(|_| real) {
-            self.state.plan.dry_run_running = true;
-            self.jobs.dry_run(request, self.state.config.clone());
+        let real = self.planning_only().is_none();
+        if let Some(request) = self.panels.devices.plan.request.clone().filter(|_| real) {
+            self.panels.devices.plan.dry_run_running = true;
+            self.jobs.dry_run(request, self.session.config.clone());
         }
     }
 
     fn export(&mut self) {
-        let e = &self.state.export;
+        let e = &self.panels.export;
         let ck = PathBuf::from(e.checkpoint.trim());
         let dest = PathBuf::from(e.destination.trim());
         if e.checkpoint.trim().is_empty() || e.destination.trim().is_empty() {
-            self.state.export.result = Some(Err(super::error::JobError::of(
+            self.panels.export.result = Some(Err(super::error::JobError::of(
                 super::error::ErrorKind::Config,
                 "choose a checkpoint folder and a destination folder first",
             )));
@@ -422,20 +419,20 @@ impl StudioApp {
             e.progress
                 .total_bytes
                 .store(0, std::sync::atomic::Ordering::Relaxed);
-            self.state.export.running = true;
-            self.state.export.result = None;
+            self.panels.export.running = true;
+            self.panels.export.result = None;
             self.jobs.export(request);
         }
     }
 
     fn refresh_history(&mut self) {
-        let mut dirs = self.state.settings.run_dirs.clone();
-        let out = self.state.output_dir();
+        let mut dirs = self.session.settings.run_dirs.clone();
+        let out = self.session.output_dir();
         dirs.push(out.clone());
         if let Some(parent) = out.parent() {
             dirs.push(parent.to_path_buf());
         }
-        self.state.history.loading = true;
+        self.panels.run.history.loading = true;
         self.jobs.load_history(dirs);
     }
 }
@@ -449,24 +446,26 @@ impl eframe::App for StudioApp {
             self.handle_job(out);
         }
         self.poll_trainer();
-        playground::tick(&mut self.state.playground, &self.jobs);
+        playground::tick(&mut self.panels.playground, &self.jobs);
         // Opening the Playground lists the run's checkpoints again (in a job).
-        if self.shown_panel != Some(self.state.panel) {
-            self.shown_panel = Some(self.state.panel);
-            self.state.playground.checkpoints_key = None;
+        if self.shown_panel != Some(self.session.panel) {
+            self.shown_panel = Some(self.session.panel);
+            self.panels.playground.checkpoints_key = None;
         }
         self.show_picker(ui.ctx());
         self.run_actions();
         let has_weights = self
-            .state
+            .panels
             .model
             .info
             .as_ref()
             .map(|i| !i.weight_files.is_empty());
-        if let Some(note) =
-            super::follow::follow(&mut self.state.follow, &mut self.state.config, has_weights)
-        {
-            self.state.toast(note);
+        if let Some(note) = super::follow::follow(
+            &mut self.session.follow,
+            &mut self.session.config,
+            has_weights,
+        ) {
+            self.chrome.toast(note);
         }
         self.schedule_jobs();
 
@@ -490,23 +489,7 @@ impl eframe::App for StudioApp {
                     .inner_margin(egui::Margin::symmetric(18, 10)),
             )
             .show(ui, |ui| {
-                let mut actions = Vec::new();
-                let panel = self.state.panel;
-                egui::ScrollArea::vertical()
-                    .id_salt(("panel", panel as u8))
-                    .auto_shrink([false, false])
-                    .show(ui, |ui| match panel {
-                        Panel::Model => panels::model::show(ui, &mut self.state, &mut actions),
-                        Panel::Dataset => panels::dataset::show(ui, &mut self.state, &mut actions),
-                        Panel::Preview => panels::preview::show(ui, &mut self.state, &mut actions),
-                        Panel::Training => {
-                            panels::training::show(ui, &mut self.state, &mut actions)
-                        }
-                        Panel::Devices => panels::devices::show(ui, &mut self.state, &mut actions),
-                        Panel::Run => panels::run::show(ui, &mut self.state, &mut actions),
-                        Panel::Export => panels::export::show(ui, &mut self.state, &mut actions),
-                        Panel::Playground => playground::show(ui, &mut self.state, &mut actions),
-                    });
+                let actions = self.show_panel(ui);
                 self.actions.extend(actions);
             });
 
@@ -515,15 +498,15 @@ impl eframe::App for StudioApp {
             self.ctx.request_repaint();
         }
         // A spinner or a model download wants a steady repaint; everything else is event-driven.
-        if self.state.model.loading.is_some() {
+        if self.panels.model.loading.is_some() {
             self.ctx.request_repaint_after(Duration::from_millis(250));
         }
         // Each streamed token wakes the UI; this keeps the live tokens-per-second moving.
-        if self.state.playground.busy() {
+        if self.panels.playground.busy() {
             self.ctx.request_repaint_after(Duration::from_millis(100));
         }
         self.drive_screenshot();
-        self.state
+        self.chrome
             .frames
             .record(t0.elapsed().as_secs_f32() * 1000.0);
     }
@@ -545,13 +528,13 @@ impl eframe::App for StudioApp {
         if self.screenshot.is_some() {
             return;
         }
-        self.state.settings.panel = self.state.panel;
-        if let Some(p) = &self.state.config_path {
+        self.session.settings.panel = self.session.panel;
+        if let Some(p) = &self.session.config_path {
             if *p != demo_config_path() {
-                self.state.settings.last_config = Some(p.clone());
+                self.session.settings.last_config = Some(p.clone());
             }
         }
-        eframe::set_value(storage, SETTINGS_KEY, &self.state.settings);
+        eframe::set_value(storage, SETTINGS_KEY, &self.session.settings);
     }
 
     fn on_exit(&mut self, _gl: Option<&eframe::glow::Context>) {

@@ -112,31 +112,31 @@ fn announce(
 
 /// The settings lints of the studio's current config (`train::settings_lints`), once the
 /// model is known: the same findings `tunestudio train` stops on.
-pub fn settings_lints(s: &crate::gui::state::AppState) -> Vec<tunestudio::data::Lint> {
+pub fn settings_lints(
+    config: &RunConfig,
+    model: Option<&crate::gui::shared::ModelInfo>,
+    preview: Option<&tunestudio::data::DataPreview>,
+) -> Vec<tunestudio::data::Lint> {
     use tunestudio::train::settings_lints::{settings_lints, SettingsContext};
-    let Some(info) = &s.model.info else {
+    let Some(info) = model else {
         return Vec::new();
     };
-    let stats = s
-        .preview
-        .preview
-        .as_ref()
-        .map(|p| (p.num_train_rows, p.stats.max_length_seen));
+    let stats = preview.map(|p| (p.num_train_rows, p.stats.max_length_seen));
     let (train_rows, longest_row_tokens) = stats.unwrap_or((usize::MAX, 0));
     let ctx = SettingsContext {
         pretrained: SettingsContext::is_pretrained(
-            s.config.model.init,
+            config.model.init,
             !info.weight_files.is_empty(),
         ),
         train_rows,
         longest_row_tokens,
-        ranks: if s.config.devices.strategy == tunestudio::settings::Strategy::DataParallel {
-            s.config.devices.devices.len().max(1)
+        ranks: if config.devices.strategy == tunestudio::settings::Strategy::DataParallel {
+            config.devices.devices.len().max(1)
         } else {
             1
         },
     };
-    settings_lints(&s.config, &ctx)
+    settings_lints(config, &ctx)
 }
 
 #[cfg(test)]

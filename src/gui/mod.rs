@@ -1,15 +1,15 @@
 //! The desktop studio (eframe), a thin layer over the library.
 //!
 //! ```text
-//! panels (draw state, queue Actions) ──▶ app (runs actions) ──▶ jobs / trainer threads
-//!        ▲                                                           │
-//!        └──────────── state ◀── JobOutput / trainer Event ◀─────────┘ (+ request_repaint)
+//! panels (own state + view, queue Actions) ──▶ app (runs actions) ──▶ jobs / trainer threads
+//!        ▲                                                                 │
+//!        └──── app routes to the panel ◀── JobOutput / trainer Event ◀─────┘ (+ request_repaint)
 //! ```
 //!
-//! The run config ([`tunestudio::train::RunConfig`]) is the single source of
-//! truth: every panel edits it, background jobs re-plan and re-preview when
-//! the parts they depend on change, and Export saves it as the TOML that
-//! `tunestudio train --config` runs headless.
+//! The run config ([`tunestudio::train::RunConfig`], in the [`session::Session`]) is the
+//! single source of truth: every panel edits it, background jobs re-plan and re-preview
+//! when the parts they depend on change (the keys in `app/schedule.rs`), and Export saves it
+//! as the TOML that `tunestudio train --config` runs headless.
 
 pub mod app;
 pub mod disk;
@@ -24,7 +24,8 @@ pub mod planned;
 pub mod playground;
 pub mod reducer;
 pub mod run_state;
-pub mod state;
+pub mod session;
+pub mod shared;
 pub mod text;
 pub mod theme;
 pub mod widgets;

@@ -10,7 +10,7 @@
 use tunestudio::devices::DeviceInventory;
 use tunestudio::plan::{self, GpuModel};
 
-use super::state::AppState;
+use tunestudio::train::RunConfig;
 
 /// What a planned machine's GPUs are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -199,90 +199,19 @@ impl PlannerDraft {
 /// The GPU counts offered.
 pub const GPU_COUNTS: [usize; 8] = [1, 2, 3, 4, 5, 6, 7, 8];
 
-impl AppState {
-    /// The machine the config plans for when it is not this one's devices.
-    pub fn planned_machine(&self) -> Option<PlannedMachine> {
-        PlannedMachine::from_entries(&self.config.devices.devices)
+/// `Some(command)` when `config` plans for a machine this one (`inventory`) is not: training
+/// is not offered here (Start is disabled) and `command` is what to run on the target, which
+/// trains the config saved at `train_config_path`.
+pub fn planning_only(
+    config: &RunConfig,
+    inventory: Option<&DeviceInventory>,
+    train_config_path: &str,
+) -> Option<String> {
+    let m = PlannedMachine::from_entries(&config.devices.devices)?;
+    if m.runs_on(inventory) {
+        return None;
     }
-
-    /// `Some(command)` when the config plans for a machine this one is not: training is
-    /// not offered here (Start is disabled) and `command` is what to run on the target.
-    pub fn planning_only(&self) -> Option<String> {
-        let m = self.planned_machine()?;
-        if m.runs_on(self.devices.inventory.as_ref()) {
-            return None;
-        }
-        Some(super::panels::export::cli_command(
-            &self.train_config_path(),
-        ))
-    }
-
-    /// Where Export saves the config, which the CLI command trains.
-    pub fn train_config_path(&self) -> String {
-        let p = self.export.config_path.trim();
-        if p.is_empty() {
-            self.default_config_path().display().to_string()
-        } else {
-            p.to_string()
-        }
-    }
-
-    /// Switches the config to the draft's planned machine (remembering this machine's
-    /// selection), or to an error when the custom size does not parse.
-    pub fn plan_for_draft(&mut self) -> Result<(), String> {
-        let size = self.devices.planner.size_text()?;
-        let current = &self.config.devices.devices;
-        if PlannedMachine::from_entries(current).is_none() {
-            self.devices.planner.real_selection = Some(current.clone());
-        }
-        let entries = PlannedMachine::entries(self.devices.planner.count, &size);
-        self.set_device_entries(entries);
-        Ok(())
-    }
-
-    /// Switches the config back to this machine's devices: the selection from before
-    /// planning, else every GPU found, else the CPU.
-    pub fn plan_for_this_machine(&mut self) {
-        let restored = self
-            .devices
-            .planner
-            .real_selection
-            .take()
-            .filter(|s| !s.is_empty() && PlannedMachine::from_entries(s).is_none());
-        let entries = restored.unwrap_or_else(|| self.real_gpu_entries(usize::MAX));
-        self.set_device_entries(entries);
-    }
-
-    /// `cuda:N` for up to `max` of this machine's GPUs, else `cpu`.
-    pub fn real_gpu_entries(&self, max: usize) -> Vec<String> {
-        let gpus: Vec<String> = self
-            .devices
-            .inventory
-            .as_ref()
-            .map(|inv| {
-                inv.gpus()
-                    .map(|g| format!("cuda:{}", g.cuda_ordinal.unwrap_or(g.index)))
-                    .take(max)
-                    .collect()
-            })
-            .unwrap_or_default();
-        if gpus.is_empty() {
-            vec!["cpu".into()]
-        } else {
-            gpus
-        }
-    }
-
-    /// Writes the device entries; one device means the single strategy.
-    pub fn set_device_entries(&mut self, entries: Vec<String>) {
-        if entries.len() <= 1 {
-            self.config.devices.strategy = tunestudio::settings::Strategy::Single;
-        }
-        self.config.devices.devices = entries;
-        self.devices
-            .planner
-            .sync_from(&self.config.devices.devices.clone());
-    }
+    Some(super::panels::export::cli_command(train_config_path))
 }
 
 #[cfg(test)]

@@ -13,7 +13,8 @@ use egui_kittest::kittest::{NodeT, Queryable};
 use egui_kittest::Harness;
 
 use super::app::{StartOptions, StudioApp};
-use super::state::{Panel, RunPhase};
+use super::run_state::RunPhase;
+use super::session::Panel;
 use tunestudio::train::FinishReason;
 
 mod fixes;
@@ -70,16 +71,16 @@ fn wait_for(
 fn wait_ready(h: &mut Harness<'static, StudioApp>) {
     wait_for(h, "the demo to load", Duration::from_secs(90), |a| {
         a.jobs.in_flight() == 0
-            && a.state.preview.preview.is_some()
-            && a.state.plan.plan.is_some()
-            && a.state.devices.inventory.is_some()
+            && a.panels.preview.preview.is_some()
+            && a.panels.devices.plan.plan.is_some()
+            && a.panels.devices.inventory.is_some()
     });
 }
 
 /// Waits for background jobs (their spinners repaint continuously), then lets the UI settle.
 fn settle(h: &mut Harness<'static, StudioApp>) {
     wait_for(h, "background jobs", Duration::from_secs(60), |a| {
-        a.jobs.in_flight() == 0 && a.state.model.loading.is_none()
+        a.jobs.in_flight() == 0 && a.panels.model.loading.is_none()
     });
     h.run();
 }
@@ -90,7 +91,7 @@ fn click_nav(h: &mut Harness<'static, StudioApp>, panel: Panel) {
         .click();
     h.step();
     h.step();
-    assert_eq!(h.state().state.panel, panel);
+    assert_eq!(h.state().session.panel, panel);
 }
 
 /// Input roles: what a user types into, toggles, picks from or drags.
@@ -136,7 +137,7 @@ fn demo_preview_shows_trained_and_masked_tokens() {
     let out = tempfile::tempdir().expect("tempdir");
     let mut h = harness(Panel::Preview, out.path());
     wait_ready(&mut h);
-    let p = h.state().state.preview.preview.clone().expect("preview");
+    let p = h.state().panels.preview.preview.clone().expect("preview");
     assert!(!p.rows.is_empty());
     // The chips on screen carry their class in their accessible name.
     let trained = h.query_all_by_label_contains("(trained, id").count();
@@ -154,7 +155,7 @@ fn demo_preview_shows_trained_and_masked_tokens() {
     let before = p.rows[0].index;
     h.get_by_label("Next ▶").click();
     wait_for(&mut h, "the next rows", Duration::from_secs(60), |a| {
-        a.state
+        a.panels
             .preview
             .preview
             .as_ref()
@@ -168,14 +169,15 @@ fn precision_change_changes_the_planned_memory() {
     let mut h = harness(Panel::Training, out.path());
     wait_ready(&mut h);
     let peak = |a: &StudioApp| {
-        a.state
+        a.panels
+            .devices
             .plan
             .plan
             .as_ref()
             .map(|p| p.per_device[0].peak_bytes)
     };
     let before = peak(h.state()).expect("plan");
-    assert_eq!(h.state().state.config.training.precision.name(), "fp32");
+    assert_eq!(h.state().session.config.training.precision.name(), "fp32");
 
     h.get_by_label("Precision").click();
     h.run();
@@ -183,7 +185,7 @@ fn precision_change_changes_the_planned_memory() {
     h.step();
     settle(&mut h);
     assert_eq!(
-        h.state().state.config.training.precision.name(),
+        h.state().session.config.training.precision.name(),
         "bf16-mixed"
     );
     wait_for(&mut h, "a new plan", Duration::from_secs(30), |a| {
@@ -209,8 +211,15 @@ fn the_studio_plans_the_trained_rows_the_cli_plans() {
     wait_for_current_plan(&mut h, "the plan of the scanned data", |r| {
         r.trained_tokens.is_some()
     });
-    let studio_req = h.state().state.plan.request.clone().expect("request");
-    let studio = h.state().state.plan.plan.clone().expect("plan");
+    let studio_req = h
+        .state()
+        .panels
+        .devices
+        .plan
+        .request
+        .clone()
+        .expect("request");
+    let studio = h.state().panels.devices.plan.plan.clone().expect("plan");
 
     let demo = tunestudio::paths::assets_dir().join("demo.toml");
     let cli_req = cli_request(&["plan", "--config", &demo.display().to_string()]);
@@ -233,11 +242,11 @@ fn training_runs_pauses_and_stops_with_frame_times() {
     wait_ready(&mut h);
     h.get_by_label("Start").click();
     h.step();
-    let frames_before = h.state().state.frames.frames;
+    let frames_before = h.state().chrome.frames.frames;
     wait_for(&mut h, "loss points", Duration::from_secs(180), |a| {
-        a.state.run.loss.len() >= 3
+        a.panels.run.live.loss.len() >= 3
     });
-    let stats = h.state().state.frames.clone();
+    let stats = h.state().chrome.frames.clone();
     println!(
         "frame time while training ({} frames): {}",
         stats.frames - frames_before,
@@ -253,14 +262,14 @@ fn training_runs_pauses_and_stops_with_frame_times() {
 
     h.get_by_label("Pause").click();
     wait_for(&mut h, "the pause", Duration::from_secs(60), |a| {
-        a.state.run.phase == RunPhase::Paused
+        a.panels.run.live.phase == RunPhase::Paused
     });
-    let paused_at = h.state().state.run.step;
+    let paused_at = h.state().panels.run.live.step;
     h.get_by_label("Stop").click();
     wait_for(&mut h, "the stop", Duration::from_secs(60), |a| {
-        matches!(a.state.run.phase, RunPhase::Finished(_))
+        matches!(a.panels.run.live.phase, RunPhase::Finished(_))
     });
-    let r = &h.state().state.run;
+    let r = &h.state().panels.run.live;
     assert_eq!(r.phase, RunPhase::Finished(FinishReason::Stopped));
     assert_eq!(r.step, paused_at, "no step ran after the pause");
     assert!(r.loss.iter().all(|p| p[1].is_finite()));
@@ -290,11 +299,11 @@ fn malformed_dataset_shows_its_error_without_crashing() {
     h.step();
     h.get_by_label("Open").click();
     wait_for(&mut h, "the dataset error", Duration::from_secs(30), |a| {
-        a.state.dataset.error.is_some() && a.jobs.in_flight() == 0
+        a.panels.dataset.error.is_some() && a.jobs.in_flight() == 0
     });
     let err = h
         .state()
-        .state
+        .panels
         .dataset
         .error
         .as_ref()
@@ -308,7 +317,7 @@ fn malformed_dataset_shows_its_error_without_crashing() {
     // The preview reports it too, and the app keeps running.
     click_nav(&mut h, Panel::Preview);
     wait_for(&mut h, "the preview error", Duration::from_secs(30), |a| {
-        a.state.preview.error.is_some()
+        a.panels.preview.error.is_some()
     });
     h.run();
 }
@@ -342,7 +351,7 @@ fn every_input_widget_has_an_accessible_label() {
     h.get_by_label("LoRA").click();
     h.step();
     settle(&mut h);
-    assert!(h.state().state.config.lora.enabled);
+    assert!(h.state().session.config.lora.enabled);
     problems.extend(
         unlabelled_inputs(&h)
             .into_iter()
@@ -357,7 +366,7 @@ fn every_input_widget_has_an_accessible_label() {
 
 /// Each planned device's peak, in the plan's order (the process peak first on a CPU).
 fn planned_peaks(h: &Harness<'static, StudioApp>) -> Vec<u64> {
-    let plan = h.state().state.plan.plan.as_ref().expect("a plan");
+    let plan = h.state().panels.devices.plan.plan.as_ref().expect("a plan");
     plan.per_device.iter().map(|d| d.peak_bytes).collect()
 }
 
@@ -369,24 +378,46 @@ fn auto_fit_applies_settings_that_fit_a_small_device() {
     // A device 7 % too small for the demo as configured, its plan counting the studio's own
     // footprint (the process terms and the window: ≈ 290 MiB).
     wait_for(&mut h, "the demo's plan", Duration::from_secs(30), |a| {
-        a.jobs.in_flight() == 0 && a.state.plan.plan.as_ref().is_some_and(|p| p.fits())
+        a.jobs.in_flight() == 0
+            && a.panels
+                .devices
+                .plan
+                .plan
+                .as_ref()
+                .is_some_and(|p| p.fits())
     });
     let planned_bytes = planned_peaks(&h)[0];
     let small_mib = (planned_bytes * 93 / 100) >> 20;
-    h.state_mut().state.config.devices.devices = vec![format!("cpu:{small_mib}MiB")];
+    h.state_mut().session.config.devices.devices = vec![format!("cpu:{small_mib}MiB")];
     wait_for(
         &mut h,
         "an out-of-memory plan",
         Duration::from_secs(30),
-        |a| a.jobs.in_flight() == 0 && a.state.plan.plan.as_ref().is_some_and(|p| !p.fits()),
+        |a| {
+            a.jobs.in_flight() == 0
+                && a.panels
+                    .devices
+                    .plan
+                    .plan
+                    .as_ref()
+                    .is_some_and(|p| !p.fits())
+        },
     );
     assert!(h.query_by_label_contains("Does not fit").is_some());
     h.get_by_label("Auto-fit").click();
     wait_for(&mut h, "auto-fit", Duration::from_secs(60), |a| {
-        !a.state.plan.autofit_applied.is_empty() && a.jobs.in_flight() == 0 && !a.state.plan.loading
+        !a.panels.devices.plan.autofit_applied.is_empty()
+            && a.jobs.in_flight() == 0
+            && !a.panels.devices.plan.loading
     });
     wait_for(&mut h, "the fitted plan", Duration::from_secs(30), |a| {
-        a.jobs.in_flight() == 0 && a.state.plan.plan.as_ref().is_some_and(|p| p.fits())
+        a.jobs.in_flight() == 0
+            && a.panels
+                .devices
+                .plan
+                .plan
+                .as_ref()
+                .is_some_and(|p| p.fits())
     });
     assert!(h.query_by_label_contains("Auto-fit applied").is_some());
 }
@@ -436,7 +467,7 @@ fn hebrew_text_renders_with_a_system_font() {
 /// The Playground's error message ("" when there is none).
 fn playground_error(h: &Harness<'static, StudioApp>) -> String {
     h.state()
-        .state
+        .panels
         .playground
         .error
         .as_ref()
@@ -469,7 +500,7 @@ fn playground_streams_both_sides_cancels_and_reports_errors() {
 
     // Left: the base model; right: the base with the LoRA adapter.
     for i in 0..2 {
-        h.state_mut().state.playground.sides[i].source = SideSource::Folder;
+        h.state_mut().panels.playground.sides[i].source = SideSource::Folder;
     }
     h.step();
     type_into(&mut h, "Left model", &base);
@@ -479,17 +510,17 @@ fn playground_streams_both_sides_cancels_and_reports_errors() {
     h.step();
     h.get_by_label("Load Right").click();
     wait_for(&mut h, "both sides to load", Duration::from_secs(60), |a| {
-        a.state
+        a.panels
             .playground
             .sides
             .iter()
             .all(|s| s.loading.is_none() && (s.generator.is_some() || s.load_error.is_some()))
     });
-    for s in &h.state().state.playground.sides {
+    for s in &h.state().panels.playground.sides {
         assert!(s.load_error.is_none(), "load failed: {:?}", s.load_error);
     }
     assert_eq!(h.query_all_by_label_contains("loaded: ").count(), 2);
-    assert!(h.state().state.playground.sides[1]
+    assert!(h.state().panels.playground.sides[1]
         .loaded_name
         .contains("tiny-llama-lora"));
 
@@ -503,7 +534,7 @@ fn playground_streams_both_sides_cancels_and_reports_errors() {
 
     // Max new tokens 0 is refused too.
     type_into(&mut h, "Prompt", "Once upon a time");
-    h.state_mut().state.playground.params.max_new_tokens = 0;
+    h.state_mut().panels.playground.params.max_new_tokens = 0;
     h.get_by_label("Generate").click();
     h.step();
     h.step();
@@ -512,17 +543,17 @@ fn playground_streams_both_sides_cancels_and_reports_errors() {
 
     // Greedy, a few tokens: both sides stream and finish.
     {
-        let p = &mut h.state_mut().state.playground.params;
+        let p = &mut h.state_mut().panels.playground.params;
         p.max_new_tokens = 8;
         p.temperature = 0.0;
         p.stop_on_eos = false;
     }
     h.get_by_label("Generate").click();
     wait_for(&mut h, "both answers", Duration::from_secs(60), |a| {
-        let pg = &a.state.playground;
+        let pg = &a.panels.playground;
         !pg.generating() && pg.sides.iter().all(|s| s.output.stop_reason.is_some())
     });
-    let pg = &h.state().state.playground;
+    let pg = &h.state().panels.playground;
     assert!(pg.error.is_none(), "{:?}", pg.error);
     for s in &pg.sides {
         assert_eq!(s.output.tokens, 8, "{:?}", s.output);
@@ -537,11 +568,11 @@ fn playground_streams_both_sides_cancels_and_reports_errors() {
 
     // Export the comparison.
     let export = out.path().join("cmp.jsonl");
-    h.state_mut().state.playground.export_path = export.display().to_string();
+    h.state_mut().panels.playground.export_path = export.display().to_string();
     h.get_by_label("Export comparison").click();
     // The file is written by a job, off the UI thread.
     wait_for(&mut h, "the export", Duration::from_secs(30), |a| {
-        a.state
+        a.panels
             .playground
             .message
             .as_deref()
@@ -554,23 +585,23 @@ fn playground_streams_both_sides_cancels_and_reports_errors() {
     assert_eq!(row["settings"]["max_new_tokens"], 8);
     assert_eq!(
         row["left"].as_str(),
-        Some(h.state().state.playground.sides[0].output.text.as_str())
+        Some(h.state().panels.playground.sides[0].output.text.as_str())
     );
 
     // A long generation: Cancel stops both sides.
-    h.state_mut().state.playground.params.max_new_tokens = 100_000;
+    h.state_mut().panels.playground.params.max_new_tokens = 100_000;
     h.get_by_label("Generate").click();
     wait_for(
         &mut h,
         "the stream to start",
         Duration::from_secs(30),
-        |a| a.state.playground.generating(),
+        |a| a.panels.playground.generating(),
     );
     h.get_by_label("Cancel").click();
     wait_for(&mut h, "the cancel", Duration::from_secs(30), |a| {
-        !a.state.playground.generating()
+        !a.panels.playground.generating()
     });
-    for s in &h.state().state.playground.sides {
+    for s in &h.state().panels.playground.sides {
         assert_eq!(
             s.output.stop_reason,
             Some(StopReason::Cancelled),
@@ -585,10 +616,10 @@ fn playground_streams_both_sides_cancels_and_reports_errors() {
     type_into(&mut h, "Left adapter", &adapter);
     h.get_by_label("Load Left").click();
     wait_for(&mut h, "the adapter error", Duration::from_secs(60), |a| {
-        let s = &a.state.playground.sides[0];
+        let s = &a.panels.playground.sides[0];
         s.loading.is_none() && s.load_error.is_some()
     });
-    let err = h.state().state.playground.sides[0]
+    let err = h.state().panels.playground.sides[0]
         .load_error
         .as_ref()
         .map(ToString::to_string)
@@ -605,10 +636,10 @@ fn playground_loads_the_demo_run_model() {
     let mut h = harness(Panel::Playground, out.path());
     h.get_by_label("Load Left").click();
     wait_for(&mut h, "the demo model", Duration::from_secs(60), |a| {
-        let s = &a.state.playground.sides[0];
+        let s = &a.panels.playground.sides[0];
         s.loading.is_none() && (s.generator.is_some() || s.load_error.is_some())
     });
-    let s = &h.state().state.playground.sides[0];
+    let s = &h.state().panels.playground.sides[0];
     assert!(s.load_error.is_none(), "{:?}", s.load_error);
     // The right side defaults to the run's latest checkpoint; there is none yet.
     h.get_by_label("Load Right").click();
@@ -616,28 +647,28 @@ fn playground_loads_the_demo_run_model() {
         &mut h,
         "the checkpoint error",
         Duration::from_secs(10),
-        |a| a.state.playground.sides[1].load_error.is_some(),
+        |a| a.panels.playground.sides[1].load_error.is_some(),
     );
     assert!(h.query_by_label_contains("no checkpoint").is_some());
-    h.state_mut().state.playground.params.max_new_tokens = 4;
+    h.state_mut().panels.playground.params.max_new_tokens = 4;
     type_into(&mut h, "Prompt", "Hello");
     h.get_by_label("Generate").click();
     wait_for(&mut h, "the answer", Duration::from_secs(60), |a| {
-        let s = &a.state.playground.sides[0];
+        let s = &a.panels.playground.sides[0];
         s.handle.is_none() && (s.output.stop_reason.is_some() || s.output.error.is_some())
     });
-    let s = &h.state().state.playground.sides[0];
+    let s = &h.state().panels.playground.sides[0];
     assert!(s.output.error.is_none(), "{:?}", s.output.error);
     assert!(s.output.tokens > 0);
 
     // A prompt list runs in batch and fills the comparison table.
-    h.state_mut().state.playground.batch_prompts = vec!["One".into(), "Two".into()];
+    h.state_mut().panels.playground.batch_prompts = vec!["One".into(), "Two".into()];
     h.step();
     h.get_by_label("Run batch").click();
     wait_for(&mut h, "the batch", Duration::from_secs(60), |a| {
-        a.state.playground.batch_next.is_none() && a.state.playground.batch_rows.len() == 2
+        a.panels.playground.batch_next.is_none() && a.panels.playground.batch_rows.len() == 2
     });
-    let rows = &h.state().state.playground.batch_rows;
+    let rows = &h.state().panels.playground.batch_rows;
     assert_eq!(rows[1].prompt, "Two");
     assert!(!rows[0].left.is_empty() && !rows[0].left.starts_with("error"));
     assert!(h.query_by_label_contains("Batch prompt").is_some());
@@ -658,7 +689,7 @@ fn playground_work_counts_as_jobs_in_flight() {
     let mut h = harness(Panel::Playground, out.path());
     settle(&mut h);
     assert_eq!(h.state().jobs.in_flight(), 0);
-    h.state_mut().state.playground.sides[0].source = SideSource::Folder;
+    h.state_mut().panels.playground.sides[0].source = SideSource::Folder;
     h.step();
     type_into(&mut h, "Left model", &base);
     h.get_by_label("Load Left").click();
@@ -666,7 +697,7 @@ fn playground_work_counts_as_jobs_in_flight() {
     h.step();
     h.step();
     assert!(
-        h.state().state.playground.sides[0].loading.is_some(),
+        h.state().panels.playground.sides[0].loading.is_some(),
         "the load started"
     );
     // (The tiny model may already be loaded by now, so its job may be done: the generation
@@ -675,15 +706,15 @@ fn playground_work_counts_as_jobs_in_flight() {
         &mut h,
         "the load and its job",
         Duration::from_secs(60),
-        |a| a.jobs.in_flight() == 0 && a.state.playground.sides[0].loading.is_none(),
+        |a| a.jobs.in_flight() == 0 && a.panels.playground.sides[0].loading.is_none(),
     );
-    let s = &h.state().state.playground.sides[0];
+    let s = &h.state().panels.playground.sides[0];
     assert!(s.load_error.is_none(), "{:?}", s.load_error);
     assert!(s.generator.is_some());
 
     // A long generation counts until it is cancelled and its stream has ended.
     {
-        let p = &mut h.state_mut().state.playground.params;
+        let p = &mut h.state_mut().panels.playground.params;
         p.max_new_tokens = 100_000;
         p.stop_on_eos = false;
     }
@@ -691,7 +722,7 @@ fn playground_work_counts_as_jobs_in_flight() {
     h.get_by_label("Generate").click();
     h.step();
     h.step();
-    assert!(h.state().state.playground.generating());
+    assert!(h.state().panels.playground.generating());
     assert!(
         h.state().jobs.in_flight() > 0,
         "a generation counts as a job"
@@ -702,7 +733,7 @@ fn playground_work_counts_as_jobs_in_flight() {
         &mut h,
         "the generation to end",
         Duration::from_secs(30),
-        |a| !a.state.playground.generating() && a.jobs.in_flight() == 0,
+        |a| !a.panels.playground.generating() && a.jobs.in_flight() == 0,
     );
     assert_eq!(h.state().jobs.in_flight(), 0);
 }
@@ -741,7 +772,7 @@ fn the_memory_chart_draws_one_line_per_device_with_two_gpus() {
     wait_ready(&mut h);
     assert_eq!(
         h.state()
-            .state
+            .panels
             .devices
             .inventory
             .as_ref()
@@ -754,13 +785,13 @@ fn the_memory_chart_draws_one_line_per_device_with_two_gpus() {
         "memory of every device",
         Duration::from_secs(180),
         |a| {
-            let m = &a.state.run.memory;
+            let m = &a.panels.run.live.memory;
             ["cpu", "cuda:0", "cuda:1"]
                 .iter()
                 .all(|d| m.get(*d).is_some_and(|s| !s.used.is_empty()))
         },
     );
-    let lines: Vec<&String> = h.state().state.run.memory.keys().collect();
+    let lines: Vec<&String> = h.state().panels.run.live.memory.keys().collect();
     assert_eq!(lines, ["cpu", "cuda:0", "cuda:1"]);
     for device in ["cpu", "cuda:0", "cuda:1"] {
         assert!(
@@ -776,7 +807,7 @@ fn the_memory_chart_draws_one_line_per_device_with_two_gpus() {
         .is_some());
     h.get_by_label("Stop").click();
     wait_for(&mut h, "the stop", Duration::from_secs(60), |a| {
-        matches!(a.state.run.phase, RunPhase::Finished(_))
+        matches!(a.panels.run.live.phase, RunPhase::Finished(_))
     });
 }
 
@@ -789,14 +820,15 @@ fn a_cpu_layer_split_predicts_the_process_peak_once() {
     let mut h = harness(Panel::Run, out.path());
     wait_ready(&mut h);
     {
-        let devices = &mut h.state_mut().state.config.devices;
+        let devices = &mut h.state_mut().session.config.devices;
         devices.devices = vec!["cpu:0".into(), "cpu:1".into()];
         devices.strategy = tunestudio::settings::Strategy::LayerSplit;
     }
     wait_for(&mut h, "the split's plan", Duration::from_secs(30), |a| {
         a.jobs.in_flight() == 0
-            && !a.state.plan.loading
-            && a.state
+            && !a.panels.devices.plan.loading
+            && a.panels
+                .devices
                 .plan
                 .plan
                 .as_ref()
@@ -809,9 +841,9 @@ fn a_cpu_layer_split_predicts_the_process_peak_once() {
         &mut h,
         "the run's memory line",
         Duration::from_secs(60),
-        |a| a.state.run.memory.contains_key("cpu"),
+        |a| a.panels.run.live.memory.contains_key("cpu"),
     );
-    let predicted = h.state().state.run.memory["cpu"].predicted_peak_bytes;
+    let predicted = h.state().panels.run.live.memory["cpu"].predicted_peak_bytes;
     assert_eq!(
         predicted,
         Some(per_device[0]),
@@ -819,7 +851,7 @@ fn a_cpu_layer_split_predicts_the_process_peak_once() {
     );
     h.get_by_label("Stop").click();
     wait_for(&mut h, "the stop", Duration::from_secs(60), |a| {
-        matches!(a.state.run.phase, RunPhase::Finished(_))
+        matches!(a.panels.run.live.phase, RunPhase::Finished(_))
     });
 }
 
@@ -930,9 +962,9 @@ fn preview_chips(
     h: &mut Harness<'static, StudioApp>,
 ) -> (tunestudio::data::RowPreview, Vec<ChipNode>) {
     wait_for(h, "the preview", Duration::from_secs(90), |a| {
-        a.jobs.in_flight() == 0 && a.state.preview.preview.is_some()
+        a.jobs.in_flight() == 0 && a.panels.preview.preview.is_some()
     });
-    let p = h.state().state.preview.preview.clone().expect("preview");
+    let p = h.state().panels.preview.preview.clone().expect("preview");
     let row = p.rows[0].clone();
     assert!(
         row.groups(usize::MAX).iter().any(|g| g.is_split()),
@@ -1071,12 +1103,12 @@ fn wait_for_plan_of(h: &mut Harness<'static, StudioApp>, entries: &[&str]) {
     let entries: Vec<String> = entries.iter().map(|e| e.to_string()).collect();
     wait_for(h, "the plan", Duration::from_secs(90), move |a| {
         a.jobs.in_flight() == 0
-            && a.state.model.info.is_some()
-            && a.state.devices.inventory.is_some()
-            && a.state.config.devices.devices == entries
-            && !a.state.plan.loading
-            && a.state.plan.key == a.state.plan_key()
-            && a.state.plan.plan.is_some()
+            && a.panels.model.info.is_some()
+            && a.panels.devices.inventory.is_some()
+            && a.session.config.devices.devices == entries
+            && !a.panels.devices.plan.loading
+            && a.panels.devices.plan.key == a.plan_key()
+            && a.panels.devices.plan.plan.is_some()
     });
 }
 
@@ -1126,8 +1158,8 @@ fn wait_for_current_plan(
 ) {
     wait_for(h, what, Duration::from_secs(60), move |a| {
         a.jobs.in_flight() == 0
-            && a.state.plan.key == a.state.plan_key()
-            && a.state.plan.request.as_ref().is_some_and(&cond)
+            && a.panels.devices.plan.key == a.plan_key()
+            && a.panels.devices.plan.request.as_ref().is_some_and(&cond)
     });
 }
 
@@ -1149,21 +1181,21 @@ fn a_planned_machine_plans_like_the_cli_and_survives_a_reload() {
     let config = dictalm_config(dir.path());
     let mut h = harness_without_gpus(&config, dir.path());
     wait_for_plan_of(&mut h, &["cpu"]);
-    assert!(h.state().state.planning_only().is_none());
+    assert!(h.state().planning_only().is_none());
 
     // Plan for 2 × H100 80 GB (through A100 80 GB, so the model really changes).
     pick(&mut h, "Plan for", "A machine to rent or queue for");
     pick(&mut h, "GPUs", "2 GPUs");
     pick(&mut h, "GPU model", "A100 80 GB");
     assert_eq!(
-        h.state().state.config.devices.devices,
+        h.state().session.config.devices.devices,
         ["cuda:0=81920MiB", "cuda:1=81920MiB"]
     );
     pick(&mut h, "GPU model", "H100 80 GB");
     wait_for_plan_of(&mut h, &["cuda:0=81559MiB", "cuda:1=81559MiB"]);
 
     // The studio's plan is the CLI's: the same verdict, devices, bars and fixes.
-    let studio = h.state().state.plan.plan.clone().expect("plan");
+    let studio = h.state().panels.devices.plan.plan.clone().expect("plan");
     let cli = cli_plan("2xh100");
     assert_eq!(
         serde_json::to_value(&studio).expect("json"),
@@ -1193,7 +1225,7 @@ fn a_planned_machine_plans_like_the_cli_and_survives_a_reload() {
         .is_some());
 
     // Planning only: the command to run on the target is shown, and Start does nothing.
-    let cmd = h.state().state.planning_only().expect("planning only");
+    let cmd = h.state().planning_only().expect("planning only");
     assert!(cmd.starts_with("tunestudio train --config "), "{cmd}");
     assert!(h.query_by_label(&cmd).is_some(), "the command is not shown");
     assert!(!h
@@ -1201,7 +1233,14 @@ fn a_planned_machine_plans_like_the_cli_and_survives_a_reload() {
         .any(|n| !n.accesskit_node().is_disabled()));
 
     // Apply the top fix: the settings change, the planned machine stays.
-    let req = h.state().state.plan.request.clone().expect("request");
+    let req = h
+        .state()
+        .panels
+        .devices
+        .plan
+        .request
+        .clone()
+        .expect("request");
     let top = studio.fixes.first().expect("a fix").change.clone();
     let expected = top.apply(&req).settings_summary();
     h.get_all_by_label("Apply")
@@ -1213,15 +1252,15 @@ fn a_planned_machine_plans_like_the_cli_and_survives_a_reload() {
         r.settings_summary() == expected
     });
     assert_eq!(
-        h.state().state.config.devices.devices,
+        h.state().session.config.devices.devices,
         ["cuda:0=81559MiB", "cuda:1=81559MiB"]
     );
-    let fixed = h.state().state.plan.plan.clone().expect("plan");
+    let fixed = h.state().panels.devices.plan.plan.clone().expect("plan");
 
     // Save config writes the planned GPUs as the CLI reads them.
     click_nav(&mut h, Panel::Export);
     let saved = dir.path().join("saved").join("run.toml");
-    h.state_mut().state.export.config_path = saved.display().to_string();
+    h.state_mut().panels.export.config_path = saved.display().to_string();
     h.run_steps(2);
     h.get_by_label("Save config").click();
     h.step();
@@ -1233,7 +1272,7 @@ fn a_planned_machine_plans_like_the_cli_and_survives_a_reload() {
     );
     click_nav(&mut h, Panel::Run);
     assert!(h.get_by_label("Start").accesskit_node().is_disabled());
-    let cmd = h.state().state.planning_only().expect("planning only");
+    let cmd = h.state().planning_only().expect("planning only");
     assert!(cmd.ends_with(&saved.display().to_string()), "{cmd}");
     assert!(
         h.query_by_label(&cmd).is_some(),
@@ -1243,19 +1282,19 @@ fn a_planned_machine_plans_like_the_cli_and_survives_a_reload() {
     h.get_by_label("Start").click();
     h.step();
     h.step();
-    assert_eq!(h.state().state.run.phase, RunPhase::Idle);
+    assert_eq!(h.state().panels.run.live.phase, RunPhase::Idle);
     drop(h);
 
     // Reopening the config restores the planned machine and its plan.
     let mut h = harness_without_gpus(&saved, dir.path());
     wait_for_plan_of(&mut h, &["cuda:0=81559MiB", "cuda:1=81559MiB"]);
-    let s = &h.state().state;
+    let (s, p) = (&h.state().session, &h.state().panels);
     let m = s.planned_machine().expect("a planned machine");
     assert_eq!(m.describe(), "2 × H100 80 GB");
-    assert_eq!(s.devices.planner.count, 2);
-    assert_eq!(s.devices.planner.model.map(|m| m.id), Some("h100-80gb"));
+    assert_eq!(p.devices.planner.count, 2);
+    assert_eq!(p.devices.planner.model.map(|m| m.id), Some("h100-80gb"));
     assert_eq!(
-        serde_json::to_value(s.plan.plan.as_ref().expect("plan")).expect("json"),
+        serde_json::to_value(p.devices.plan.plan.as_ref().expect("plan")).expect("json"),
         serde_json::to_value(&fixed).expect("json")
     );
     assert!(h
@@ -1268,13 +1307,13 @@ fn a_planned_machine_plans_like_the_cli_and_survives_a_reload() {
     type_into(&mut h, "Memory per GPU", "40 GiB");
     h.run_steps(2);
     assert_eq!(
-        h.state().state.config.devices.devices,
+        h.state().session.config.devices.devices,
         ["cuda:0=40GiB", "cuda:1=40GiB"]
     );
     type_into(&mut h, "Memory per GPU", "lots");
     h.run_steps(2);
     assert_eq!(
-        h.state().state.config.devices.devices,
+        h.state().session.config.devices.devices,
         ["cuda:0=40GiB", "cuda:1=40GiB"]
     );
     assert!(h
@@ -1285,8 +1324,8 @@ fn a_planned_machine_plans_like_the_cli_and_survives_a_reload() {
 
     // Back to this machine: the CPU (it has no GPU), and training is offered again.
     pick(&mut h, "Plan for", "This machine");
-    assert_eq!(h.state().state.config.devices.devices, ["cpu"]);
-    assert!(h.state().state.planning_only().is_none());
+    assert_eq!(h.state().session.config.devices.devices, ["cpu"]);
+    assert!(h.state().planning_only().is_none());
 }
 
 #[test]
@@ -1313,7 +1352,7 @@ fn a_config_for_other_gpus_shows_both_machines_and_asks_which_to_use() {
     wait_for_plan_of(&mut h, &["cuda:0=40960MiB", "cuda:1=40960MiB"]);
 
     // This machine (an H100 and an H200) is not 2 × A100 40 GB: both are shown, and asked about.
-    let inv = h.state().state.devices.inventory.clone().expect("devices");
+    let inv = h.state().panels.devices.inventory.clone().expect("devices");
     let h100 = PlannedMachine::from_entries(&["cuda:0=81559MiB".to_string()]).expect("planned");
     assert!(h100.runs_on(Some(&inv)), "cuda:0 is the fake H100");
     let two = PlannedMachine::from_entries(&PlannedMachine::entries(2, "81559MiB"));
@@ -1327,13 +1366,13 @@ fn a_config_for_other_gpus_shows_both_machines_and_asks_which_to_use() {
             "The config plans for 2 × A100 40 GB; this machine has NVIDIA H100"
         )
         .is_some());
-    assert!(h.state().state.planning_only().is_some());
+    assert!(h.state().planning_only().is_some());
 
     // Keep planning for the config's machine: the question goes, planning only stays.
     h.get_by_label("Keep planning for 2 × A100 40 GB").click();
     h.run_steps(2);
     assert!(h.query_by_label("Which machine?").is_none());
-    assert!(h.state().state.planning_only().is_some());
+    assert!(h.state().planning_only().is_some());
 
     // Another planned model asks again; this time use this machine's GPUs and train here.
     pick(&mut h, "GPU model", "H200 141 GB");
@@ -1341,7 +1380,7 @@ fn a_config_for_other_gpus_shows_both_machines_and_asks_which_to_use() {
     h.get_by_label("Use this machine's GPUs").click();
     h.run_steps(2);
     wait_for_plan_of(&mut h, &["cuda:0", "cuda:1"]);
-    assert!(h.state().state.planning_only().is_none());
+    assert!(h.state().planning_only().is_none());
     assert!(h.query_by_label("Which machine?").is_none());
 }
 
@@ -1365,7 +1404,7 @@ fn founding_label_bug_blocks_start_until_overridden_and_stop_saves() {
     let mut h = harness(Panel::Dataset, &demo_out);
     wait_ready(&mut h);
     assert_eq!(
-        h.state().state.config.data.format,
+        h.state().session.config.data.format,
         tunestudio::data::Format::Alpaca
     );
 
@@ -1379,19 +1418,19 @@ fn founding_label_bug_blocks_start_until_overridden_and_stop_saves() {
     h.get_by_label("Open").click();
     wait_for(&mut h, "the new preview", Duration::from_secs(60), |a| {
         a.jobs.in_flight() == 0
-            && a.state.dataset.summary.is_some()
-            && a.state.preview.preview.as_ref().is_some_and(|p| {
+            && a.panels.dataset.summary.is_some()
+            && a.panels.preview.preview.as_ref().is_some_and(|p| {
                 p.format == tunestudio::data::Format::Pretokenized && !p.lints.is_empty()
             })
     });
-    let c = &h.state().state.config;
+    let c = &h.state().session.config;
     assert_eq!(c.data.format, tunestudio::data::Format::Auto, "re-detected");
     assert_ne!(c.output_dir, demo_out, "a new project writes elsewhere");
     // Its run config goes beside its output folder, not into the demo's.
-    let saved_to = std::path::PathBuf::from(&h.state().state.export.config_path);
+    let saved_to = std::path::PathBuf::from(&h.state().panels.export.config_path);
     assert_eq!(
         saved_to,
-        h.state().state.default_config_path(),
+        h.state().session.default_config_path(),
         "the Export panel saves the new project's run.toml"
     );
     assert!(!saved_to.starts_with(&demo_out), "{}", saved_to.display());
@@ -1418,14 +1457,14 @@ fn founding_label_bug_blocks_start_until_overridden_and_stop_saves() {
         .click();
     h.step();
     h.step();
-    assert_eq!(h.state().state.config.data.allow, ["labels-mismatch"]);
+    assert_eq!(h.state().session.config.data.allow, ["labels-mismatch"]);
     assert!(!h.get_by_label("Start").accesskit_node().is_disabled());
     h.get_by_label("Start").click();
     wait_for(
         &mut h,
         "training with the override",
         Duration::from_secs(120),
-        |a| a.state.run.step >= 1 && !a.state.run.allowed_lints.is_empty(),
+        |a| a.panels.run.live.step >= 1 && !a.panels.run.live.allowed_lints.is_empty(),
     );
     // Shown in the Run panel and in its log.
     assert!(
@@ -1435,9 +1474,9 @@ fn founding_label_bug_blocks_start_until_overridden_and_stop_saves() {
     );
     h.get_by_label("Stop").click();
     wait_for(&mut h, "the stop", Duration::from_secs(60), |a| {
-        matches!(a.state.run.phase, RunPhase::Finished(_))
+        matches!(a.panels.run.live.phase, RunPhase::Finished(_))
     });
-    let r = &h.state().state.run;
+    let r = &h.state().panels.run.live;
     assert_eq!(r.phase, RunPhase::Finished(FinishReason::Stopped));
     assert!(r.last_checkpoint.is_some(), "Stop saves a checkpoint");
 
@@ -1448,11 +1487,11 @@ fn founding_label_bug_blocks_start_until_overridden_and_stop_saves() {
         "the stopped run's checkpoint",
         Duration::from_secs(60),
         |a| {
-            let s = &a.state.playground.sides[1];
+            let s = &a.panels.playground.sides[1];
             s.loading.is_none() && (s.generator.is_some() || s.load_error.is_some())
         },
     );
-    let right = &h.state().state.playground.sides[1];
+    let right = &h.state().panels.playground.sides[1];
     assert!(right.load_error.is_none(), "{:?}", right.load_error);
 }
 
@@ -1475,7 +1514,10 @@ fn browse_opens_the_in_app_picker_without_a_portal() {
     for _ in 0..4 {
         h.step();
     }
-    assert!(h.state().state.picker.is_some(), "the in-app picker opened");
+    assert!(
+        h.state().chrome.picker.is_some(),
+        "the in-app picker opened"
+    );
     assert!(h.query_by_label("Choose this folder").is_some());
     assert!(h
         .query_by_label_contains("using the built-in file picker")
@@ -1498,16 +1540,18 @@ fn browse_opens_the_in_app_picker_without_a_portal() {
     h.step();
     let shown = h
         .state()
-        .state
+        .chrome
         .picker
         .as_ref()
         .map(|(_, p)| p.dir().to_path_buf());
     assert_eq!(shown.as_deref(), Some(assets.join("demo-model").as_path()));
     h.get_by_label("Choose this folder").click();
     wait_for(&mut h, "the chosen model", Duration::from_secs(60), |a| {
-        a.state.picker.is_none() && a.state.model.loading.is_none() && a.state.model.info.is_some()
+        a.chrome.picker.is_none()
+            && a.panels.model.loading.is_none()
+            && a.panels.model.info.is_some()
     });
-    let s = &h.state().state;
+    let s = &h.state().panels;
     assert_eq!(
         std::path::Path::new(&s.model.source_input),
         assets.join("demo-model")
@@ -1524,7 +1568,7 @@ fn settings_follow_a_pretrained_model_and_a_wild_rate_blocks_start() {
     let out = tempfile::tempdir().expect("tempdir");
     let mut h = harness(Panel::Model, &out.path().join("runs").join("demo"));
     wait_ready(&mut h);
-    let c = &h.state().state.config;
+    let c = &h.state().session.config;
     assert_eq!(c.model.init, tunestudio::train::InitMode::Random);
     assert_eq!(c.training.learning_rate, 3e-3);
 
@@ -1544,15 +1588,15 @@ fn settings_follow_a_pretrained_model_and_a_wild_rate_blocks_start() {
         "the pretrained model",
         Duration::from_secs(60),
         |a| {
-            a.state
+            a.panels
                 .model
                 .info
                 .as_ref()
                 .is_some_and(|i| !i.weight_files.is_empty())
-                && a.state.follow.note.is_some()
+                && a.session.follow.note.is_some()
         },
     );
-    let c = &h.state().state.config;
+    let c = &h.state().session.config;
     assert_eq!(c.model.init, tunestudio::train::InitMode::Auto);
     assert_eq!(c.training.learning_rate, 2e-5);
     // The demo already warms up (5 steps): that stays.
@@ -1565,7 +1609,7 @@ fn settings_follow_a_pretrained_model_and_a_wild_rate_blocks_start() {
             >= 1
     );
 
-    h.state_mut().state.config.training.learning_rate = 3e-3;
+    h.state_mut().session.config.training.learning_rate = 3e-3;
     click_nav(&mut h, Panel::Run);
     assert!(h
         .query_by_label_contains("Start is disabled: lint `learning-rate`")
@@ -1577,7 +1621,7 @@ fn settings_follow_a_pretrained_model_and_a_wild_rate_blocks_start() {
     h.step();
     assert!(h
         .state()
-        .state
+        .session
         .config
         .data
         .allow
@@ -1593,13 +1637,16 @@ fn the_export_panel_writes_a_gguf_file_with_its_predicted_size() {
     h.get_by_label("GGUF file").click();
     h.step();
     h.step();
-    assert_eq!(h.state().state.export.kind, super::state::ExportKind::Gguf);
+    assert_eq!(
+        h.state().panels.export.kind,
+        super::panels::export::ExportKind::Gguf
+    );
     // The size follows the type, computed from the loaded model's config.
     let size_of =
         |h: &Harness<'static, StudioApp>| text_containing(h, "+ the tokenizer").unwrap_or_default();
     let q4 = size_of(&h);
     assert!(!q4.is_empty(), "the predicted size is shown");
-    h.state_mut().state.export.gguf_quant = tunestudio::gguf::GgufQuant::F16;
+    h.state_mut().panels.export.gguf_quant = tunestudio::gguf::GgufQuant::F16;
     h.step();
     h.step();
     assert_ne!(size_of(&h), q4, "f16 predicts another size than q4_k_m");
@@ -1607,7 +1654,7 @@ fn the_export_panel_writes_a_gguf_file_with_its_predicted_size() {
     // A model folder exports as it is (a checkpoint would merge its adapter first).
     let dest = out.path().join("tiny.gguf");
     {
-        let e = &mut h.state_mut().state.export;
+        let e = &mut h.state_mut().panels.export;
         e.checkpoint = crate_fixture("tiny-llama").display().to_string();
         e.destination = dest.display().to_string();
         e.gguf_quant = tunestudio::gguf::GgufQuant::Q8_0;
@@ -1618,9 +1665,9 @@ fn the_export_panel_writes_a_gguf_file_with_its_predicted_size() {
         .expect("the Export button")
         .click();
     wait_for(&mut h, "the GGUF export", Duration::from_secs(60), |a| {
-        !a.state.export.running && a.state.export.result.is_some()
+        !a.panels.export.running && a.panels.export.result.is_some()
     });
-    let result = h.state().state.export.result.clone().expect("result");
+    let result = h.state().panels.export.result.clone().expect("result");
     assert_eq!(result.expect("exported"), dest);
     assert!(std::fs::metadata(&dest).expect("file").len() > 1_000_000);
     assert!(dest.with_extension("Modelfile").is_file());
@@ -1662,8 +1709,8 @@ fn playground_compares_a_gguf_file_with_its_model_folder() {
     .expect("export");
 
     let mut h = harness(Panel::Playground, out.path());
-    h.state_mut().state.playground.sides[0].source = SideSource::Folder;
-    h.state_mut().state.playground.sides[1].source = SideSource::Gguf;
+    h.state_mut().panels.playground.sides[0].source = SideSource::Folder;
+    h.state_mut().panels.playground.sides[1].source = SideSource::Gguf;
     h.step();
     type_into(&mut h, "Left model", &base.display().to_string());
     type_into(&mut h, "Right GGUF", &gguf.display().to_string());
@@ -1671,17 +1718,17 @@ fn playground_compares_a_gguf_file_with_its_model_folder() {
     h.step();
     h.get_by_label("Load Right").click();
     wait_for(&mut h, "both sides to load", Duration::from_secs(60), |a| {
-        a.state
+        a.panels
             .playground
             .sides
             .iter()
             .all(|s| s.loading.is_none() && (s.generator.is_some() || s.load_error.is_some()))
     });
-    for s in &h.state().state.playground.sides {
+    for s in &h.state().panels.playground.sides {
         assert!(s.load_error.is_none(), "load failed: {:?}", s.load_error);
     }
     {
-        let p = &mut h.state_mut().state.playground.params;
+        let p = &mut h.state_mut().panels.playground.params;
         p.max_new_tokens = 12;
         p.temperature = 0.0;
         p.stop_on_eos = false;
@@ -1689,10 +1736,10 @@ fn playground_compares_a_gguf_file_with_its_model_folder() {
     type_into(&mut h, "Prompt", "Give three tips for staying healthy.");
     h.get_by_label("Generate").click();
     wait_for(&mut h, "both answers", Duration::from_secs(60), |a| {
-        let pg = &a.state.playground;
+        let pg = &a.panels.playground;
         !pg.generating() && pg.sides.iter().all(|s| s.output.stop_reason.is_some())
     });
-    let sides = &h.state().state.playground.sides;
+    let sides = &h.state().panels.playground.sides;
     assert_eq!(sides[1].output.tokens, 12);
     assert_eq!(sides[0].output.text, sides[1].output.text);
 }
@@ -1713,14 +1760,17 @@ fn open_in_app_picker(out: &Path) -> Harness<'static, StudioApp> {
     for _ in 0..4 {
         h.step();
     }
-    assert!(h.state().state.picker.is_some(), "the in-app picker opened");
+    assert!(
+        h.state().chrome.picker.is_some(),
+        "the in-app picker opened"
+    );
     h
 }
 
 /// The folder the open in-app picker lists.
 fn picker_dir(h: &Harness<'static, StudioApp>) -> Option<std::path::PathBuf> {
     h.state()
-        .state
+        .chrome
         .picker
         .as_ref()
         .map(|(_, p)| p.dir().to_path_buf())
@@ -1738,12 +1788,12 @@ fn the_in_app_picker_is_modal() {
         h.step();
         h.step();
         assert_eq!(
-            h.state().state.panel,
+            h.state().session.panel,
             Panel::Model,
             "a click on {} went through",
             p.title()
         );
-        assert!(h.state().state.picker.is_some(), "the picker stays open");
+        assert!(h.state().chrome.picker.is_some(), "the picker stays open");
     }
 
     let before = picker_dir(&h).expect("open");
@@ -1754,7 +1804,10 @@ fn the_in_app_picker_is_modal() {
     h.get_by_label("Cancel").click();
     h.step();
     h.step();
-    assert!(h.state().state.picker.is_none(), "Cancel closed the picker");
+    assert!(
+        h.state().chrome.picker.is_none(),
+        "Cancel closed the picker"
+    );
     click_nav(&mut h, Panel::Training);
 }
 
@@ -1795,8 +1848,8 @@ fn a_long_status_message_stops_short_of_the_frame_time_readout() {
     let mut h = harness(Panel::Model, out.path());
     h.step();
     let long = format!("a long message: {}", "every word of it counts ".repeat(40));
-    h.state_mut().state.show_debug = true;
-    h.state_mut().state.toast(long.clone());
+    h.state_mut().chrome.show_debug = true;
+    h.state_mut().chrome.toast(long.clone());
     h.step();
     h.step();
     let message = h.get_by_label(&long).rect();
@@ -1846,7 +1899,14 @@ fn the_studio_plans_the_longest_batch_of_the_data_as_the_cli_does() {
     wait_for_current_plan(&mut h, "the plan of the scanned data", |r| {
         r.trained_tokens.is_some()
     });
-    let studio = h.state().state.plan.request.clone().expect("request");
+    let studio = h
+        .state()
+        .panels
+        .devices
+        .plan
+        .request
+        .clone()
+        .expect("request");
     let cli = cli_request(&["plan", "--config", &path.display().to_string()]);
     assert_eq!(studio.seq_len, 1024);
     assert!(
@@ -1882,7 +1942,7 @@ fn preference_data_shows_the_pair_preview() {
     let mut h = harness(Panel::Dataset, out.path());
     wait_ready(&mut h);
     // One pair per micro-batch row keeps the frame small.
-    h.state_mut().state.config.training.micro_batch = 1;
+    h.state_mut().session.config.training.micro_batch = 1;
     h.get_by_label("File, folder or hub id").focus();
     h.step();
     h.key_press_modifiers(egui::Modifiers::COMMAND, egui::Key::A);
@@ -1892,7 +1952,7 @@ fn preference_data_shows_the_pair_preview() {
     h.step();
     h.get_by_label("Open").click();
     wait_for(&mut h, "the dataset", Duration::from_secs(30), |a| {
-        a.jobs.in_flight() == 0 && a.state.dataset.summary.is_some()
+        a.jobs.in_flight() == 0 && a.panels.dataset.summary.is_some()
     });
     assert!(
         h.query_by_label_contains("sharegpt_ranking (preference pairs")
@@ -1902,11 +1962,11 @@ fn preference_data_shows_the_pair_preview() {
     h.get_by_label("Show the token preview").click();
     h.step();
     wait_for(&mut h, "the preview", Duration::from_secs(90), |a| {
-        let p = &a.state.preview;
+        let p = &a.panels.preview;
         a.jobs.in_flight() == 0
             && (p.pairs.preview().is_some() || p.preview.is_some() || p.error.is_some())
     });
-    let s = &h.state().state;
+    let s = &h.state().panels;
     assert!(s.preview.error.is_none(), "{:?}", s.preview.error);
     assert!(s.preview.preview.is_none(), "previewed as SFT rows");
     let p = s.preview.pairs.preview().cloned().expect("pairs");
@@ -1970,7 +2030,7 @@ fn preference_data_shows_the_pair_preview() {
         .is_some());
     h.get_by_label("Open Training").click();
     h.run_steps(2);
-    assert_eq!(h.state().state.panel, Panel::Training);
+    assert_eq!(h.state().session.panel, Panel::Training);
 }
 
 /// Issue #40: the Training panel's method switch edits `[training] method`, the plan follows
@@ -1982,10 +2042,17 @@ fn switching_the_method_to_dpo_changes_the_plan() {
     let mut h = harness(Panel::Training, out.path());
     wait_ready(&mut h);
     wait_for_current_plan(&mut h, "the SFT plan", |_| true);
-    let sft_req = h.state().state.plan.request.clone().expect("request");
+    let sft_req = h
+        .state()
+        .panels
+        .devices
+        .plan
+        .request
+        .clone()
+        .expect("request");
     let sft_peak = planned_peaks(&h)[0];
     assert_eq!(
-        h.state().state.config.training.method,
+        h.state().session.config.training.method,
         tunestudio::train::TrainingMethod::Sft
     );
     assert!(h.query_by_label("Beta").is_none(), "β is DPO's");
@@ -1993,7 +2060,7 @@ fn switching_the_method_to_dpo_changes_the_plan() {
     h.get_by_label("DPO").click();
     h.run_steps(2);
     assert_eq!(
-        h.state().state.config.training.method,
+        h.state().session.config.training.method,
         tunestudio::train::TrainingMethod::Dpo,
         "the switch edits the run config"
     );
@@ -2001,8 +2068,15 @@ fn switching_the_method_to_dpo_changes_the_plan() {
     wait_for_current_plan(&mut h, "the DPO plan", |r| {
         r.settings_summary() != sft_summary
     });
-    let dpo_req = h.state().state.plan.request.clone().expect("request");
-    let pref = h.state().state.config.preference.clone();
+    let dpo_req = h
+        .state()
+        .panels
+        .devices
+        .plan
+        .request
+        .clone()
+        .expect("request");
+    let pref = h.state().session.config.preference.clone();
     assert_eq!(dpo_req.micro_batch, 2 * sft_req.micro_batch);
     assert_eq!(
         dpo_req.seq_len,
@@ -2016,14 +2090,14 @@ fn switching_the_method_to_dpo_changes_the_plan() {
     assert!(h.query_by_label("Beta").is_some());
     pick(&mut h, "DPO loss", "IPO");
     assert_eq!(
-        h.state().state.config.preference.loss,
+        h.state().session.config.preference.loss,
         tunestudio::train::DpoLoss::Ipo
     );
 
     // The saved run config trains DPO.
     click_nav(&mut h, Panel::Export);
     let saved = out.path().join("saved").join("run.toml");
-    h.state_mut().state.export.config_path = saved.display().to_string();
+    h.state_mut().panels.export.config_path = saved.display().to_string();
     h.run_steps(2);
     h.get_by_label("Save config").click();
     h.step();

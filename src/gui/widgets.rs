@@ -8,14 +8,14 @@ use eframe::egui::{self, RichText, Ui};
 use tunestudio::plan::Plan;
 
 use crate::gui::app::Action;
-use crate::gui::state::AppState;
+use crate::gui::shared::PanelContext;
 use crate::gui::theme;
 
 /// When the config plans for a machine this one is not, draws "planning only" with the
 /// `tunestudio train --config …` command to run on the target (and a button that saves
 /// the config and copies it), and returns `true`: Start is then not offered.
-pub fn planning_only_note(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) -> bool {
-    let Some(cmd) = s.planning_only() else {
+pub fn planning_only_note(ui: &mut Ui, cx: &PanelContext, actions: &mut Vec<Action>) -> bool {
+    let Some(cmd) = cx.planning_only.clone() else {
         return false;
     };
     ui.horizontal_wrapped(|ui| {
@@ -30,9 +30,11 @@ pub fn planning_only_note(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Actio
             .button("Save config & copy command")
             .on_hover_text("Saves the config where Export does and copies the command that trains it on the target");
         if r.clicked() {
-            actions.push(Action::SaveConfig(PathBuf::from(s.train_config_path())));
+            actions.push(Action::SaveConfig(PathBuf::from(&cx.train_config_path)));
             ui.ctx().copy_text(cmd.clone());
-            s.toast("saved the config and copied the command for the target machine");
+            actions.push(Action::Toast(
+                "saved the config and copied the command for the target machine".into(),
+            ));
         }
     });
     true

@@ -37,9 +37,12 @@ pub const LARGE_BLOCK_BYTES: usize = 1 << 17;
 
 /// A global allocator: large blocks from the pool, the rest from `A`. Install it in a binary:
 ///
-/// ```ignore
+/// ```
+/// use tunestudio::mem::LargeBlockPool;
+///
 /// #[global_allocator]
 /// static GLOBAL: LargeBlockPool<mimalloc::MiMalloc> = LargeBlockPool::new(mimalloc::MiMalloc);
+/// # fn main() {}
 /// ```
 #[derive(Debug)]
 pub struct LargeBlockPool<A> {

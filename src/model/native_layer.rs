@@ -901,24 +901,12 @@ fn backward(
     let n = d.n;
     let sv = |i: usize| s.lora[i].as_deref();
     let mut grads = GradList::default();
-    let dbg = |w: &str| {
-        if std::env::var("NLDBG").is_ok() {
-            eprintln!(
-                "NLDBG {w}: cur {:.2} peak {:.2}",
-                crate::mem::current_bytes() as f64 / 1048576.0,
-                crate::mem::peak_bytes() as f64 / 1048576.0
-            );
-        }
-    };
-    dbg("bwd start");
     // MLP: out = h2 + down(silu(gate(x2)) * up(x2)).
     let a = silu_mul::forward::<f32>(&s.g, &s.u);
     let mut da = None;
     grads.push_lin(6, ld.backward(dout, &a, sv(6), n, seed, &mut da)?);
     drop(a);
-    dbg("after down");
     let (dg, du) = silu_mul::backward::<f32>(&s.g, &s.u, &input_grad(da)?);
-    dbg("after silu");
     let mut dx2 = None;
     grads.push_lin(4, lg.backward(&dg, &s.x2, sv(4), n, seed, &mut dx2)?);
     grads.push_lin(5, lu.backward(&du, &s.x2, sv(5), n, seed, &mut dx2)?);
@@ -941,7 +929,6 @@ fn backward(
     let (mut dh, dw_in) = rms_norm::backward::<f32>(h, &input_grad(dx1)?, p.norm_in, d.eps);
     grads.push(Slot::NormIn, Some(dw_in));
     add_into(&mut dh, &dh2);
-    dbg("end");
     Ok((dh, grads.0))
 }
 

@@ -341,36 +341,6 @@ const SECTIONS: &[&str] = &[
 ];
 
 impl RunConfig {
-    /// Reads, parses and validates a run config; relative paths in it resolve
-    /// against the file's folder. Every problem is reported at once.
-    pub fn load(path: &Path) -> Result<RunConfig, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
-            path: path.to_path_buf(),
-            cause,
-        })?;
-        let base_dir = path
-            .parent()
-            .map(Path::to_path_buf)
-            .filter(|p| !p.as_os_str().is_empty())
-            .unwrap_or_else(|| PathBuf::from("."));
-        let config = Self::parse_with_base(&text, &path.display().to_string(), base_dir)?;
-        let problems = config.validate();
-        if problems.is_empty() {
-            Ok(config)
-        } else {
-            Err(ConfigError::Invalid {
-                origin: path.display().to_string(),
-                problems,
-            })
-        }
-    }
-
-    /// Parses a config from TOML text without the semantic checks of [`RunConfig::validate`]
-    /// (type errors, unknown keys and unknown enum values are still reported, all at once).
-    pub fn from_toml_str(text: &str, base_dir: &Path) -> Result<RunConfig, ConfigError> {
-        Self::parse_with_base(text, "<text>", base_dir.to_path_buf())
-    }
-
     /// A config from a parsed TOML table, tolerantly: every key that does not deserialise
     /// (unknown, or of the wrong type) is left out, at its default, and returned as a problem
     /// instead of failing. No semantic checks. `tunestudio plan --config` reads configs this way.
@@ -391,11 +361,15 @@ impl RunConfig {
         (config, problems)
     }
 
-    fn parse_with_base(
+    /// Parses `text` without the semantic checks: the config with every key that deserialised,
+    /// and a problem for each key that did not (type errors, unknown keys, unknown enum
+    /// values, all at once). A TOML syntax error is an error. The readers that validate too
+    /// (`RunConfig::load`, `RunConfig::from_toml_str`) sit above, in `train/validate.rs`.
+    pub(crate) fn parse_unchecked(
         text: &str,
         origin: &str,
         base_dir: PathBuf,
-    ) -> Result<RunConfig, ConfigError> {
+    ) -> Result<(RunConfig, Vec<ConfigProblem>), ConfigError> {
         let mut table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Syntax {
             origin: origin.to_string(),
             message: e.to_string(),
@@ -414,15 +388,7 @@ impl RunConfig {
             }
         };
         config.base_dir = base_dir;
-        if problems.is_empty() {
-            Ok(config)
-        } else {
-            problems.extend(config.validate());
-            Err(ConfigError::Invalid {
-                origin: origin.to_string(),
-                problems,
-            })
-        }
+        Ok((config, problems))
     }
 
     /// Writes the config as TOML (atomically: a temporary file renamed over `path`).
@@ -522,12 +488,6 @@ impl RunConfig {
             .dtype
             .to_dtype()
             .unwrap_or_else(|| self.training.precision.compute_dtype())
-    }
-
-    /// Semantic checks of every field; an empty list means the config is usable.
-    /// Includes file-system checks (model folder present, output folder writable).
-    pub fn validate(&self) -> Vec<ConfigProblem> {
-        super::validate::validate(self)
     }
 }
 

@@ -11,6 +11,7 @@
 pub mod apply_plan;
 pub mod checkpoint;
 pub mod config;
+pub mod device_check;
 pub mod divergence;
 pub mod dry_run;
 pub mod error;
@@ -21,6 +22,7 @@ pub mod loader;
 pub mod memory;
 pub mod metrics;
 pub mod oom;
+pub mod pairs;
 pub mod placement;
 pub mod plan_adapter;
 pub mod precision;
@@ -40,6 +42,7 @@ pub use config::{
     CheckpointSection, DevicesSection, DpoLoss, EvalSection, InitMode, LoraSection, ModelDtype,
     ModelSection, PreferenceSection, ReferenceMode, RunConfig, TrainingMethod, TrainingSection,
 };
+pub use device_check::{check_options, check_request};
 pub use dry_run::dry_run;
 pub use error::{ConfigError, ConfigProblem, Phase, TrainError};
 pub use events::{Command, Event, FinishReason, LintFinding, MemoryScope};

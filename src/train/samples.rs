@@ -169,7 +169,7 @@ pub fn trained_tokens(
 ) -> Result<Option<crate::plan::TrainedTokens>, TrainError> {
     let tok = load_tokenizer(&locate_model(config)?.dir)?;
     if config.training.method.is_preference() {
-        let pairs = super::preference::load_pair_splits(config, &tok)?;
+        let pairs = super::pairs::load_pair_splits(config, &tok)?;
         return Ok(Some(pair_trained_tokens(config, &pairs.train)));
     }
     let splits = load_splits(config, &tok)?;

@@ -1,11 +1,63 @@
-//! Semantic checks of a [`RunConfig`]: every problem is collected, by field name.
+//! Semantic checks of a [`RunConfig`]: every problem is collected, by field name; and the
+//! readers that report them beside the type errors, all at once ([`RunConfig::load`],
+//! [`RunConfig::from_toml_str`]).
+//!
+//! The config's types and their parsing (`train/config.rs`) know nothing of the checks: this
+//! module sits above them (`config ← validate`), so the two do not import each other.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::config::{InitMode, ModelDtype, RunConfig};
-use super::error::ConfigProblem;
+use super::error::{ConfigError, ConfigProblem};
 use super::precision::Precision;
 use crate::settings::Strategy;
+
+impl RunConfig {
+    /// Reads, parses and validates a run config; relative paths in it resolve
+    /// against the file's folder. Every problem is reported at once.
+    pub fn load(path: &Path) -> Result<RunConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|cause| ConfigError::Read {
+            path: path.to_path_buf(),
+            cause,
+        })?;
+        let base_dir = path
+            .parent()
+            .map(Path::to_path_buf)
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or_else(|| PathBuf::from("."));
+        let origin = path.display().to_string();
+        let (config, mut problems) = RunConfig::parse_unchecked(&text, &origin, base_dir)?;
+        problems.extend(config.validate());
+        if problems.is_empty() {
+            Ok(config)
+        } else {
+            Err(ConfigError::Invalid { origin, problems })
+        }
+    }
+
+    /// Parses a config from TOML text without the semantic checks of [`RunConfig::validate`]
+    /// (type errors, unknown keys and unknown enum values are still reported, all at once, with
+    /// the semantic problems beside them).
+    pub fn from_toml_str(text: &str, base_dir: &Path) -> Result<RunConfig, ConfigError> {
+        let origin = "<text>";
+        let (config, mut problems) =
+            RunConfig::parse_unchecked(text, origin, base_dir.to_path_buf())?;
+        if problems.is_empty() {
+            return Ok(config);
+        }
+        problems.extend(config.validate());
+        Err(ConfigError::Invalid {
+            origin: origin.to_string(),
+            problems,
+        })
+    }
+
+    /// Semantic checks of every field; an empty list means the config is usable.
+    /// Includes file-system checks (model folder present, output folder writable).
+    pub fn validate(&self) -> Vec<ConfigProblem> {
+        validate(self)
+    }
+}
 
 /// Every problem of `config` (empty = usable).
 pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {

@@ -329,6 +329,73 @@ fn studio_panels_do_not_import_each_other() {
     );
 }
 
+/// The studio has no god struct (issue #39): `gui/state.rs` and its `AppState` are gone, and
+/// a panel (a module of `src/gui/panels/` or the Playground) reaches the other panels' state
+/// only through the `PanelContext` the app lends it: no panel names the `Panels` container,
+/// the app (`StudioApp`) or another panel's module (the Playground included).
+#[test]
+fn studio_panels_own_their_state_and_see_others_through_the_context() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    assert!(
+        !root.join("src/gui/state.rs").exists() && !root.join("src/gui/state").exists(),
+        "src/gui/state.rs is gone: a panel's state lives in its module, the shared document in \
+         src/gui/session.rs"
+    );
+    let mut bad = Vec::new();
+    for file in rust_files(&root.join("src/gui")) {
+        let text = std::fs::read_to_string(&file).unwrap();
+        let name = file
+            .strip_prefix(root)
+            .unwrap_or(&file)
+            .display()
+            .to_string();
+        let in_panel = (name.starts_with("src/gui/panels/") && !name.ends_with("panels/mod.rs"))
+            || name.starts_with("src/gui/playground/");
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            let words = |w: &str| {
+                code.match_indices(w).any(|(at, _)| {
+                    let before = code[..at].chars().next_back();
+                    let after = code[at + w.len()..].chars().next();
+                    let ident = |c: char| c.is_alphanumeric() || c == '_';
+                    !before.is_some_and(ident) && !after.is_some_and(ident)
+                })
+            };
+            if words("AppState") {
+                bad.push(format!(
+                    "{name}:{}: names `AppState`: {}",
+                    n + 1,
+                    line.trim()
+                ));
+            }
+            if in_panel {
+                for w in ["Panels", "StudioApp"] {
+                    if words(w) {
+                        bad.push(format!(
+                            "{name}:{}: a panel names `{w}`: {}",
+                            n + 1,
+                            line.trim()
+                        ));
+                    }
+                }
+                if name.starts_with("src/gui/playground/") && code.contains("panels::") {
+                    bad.push(format!(
+                        "{name}:{}: the Playground imports a panel: {}",
+                        n + 1,
+                        line.trim()
+                    ));
+                }
+            }
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "a panel owns its state and reads the others' results from its `PanelContext` \
+         (src/gui/shared.rs), filled by src/gui/app/central.rs\n{}",
+        bad.join("\n")
+    );
+}
+
 /// The panel scanner: what it must catch, and what it must not.
 #[test]
 fn the_panel_scanner_catches_every_spelling() {
@@ -363,9 +430,9 @@ fn the_panel_scanner_catches_every_spelling() {
 
 /// The modules of `src/train/` import one another without a cycle (issue #39: device parsing
 /// and model location in `train/step.rs` made `step → samples → step`, `step → placement →
-/// step` and a cycle through `checkpoint`, `events` and `oom`). Two pairs remain, each one
-/// idea in two files (`config.validate()` in `validate.rs`; the pairs' data beside the
-/// samples'); any other cycle fails, naming its modules.
+/// step` and a cycle through `checkpoint`, `events` and `oom`; then `config ⇄ validate` and
+/// `preference ⇄ samples`, until the checked readers moved to `validate.rs` and the pairs'
+/// data to `pairs.rs`). Any cycle fails, naming its modules.
 #[test]
 fn the_trainer_modules_import_each_other_without_a_cycle() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/train");
@@ -416,11 +483,10 @@ fn the_trainer_modules_import_each_other_without_a_cycle() {
         }
         seen
     };
-    let allowed = [("config", "validate"), ("preference", "samples")];
     let mut cycles = Vec::new();
     for a in &names {
         for b in reachable(a).iter().filter(|b| a < *b) {
-            if reachable(b).contains(a) && !allowed.contains(&(a.as_str(), b.as_str())) {
+            if reachable(b).contains(a) {
                 cycles.push(format!("{a} ⇄ {b}"));
             }
         }
@@ -431,6 +497,101 @@ fn the_trainer_modules_import_each_other_without_a_cycle() {
          shared piece below both (src/model/, src/devices/) or into the one that needs it",
         cycles.join(", ")
     );
+}
+
+/// Where a `PlanRequest` may be written field by field: the one adapter from a run config
+/// (`train::plan_request`) and the planner itself (its internals and unit tests).
+const PLAN_REQUEST_LITERALS_ALLOWED: [&str; 2] = ["src/train/plan_adapter.rs", "src/plan/"];
+
+/// Where `text` builds a `PlanRequest { .. }` struct literal, outside comments, as
+/// `(line, excerpt)`: not a return type (`-> PlanRequest {`), the definition or an `impl`, nor
+/// a destructuring pattern (`let PlanRequest { .. } = req`).
+fn plan_request_literals(text: &str) -> Vec<(usize, String)> {
+    let is_ident = |c: char| c.is_alphanumeric() || c == '_';
+    let mut hits = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let code = line.split("//").next().unwrap_or("");
+        for (at, word) in code.match_indices("PlanRequest") {
+            let rest = code[at + word.len()..].trim_start();
+            if !rest.starts_with('{') || code[..at].ends_with(is_ident) {
+                continue;
+            }
+            // What precedes the (possibly qualified) type name.
+            let before = code[..at]
+                .trim_end_matches(|c: char| is_ident(c) || c == ':')
+                .trim_end();
+            let not_a_literal = before.ends_with("->")
+                || ["struct", "impl", "for", "let"].iter().any(|w| {
+                    before.ends_with(w) && !before[..before.len() - w.len()].ends_with(is_ident)
+                });
+            if !not_a_literal {
+                hits.push((n + 1, line.trim().to_string()));
+            }
+        }
+    }
+    hits
+}
+
+/// `RunConfig → PlanRequest` has one road (issue #39): every other request, the device
+/// check's included, is a run config passed through `train::plan_request`.
+#[test]
+fn plan_requests_are_built_only_by_the_adapter_and_the_planner() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut bad = Vec::new();
+    for file in rust_files(&root.join("src")) {
+        let rel = file
+            .strip_prefix(root)
+            .unwrap()
+            .to_string_lossy()
+            .replace('\\', "/");
+        if PLAN_REQUEST_LITERALS_ALLOWED
+            .iter()
+            .any(|a| rel == *a || (a.ends_with('/') && rel.starts_with(a)))
+        {
+            continue;
+        }
+        let text = std::fs::read_to_string(&file).unwrap();
+        for (line, excerpt) in plan_request_literals(&text) {
+            bad.push(format!("{rel}:{line}: {excerpt}"));
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "a `PlanRequest` built by hand: write the settings into a `RunConfig` and call \
+         `train::plan_request` (see `train/device_check.rs` for a caller below `train`)\n{}",
+        bad.join("\n")
+    );
+}
+
+/// The literal scanner: what it must catch, and what it must not.
+#[test]
+fn the_plan_request_scanner_catches_literals_only() {
+    for text in [
+        "let req = PlanRequest {",
+        "    PlanRequest {",
+        "let p = plan::plan(&PlanRequest {",
+        "    crate::plan::PlanRequest {",
+        "Some(PlanRequest { micro_batch: 2, ..req })",
+        "x => PlanRequest{",
+    ] {
+        assert!(!plan_request_literals(text).is_empty(), "missed: {text}");
+    }
+    for text in [
+        "fn f() -> PlanRequest {",
+        "fn cli_request(argv: &[&str]) -> tunestudio::plan::PlanRequest {",
+        "pub struct PlanRequest {",
+        "impl PlanRequest {",
+        "impl From<A> for PlanRequest {",
+        "let PlanRequest {",
+        "// a PlanRequest { .. } is built by the adapter",
+        "struct MyPlanRequest {",
+        "let req: PlanRequest = build();",
+    ] {
+        assert!(
+            plan_request_literals(text).is_empty(),
+            "false alarm: {text}"
+        );
+    }
 }
 
 /// Source files outside tests that may be over [`MAX_FILE_LINES`]: the CPU kernels, where one

@@ -15,6 +15,7 @@ mod support;
 mod train_common;
 
 mod cli_start;
+mod core_mutants;
 mod data_datasets;
 mod data_lints;
 mod data_readers;
@@ -25,6 +26,7 @@ mod devices_gpu_check;
 mod devices_strategies;
 mod export_gguf;
 mod gui_window;
+mod headless;
 mod hub_download;
 mod infer_generate;
 mod layering;

@@ -114,28 +114,16 @@ struct GridPoint {
     checkpointing: bool,
 }
 
-/// The plan request of one memory-grid point: the step alone (no process terms, no data).
-fn grid_point_request(
-    config: &ModelConfig,
-    g: &GridPoint,
-    spec: &crate::plan::DeviceSpec,
-) -> crate::plan::PlanRequest {
-    crate::plan::PlanRequest {
+/// The run of one memory-grid point: the step alone, on one device.
+fn grid_point_run(config: &ModelConfig, g: &GridPoint, spec: &crate::plan::DeviceSpec) -> CheckRun {
+    CheckRun {
         model: config.clone(),
         precision: g.precision,
         micro_batch: g.micro_batch,
-        gradient_accumulation: 1,
         seq_len: g.seq_len,
         activation_checkpointing: g.checkpointing,
-        optimizer_offload: false,
-        lora: None,
         strategy: Strategy::Single,
         devices: vec![spec.clone()],
-        ops: crate::model::OpsMode::from_env().unwrap_or_default(),
-        process: None,
-        trained_tokens: None,
-        head_loss: Default::default(),
-        reference: Default::default(),
     }
 }
 
@@ -162,7 +150,7 @@ pub(super) fn step_memory_grid(o: &CheckOptions) -> Result<Outcome, DevicesError
     // How the CPU peak was measured (the GPU's is the CUDA pool's, exact).
     let mut cpu_method = String::new();
     for (i, g) in grid.iter().enumerate() {
-        let req = grid_point_request(&config, g, &spec);
+        let req = (o.planner)(&grid_point_run(&config, g, &spec));
         let the_plan =
             plan::plan(&req).map_err(|e| DevicesError::Input(format!("planner: {e}")))?;
         let Some(dp) = the_plan.per_device.first() else {

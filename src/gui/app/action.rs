@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use tunestudio::plan::Change;
 
 use crate::gui::jobs::PickTarget;
-use crate::gui::state::Panel;
+use crate::gui::session::Panel;
 
 /// Something a panel asks the app to do.
 #[derive(Debug, Clone)]
@@ -63,6 +63,8 @@ pub enum Action {
     Pick(PickTarget),
     /// Something for the Playground panel.
     Playground(crate::gui::playground::PgAction),
+    /// Show a transient message in the status bar.
+    Toast(String),
 }
 
 /// Options for the app that the command line or tests set.

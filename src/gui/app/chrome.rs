@@ -1,13 +1,93 @@
 //! The window around the panels: the left navigation with its badges, and the status bar
 //! (the run, the jobs, toasts, the frame-time readout).
 
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
 use eframe::egui::{self, Color32, RichText};
 
-use std::time::Duration;
-
 use super::{Action, StudioApp};
-use crate::gui::state::{Panel, RunPhase, RunState};
+use crate::gui::file_picker::{FilePicker, PickKind};
+use crate::gui::frame_stats::FrameStats;
+use crate::gui::run_state::{RunPhase, RunState};
+use crate::gui::session::{Panel, Session};
 use crate::gui::theme;
+
+/// The window's own state around the panels: the status bar's message and frame times, and
+/// the file picker.
+pub struct Chrome {
+    /// Frame-time statistics.
+    pub frames: FrameStats,
+    /// Show the frame-time debug line in the status bar.
+    pub show_debug: bool,
+    /// A transient message for the status bar.
+    pub toast: Option<(String, Instant)>,
+    /// Whether the system file dialog can open (and why not): decided once at start.
+    pub system_dialog: Result<(), String>,
+    /// The in-app file picker, when open, and who asked for it.
+    pub picker: Option<(PickFor, FilePicker)>,
+    /// The status bar said which file dialog is in use.
+    pub picker_noted: bool,
+    /// Screenshot mode printed it too.
+    pub picker_noted_on_stderr: bool,
+}
+
+impl Default for Chrome {
+    fn default() -> Self {
+        Chrome {
+            frames: FrameStats::default(),
+            show_debug: true,
+            toast: None,
+            system_dialog: Ok(()),
+            picker: None,
+            picker_noted: false,
+            picker_noted_on_stderr: false,
+        }
+    }
+}
+
+/// Who opened the in-app file picker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PickFor {
+    /// A studio field.
+    Studio(crate::gui::jobs::PickTarget),
+    /// The Playground.
+    Playground(crate::gui::playground::PgPick),
+}
+
+impl Chrome {
+    /// Shows a transient message in the status bar.
+    pub fn toast(&mut self, text: impl Into<String>) {
+        self.toast = Some((text.into(), Instant::now()));
+    }
+
+    /// Opens the in-app picker for `who` (the system dialog is unavailable), saying once in
+    /// the status bar why. Its places start at the session's run folder and project.
+    pub fn open_picker(
+        &mut self,
+        session: &Session,
+        who: PickFor,
+        title: &str,
+        kind: PickKind,
+        start: Option<PathBuf>,
+    ) {
+        if !self.picker_noted {
+            self.picker_noted = true;
+            let why = self.system_dialog.clone().err().unwrap_or_default();
+            self.toast(format!("{why}: using the built-in file picker"));
+        }
+        let mut places = vec![("Run folder".to_string(), session.output_dir())];
+        if let Some(home) = std::env::var_os("HOME").map(PathBuf::from) {
+            places.push(("Home".into(), home));
+        }
+        places.push((
+            "HF cache".into(),
+            tunestudio::model::HubOptions::from_env().cache_dir,
+        ));
+        places.push(("Project".into(), session.config.base_dir.clone()));
+        self.picker = Some((who, FilePicker::new(title, kind, start, places)));
+    }
+}
 
 impl StudioApp {
     /// The status bar. The frame-time readout on the right is laid out first and the rest
@@ -27,14 +107,14 @@ impl StudioApp {
     /// The "frame time" toggle and, when on, the frame-time summary (right to left).
     pub(super) fn frame_time_readout(&mut self, ui: &mut egui::Ui) {
         let r = ui
-            .selectable_label(self.state.show_debug, RichText::new("frame time").small())
+            .selectable_label(self.chrome.show_debug, RichText::new("frame time").small())
             .on_hover_text("Show the frame-time debug line");
         if r.clicked() {
-            self.state.show_debug = !self.state.show_debug;
+            self.chrome.show_debug = !self.chrome.show_debug;
         }
-        if self.state.show_debug {
+        if self.chrome.show_debug {
             ui.label(
-                RichText::new(self.state.frames.summary())
+                RichText::new(self.chrome.frames.summary())
                     .small()
                     .weak()
                     .monospace(),
@@ -46,7 +126,7 @@ impl StudioApp {
     /// the latest message.
     pub(super) fn status_messages(&self, ui: &mut egui::Ui) {
         // Devices.
-        match &self.state.devices.inventory {
+        match &self.panels.devices.inventory {
             Some(inv) => {
                 let gpus: Vec<String> = inv
                     .gpus()
@@ -71,13 +151,13 @@ impl StudioApp {
         ui.separator();
         let font_msg = crate::gui::fonts::missing_font_message(ui.ctx());
         let toast = self
-            .state
+            .chrome
             .toast
             .as_ref()
             .filter(|(_, at)| at.elapsed() < Duration::from_secs(6))
             .map(|(msg, _)| msg);
         // The run: a long status leaves room for a message after it.
-        let r = &self.state.run;
+        let r = &self.panels.run.live;
         let color = match r.phase {
             RunPhase::Running => theme::OK,
             RunPhase::Paused => theme::WARNING,
@@ -138,7 +218,7 @@ impl StudioApp {
         ui.add_space(12.0);
         for (i, p) in Panel::ALL.iter().enumerate() {
             let badge = self.nav_badge(*p);
-            let selected = self.state.panel == *p;
+            let selected = self.session.panel == *p;
             let text = RichText::new(format!("{}  {}", i + 1, p.title())).size(15.0);
             ui.horizontal(|ui| {
                 let r = ui.add(
@@ -147,7 +227,7 @@ impl StudioApp {
                         .min_size(egui::vec2(150.0, 28.0)),
                 );
                 if r.clicked() {
-                    self.state.panel = *p;
+                    self.session.panel = *p;
                 }
                 if let Some((color, tip)) = badge {
                     let (rect, resp) =
@@ -159,20 +239,20 @@ impl StudioApp {
         }
         ui.add_space(16.0);
         ui.separator();
-        if let Some(p) = &self.state.config_path {
+        if let Some(p) = &self.session.config_path {
             ui.label(RichText::new("Run config").small().weak());
             ui.add(egui::Label::new(RichText::new(p.display().to_string()).small()).wrap());
         }
-        if !self.state.config_problems.is_empty() {
+        if !self.session.config_problems.is_empty() {
             ui.label(
                 RichText::new(format!(
                     "{} config problem(s)",
-                    self.state.config_problems.len()
+                    self.session.config_problems.len()
                 ))
                 .small()
                 .color(theme::WARNING),
             )
-            .on_hover_text(self.state.config_problems.join("\n"));
+            .on_hover_text(self.session.config_problems.join("\n"));
         }
         ui.add_space(6.0);
         if ui
@@ -188,7 +268,7 @@ impl StudioApp {
 
     /// A status dot for a navigation entry.
     pub(super) fn nav_badge(&self, p: Panel) -> Option<(Color32, String)> {
-        let s = &self.state;
+        let s = &self.panels;
         match p {
             Panel::Model => {
                 if s.model.error.is_some() {
@@ -224,12 +304,12 @@ impl StudioApp {
                         (theme::OK, "no lints".into())
                     }
                 }),
-            Panel::Devices => s.plan.plan.as_ref().map(|p| match p.verdict {
+            Panel::Devices => s.devices.plan.plan.as_ref().map(|p| match p.verdict {
                 tunestudio::plan::Verdict::Fits => (theme::OK, "fits".into()),
                 tunestudio::plan::Verdict::Tight => (theme::WARNING, "fits, tight".into()),
                 tunestudio::plan::Verdict::OutOfMemory => (theme::ERROR, p.summary.clone()),
             }),
-            Panel::Run => match s.run.phase {
+            Panel::Run => match s.run.live.phase {
                 RunPhase::Running | RunPhase::Loading => Some((theme::OK, "training".into())),
                 RunPhase::Paused => Some((theme::WARNING, "paused".into())),
                 RunPhase::Finished(tunestudio::train::FinishReason::Failed) => {

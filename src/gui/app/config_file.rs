@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use tunestudio::train::{self, RunConfig};
 
 use super::{demo_config_path, Action, StudioApp};
-use crate::gui::state::push_recent;
+use crate::gui::session::push_recent;
 
 /// Loads a run config, keeping its problems as text instead of failing when it
 /// still parses (the studio shows them and lets the user fix them).
@@ -38,44 +38,44 @@ pub fn load_config(path: &Path) -> Result<(RunConfig, Vec<String>), String> {
 
 impl StudioApp {
     pub(super) fn save_config(&mut self, path: PathBuf) {
-        let r = self.state.config.with_absolute_paths().save(&path);
+        let r = self.session.config.with_absolute_paths().save(&path);
         match r {
             Ok(()) => {
-                self.state.export.config_message = Some(Ok(format!("saved {}", path.display())));
-                push_recent(&mut self.state.settings.recent_configs, path.clone());
-                self.state.settings.last_config = Some(path.clone());
+                self.panels.export.config_message = Some(Ok(format!("saved {}", path.display())));
+                push_recent(&mut self.session.settings.recent_configs, path.clone());
+                self.session.settings.last_config = Some(path.clone());
                 // Later relative edits resolve against the new location.
                 if let Ok((c, _)) = load_config(&path) {
-                    self.state.config = c;
+                    self.session.config = c;
                 }
-                self.state.config_path = Some(path);
+                self.session.config_path = Some(path);
             }
-            Err(e) => self.state.export.config_message = Some(Err(e.to_string())),
+            Err(e) => self.panels.export.config_message = Some(Err(e.to_string())),
         }
     }
 
     pub(super) fn open_config(&mut self, path: PathBuf) {
         match load_config(&path) {
             Ok((c, problems)) => {
-                self.state.set_config(c, Some(path.clone()));
-                self.state.config_problems = problems;
-                push_recent(&mut self.state.settings.recent_configs, path.clone());
-                self.state.settings.last_config = Some(path.clone());
-                self.state.export.config_message = Some(Ok(format!("loaded {}", path.display())));
+                self.set_config(c, Some(path.clone()));
+                self.session.config_problems = problems;
+                push_recent(&mut self.session.settings.recent_configs, path.clone());
+                self.session.settings.last_config = Some(path.clone());
+                self.panels.export.config_message = Some(Ok(format!("loaded {}", path.display())));
                 self.actions.push(Action::LoadModel);
             }
-            Err(e) => self.state.export.config_message = Some(Err(e)),
+            Err(e) => self.panels.export.config_message = Some(Err(e)),
         }
     }
 
     pub(super) fn load_demo(&mut self) {
         match load_config(&demo_config_path()) {
             Ok((c, problems)) => {
-                self.state.set_config(c, Some(demo_config_path()));
-                self.state.config_problems = problems;
-                self.state.settings.last_config = None;
+                self.set_config(c, Some(demo_config_path()));
+                self.session.config_problems = problems;
+                self.session.settings.last_config = None;
             }
-            Err(e) => self.state.config_problems = vec![e],
+            Err(e) => self.session.config_problems = vec![e],
         }
         self.actions.push(Action::LoadModel);
     }

@@ -2,45 +2,45 @@
 
 use eframe::egui;
 
+use super::PickFor;
 use super::StudioApp;
 use crate::gui::file_picker::{PickKind, PickerOutcome};
 use crate::gui::jobs::{JobOutput, PickTarget};
-use crate::gui::state::PickFor;
+use crate::gui::session::dialog_dir;
 
 impl StudioApp {
     pub(super) fn pick(&mut self, target: PickTarget) {
-        let base = self.state.config.base_dir.clone();
+        let base = self.session.config.base_dir.clone();
         let start = match target {
-            PickTarget::ModelFolder => {
-                crate::gui::state::dialog_dir(&self.state.model.source_input, &base)
-            }
+            PickTarget::ModelFolder => dialog_dir(&self.panels.model.source_input, &base),
             PickTarget::DatasetFile | PickTarget::DatasetFolder => {
-                crate::gui::state::dialog_dir(&self.state.dataset.path_input, &base)
+                dialog_dir(&self.panels.dataset.path_input, &base)
             }
             PickTarget::Checkpoint | PickTarget::RunDir | PickTarget::OutputDir => {
-                Some(self.state.output_dir()).filter(|p| p.is_dir())
+                Some(self.session.output_dir()).filter(|p| p.is_dir())
             }
             _ => None,
         };
-        if self.state.system_dialog.is_ok() {
+        if self.chrome.system_dialog.is_ok() {
             self.jobs.pick(target, start);
         } else {
             let (title, kind) = pick_kind(target);
-            self.state
-                .open_picker(PickFor::Studio(target), title, kind, start);
+            let who = PickFor::Studio(target);
+            self.chrome
+                .open_picker(&self.session, who, title, kind, start);
         }
     }
 
     /// Draws the in-app file picker when open; a choice goes where a system dialog's would.
     pub(super) fn show_picker(&mut self, ctx: &egui::Context) {
-        let Some((who, picker)) = self.state.picker.as_mut() else {
+        let Some((who, picker)) = self.chrome.picker.as_mut() else {
             return;
         };
         let who = *who;
         match picker.show(ctx) {
             PickerOutcome::Open => {}
             PickerOutcome::Cancelled => {
-                self.state.picker = None;
+                self.chrome.picker = None;
                 if let PickFor::Playground(p) = who {
                     if let Some(msg) = crate::gui::playground::picked(p, None) {
                         self.handle_job(JobOutput::Playground(msg));
@@ -48,7 +48,7 @@ impl StudioApp {
                 }
             }
             PickerOutcome::Chosen(path) => {
-                self.state.picker = None;
+                self.chrome.picker = None;
                 match who {
                     PickFor::Studio(target) => self.handle_job(JobOutput::Picked(target, path)),
                     PickFor::Playground(p) => {

@@ -12,7 +12,7 @@ use tunestudio::train::Command;
 
 use super::{Action, StudioApp};
 use crate::gui::jobs::PickTarget;
-use crate::gui::state::RunPhase;
+use crate::gui::run_state::RunPhase;
 
 impl StudioApp {
     pub(super) fn drive_screenshot(&mut self) {
@@ -31,7 +31,7 @@ impl StudioApp {
             }
             // The Run chart's figures as the caption under it shows them, in bytes, for a
             // script (or test) that compares the studio's measured peak with its plan.
-            for (device, series) in &self.state.run.memory {
+            for (device, series) in &self.panels.run.live.memory {
                 eprintln!(
                     "run chart: {device} peak_bytes={} predicted_peak_bytes={}",
                     series.peak_bytes,
@@ -56,11 +56,11 @@ impl StudioApp {
         // settings, so the memory chart has the predicted peak a user sees (with the Preview
         // scan's trained tokens, not the every-position bound planned before the scan ends).
         if shot.train_steps.is_some()
-            && self.state.run.phase == RunPhase::Idle
+            && self.panels.run.live.phase == RunPhase::Idle
             && self.jobs.in_flight() == 0
-            && !self.state.plan.loading
-            && self.state.plan.plan.is_some()
-            && self.state.plan.key == self.state.plan_key()
+            && !self.panels.devices.plan.loading
+            && self.panels.devices.plan.plan.is_some()
+            && self.panels.devices.plan.key == super::plan_key(&self.session, &self.panels)
         {
             self.actions.push(Action::Start);
             self.ctx.request_repaint();
@@ -75,10 +75,10 @@ impl StudioApp {
                 return;
             }
         }
-        if let Some((_, p)) = &self.state.picker {
-            if !self.state.picker_noted_on_stderr {
-                self.state.picker_noted_on_stderr = true;
-                let why = self.state.system_dialog.clone().err().unwrap_or_default();
+        if let Some((_, p)) = &self.chrome.picker {
+            if !self.chrome.picker_noted_on_stderr {
+                self.chrome.picker_noted_on_stderr = true;
+                let why = self.chrome.system_dialog.clone().err().unwrap_or_default();
                 eprintln!(
                     "file dialog: the built-in picker ({why}), showing {}",
                     p.dir().display()
@@ -88,7 +88,8 @@ impl StudioApp {
         let steps_done = match shot.train_steps {
             None => true,
             Some(n) => {
-                self.state.run.step >= n || matches!(self.state.run.phase, RunPhase::Finished(_))
+                self.panels.run.live.step >= n
+                    || matches!(self.panels.run.live.phase, RunPhase::Finished(_))
             }
         };
         // Let a few frames settle layout (egui sizes some widgets on the first pass).

@@ -8,7 +8,7 @@ use tunestudio::train::{self, Command, Trainer};
 
 use super::{Action, StudioApp};
 use crate::gui::run_state::{RunPhase, RunState};
-use crate::gui::state::{push_recent, Panel};
+use crate::gui::session::{push_recent, Panel};
 
 impl StudioApp {
     pub(super) fn poll_trainer(&mut self) {
@@ -17,9 +17,9 @@ impl StudioApp {
             None => return,
         };
         for e in events {
-            self.state.run.apply(e);
+            self.panels.run.live.apply(e);
         }
-        if matches!(self.state.run.phase, RunPhase::Finished(_)) {
+        if matches!(self.panels.run.live.phase, RunPhase::Finished(_)) {
             if let Some(h) = self.trainer.take() {
                 // The thread has sent Finished; joining returns at once.
                 h.join();
@@ -29,17 +29,17 @@ impl StudioApp {
     }
 
     pub(super) fn start_training(&mut self, resume_latest: bool) {
-        if self.state.run.is_active() {
+        if self.panels.run.live.is_active() {
             return;
         }
         // A planned machine's GPUs are not here: the trainer would fail to open them.
-        if let Some(cmd) = self.state.planning_only() {
-            self.state.toast(format!(
+        if let Some(cmd) = self.planning_only() {
+            self.chrome.toast(format!(
                 "planning only: train on the planned machine with `{cmd}`"
             ));
             return;
         }
-        let mut config = self.state.config.clone();
+        let mut config = self.session.config.clone();
         if let Some(s) = &self.screenshot {
             if s.train_steps.is_some() {
                 config.output_dir = std::env::temp_dir()
@@ -52,12 +52,12 @@ impl StudioApp {
         // or a new folder), as the CLI refuses.
         if !resume_latest {
             if let Some(existing) = train::existing_run(&abs_out) {
-                self.state.run.existing_run = Some(existing);
-                self.state.panel = Panel::Run;
+                self.panels.run.live.existing_run = Some(existing);
+                self.session.panel = Panel::Run;
                 return;
             }
         }
-        push_recent(&mut self.state.settings.run_dirs, abs_out.clone());
+        push_recent(&mut self.session.settings.run_dirs, abs_out.clone());
         let mut run = RunState {
             phase: RunPhase::Loading,
             status: "starting".into(),
@@ -65,7 +65,7 @@ impl StudioApp {
             output_dir: Some(abs_out),
             ..RunState::default()
         };
-        if let Some(plan) = &self.state.plan.plan {
+        if let Some(plan) = &self.panels.devices.plan.plan {
             run.expect_plan(&config.devices.devices, plan);
         }
         let ctx = self.ctx.clone();
@@ -81,28 +81,28 @@ impl StudioApp {
             run.status = "the trainer thread ended before it started".into();
         }
         self.trainer = Some(handle);
-        self.state.run = run;
-        self.state.panel = Panel::Run;
+        self.panels.run.live = run;
+        self.session.panel = Panel::Run;
     }
 
     pub(super) fn send(&mut self, cmd: Command) {
         if let Some(h) = &self.trainer {
             if !h.send(cmd) {
-                self.state.toast("the trainer has already ended");
+                self.chrome.toast("the trainer has already ended");
             }
         }
     }
 
     /// After an out-of-memory stop: the fitted settings, then resume from the checkpoint.
     pub(super) fn refit_and_resume(&mut self) {
-        match train::oom::refit_after_oom(&self.state.config) {
+        match train::oom::refit_after_oom(&self.session.config) {
             Ok(refit) => {
-                self.state.config = refit.config;
-                self.state
+                self.session.config = refit.config;
+                self.chrome
                     .toast(format!("resuming with: {}", refit.changes.join("; ")));
                 self.start_training(true);
             }
-            Err(e) => self.state.toast(e),
+            Err(e) => self.chrome.toast(e),
         }
     }
 }

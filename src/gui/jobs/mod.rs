@@ -28,7 +28,9 @@ use tunestudio::plan::{self, AutoFit, DeviceSpec, DryRunReport, Plan, PlanReques
 use tunestudio::train::{self, RunConfig};
 
 use super::error::{ErrorKind, JobError};
-use super::state::{DatasetSummary, ExportKind, HistoryRun, ModelInfo};
+use super::panels::export::ExportKind;
+use super::panels::run::HistoryRun;
+use super::shared::{DatasetSummary, ModelInfo};
 
 /// What a finished job reports.
 pub enum JobOutput {

@@ -156,7 +156,7 @@ pub fn dataset_summary(cfg: &DataConfig) -> Result<DatasetSummary, JobError> {
 /// ([`train::plan_request`]), with the model the studio has loaded, its devices and the trained
 /// tokens of the dataset's preview scan (`None` before one, or with packing: the scan's samples
 /// are not packed). Its output is also the studio's "plan is stale" key
-/// ([`crate::gui::state::PlanKey`]).
+/// ([`crate::gui::shared::PlanKey`]).
 pub fn plan_request(
     model: &ModelConfig,
     config: &RunConfig,
@@ -239,7 +239,7 @@ pub struct ExportRequest {
     /// Overwrite an existing GGUF file.
     pub replace: bool,
     /// Where the GGUF export reports its bytes.
-    pub progress: Arc<crate::gui::state::ExportProgressCell>,
+    pub progress: Arc<crate::gui::panels::export::ExportProgressCell>,
 }
 
 /// A GGUF export: `dest` is the file, or a folder for `<name>-<quant>.gguf`.
@@ -248,7 +248,7 @@ pub(super) fn export_gguf(
     dest: &std::path::Path,
     quant: tunestudio::gguf::GgufQuant,
     replace: bool,
-    progress: &crate::gui::state::ExportProgressCell,
+    progress: &crate::gui::panels::export::ExportProgressCell,
 ) -> Result<PathBuf, JobError> {
     let source = train::export_source(checkpoint, None).map_err(JobError::from)?;
     let file = if dest

@@ -6,25 +6,49 @@ use eframe::egui::{self, RichText, Ui};
 use tunestudio::data::{Format, TxtSplit};
 
 use crate::gui::app::Action;
+use crate::gui::error::JobError;
 use crate::gui::jobs::PickTarget;
-use crate::gui::state::AppState;
+use crate::gui::session::Session;
+use crate::gui::shared::DatasetSummary;
 use crate::gui::theme;
 
-/// Draws the Dataset panel.
-pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
-    theme::heading(
-        ui,
-        "Dataset",
-        "JSON, JSONL, CSV, Parquet or text files, a folder of them, or a hub dataset id. The format is detected from the first row.",
-    );
+/// The Dataset panel: its field and what the scan found.
+#[derive(Debug, Default)]
+pub struct DatasetPanel {
+    /// The text field (file, folder or hub id).
+    pub path_input: String,
+    /// The last summary.
+    pub summary: Option<DatasetSummary>,
+    /// The last error.
+    pub error: Option<JobError>,
+    /// Whether a scan is in flight.
+    pub loading: bool,
+    /// Request sequence number.
+    pub seq: u64,
+    /// The settings key of the last scan.
+    pub key: String,
+    /// A new dataset was chosen: take `max_length` from its lengths when its preview arrives.
+    pub propose_max_length: bool,
+}
 
-    source(ui, s, actions);
-    format_and_columns(ui, s);
-    split_and_labels(ui, s, actions);
+impl DatasetPanel {
+    /// Draws the Dataset panel.
+    pub fn show(&mut self, ui: &mut Ui, s: &mut Session, actions: &mut Vec<Action>) {
+        let dp = self;
+        theme::heading(
+            ui,
+            "Dataset",
+            "JSON, JSONL, CSV, Parquet or text files, a folder of them, or a hub dataset id. The format is detected from the first row.",
+        );
+
+        source(ui, dp, s, actions);
+        format_and_columns(ui, dp, s);
+        split_and_labels(ui, s, actions);
+    }
 }
 
 /// Where the rows come from: the path or hub id, recent datasets, and what was read.
-fn source(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
+fn source(ui: &mut Ui, dp: &mut DatasetPanel, s: &mut Session, actions: &mut Vec<Action>) {
     theme::card(ui, |ui| {
         egui::Grid::new("data-source")
             .num_columns(2)
@@ -34,7 +58,7 @@ fn source(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                     ui,
                     "File, folder or hub id",
                     "Relative paths resolve against the run config's folder",
-                    &mut s.dataset.path_input,
+                    &mut dp.path_input,
                     "data/train.jsonl or org/dataset",
                 );
                 if r.lost_focus() && ui.input(|i| i.key_pressed(egui::Key::Enter)) {
@@ -67,22 +91,22 @@ fn source(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                         .map(|n| n.to_string_lossy().to_string())
                         .unwrap_or_else(|| d.clone());
                     if ui.small_button(name).on_hover_text(d.as_str()).clicked() {
-                        s.dataset.path_input = d.clone();
+                        dp.path_input = d.clone();
                         actions.push(Action::ScanDataset);
                     }
                 }
             });
         }
-        if s.dataset.loading {
+        if dp.loading {
             ui.horizontal(|ui| {
                 ui.add(egui::Spinner::new());
                 ui.label("reading the dataset…");
             });
         }
-        if let Some(e) = &s.dataset.error {
+        if let Some(e) = &dp.error {
             theme::job_error(ui, "The dataset could not be read", e);
         }
-        if let Some(sum) = &s.dataset.summary {
+        if let Some(sum) = &dp.summary {
             ui.add_space(4.0);
             ui.label(
                 RichText::new(format!(
@@ -110,13 +134,13 @@ fn source(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
 }
 
 /// The format (auto names what it detected), its column names, and the first row.
-fn format_and_columns(ui: &mut Ui, s: &mut AppState) {
+fn format_and_columns(ui: &mut Ui, dp: &mut DatasetPanel, s: &mut Session) {
     theme::section(ui, "Format and columns");
     theme::card(ui, |ui| {
         egui::Grid::new("data-format").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
             // "auto" names what it detected, so the box always shows the format in use.
-            let detected = s.dataset.summary.as_ref().and_then(|d| d.detected);
-            let pairs = s.dataset.summary.as_ref().and_then(|d| d.preference);
+            let detected = dp.summary.as_ref().and_then(|d| d.detected);
+            let pairs = dp.summary.as_ref().and_then(|d| d.preference);
             let auto = match (pairs, detected) {
                 (Some(p), _) => format!("auto ({} pairs)", p.name()),
                 (None, Some(f)) => format!("auto ({})", f.name()),
@@ -133,7 +157,7 @@ fn format_and_columns(ui: &mut Ui, s: &mut AppState) {
                 &choices,
             );
             let format = match s.config.data.format {
-                Format::Auto => s.dataset.summary.as_ref().and_then(|d| d.detected).unwrap_or(Format::Auto),
+                Format::Auto => dp.summary.as_ref().and_then(|d| d.detected).unwrap_or(Format::Auto),
                 f => f,
             };
             let cols = &mut s.config.data.columns;
@@ -164,7 +188,7 @@ fn format_and_columns(ui: &mut Ui, s: &mut AppState) {
                 option_text_row(ui, label, default, value);
             }
         });
-        if let Some(sum) = &s.dataset.summary {
+        if let Some(sum) = &dp.summary {
             if !sum.columns.is_empty() {
                 ui.horizontal_wrapped(|ui| {
                     ui.label(RichText::new("Columns in the first row:").weak());
@@ -190,7 +214,7 @@ fn format_and_columns(ui: &mut Ui, s: &mut AppState) {
 }
 
 /// The validation split, which tokens train, and how text files become documents.
-fn split_and_labels(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
+fn split_and_labels(ui: &mut Ui, s: &mut Session, actions: &mut Vec<Action>) {
     theme::section(ui, "Split and labels");
     theme::card(ui, |ui| {
         egui::Grid::new("data-split").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
@@ -263,7 +287,7 @@ fn split_and_labels(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         });
         ui.add_space(4.0);
         if ui.button("Show the token preview").clicked() {
-            actions.push(Action::Goto(crate::gui::state::Panel::Preview));
+            actions.push(Action::Goto(crate::gui::session::Panel::Preview));
         }
     });
 }

@@ -9,7 +9,8 @@ use eframe::egui::{self, RichText, Ui};
 use crate::gui::app::Action;
 use crate::gui::error::JobError;
 use crate::gui::jobs::PickTarget;
-use crate::gui::state::AppState;
+use crate::gui::session::Session;
+use crate::gui::shared::PanelContext;
 use crate::gui::theme;
 use tunestudio::gguf::GgufQuant;
 
@@ -58,9 +59,10 @@ impl ExportDtype {
     }
 }
 
-/// The Export panel.
+/// The Export panel: what to export and where, the export in flight, and where the run
+/// config is saved.
 #[derive(Debug)]
-pub struct ExportState {
+pub struct ExportPanel {
     /// What to export.
     pub kind: ExportKind,
     /// Weights dtype of merged/full exports.
@@ -85,9 +87,9 @@ pub struct ExportState {
     pub config_message: Option<Result<String, String>>,
 }
 
-impl Default for ExportState {
+impl Default for ExportPanel {
     fn default() -> Self {
-        ExportState {
+        ExportPanel {
             kind: ExportKind::Adapter,
             dtype: ExportDtype::Bf16,
             gguf_quant: tunestudio::gguf::GgufQuant::Q4KM,
@@ -113,41 +115,44 @@ pub fn cli_command(config_path: &str) -> String {
     }
 }
 
-/// Draws the Export panel.
-pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
-    theme::heading(
-        ui,
-        "Export",
-        "Save the trained weights in Hugging Face layout, and the run config that reproduces the run.",
-    );
+impl ExportPanel {
+    /// Draws the Export panel.
+    pub fn show(
+        &mut self,
+        ui: &mut Ui,
+        s: &mut Session,
+        cx: &PanelContext,
+        actions: &mut Vec<Action>,
+    ) {
+        let ep = self;
+        theme::heading(
+            ui,
+            "Export",
+            "Save the trained weights in Hugging Face layout, and the run config that reproduces the run.",
+        );
 
-    weights(ui, s, actions);
-    run_config(ui, s, actions);
+        weights(ui, ep, s, cx, actions);
+        run_config(ui, ep, s, actions);
+    }
 }
 
 /// The checkpoint to export, what to write (adapter, merged or full), its dtype and folder.
-fn weights(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
+fn weights(
+    ui: &mut Ui,
+    ep: &mut ExportPanel,
+    s: &mut Session,
+    cx: &PanelContext,
+    actions: &mut Vec<Action>,
+) {
     theme::section(ui, "Weights");
+    fill_defaults(ep, s, cx);
     theme::card(ui, |ui| {
-        if s.export.checkpoint.is_empty() {
-            if let Some(ck) = s
-                .run
-                .last_checkpoint
-                .clone()
-                .or_else(|| tunestudio::train::latest_checkpoint(&s.output_dir()))
-            {
-                s.export.checkpoint = ck.display().to_string();
-            }
-        }
-        if s.export.destination.is_empty() {
-            s.export.destination = s.output_dir().join("export").display().to_string();
-        }
         egui::Grid::new("export-weights").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
             theme::text_row(
                 ui,
                 "Checkpoint",
                 "A checkpoint-<step> folder of a run (its run.toml names the base model)",
-                &mut s.export.checkpoint,
+                &mut ep.checkpoint,
                 "runs/demo/checkpoint-80",
             );
             ui.label("");
@@ -157,33 +162,33 @@ fn weights(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                 }
                 if ui.button("Use the latest").on_hover_text("The newest checkpoint in the output folder").clicked() {
                     match tunestudio::train::latest_checkpoint(&s.output_dir()) {
-                        Some(p) => s.export.checkpoint = p.display().to_string(),
-                        None => s.toast("no checkpoint in the output folder yet"),
+                        Some(p) => ep.checkpoint = p.display().to_string(),
+                        None => actions.push(Action::Toast("no checkpoint in the output folder yet".into())),
                     }
                 }
             });
             ui.end_row();
             ui.label("What");
             ui.horizontal(|ui| {
-                ui.radio_value(&mut s.export.kind, ExportKind::Adapter, "LoRA adapter")
+                ui.radio_value(&mut ep.kind, ExportKind::Adapter, "LoRA adapter")
                     .on_hover_text("adapter_config.json + adapter_model.safetensors (PEFT): small, needs the base model");
-                ui.radio_value(&mut s.export.kind, ExportKind::Merged, "merged model")
+                ui.radio_value(&mut ep.kind, ExportKind::Merged, "merged model")
                     .on_hover_text("The base weights with the adapter merged in: a standalone Hugging Face model");
-                ui.radio_value(&mut s.export.kind, ExportKind::Full, "full model")
+                ui.radio_value(&mut ep.kind, ExportKind::Full, "full model")
                     .on_hover_text("Every fine-tuned weight as a Hugging Face model folder (for full fine-tunes)");
-                ui.radio_value(&mut s.export.kind, ExportKind::Gguf, "GGUF file")
+                ui.radio_value(&mut ep.kind, ExportKind::Gguf, "GGUF file")
                     .on_hover_text("One file for llama.cpp, Ollama and LM Studio (adapter merged), with an Ollama Modelfile beside it");
             });
             ui.end_row();
-            if s.export.kind == ExportKind::Gguf {
-                gguf_rows(ui, s);
+            if ep.kind == ExportKind::Gguf {
+                gguf_rows(ui, ep, cx);
             } else {
                 theme::combo_row(
                     ui,
                     "export-dtype",
                     "Weights dtype",
                     "Dtype of the saved weights (merged and full models). bf16 halves the size of f32.",
-                    &mut s.export.dtype,
+                    &mut ep.dtype,
                     &[(ExportDtype::Bf16, "bf16"), (ExportDtype::F16, "f16"), (ExportDtype::F32, "f32")],
                 );
             }
@@ -191,7 +196,7 @@ fn weights(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                 ui,
                 "Destination",
                 "The folder to write (created if missing); for GGUF a .gguf file or a folder for <run>-<type>.gguf",
-                &mut s.export.destination,
+                &mut ep.destination,
                 "runs/demo/export",
             );
             ui.label("");
@@ -199,14 +204,14 @@ fn weights(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                 if ui.button("Browse destination…").clicked() {
                     actions.push(Action::Pick(PickTarget::ExportDest));
                 }
-                let r = ui.add_enabled(!s.export.running, egui::Button::new(RichText::new("Export").strong()));
+                let r = ui.add_enabled(!ep.running, egui::Button::new(RichText::new("Export").strong()));
                 if r.clicked() {
                     actions.push(Action::Export);
                 }
-                if s.export.running {
+                if ep.running {
                     ui.add(egui::Spinner::new());
-                    let total = s.export.progress.total_bytes.load(Ordering::Relaxed);
-                    let done = s.export.progress.done_bytes.load(Ordering::Relaxed);
+                    let total = ep.progress.total_bytes.load(Ordering::Relaxed);
+                    let done = ep.progress.done_bytes.load(Ordering::Relaxed);
                     if total > 0 {
                         ui.add(
                             egui::ProgressBar::new(done as f32 / total as f32)
@@ -218,13 +223,30 @@ fn weights(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             });
             ui.end_row();
         });
-        export_result(ui, s);
+        export_result(ui, ep);
     });
 }
 
+/// The checkpoint (the run's last, else the newest in the output folder) and the folder to
+/// export to, while still empty.
+fn fill_defaults(ep: &mut ExportPanel, s: &Session, cx: &PanelContext) {
+    if ep.checkpoint.is_empty() {
+        if let Some(ck) = cx
+            .last_checkpoint
+            .clone()
+            .or_else(|| tunestudio::train::latest_checkpoint(&s.output_dir()))
+        {
+            ep.checkpoint = ck.display().to_string();
+        }
+    }
+    if ep.destination.is_empty() {
+        ep.destination = s.output_dir().join("export").display().to_string();
+    }
+}
+
 /// What the last export wrote (with the Ollama command for a GGUF file), or its error.
-fn export_result(ui: &mut Ui, s: &AppState) {
-    match &s.export.result {
+fn export_result(ui: &mut Ui, ep: &ExportPanel) {
+    match &ep.result {
         Some(Ok(p)) => {
             ui.label(RichText::new(format!("Exported to {}", p.display())).color(theme::OK));
             if p.extension().is_some_and(|e| e == "gguf") {
@@ -244,20 +266,20 @@ fn export_result(ui: &mut Ui, s: &AppState) {
 }
 
 /// The GGUF file type, its predicted size and whether to replace an existing file.
-fn gguf_rows(ui: &mut Ui, s: &mut AppState) {
+fn gguf_rows(ui: &mut Ui, ep: &mut ExportPanel, cx: &PanelContext) {
     let options: Vec<(GgufQuant, &str)> = GgufQuant::ALL.iter().map(|q| (*q, q.name())).collect();
     theme::combo_row(
         ui,
         "export-gguf-quant",
         "GGUF type",
         "llama.cpp's types: q4_k_m is the usual choice (about 4.8 bits a weight, output and some layers at 6); q8_0 is nearly lossless; f16/bf16 keep every bit",
-        &mut s.export.gguf_quant,
+        &mut ep.gguf_quant,
         &options,
     );
     ui.label("Predicted size");
-    match &s.model.info {
+    match &cx.model {
         Some(info) => {
-            let bytes = tunestudio::gguf::predicted_tensor_bytes(&info.config, s.export.gguf_quant);
+            let bytes = tunestudio::gguf::predicted_tensor_bytes(&info.config, ep.gguf_quant);
             ui.label(format!(
                 "{} (+ the tokenizer, 1–5 MB)",
                 tunestudio::units::format_bytes(bytes)
@@ -272,16 +294,16 @@ fn gguf_rows(ui: &mut Ui, s: &mut AppState) {
     }
     ui.end_row();
     ui.label("");
-    ui.checkbox(&mut s.export.replace, "Replace an existing file");
+    ui.checkbox(&mut ep.replace, "Replace an existing file");
     ui.end_row();
 }
 
 /// Saving and loading the run config, and the CLI command that reruns it headless.
-fn run_config(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
+fn run_config(ui: &mut Ui, ep: &mut ExportPanel, s: &mut Session, actions: &mut Vec<Action>) {
     theme::section(ui, "Run config");
     theme::card(ui, |ui| {
-        if s.export.config_path.is_empty() {
-            s.export.config_path = s.default_config_path().display().to_string();
+        if ep.config_path.is_empty() {
+            ep.config_path = s.default_config_path().display().to_string();
         }
         egui::Grid::new("export-config")
             .num_columns(2)
@@ -291,15 +313,13 @@ fn run_config(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                     ui,
                     "Config file",
                     "Where the run config TOML is saved (paths inside are written absolute)",
-                    &mut s.export.config_path,
+                    &mut ep.config_path,
                     "runs/my-run/run.toml",
                 );
                 ui.label("");
                 ui.horizontal(|ui| {
                     if ui.button("Save config").clicked() {
-                        actions.push(Action::SaveConfig(PathBuf::from(
-                            s.export.config_path.trim(),
-                        )));
+                        actions.push(Action::SaveConfig(PathBuf::from(ep.config_path.trim())));
                     }
                     if ui.button("Save as…").clicked() {
                         actions.push(Action::Pick(PickTarget::ConfigSave));
@@ -310,14 +330,14 @@ fn run_config(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                 });
                 ui.end_row();
             });
-        if let Some(m) = &s.export.config_message {
+        if let Some(m) = &ep.config_message {
             match m {
                 Ok(t) => ui.label(RichText::new(t).color(theme::OK)),
                 Err(e) => ui.label(RichText::new(e).color(theme::ERROR)),
             };
         }
         ui.add_space(6.0);
-        let cmd = cli_command(&s.export.config_path);
+        let cmd = cli_command(&ep.config_path);
         ui.label(RichText::new("Reproduce this run headless:").weak());
         ui.horizontal(|ui| {
             ui.label(
@@ -329,11 +349,11 @@ fn run_config(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                 "Saves the config to the path above and copies the command that trains it headless",
             );
             if r.clicked() {
-                actions.push(Action::SaveConfig(PathBuf::from(
-                    s.export.config_path.trim(),
-                )));
+                actions.push(Action::SaveConfig(PathBuf::from(ep.config_path.trim())));
                 ui.ctx().copy_text(cmd.clone());
-                s.toast("saved the config and copied the command");
+                actions.push(Action::Toast(
+                    "saved the config and copied the command".into(),
+                ));
             }
         });
         egui::CollapsingHeader::new("TOML").show(ui, |ui| {

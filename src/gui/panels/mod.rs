@@ -1,6 +1,9 @@
-//! One file per panel of the left navigation. Each `show` draws from
-//! [`crate::gui::state::AppState`], edits the run config in place, and queues
-//! [`crate::gui::app::Action`]s for anything that needs the app (jobs, trainer).
+//! One module per panel of the left navigation. Each owns its state (a `…Panel` struct: its
+//! fields, its job answers) and its view (`show`), edits the shared run config
+//! ([`crate::gui::session::Session`]) in place, reads the other panels' results only through
+//! the [`crate::gui::shared::PanelContext`] the app lends it, and queues
+//! [`crate::gui::app::Action`]s for anything that needs the app (jobs, trainer). No panel
+//! imports another (`tests/it/layering.rs`).
 
 pub mod dataset;
 pub mod devices;
@@ -9,3 +12,22 @@ pub mod model;
 pub mod preview;
 pub mod run;
 pub mod training;
+
+/// Every panel's state, side by side (the app routes job answers to the one they belong to).
+#[derive(Default)]
+pub struct Panels {
+    /// Model panel.
+    pub model: model::ModelPanel,
+    /// Dataset panel.
+    pub dataset: dataset::DatasetPanel,
+    /// Preview panel.
+    pub preview: preview::PreviewPanel,
+    /// GPUs & memory panel, with the memory plan.
+    pub devices: devices::DevicesPanel,
+    /// Run panel: the live run and the history.
+    pub run: run::RunPanel,
+    /// Export panel.
+    pub export: export::ExportPanel,
+    /// Playground panel.
+    pub playground: crate::gui::playground::PlaygroundState,
+}

@@ -1,44 +1,70 @@
 //! Model: a local folder or a hub id, resolved (and downloaded) in the
 //! background; what the model is.
 
+use std::time::Instant;
+
 use eframe::egui::{self, RichText, Ui};
 
 use tunestudio::train::InitMode;
 
 use crate::gui::app::Action;
+use crate::gui::error::JobError;
 use crate::gui::jobs::PickTarget;
-use crate::gui::state::{AppState, ModelInfo};
+use crate::gui::session::Session;
+use crate::gui::shared::ModelInfo;
 use crate::gui::theme;
 
-/// Draws the Model panel.
-pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
-    theme::heading(
-        ui,
-        "Model",
-        "The base model to fine-tune: a local Hugging Face folder or a hub id (downloaded once, then used offline from the cache).",
-    );
+/// The Model panel: its field and the model it resolved.
+#[derive(Debug, Default)]
+pub struct ModelPanel {
+    /// The text field (folder or hub id).
+    pub source_input: String,
+    /// The model last resolved.
+    pub info: Option<ModelInfo>,
+    /// A resolve in flight: when it started.
+    pub loading: Option<Instant>,
+    /// Bytes in the hub cache folder of the model being downloaded.
+    pub download_bytes: Option<u64>,
+    /// The last error.
+    pub error: Option<JobError>,
+    /// Hub models found in the local cache (usable offline).
+    pub cached: Vec<String>,
+    /// Request sequence number (latest wins).
+    pub seq: u64,
+}
 
-    source(ui, s, actions);
-    recent_and_cached(ui, s, actions);
+impl ModelPanel {
+    /// Draws the Model panel.
+    pub fn show(&mut self, ui: &mut Ui, s: &mut Session, actions: &mut Vec<Action>) {
+        let mp = self;
+        theme::heading(
+            ui,
+            "Model",
+            "The base model to fine-tune: a local Hugging Face folder or a hub id (downloaded once, then used offline from the cache).",
+        );
 
-    let Some(info) = &s.model.info else {
-        if s.model.loading.is_none() && s.model.error.is_none() {
-            theme::note(ui, "No model loaded yet.");
-        }
-        return;
-    };
-    about(ui, info);
+        source(ui, mp, s, actions);
+        recent_and_cached(ui, mp, s, actions);
+
+        let Some(info) = &mp.info else {
+            if mp.loading.is_none() && mp.error.is_none() {
+                theme::note(ui, "No model loaded yet.");
+            }
+            return;
+        };
+        about(ui, info);
+    }
 }
 
 /// The folder or hub id, the initialisation, and the load in progress or its error.
-fn source(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
+fn source(ui: &mut Ui, mp: &mut ModelPanel, s: &mut Session, actions: &mut Vec<Action>) {
     theme::card(ui, |ui| {
         egui::Grid::new("model-source").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
             let r = theme::text_row(
                 ui,
                 "Folder or hub id",
                 "A folder with config.json (+ model.safetensors, tokenizer.json), or an id like HuggingFaceTB/SmolLM2-135M",
-                &mut s.model.source_input,
+                &mut mp.source_input,
                 "HuggingFaceTB/SmolLM2-135M or /path/to/model",
             );
             if r.lost_focus() && ui.input(|i| i.key_pressed(egui::Key::Enter)) {
@@ -68,11 +94,11 @@ fn source(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             );
         });
 
-        if let Some(started) = s.model.loading {
+        if let Some(started) = mp.loading {
             ui.horizontal(|ui| {
                 ui.add(egui::Spinner::new());
                 let secs = started.elapsed().as_secs_f32();
-                match s.model.download_bytes {
+                match mp.download_bytes {
                     Some(b) if b > 0 => ui.label(format!(
                         "downloading… {} so far ({secs:.0} s)",
                         theme::bytes(b)
@@ -81,15 +107,15 @@ fn source(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                 };
             });
         }
-        if let Some(e) = &s.model.error {
+        if let Some(e) = &mp.error {
             theme::job_error(ui, "The model could not be loaded", e);
         }
     });
 }
 
 /// One-click buttons for recent models and those in the local hub cache.
-fn recent_and_cached(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
-    if !s.settings.recent_models.is_empty() || !s.model.cached.is_empty() {
+fn recent_and_cached(ui: &mut Ui, mp: &mut ModelPanel, s: &mut Session, actions: &mut Vec<Action>) {
+    if !s.settings.recent_models.is_empty() || !mp.cached.is_empty() {
         theme::section(ui, "Recent and cached models");
         ui.horizontal_wrapped(|ui| {
             let recent = s.settings.recent_models.clone();
@@ -99,11 +125,11 @@ fn recent_and_cached(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                     .on_hover_text(format!("recent: {m}"))
                     .clicked()
                 {
-                    s.model.source_input = m.clone();
+                    mp.source_input = m.clone();
                     actions.push(Action::LoadModel);
                 }
             }
-            for m in s.model.cached.clone() {
+            for m in mp.cached.clone() {
                 if recent.contains(&m) {
                     continue;
                 }
@@ -112,7 +138,7 @@ fn recent_and_cached(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                     .on_hover_text("in the local Hugging Face cache: loads offline")
                     .clicked()
                 {
-                    s.model.source_input = m.clone();
+                    mp.source_input = m.clone();
                     actions.push(Action::LoadModel);
                 }
             }

@@ -7,13 +7,14 @@ use tunestudio::train::{DpoLoss, Precision, ScheduleKind, TrainingMethod};
 
 use crate::gui::app::Action;
 use crate::gui::jobs::PickTarget;
-use crate::gui::state::AppState;
+use crate::gui::session::Session;
+use crate::gui::shared::PanelContext;
 use crate::gui::theme;
 
 const LORA_MODULES: [&str; 7] = tunestudio::model::LINEAR_MODULES;
 
 /// Draws the Training panel.
-pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
+pub fn show(ui: &mut Ui, s: &mut Session, cx: &PanelContext, actions: &mut Vec<Action>) {
     theme::heading(
         ui,
         "Training",
@@ -24,7 +25,7 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     } else {
         1
     };
-    settings_findings(ui, s);
+    settings_findings(ui, s, cx);
 
     ui.columns(2, |cols| {
         batch_and_precision(&mut cols[0], s, ranks);
@@ -37,11 +38,11 @@ pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
 
 /// What the studio moved to suit the model, and the settings lints (the same `tunestudio
 /// train` stops on): an error names the setting, the fix, and its override.
-fn settings_findings(ui: &mut Ui, s: &mut AppState) {
+fn settings_findings(ui: &mut Ui, s: &mut Session, cx: &PanelContext) {
     if let Some(note) = &s.follow.note {
         theme::note(ui, note);
     }
-    for lint in crate::gui::follow::settings_lints(s) {
+    for lint in &cx.settings_lints {
         let id = lint.kind.id();
         let allowed = s.config.data.allow.iter().any(|a| a == id);
         match lint.severity {
@@ -62,7 +63,7 @@ fn settings_findings(ui: &mut Ui, s: &mut AppState) {
 }
 
 /// Batch, precision, sequence length and the memory savers (one grid).
-fn batch_and_precision(ui: &mut Ui, s: &mut AppState, ranks: usize) {
+fn batch_and_precision(ui: &mut Ui, s: &mut Session, ranks: usize) {
     theme::section(ui, "Batch and precision");
     theme::card(ui, |ui| {
         egui::Grid::new("train-batch").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
@@ -129,7 +130,7 @@ fn batch_and_precision(ui: &mut Ui, s: &mut AppState, ranks: usize) {
 
 /// Packing, grouping, activation checkpointing and optimizer offload: the settings that
 /// trade speed or order for memory (rows of the "Batch and precision" grid).
-fn memory_saver_rows(ui: &mut Ui, s: &mut AppState) {
+fn memory_saver_rows(ui: &mut Ui, s: &mut Session) {
     theme::check_row(
         ui,
         "Packing",
@@ -171,7 +172,7 @@ fn memory_saver_rows(ui: &mut Ui, s: &mut AppState) {
 }
 
 /// Full fine-tune or LoRA, and the LoRA settings.
-fn method(ui: &mut Ui, s: &mut AppState) {
+fn method(ui: &mut Ui, s: &mut Session) {
     theme::section(ui, "Method");
     theme::card(ui, |ui| {
         let l = &mut s.config.lora;
@@ -249,7 +250,7 @@ fn method(ui: &mut Ui, s: &mut AppState) {
 /// preference pairs, with `[preference]`'s loss, β and truncation lengths. Edited in place like
 /// every setting here: the plan key is derived from the run config (a preference step plans
 /// chosen and rejected rows cut at the pair lengths), so the plan follows.
-fn objective(ui: &mut Ui, s: &mut AppState) {
+fn objective(ui: &mut Ui, s: &mut Session) {
     theme::section(ui, "Objective");
     theme::card(ui, |ui| {
         let method = &mut s.config.training.method;
@@ -316,7 +317,7 @@ fn objective(ui: &mut Ui, s: &mut AppState) {
 }
 
 /// Optimizer, learning rate and its schedule, decay, clipping and seed.
-fn optimizer_and_schedule(ui: &mut Ui, s: &mut AppState) {
+fn optimizer_and_schedule(ui: &mut Ui, s: &mut Session) {
     theme::section(ui, "Optimizer and schedule");
     theme::card(ui, |ui| {
         egui::Grid::new("train-opt")
@@ -395,7 +396,7 @@ fn optimizer_and_schedule(ui: &mut Ui, s: &mut AppState) {
 }
 
 /// Run length, evaluation cadence, checkpoints and the output folder.
-fn length_eval_and_checkpoints(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
+fn length_eval_and_checkpoints(ui: &mut Ui, s: &mut Session, actions: &mut Vec<Action>) {
     theme::section(ui, "Length, evaluation and checkpoints");
     theme::card(ui, |ui| {
         egui::Grid::new("train-len").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {

@@ -19,11 +19,11 @@ use tunestudio::infer::{
     GenEvent, GenerationRequest, Generator, Prompt, SamplingParams, StopReason,
 };
 
+use crate::gui::app::{Chrome, PickFor};
 use crate::gui::error::{ErrorKind, JobError};
 use crate::gui::jobs::Jobs;
-use crate::gui::state::AppState;
+use crate::gui::session::Session;
 
-pub use view::show;
 pub use worker::Generation;
 
 /// Where a side's model comes from.
@@ -541,46 +541,45 @@ fn comparison_rows(pg: &PlaygroundState) -> Result<Vec<BatchRow>, JobError> {
 }
 
 /// Carries out a playground action (called by the app after the frame).
-pub fn apply(s: &mut AppState, action: PgAction, jobs: &Jobs) {
+pub fn apply(
+    pg: &mut PlaygroundState,
+    s: &Session,
+    chrome: &mut Chrome,
+    action: PgAction,
+    jobs: &Jobs,
+) {
     match action {
-        PgAction::Load(i) => load(s, i, jobs),
+        PgAction::Load(i) => load(pg, s, i, jobs),
         PgAction::Generate => {
-            let pg = &mut s.playground;
             pg.batch_next = None;
             let prompt = pg.prompt.clone();
             pg.error = start_generation(pg, jobs, &prompt).err();
         }
         PgAction::Cancel => {
-            for h in s
-                .playground
-                .sides
-                .iter()
-                .filter_map(|sd| sd.handle.as_ref())
-            {
+            for h in pg.sides.iter().filter_map(|sd| sd.handle.as_ref()) {
                 h.cancel();
             }
         }
-        PgAction::Pick(target) => pick(s, target, jobs),
+        PgAction::Pick(target) => pick(pg, s, chrome, target, jobs),
         PgAction::ValidationPrompts => {
-            let n = s.playground.validation_count.max(1);
-            s.playground.prompts_loading = true;
+            let n = pg.validation_count.max(1);
+            pg.prompts_loading = true;
             worker::take_validation_prompts(jobs, s.config.resolved_data(), n);
         }
         PgAction::ReadPrompts(path) => {
-            s.playground.prompts_loading = true;
+            pg.prompts_loading = true;
             worker::read_prompts(jobs, path);
         }
-        PgAction::RunBatch => run_batch(&mut s.playground, jobs),
-        PgAction::Export => export(&mut s.playground, jobs),
+        PgAction::RunBatch => run_batch(pg, jobs),
+        PgAction::Export => export(pg, jobs),
         PgAction::RefreshCheckpoints(dir) => worker::list_checkpoints(jobs, dir),
     }
 }
 
 /// Starts loading side `i` from what its fields say.
-fn load(s: &mut AppState, i: usize, jobs: &Jobs) {
+fn load(pg: &mut PlaygroundState, s: &Session, i: usize, jobs: &Jobs) {
     let out_dir = s.output_dir();
     let config = &s.config;
-    let pg = &mut s.playground;
     let sd = &pg.sides[i];
     let adapter = Some(sd.adapter.trim())
         .filter(|a| !a.is_empty())
@@ -629,19 +628,14 @@ fn load(s: &mut AppState, i: usize, jobs: &Jobs) {
 }
 
 /// Opens a file dialog (the system one in a job, else the in-app picker).
-fn pick(s: &mut AppState, target: PgPick, jobs: &Jobs) {
+fn pick(pg: &mut PlaygroundState, s: &Session, chrome: &mut Chrome, target: PgPick, jobs: &Jobs) {
     let start = Some(s.output_dir()).filter(|p| p.is_dir());
     if target == PgPick::Prompts {
-        s.playground.prompts_loading = true;
+        pg.prompts_loading = true;
     }
-    if s.system_dialog.is_err() {
+    if chrome.system_dialog.is_err() {
         let (title, kind) = pick_kind(target);
-        s.open_picker(
-            crate::gui::state::PickFor::Playground(target),
-            title,
-            kind,
-            start,
-        );
+        chrome.open_picker(s, PickFor::Playground(target), title, kind, start);
         return;
     }
     worker::pick(jobs, target, start);

@@ -6,51 +6,59 @@ use eframe::egui::{self, RichText, Ui};
 
 use super::{PgAction, PgPick, PlaygroundSide, PlaygroundState, SideSource, SIDE_NAMES};
 use crate::gui::app::Action;
-use crate::gui::state::AppState;
+use crate::gui::session::Session;
+use crate::gui::shared::PanelContext;
 use crate::gui::theme;
 
 fn push(actions: &mut Vec<Action>, a: PgAction) {
     actions.push(Action::Playground(a));
 }
 
-/// Draws the Playground panel.
-pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
-    theme::heading(
-        ui,
-        "Playground",
-        "Ask two models the same prompt and compare the answers side by side.",
-    );
-    refresh_checkpoints(s, actions);
-    let run_source = s.config.model.source.clone();
-    let pg = &mut s.playground;
+impl PlaygroundState {
+    /// Draws the Playground panel.
+    pub fn show(&mut self, ui: &mut Ui, s: &Session, cx: &PanelContext, actions: &mut Vec<Action>) {
+        theme::heading(
+            ui,
+            "Playground",
+            "Ask two models the same prompt and compare the answers side by side.",
+        );
+        let pg = self;
+        refresh_checkpoints(pg, s, cx, actions);
+        let run_source = s.config.model.source.clone();
 
-    ui.columns(2, |cols| {
-        for (i, ui) in cols.iter_mut().enumerate() {
-            side_picker(ui, i, pg, &run_source, actions);
-        }
-    });
-    ask(ui, pg);
-    sampling(ui, pg);
-    generate_row(ui, pg, actions);
+        ui.columns(2, |cols| {
+            for (i, ui) in cols.iter_mut().enumerate() {
+                side_picker(ui, i, pg, &run_source, actions);
+            }
+        });
+        ask(ui, pg);
+        sampling(ui, pg);
+        generate_row(ui, pg, actions);
 
-    ui.add_space(6.0);
-    ui.columns(2, |cols| {
-        for (i, ui) in cols.iter_mut().enumerate() {
-            answer(ui, i, &pg.sides[i]);
-        }
-    });
+        ui.add_space(6.0);
+        ui.columns(2, |cols| {
+            for (i, ui) in cols.iter_mut().enumerate() {
+                answer(ui, i, &pg.sides[i]);
+            }
+        });
 
-    prompt_list(ui, pg, actions);
-    export_row(ui, pg, actions);
+        prompt_list(ui, pg, actions);
+        export_row(ui, pg, actions);
+    }
 }
 
 /// Asks a job to list the run's checkpoints when the output folder or the run's last
 /// checkpoint changed (or the panel was opened again).
-fn refresh_checkpoints(s: &mut AppState, actions: &mut Vec<Action>) {
+fn refresh_checkpoints(
+    pg: &mut PlaygroundState,
+    s: &Session,
+    cx: &PanelContext,
+    actions: &mut Vec<Action>,
+) {
     let out = s.output_dir();
-    let key = format!("{}|{:?}", out.display(), s.run.last_checkpoint);
-    if s.playground.checkpoints_key.as_deref() != Some(key.as_str()) {
-        s.playground.checkpoints_key = Some(key);
+    let key = format!("{}|{:?}", out.display(), cx.last_checkpoint);
+    if pg.checkpoints_key.as_deref() != Some(key.as_str()) {
+        pg.checkpoints_key = Some(key);
         push(actions, PgAction::RefreshCheckpoints(out));
     }
 }

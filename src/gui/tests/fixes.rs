@@ -10,7 +10,7 @@ use egui_kittest::Harness;
 
 use super::{app_harness, wait_for, wait_for_current_plan};
 use crate::gui::app::{StartOptions, StudioApp};
-use crate::gui::state::Panel;
+use crate::gui::session::Panel;
 use tunestudio::data::{DataConfig, Format};
 use tunestudio::plan::{Change, Plan, PlanRequest, ReferencePlan};
 use tunestudio::train::{self, InitMode, ReferenceMode, RunConfig, TrainingMethod};
@@ -54,7 +54,9 @@ fn studio(config: &RunConfig, dir: &std::path::Path) -> Harness<'static, StudioA
     };
     let mut h = app_harness(opts, 2000.0);
     wait_for(&mut h, "tiny-llama to load", Duration::from_secs(90), |a| {
-        a.jobs.in_flight() == 0 && a.state.model.info.is_some() && a.state.plan.plan.is_some()
+        a.jobs.in_flight() == 0
+            && a.panels.model.info.is_some()
+            && a.panels.devices.plan.plan.is_some()
     });
     h
 }
@@ -86,8 +88,15 @@ fn settings(req: &PlanRequest) -> PlanRequest {
 /// Waits for the plan of the studio's current config, and returns it with its request.
 fn current_plan(h: &mut Harness<'static, StudioApp>) -> (Plan, PlanRequest) {
     wait_for_current_plan(h, "the plan", |_| true);
-    let plan = h.state().state.plan.plan.clone().expect("a plan");
-    let req = h.state().state.plan.request.clone().expect("its request");
+    let plan = h.state().panels.devices.plan.plan.clone().expect("a plan");
+    let req = h
+        .state()
+        .panels
+        .devices
+        .plan
+        .request
+        .clone()
+        .expect("its request");
     (plan, req)
 }
 
@@ -108,13 +117,13 @@ fn every_ranked_fix_applied_in_the_studio_saves_the_planned_settings() {
     let small: Vec<String> = (0..2)
         .map(|i| format!("cuda:{i}={}MiB", peak_mib * 97 / 100))
         .collect();
-    h.state_mut().state.config.devices.devices = small;
+    h.state_mut().session.config.devices.devices = small;
     let (plan, req) = current_plan(&mut h);
     assert!(!plan.fits(), "{}", plan.summary);
-    let base = h.state().state.config.clone();
+    let base = h.state().session.config.clone();
     let model = h
         .state()
-        .state
+        .panels
         .model
         .info
         .as_ref()
@@ -136,7 +145,7 @@ fn every_ranked_fix_applied_in_the_studio_saves_the_planned_settings() {
         assert!(kinds.contains(k), "no {k} fix among {kinds:?}");
     }
     for (i, fix) in fixes.iter().enumerate() {
-        h.state_mut().state.config = base.clone();
+        h.state_mut().session.config = base.clone();
         let (shown, shown_req) = current_plan(&mut h);
         assert_eq!(shown.fixes[i].change, fix.change);
         h.get_all_by_label("Apply")
@@ -145,7 +154,7 @@ fn every_ranked_fix_applied_in_the_studio_saves_the_planned_settings() {
             .click();
         h.run_steps(2);
         let path = dir.path().join(format!("fixed-{i}.toml"));
-        h.state().state.config.save(&path).expect("save");
+        h.state().session.config.save(&path).expect("save");
         let saved = RunConfig::load(&path).expect("the saved config loads and validates");
         let replanned = train::plan_request(&saved, model.clone(), shown_req.devices.clone());
         assert_eq!(

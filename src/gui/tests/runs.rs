@@ -13,7 +13,8 @@ use egui_kittest::Harness;
 
 use super::{app_harness, click_nav, pick, text_containing, wait_for, wait_for_current_plan};
 use crate::gui::app::{StartOptions, StudioApp};
-use crate::gui::state::{Panel, RunPhase};
+use crate::gui::run_state::RunPhase;
+use crate::gui::session::Panel;
 use tunestudio::data::{DataConfig, Format};
 use tunestudio::model::CausalLm;
 use tunestudio::train::{FinishReason, InitMode, RunConfig, ScheduleKind, TrainingRun};
@@ -85,10 +86,10 @@ fn studio(
     let mut h = app_harness(opts, 1100.0);
     wait_for(&mut h, "tiny-llama to load", Duration::from_secs(90), |a| {
         a.jobs.in_flight() == 0
-            && a.state.model.info.is_some()
-            && a.state.preview.preview.is_some()
-            && a.state.plan.plan.is_some()
-            && a.state.devices.inventory.is_some()
+            && a.panels.model.info.is_some()
+            && a.panels.preview.preview.is_some()
+            && a.panels.devices.plan.plan.is_some()
+            && a.panels.devices.inventory.is_some()
     });
     h
 }
@@ -103,9 +104,9 @@ fn start(h: &mut Harness<'static, StudioApp>) {
 /// Waits for the run to end; returns how.
 fn wait_finished(h: &mut Harness<'static, StudioApp>) -> FinishReason {
     wait_for(h, "the run to end", Duration::from_secs(120), |a| {
-        matches!(a.state.run.phase, RunPhase::Finished(_))
+        matches!(a.panels.run.live.phase, RunPhase::Finished(_))
     });
-    match h.state().state.run.phase {
+    match h.state().panels.run.live.phase {
         RunPhase::Finished(r) => r,
         _ => unreachable!(),
     }
@@ -135,7 +136,7 @@ fn library_run(config: &RunConfig, out: &Path, steps: usize) -> (Vec<f64>, Train
 
 /// The studio's losses, `(step, loss)`.
 fn studio_losses(h: &Harness<'static, StudioApp>) -> Vec<(u64, f64)> {
-    let r = &h.state().state.run;
+    let r = &h.state().panels.run.live;
     r.loss.iter().map(|p| (p[0] as u64, p[1])).collect()
 }
 
@@ -179,9 +180,9 @@ fn export(h: &mut Harness<'static, StudioApp>, kind: &str, dest: &Path) -> PathB
     // The click is handled on the next frames (until then the last export's result shows).
     h.run_steps(2);
     wait_for(h, "the export", Duration::from_secs(60), |a| {
-        !a.state.export.running && a.state.export.result.is_some()
+        !a.panels.export.running && a.panels.export.result.is_some()
     });
-    let result = h.state().state.export.result.clone().expect("a result");
+    let result = h.state().panels.export.result.clone().expect("a result");
     let written = result.unwrap_or_else(|e| panic!("{kind} export failed: {e:?}"));
     assert!(
         text_containing(h, &format!("Exported to {}", written.display())).is_some(),
@@ -201,7 +202,14 @@ fn exports_of_each_kind_load_back_with_the_trained_logits() {
     let mut h = studio(&config, dir.path(), Panel::Run, None);
     start(&mut h);
     assert_eq!(wait_finished(&mut h), FinishReason::Completed);
-    let checkpoint = h.state().state.run.last_checkpoint.clone().expect("saved");
+    let checkpoint = h
+        .state()
+        .panels
+        .run
+        .live
+        .last_checkpoint
+        .clone()
+        .expect("saved");
     let (losses, reference) = library_run(&config, &dir.path().join("ref-lora"), 2);
     assert_losses(&studio_losses(&h), &losses, 1e-5);
     let trained = probe_logits(reference.model());
@@ -213,7 +221,7 @@ fn exports_of_each_kind_load_back_with_the_trained_logits() {
     click_nav(&mut h, Panel::Export);
     // The panel proposes the run's last checkpoint.
     assert_eq!(
-        Path::new(&h.state().state.export.checkpoint),
+        Path::new(&h.state().panels.export.checkpoint),
         checkpoint.as_path()
     );
     pick(&mut h, "Weights dtype", "f32");
@@ -238,8 +246,8 @@ fn exports_of_each_kind_load_back_with_the_trained_logits() {
     click_nav(&mut h, Panel::Training);
     h.get_by_label("Full fine-tune").click();
     h.run_steps(2);
-    assert!(!h.state().state.config.lora.enabled);
-    let full_config = h.state().state.config.clone();
+    assert!(!h.state().session.config.lora.enabled);
+    let full_config = h.state().session.config.clone();
     start(&mut h);
     h.get_by_label("Train in a new folder").click();
     h.run_steps(2);
@@ -251,9 +259,16 @@ fn exports_of_each_kind_load_back_with_the_trained_logits() {
     click_nav(&mut h, Panel::Export);
     h.get_by_label("Use the latest").click();
     h.run_steps(2);
-    let full_checkpoint = h.state().state.run.last_checkpoint.clone().expect("saved");
+    let full_checkpoint = h
+        .state()
+        .panels
+        .run
+        .live
+        .last_checkpoint
+        .clone()
+        .expect("saved");
     assert_eq!(
-        Path::new(&h.state().state.export.checkpoint),
+        Path::new(&h.state().panels.export.checkpoint),
         full_checkpoint.as_path()
     );
     let full = export(&mut h, "full model", &dir.path().join("full"));
@@ -281,12 +296,19 @@ fn resume_latest_continues_from_the_checkpoint_step() {
     let mut h = studio(&config, dir.path(), Panel::Run, None);
     start(&mut h);
     wait_for(&mut h, "two steps", Duration::from_secs(60), |a| {
-        a.state.run.step >= 2
+        a.panels.run.live.step >= 2
     });
     h.get_by_label("Stop").click();
     assert_eq!(wait_finished(&mut h), FinishReason::Stopped);
-    let k = h.state().state.run.step;
-    let checkpoint = h.state().state.run.last_checkpoint.clone().expect("saved");
+    let k = h.state().panels.run.live.step;
+    let checkpoint = h
+        .state()
+        .panels
+        .run
+        .live
+        .last_checkpoint
+        .clone()
+        .expect("saved");
     assert!(
         checkpoint.ends_with(format!("checkpoint-{k}")),
         "{}",
@@ -295,20 +317,20 @@ fn resume_latest_continues_from_the_checkpoint_step() {
 
     start(&mut h);
     assert!(
-        h.state().state.run.existing_run.is_some(),
+        h.state().panels.run.live.existing_run.is_some(),
         "Start asks about the run in the folder"
     );
     h.get_by_label("Resume that run").click();
     h.run_steps(2);
     wait_for(&mut h, "two resumed steps", Duration::from_secs(60), |a| {
-        a.state.run.loss.len() >= 2
+        a.panels.run.live.loss.len() >= 2
     });
     h.get_by_label("Stop").click();
     wait_finished(&mut h);
     let resumed = studio_losses(&h);
     println!("stopped at step {k}; resumed: {resumed:?}");
     assert_eq!(
-        h.state().state.run.start_step,
+        h.state().panels.run.live.start_step,
         k,
         "started at the checkpoint"
     );
@@ -351,7 +373,7 @@ fn out_of_memory_refit_applies_and_resumes_from_the_checkpoint() {
     let mut h = studio(&config, dir.path(), Panel::Run, Some("3:backward"));
     start(&mut h);
     assert_eq!(wait_finished(&mut h), FinishReason::Failed);
-    let run = &h.state().state.run;
+    let run = &h.state().panels.run.live;
     let error = run.error.clone().expect("an error");
     assert!(error.is_out_of_memory(), "{error:?}");
     assert_eq!(error.step, Some(3));
@@ -363,11 +385,11 @@ fn out_of_memory_refit_applies_and_resumes_from_the_checkpoint() {
     );
     let offered = run.oom_refit.clone().expect("the refit offer");
     let expected =
-        tunestudio::train::oom::refit_after_oom(&h.state().state.config).expect("a refit");
+        tunestudio::train::oom::refit_after_oom(&h.state().session.config).expect("a refit");
     assert_eq!(offered, expected.changes);
     assert!(!offered.is_empty());
     println!("refit offered: {}", offered.join("; "));
-    assert_ne!(expected.config.training, h.state().state.config.training);
+    assert_ne!(expected.config.training, h.state().session.config.training);
     // The Run panel shows it.
     assert!(h.query_by_label("Out of memory").is_some());
     let card = text_containing(&h, "Settings that fit what the device held").expect("card");
@@ -376,12 +398,12 @@ fn out_of_memory_refit_applies_and_resumes_from_the_checkpoint() {
     h.get_by_label("Apply the fix and resume").click();
     h.run_steps(2);
     assert_eq!(
-        h.state().state.config.training,
+        h.state().session.config.training,
         expected.config.training,
         "the refit settings are applied"
     );
     assert_eq!(wait_finished(&mut h), FinishReason::Completed);
-    let r = &h.state().state.run;
+    let r = &h.state().panels.run.live;
     assert!(r.error.is_none(), "{:?}", r.error);
     assert_eq!(r.start_step, 2, "resumed from checkpoint-2");
     let resumed = studio_losses(&h);
@@ -420,10 +442,10 @@ fn a_qlora_run_trains_on_a_quantized_base() {
     let mut h = studio(&config, dir.path(), Panel::Training, None);
     pick(&mut h, "Base", "QLoRA 8-bit (q8_0)");
     assert_eq!(
-        h.state().state.config.model.quantize,
+        h.state().session.config.model.quantize,
         tunestudio::settings::Quantization::Q8_0
     );
-    let qlora_config = h.state().state.config.clone();
+    let qlora_config = h.state().session.config.clone();
     start(&mut h);
     assert_eq!(wait_finished(&mut h), FinishReason::Completed);
     let losses = studio_losses(&h);
@@ -437,7 +459,14 @@ fn a_qlora_run_trains_on_a_quantized_base() {
         losses[0].1, full_precision[0]
     );
     assert!(gap > 1e-6, "the base was not quantized: {gap:e}");
-    let last = h.state().state.run.last_checkpoint.clone().expect("saved");
+    let last = h
+        .state()
+        .panels
+        .run
+        .live
+        .last_checkpoint
+        .clone()
+        .expect("saved");
     let saved = RunConfig::load(&last.join("run.toml")).expect("the run's config");
     assert_eq!(
         saved.model.quantize,
@@ -455,7 +484,7 @@ fn data_parallel_on_logical_cpu_devices_trains_like_one_device() {
     let mut h = studio(&config, dir.path(), Panel::Devices, None);
     pick(&mut h, "Logical CPU devices", "2 (cpu:0, cpu:1)");
     pick(&mut h, "Strategy", "data parallel");
-    let c = &h.state().state.config;
+    let c = &h.state().session.config;
     assert_eq!(c.devices.devices, ["cpu:0", "cpu:1"]);
     assert_eq!(
         c.devices.strategy,
@@ -483,11 +512,11 @@ fn a_dry_run_from_the_devices_panel_runs_and_shows_measured_against_planned() {
     let mut h = studio(&config, dir.path(), Panel::Devices, None);
     h.get_by_label("Dry run").click();
     h.run_steps(2);
-    assert!(h.state().state.plan.dry_run_running);
+    assert!(h.state().panels.devices.plan.dry_run_running);
     wait_for(&mut h, "the dry run", Duration::from_secs(90), |a| {
-        !a.state.plan.dry_run_running
+        !a.panels.devices.plan.dry_run_running
     });
-    let s = &h.state().state;
+    let s = &h.state().panels.devices;
     assert!(s.plan.error.is_none(), "{:?}", s.plan.error);
     let report = s.plan.dry_run.clone().expect("a dry run report");
     assert!(report.ok(), "{}", report.summary);

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use super::app_harness;
 use crate::gui::app::{StartOptions, StudioApp};
 use crate::gui::disk::hook;
-use crate::gui::state::{FrameStats, Panel};
+use crate::gui::frame_stats::FrameStats;
+use crate::gui::session::Panel;
 
 /// One look at the slow folder takes this long: a frame that looked would blow its budget.
 const SLOW_LOOK: Duration = Duration::from_millis(120);
@@ -56,15 +57,15 @@ fn frames_stay_within_budget_while_a_slow_disk_is_read_on_jobs() {
     // frames after them, while the jobs read the slow folder.
     h.step();
     h.step();
-    h.state_mut().state.frames = FrameStats::default();
+    h.state_mut().chrome.frames = FrameStats::default();
     let looks_before = hook::looks_on_this_thread();
     let start = Instant::now();
     let mut worst_ms = 0.0f32;
     let ready = |a: &StudioApp| {
         a.jobs.in_flight() == 0
-            && a.state.model.info.is_some()
-            && a.state.preview.preview.is_some()
-            && a.state.plan.plan.is_some()
+            && a.panels.model.info.is_some()
+            && a.panels.preview.preview.is_some()
+            && a.panels.devices.plan.plan.is_some()
     };
     while !ready(h.state()) {
         assert!(
@@ -72,19 +73,19 @@ fn frames_stay_within_budget_while_a_slow_disk_is_read_on_jobs() {
             "timed out waiting for the model, preview and plan"
         );
         h.step();
-        worst_ms = worst_ms.max(h.state().state.frames.max_ms());
+        worst_ms = worst_ms.max(h.state().chrome.frames.max_ms());
         std::thread::sleep(Duration::from_millis(10));
     }
     // Then edits, each a new plan and preview: the keys are compared every frame.
     for rows in [2, 3, 4] {
-        h.state_mut().state.config.training.micro_batch = rows;
+        h.state_mut().session.config.training.micro_batch = rows;
         for _ in 0..5 {
             h.step();
-            worst_ms = worst_ms.max(h.state().state.frames.max_ms());
+            worst_ms = worst_ms.max(h.state().chrome.frames.max_ms());
             std::thread::sleep(Duration::from_millis(10));
         }
     }
-    let stats = h.state().state.frames.clone();
+    let stats = h.state().chrome.frames.clone();
     worst_ms = worst_ms.max(stats.max_ms());
     hook::clear_slow(project.path());
     println!(
@@ -110,7 +111,7 @@ fn frames_stay_within_budget_while_a_slow_disk_is_read_on_jobs() {
         stats.summary()
     );
     // The slow work happened (on jobs): the model came from the slow folder.
-    let info = h.state().state.model.info.as_ref().map(|i| i.dir.clone());
+    let info = h.state().panels.model.info.as_ref().map(|i| i.dir.clone());
     assert!(
         info.is_some_and(|d| d.starts_with(project.path())),
         "the model was loaded from the project"

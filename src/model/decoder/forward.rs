@@ -41,7 +41,6 @@ impl CausalLm {
     }
 
     /// Runs embeddings, every layer and the final norm: `[b, t, hidden]` in the model dtype.
-    #[allow(clippy::too_many_lines)] // the forward pass in order (embeddings, layers, norm); to split
     pub(crate) fn hidden_states(
         &self,
         input_ids: &Tensor,
@@ -54,56 +53,30 @@ impl CausalLm {
             return Err(ModelError::Input("input_ids is empty".into()));
         }
         self.check_ids(&ids)?;
-        let padding = match attention_mask {
-            Some(m) => {
-                let m = as_u32(m, "attention_mask")?;
-                if m.dims() != ids.dims() {
-                    return Err(ModelError::Input(format!(
-                        "attention_mask has shape {:?} but input_ids has {:?}",
-                        m.dims(),
-                        ids.dims()
-                    )));
-                }
-                Some(m.to_device(&Device::Cpu)?.to_vec2::<u32>()?)
-            }
-            None => None,
-        };
-        let dropout_seed = if train && self.lora.as_ref().is_some_and(|l| l.dropout > 0.0) {
+        let padding = padding_rows(&ids, attention_mask)?;
+        let mut ctxs = StageCtxs::new(self, padding, (b, t), self.dropout_seed(train))?;
+        let h = self.embed(&ids, train)?;
+        let h = self.run_layers(h, &mut ctxs, train)?;
+        kernels::rms_norm(&h, &self.modules.norm, self.config.rms_norm_eps, self.ops)
+    }
+
+    /// This forward's LoRA-dropout seed: a fresh one per training forward while dropout is on
+    /// (checkpointed layers replay it to recompute the same masks), none otherwise.
+    fn dropout_seed(&self, train: bool) -> Option<u64> {
+        if train && self.lora.as_ref().is_some_and(|l| l.dropout > 0.0) {
             let n = self.forward_counter.fetch_add(1, Ordering::Relaxed);
             Some(self.dropout_seed_base ^ n.wrapping_mul(0x2545_F491_4F6C_DD1D))
         } else {
             None
-        };
-        let make_ctx = |device: &Device| -> Result<Arc<Ctx>, ModelError> {
-            let (cos, sin) = rope_tables(&self.config, t, self.dtype, device)?;
-            let mask = build_attention_mask(padding.as_deref(), b, t, None, device)?;
-            let sliding_mask = match self.config.sliding_window {
-                Some(w) if w < t => Some(build_attention_mask(
-                    padding.as_deref(),
-                    b,
-                    t,
-                    Some(w),
-                    device,
-                )?),
-                _ => None,
-            };
-            Ok(Arc::new(Ctx {
-                cos,
-                sin,
-                mask,
-                sliding_mask,
-                dropout_seed,
-                adapters: !self.adapters_disabled.load(Ordering::Relaxed),
-                ops: self.ops,
-                native: OnceLock::new(),
-            }))
-        };
-        let mut ctxs: Vec<(Device, Arc<Ctx>)> =
-            vec![(self.device.clone(), make_ctx(&self.device)?)];
-        let hidden = self.config.hidden_size;
+        }
+    }
+
+    /// The token embeddings `[b, t, hidden]` of `ids` (`[b, t]` u32 on the model's device).
+    fn embed(&self, ids: &Tensor, train: bool) -> Result<Tensor, ModelError> {
+        let (b, t) = ids.dims2()?;
         let flat_ids = ids.flatten_all()?;
         let padding_idx = self.padding_idx();
-        let h = if train && self.native_embedding() {
+        let rows = if train && self.native_embedding() {
             native_embedding::embedding(
                 &self.modules.embed,
                 flat_ids.to_vec1::<u32>()?,
@@ -123,53 +96,63 @@ impl CausalLm {
                     .where_cond(&rows.detach(), &rows)?,
                 None => rows,
             }
-        }
-        .reshape((b, t, hidden))?;
+        };
+        Ok(rows.reshape((b, t, self.config.hidden_size))?)
+    }
+
+    /// Every decoder layer in order, each on its stage's device; returns the last layer's
+    /// output on the head's device.
+    fn run_layers(
+        &self,
+        embeddings: Tensor,
+        ctxs: &mut StageCtxs<'_>,
+        train: bool,
+    ) -> Result<Tensor, ModelError> {
         // The embeddings are stage 0's; every stage boundary is an explicit transfer.
-        let mut h = Placed::new(h, 0);
+        let mut h = Placed::new(embeddings, 0);
         for layer in &self.modules.layers {
-            let ctx = match ctxs.iter().find(|(d, _)| d.same_device(&layer.device)) {
-                Some((_, c)) => c.clone(),
-                None => {
-                    let c = make_ctx(&layer.device)?;
-                    ctxs.push((layer.device.clone(), c.clone()));
-                    c
-                }
-            };
+            let ctx = ctxs.for_device(&layer.device)?;
             let home = Home {
                 index: layer.owner,
                 device: layer.device.clone(),
             };
             let x = h.to(&home)?.into_tensor();
-            let h_out = if self.native_layers
-                && self.native_kernels()
-                && native_layer::applies(layer, &ctx, &x)
-            {
-                let nc = match ctx.native.get() {
-                    Some(nc) => nc.clone(),
-                    None => {
-                        let nc = native_layer::native_ctx(&ctx)?;
-                        let _ = ctx.native.set(nc.clone());
-                        nc
-                    }
-                };
-                native_layer::native_layer(
-                    layer,
-                    &nc,
-                    &x,
-                    &self.side_grads,
-                    train && !self.checkpointing,
-                    ctx.dropout_seed,
-                )?
-            } else if self.checkpointing {
-                checkpoint::checkpointed_layer(layer, &ctx, &x, &self.side_grads)?
-            } else {
-                layer.forward(&x, &ctx)?
-            };
-            h = Placed::new(h_out, layer.owner);
+            h = Placed::new(self.layer_forward(layer, &ctx, &x, train)?, layer.owner);
         }
-        let h = h.to(&self.head_home())?.into_tensor();
-        kernels::rms_norm(&h, &self.modules.norm, self.config.rms_norm_eps, self.ops)
+        Ok(h.to(&self.head_home())?.into_tensor())
+    }
+
+    /// One layer on `x` (already on the layer's device): the native op where it applies,
+    /// else the checkpointed or the plain candle layer.
+    fn layer_forward(
+        &self,
+        layer: &Arc<Layer>,
+        ctx: &Arc<Ctx>,
+        x: &Tensor,
+        train: bool,
+    ) -> Result<Tensor, ModelError> {
+        if self.native_layers && self.native_kernels() && native_layer::applies(layer, ctx, x) {
+            let nc = match ctx.native.get() {
+                Some(nc) => nc.clone(),
+                None => {
+                    let nc = native_layer::native_ctx(ctx)?;
+                    let _ = ctx.native.set(nc.clone());
+                    nc
+                }
+            };
+            Ok(native_layer::native_layer(
+                layer,
+                &nc,
+                x,
+                &self.side_grads,
+                train && !self.checkpointing,
+                ctx.dropout_seed,
+            )?)
+        } else if self.checkpointing {
+            checkpoint::checkpointed_layer(layer, ctx, x, &self.side_grads)
+        } else {
+            layer.forward(x, ctx)
+        }
     }
 
     /// Full logits `[b, t, vocab]` in f32 (for tests and generation; training uses
@@ -384,5 +367,86 @@ impl CausalLm {
     /// The device of decoder layer `layer`.
     pub fn layer_device(&self, layer: usize) -> Option<&Device> {
         self.layer_devices.get(layer)
+    }
+}
+
+/// The attention mask's rows on the CPU (the masks are built there), checked against `ids`.
+fn padding_rows(
+    ids: &Tensor,
+    attention_mask: Option<&Tensor>,
+) -> Result<Option<Vec<Vec<u32>>>, ModelError> {
+    let Some(m) = attention_mask else {
+        return Ok(None);
+    };
+    let m = as_u32(m, "attention_mask")?;
+    if m.dims() != ids.dims() {
+        return Err(ModelError::Input(format!(
+            "attention_mask has shape {:?} but input_ids has {:?}",
+            m.dims(),
+            ids.dims()
+        )));
+    }
+    Ok(Some(m.to_device(&Device::Cpu)?.to_vec2::<u32>()?))
+}
+
+/// One forward's layer contexts (rope tables, masks), built once per device the layers sit on.
+struct StageCtxs<'m> {
+    lm: &'m CausalLm,
+    padding: Option<Vec<Vec<u32>>>,
+    /// `(batch, tokens)`.
+    bt: (usize, usize),
+    dropout_seed: Option<u64>,
+    built: Vec<(Device, Arc<Ctx>)>,
+}
+
+impl<'m> StageCtxs<'m> {
+    /// Builds the model device's context up front (the one every single-device layer uses).
+    fn new(
+        lm: &'m CausalLm,
+        padding: Option<Vec<Vec<u32>>>,
+        bt: (usize, usize),
+        dropout_seed: Option<u64>,
+    ) -> Result<Self, ModelError> {
+        let mut ctxs = Self {
+            lm,
+            padding,
+            bt,
+            dropout_seed,
+            built: Vec::new(),
+        };
+        ctxs.for_device(&lm.device)?;
+        Ok(ctxs)
+    }
+
+    /// The context on `device`, built on first use.
+    fn for_device(&mut self, device: &Device) -> Result<Arc<Ctx>, ModelError> {
+        if let Some((_, c)) = self.built.iter().find(|(d, _)| d.same_device(device)) {
+            return Ok(c.clone());
+        }
+        let c = self.build(device)?;
+        self.built.push((device.clone(), c.clone()));
+        Ok(c)
+    }
+
+    fn build(&self, device: &Device) -> Result<Arc<Ctx>, ModelError> {
+        let (b, t) = self.bt;
+        let lm = self.lm;
+        let padding = self.padding.as_deref();
+        let (cos, sin) = rope_tables(&lm.config, t, lm.dtype, device)?;
+        let mask = build_attention_mask(padding, b, t, None, device)?;
+        let sliding_mask = match lm.config.sliding_window {
+            Some(w) if w < t => Some(build_attention_mask(padding, b, t, Some(w), device)?),
+            _ => None,
+        };
+        Ok(Arc::new(Ctx {
+            cos,
+            sin,
+            mask,
+            sliding_mask,
+            dropout_seed: self.dropout_seed,
+            adapters: !lm.adapters_disabled.load(Ordering::Relaxed),
+            ops: lm.ops,
+            native: OnceLock::new(),
+        }))
     }
 }

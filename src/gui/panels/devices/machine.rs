@@ -4,16 +4,17 @@
 use eframe::egui::{self, RichText, Ui};
 
 use tunestudio::plan::GPU_CATALOG;
+use tunestudio::train::RunConfig;
 
-use crate::gui::planned::GPU_COUNTS;
-use crate::gui::state::AppState;
+use crate::gui::planned::{PlannedMachine, GPU_COUNTS};
+use crate::gui::session::Session;
 use crate::gui::theme;
 
-use super::CUSTOM;
+use super::{DevicesPanel, CUSTOM};
 
 /// The planned machine's GPU count and model (or custom size).
-pub(super) fn planned_machine(ui: &mut Ui, s: &mut AppState) {
-    let draft = s.devices.planner.clone();
+pub(super) fn planned_machine(ui: &mut Ui, dv: &mut DevicesPanel, s: &mut Session) {
+    let draft = dv.planner.clone();
     let mut count = draft.count;
     let mut model = draft.model;
     let mut custom = draft.custom_size.clone();
@@ -75,14 +76,14 @@ pub(super) fn planned_machine(ui: &mut Ui, s: &mut AppState) {
     }
     let changed = count != draft.count || model != draft.model || custom != draft.custom_size;
     if changed {
-        let p = &mut s.devices.planner;
+        let p = &mut dv.planner;
         p.count = count;
         p.model = model;
         p.custom_size = custom;
         // A size that does not read leaves the config on the last machine that did.
-        let _ = s.plan_for_draft();
+        let _ = dv.plan_for_draft(&mut s.config);
     }
-    if let Err(e) = s.devices.planner.size_text() {
+    if let Err(e) = dv.planner.size_text() {
         ui.label(RichText::new(format!("Memory per GPU: {e}")).color(theme::ERROR));
     }
 }
@@ -94,15 +95,15 @@ fn gpu_count_text(n: usize) -> String {
     }
 }
 /// When the config plans for GPUs this machine has not, shows both and asks which to use.
-pub(super) fn which_machine_question(ui: &mut Ui, s: &mut AppState) {
+pub(super) fn which_machine_question(ui: &mut Ui, dv: &mut DevicesPanel, s: &mut Session) {
     let Some(m) = s.planned_machine() else {
         return;
     };
-    let Some(inv) = s.devices.inventory.as_ref().filter(|i| i.has_gpu()) else {
+    let Some(inv) = dv.inventory.as_ref().filter(|i| i.has_gpu()) else {
         return;
     };
     let entries = s.config.devices.devices.clone();
-    if m.runs_on(Some(inv)) || s.devices.planner.keep_planned_for.as_ref() == Some(&entries) {
+    if m.runs_on(Some(inv)) || dv.planner.keep_planned_for.as_ref() == Some(&entries) {
         return;
     }
     let real: Vec<String> = inv
@@ -132,10 +133,65 @@ pub(super) fn which_machine_question(ui: &mut Ui, s: &mut AppState) {
         });
     });
     if keep {
-        s.devices.planner.keep_planned_for = Some(entries);
+        dv.planner.keep_planned_for = Some(entries);
     } else if use_real {
-        let gpus = s.real_gpu_entries(m.gpus.len());
-        s.devices.planner.real_selection = None;
-        s.set_device_entries(gpus);
+        let gpus = dv.real_gpu_entries(m.gpus.len());
+        dv.planner.real_selection = None;
+        dv.set_device_entries(&mut s.config, gpus);
+    }
+}
+
+impl DevicesPanel {
+    /// Switches the config to the draft's planned machine (remembering this machine's
+    /// selection), or to an error when the custom size does not parse.
+    pub fn plan_for_draft(&mut self, config: &mut RunConfig) -> Result<(), String> {
+        let size = self.planner.size_text()?;
+        let current = &config.devices.devices;
+        if PlannedMachine::from_entries(current).is_none() {
+            self.planner.real_selection = Some(current.clone());
+        }
+        let entries = PlannedMachine::entries(self.planner.count, &size);
+        self.set_device_entries(config, entries);
+        Ok(())
+    }
+
+    /// Switches the config back to this machine's devices: the selection from before
+    /// planning, else every GPU found, else the CPU.
+    pub fn plan_for_this_machine(&mut self, config: &mut RunConfig) {
+        let restored = self
+            .planner
+            .real_selection
+            .take()
+            .filter(|s| !s.is_empty() && PlannedMachine::from_entries(s).is_none());
+        let entries = restored.unwrap_or_else(|| self.real_gpu_entries(usize::MAX));
+        self.set_device_entries(config, entries);
+    }
+
+    /// `cuda:N` for up to `max` of this machine's GPUs, else `cpu`.
+    pub fn real_gpu_entries(&self, max: usize) -> Vec<String> {
+        let gpus: Vec<String> = self
+            .inventory
+            .as_ref()
+            .map(|inv| {
+                inv.gpus()
+                    .map(|g| format!("cuda:{}", g.cuda_ordinal.unwrap_or(g.index)))
+                    .take(max)
+                    .collect()
+            })
+            .unwrap_or_default();
+        if gpus.is_empty() {
+            vec!["cpu".into()]
+        } else {
+            gpus
+        }
+    }
+
+    /// Writes the device entries; one device means the single strategy.
+    pub fn set_device_entries(&mut self, config: &mut RunConfig, entries: Vec<String>) {
+        if entries.len() <= 1 {
+            config.devices.strategy = tunestudio::settings::Strategy::Single;
+        }
+        config.devices.devices = entries;
+        self.planner.sync_from(&config.devices.devices);
     }
 }

@@ -4,63 +4,121 @@
 
 use eframe::egui::{self, Color32, RichText, Sense, Ui};
 
-use tunestudio::devices::DeviceKind;
-use tunestudio::plan::{DevicePlan, Plan, Verdict};
+use tunestudio::devices::{DeviceInventory, DeviceKind};
+use tunestudio::plan::{AutoFit, DevicePlan, DryRunReport, Plan, PlanRequest, Verdict};
 
 use crate::gui::app::Action;
-use crate::gui::state::AppState;
+use crate::gui::error::JobError;
+use crate::gui::session::Session;
+use crate::gui::shared::{PanelContext, PlanKey};
 use crate::gui::theme;
 
 mod machine;
 use machine::{planned_machine, which_machine_question};
 
-/// Draws the GPUs & memory panel.
-pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
-    theme::heading(
-        ui,
-        "GPUs & memory",
-        "Choose where to train. The bars are the planner's prediction of each device's peak memory for the current settings.",
-    );
+/// The memory plan for the current settings.
+#[derive(Default)]
+pub struct PlanState {
+    /// The request planned.
+    pub request: Option<PlanRequest>,
+    /// The plan.
+    pub plan: Option<Plan>,
+    /// Why there is no plan.
+    pub error: Option<JobError>,
+    /// Whether a plan is being computed.
+    pub loading: bool,
+    /// Request sequence number.
+    pub seq: u64,
+    /// What the last request was made for ([`crate::gui::app::plan_key`]); `None` before the first.
+    pub key: Option<PlanKey>,
+    /// The last auto-fit, with the settings it started from.
+    pub autofit: Option<AutoFit>,
+    /// Auto-fit in flight.
+    pub autofit_running: bool,
+    /// The last auto-fit's explanation after it was applied.
+    pub autofit_applied: Vec<String>,
+    /// The last dry run.
+    pub dry_run: Option<DryRunReport>,
+    /// Dry run in flight.
+    pub dry_run_running: bool,
+}
 
-    // A config loaded or edited elsewhere may name another machine: show its choices.
-    let entries = s.config.devices.devices.clone();
-    s.devices.planner.sync_from(&entries);
+/// The GPUs & memory panel: the devices found, the machine being planned, and the memory
+/// plan for the current settings (the app schedules it; Run and the status bar read it).
+#[derive(Default)]
+pub struct DevicesPanel {
+    /// What discovery found.
+    pub inventory: Option<DeviceInventory>,
+    /// Discovery in flight.
+    pub loading: bool,
+    /// The machine being planned when it is not this one (see [`crate::gui::planned`]).
+    pub planner: crate::gui::planned::PlannerDraft,
+    /// The memory plan, auto-fit and dry run.
+    pub plan: PlanState,
+}
 
-    devices_section(ui, s, actions);
+impl DevicesPanel {
+    /// Draws the GPUs & memory panel.
+    pub fn show(
+        &mut self,
+        ui: &mut Ui,
+        s: &mut Session,
+        cx: &PanelContext,
+        actions: &mut Vec<Action>,
+    ) {
+        let dv = self;
+        theme::heading(
+            ui,
+            "GPUs & memory",
+            "Choose where to train. The bars are the planner's prediction of each device's peak memory for the current settings.",
+        );
 
-    theme::section(ui, "Memory plan");
-    if let Some(e) = &s.plan.error {
-        theme::job_error(ui, "No plan", e);
+        // A config loaded or edited elsewhere may name another machine: show its choices.
+        let entries = s.config.devices.devices.clone();
+        dv.planner.sync_from(&entries);
+
+        devices_section(ui, dv, s, cx, actions);
+
+        theme::section(ui, "Memory plan");
+        if let Some(e) = &dv.plan.error {
+            theme::job_error(ui, "No plan", e);
+        }
+        if cx.model.is_none() {
+            theme::note(ui, "Load a model to see the memory plan.");
+            return;
+        }
+        let Some(plan) = dv.plan.plan.clone() else {
+            ui.horizontal(|ui| {
+                ui.add(egui::Spinner::new());
+                ui.label("planning…");
+            });
+            return;
+        };
+        plan_bars(ui, dv, &plan);
+        autofit_and_dry_run(ui, dv, cx, actions);
+        if !plan.fixes.is_empty() {
+            theme::section(ui, "Fixes, best first");
+            crate::gui::widgets::fixes(ui, &plan, actions);
+        }
+        memory_per_block(ui, &plan);
     }
-    if s.model.info.is_none() {
-        theme::note(ui, "Load a model to see the memory plan.");
-        return;
-    }
-    let Some(plan) = s.plan.plan.clone() else {
-        ui.horizontal(|ui| {
-            ui.add(egui::Spinner::new());
-            ui.label("planning…");
-        });
-        return;
-    };
-    plan_bars(ui, s, &plan);
-    autofit_and_dry_run(ui, s, actions);
-    if !plan.fixes.is_empty() {
-        theme::section(ui, "Fixes, best first");
-        crate::gui::widgets::fixes(ui, &plan, actions);
-    }
-    memory_per_block(ui, &plan);
 }
 
 /// Which machine to plan for, its devices and the strategy; the note when planning elsewhere.
-fn devices_section(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
+fn devices_section(
+    ui: &mut Ui,
+    dv: &mut DevicesPanel,
+    s: &mut Session,
+    cx: &PanelContext,
+    actions: &mut Vec<Action>,
+) {
     theme::section(ui, "Devices");
     theme::card(ui, |ui| {
-        plan_for(ui, s);
+        plan_for(ui, dv, s, actions);
         if s.planned_machine().is_some() {
-            planned_machine(ui, s);
+            planned_machine(ui, dv, s);
         } else {
-            device_list(ui, s);
+            device_list(ui, dv, s);
             logical_cpu_devices(ui, s);
         }
         strategy_row(ui, s);
@@ -68,8 +126,8 @@ fn devices_section(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             actions.push(Action::RefreshDevices);
         }
     });
-    which_machine_question(ui, s);
-    if s.planning_only().is_some() {
+    which_machine_question(ui, dv, s);
+    if cx.planning_only.is_some() {
         theme::card(ui, |ui| {
             ui.add(
                 egui::Label::new(
@@ -78,13 +136,13 @@ fn devices_section(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
                 )
                 .wrap(),
             );
-            crate::gui::widgets::planning_only_note(ui, s, actions);
+            crate::gui::widgets::planning_only_note(ui, cx, actions);
         });
     }
 }
 
 /// The verdict and one bar per device, the idle devices, the legend and the settings line.
-fn plan_bars(ui: &mut Ui, s: &AppState, plan: &Plan) {
+fn plan_bars(ui: &mut Ui, dv: &DevicesPanel, plan: &Plan) {
     verdict(ui, plan);
     ui.add_space(6.0);
     for d in &plan.per_device {
@@ -92,7 +150,7 @@ fn plan_bars(ui: &mut Ui, s: &AppState, plan: &Plan) {
         ui.add_space(6.0);
     }
     // Devices the strategy leaves unused (single uses the first), as the CLI lists them.
-    if let Some(req) = &s.plan.request {
+    if let Some(req) = &dv.plan.request {
         for idle in req.devices.iter().skip(plan.per_device.len()) {
             ui.label(RichText::new(format!("{idle}: idle with this strategy")).weak());
         }
@@ -112,11 +170,16 @@ fn plan_bars(ui: &mut Ui, s: &AppState, plan: &Plan) {
 }
 
 /// The Auto-fit and Dry run buttons, and what each last did.
-fn autofit_and_dry_run(ui: &mut Ui, s: &AppState, actions: &mut Vec<Action>) {
+fn autofit_and_dry_run(
+    ui: &mut Ui,
+    dv: &DevicesPanel,
+    cx: &PanelContext,
+    actions: &mut Vec<Action>,
+) {
     ui.add_space(8.0);
     ui.horizontal(|ui| {
         let r = ui
-            .add_enabled(!s.plan.autofit_running, egui::Button::new("Auto-fit"))
+            .add_enabled(!dv.plan.autofit_running, egui::Button::new("Auto-fit"))
             .on_hover_text(
                 "Search precision, checkpointing, micro-batch, strategy and (last) LoRA for the fastest settings that fit \
                  every device with 5 % headroom, keeping the effective batch — and apply them.",
@@ -125,10 +188,10 @@ fn autofit_and_dry_run(ui: &mut Ui, s: &AppState, actions: &mut Vec<Action>) {
             actions.push(Action::AutoFit);
         }
         // A dry run trains one real step, so it needs the real devices.
-        let real = s.planning_only().is_none();
+        let real = cx.planning_only.is_none();
         let r = ui
             .add_enabled(
-                real && !s.plan.dry_run_running && !s.run.is_active(),
+                real && !dv.plan.dry_run_running && !cx.run_active,
                 egui::Button::new("Dry run"),
             )
             .on_hover_text("Load everything and run one real training step, measuring its memory against the prediction.")
@@ -136,19 +199,19 @@ fn autofit_and_dry_run(ui: &mut Ui, s: &AppState, actions: &mut Vec<Action>) {
         if r.clicked() {
             actions.push(Action::DryRun);
         }
-        if s.plan.autofit_running || s.plan.dry_run_running {
+        if dv.plan.autofit_running || dv.plan.dry_run_running {
             ui.add(egui::Spinner::new());
         }
     });
-    if !s.plan.autofit_applied.is_empty() {
+    if !dv.plan.autofit_applied.is_empty() {
         theme::card(ui, |ui| {
             ui.label(RichText::new("Auto-fit applied").strong().color(theme::OK));
-            for c in &s.plan.autofit_applied {
+            for c in &dv.plan.autofit_applied {
                 ui.label(format!("• {c}"));
             }
         });
     }
-    if let Some(r) = &s.plan.dry_run {
+    if let Some(r) = &dv.plan.dry_run {
         theme::card(ui, |ui| {
             let color = if r.ok() { theme::OK } else { theme::ERROR };
             ui.label(RichText::new("Dry run").strong().color(color));
@@ -199,7 +262,7 @@ const THIS_MACHINE: &str = "This machine";
 const PLANNED_MACHINE: &str = "A machine to rent or queue for";
 
 /// This machine's devices, or a machine to rent (N GPUs of a catalogue model or a size).
-fn plan_for(ui: &mut Ui, s: &mut AppState) {
+fn plan_for(ui: &mut Ui, dv: &mut DevicesPanel, s: &mut Session, actions: &mut Vec<Action>) {
     let planned = s.planned_machine().is_some();
     let mut choice = planned;
     egui::Grid::new("plan-for")
@@ -227,11 +290,11 @@ fn plan_for(ui: &mut Ui, s: &mut AppState) {
     if choice != planned {
         if choice {
             // The draft's size is valid unless a custom one is mid-edit; then keep this machine.
-            if let Err(e) = s.plan_for_draft() {
-                s.toast(format!("cannot plan for that machine: {e}"));
+            if let Err(e) = dv.plan_for_draft(&mut s.config) {
+                actions.push(Action::Toast(format!("cannot plan for that machine: {e}")));
             }
         } else {
-            s.plan_for_this_machine();
+            dv.plan_for_this_machine(&mut s.config);
         }
     }
 }
@@ -239,8 +302,8 @@ fn plan_for(ui: &mut Ui, s: &mut AppState) {
 /// The model picker's entry for a size of one's own.
 const CUSTOM: &str = "Custom size";
 
-fn device_list(ui: &mut Ui, s: &mut AppState) {
-    let Some(inv) = s.devices.inventory.clone() else {
+fn device_list(ui: &mut Ui, dv: &mut DevicesPanel, s: &mut Session) {
+    let Some(inv) = dv.inventory.clone() else {
         ui.horizontal(|ui| {
             ui.add(egui::Spinner::new());
             ui.label("looking for devices…");
@@ -321,7 +384,7 @@ fn device_list(ui: &mut Ui, s: &mut AppState) {
 
 /// How many logical CPU devices a CPU run uses (`cpu`, or `cpu:0`, `cpu:1`, …): several
 /// share this machine's cores and RAM, to try a layer split or data parallel without GPUs.
-fn logical_cpu_devices(ui: &mut Ui, s: &mut AppState) {
+fn logical_cpu_devices(ui: &mut Ui, s: &mut Session) {
     let entries = &s.config.devices.devices;
     if entries.is_empty() || !entries.iter().all(|e| e == "cpu" || e.starts_with("cpu:")) {
         return;
@@ -352,7 +415,7 @@ fn logical_cpu_devices(ui: &mut Ui, s: &mut AppState) {
 }
 
 /// The strategy choice, for this machine's devices and a planned machine alike.
-fn strategy_row(ui: &mut Ui, s: &mut AppState) {
+fn strategy_row(ui: &mut Ui, s: &mut Session) {
     ui.add_space(4.0);
     egui::Grid::new("strategy").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
         let mut strat = s.config.devices.strategy;

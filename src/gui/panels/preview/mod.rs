@@ -8,7 +8,9 @@ use egui_plot::{Bar, BarChart, Plot, VLine};
 use tunestudio::data::{DataPreview, Lint, RowPreview, Severity, SplitName, TokenClass};
 
 use crate::gui::app::Action;
-use crate::gui::state::AppState;
+use crate::gui::error::JobError;
+use crate::gui::session::Session;
+use crate::gui::shared::PanelContext;
 use crate::gui::text;
 use crate::gui::theme;
 
@@ -19,55 +21,85 @@ pub mod pairs;
 /// 32k-token row cannot stall a frame.
 pub(crate) const MAX_CHIPS_PER_ROW: usize = 600;
 
-/// Draws the Preview panel.
-pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
-    theme::heading(
-        ui,
-        "Preview",
-        "Each token as the trainer sees it. Green tokens are trained on; grey ones are context (label −100); dim ones are padding.",
-    );
+/// The Preview panel: the rows shown and the preview built for them.
+#[derive(Debug, Default)]
+pub struct PreviewPanel {
+    /// First row shown (a batch of `micro_batch` rows starts here).
+    pub start_row: usize,
+    /// The last preview.
+    pub preview: Option<DataPreview>,
+    /// The last error.
+    pub error: Option<JobError>,
+    /// Whether a preview is being built.
+    pub loading: bool,
+    /// Request sequence number.
+    pub seq: u64,
+    /// The settings key of the last request.
+    pub key: String,
+    /// Row to highlight (jumped to from a lint).
+    pub highlight: Option<usize>,
+    /// The preview of preference pairs, when the data holds them (then `preview` is `None`).
+    pub pairs: pairs::PairPreviewPanel,
+}
 
-    navigator(ui, s);
+impl PreviewPanel {
+    /// Draws the Preview panel.
+    pub fn show(
+        &mut self,
+        ui: &mut Ui,
+        s: &mut Session,
+        cx: &PanelContext,
+        actions: &mut Vec<Action>,
+    ) {
+        let pp = self;
+        theme::heading(
+            ui,
+            "Preview",
+            "Each token as the trainer sees it. Green tokens are trained on; grey ones are context (label −100); dim ones are padding.",
+        );
 
-    if let Some(e) = &s.preview.error {
-        theme::job_error(ui, "The preview could not be built", e);
-        if s.model.info.is_none() {
-            theme::note(ui, "Load a model with a tokenizer first (Model panel).");
+        navigator(ui, pp, s, cx);
+
+        if let Some(e) = &pp.error {
+            theme::job_error(ui, "The preview could not be built", e);
+            if cx.model.is_none() {
+                theme::note(ui, "Load a model with a tokenizer first (Model panel).");
+            }
+            return;
         }
-        return;
-    }
-    if s.preview.pairs.preview().is_some() {
-        let method = s.config.training.method;
-        let highlight = s.preview.highlight;
-        s.preview.pairs.show(ui, method, highlight, actions);
-        return;
-    }
-    let Some(p) = s.preview.preview.clone() else {
-        if s.model.info.is_none() {
-            theme::note(ui, "Load a model first: the preview needs its tokenizer.");
-        } else {
-            ui.horizontal(|ui| {
-                ui.add(egui::Spinner::new());
-                ui.label("tokenising…");
-            });
+        if pp.pairs.preview().is_some() {
+            let method = s.config.training.method;
+            let highlight = pp.highlight;
+            pp.pairs.show(ui, method, highlight, actions);
+            return;
         }
-        return;
-    };
+        let Some(p) = pp.preview.clone() else {
+            if cx.model.is_none() {
+                theme::note(ui, "Load a model first: the preview needs its tokenizer.");
+            } else {
+                ui.horizontal(|ui| {
+                    ui.add(egui::Spinner::new());
+                    ui.label("tokenising…");
+                });
+            }
+            return;
+        };
 
-    legend(ui, &p);
-    for row in &p.rows {
-        row_card(ui, row, s.preview.highlight == Some(row.index));
+        legend(ui, &p);
+        for row in &p.rows {
+            row_card(ui, row, pp.highlight == Some(row.index));
+        }
+
+        ui.columns(2, |cols| {
+            theme::section(&mut cols[0], "Token lengths");
+            histogram(&mut cols[0], &p);
+            theme::section(&mut cols[1], "Statistics");
+            stats(&mut cols[1], &p);
+        });
+
+        theme::section(ui, &format!("Lints ({})", p.lints.len()));
+        lint_list(ui, &p.lints, actions);
     }
-
-    ui.columns(2, |cols| {
-        theme::section(&mut cols[0], "Token lengths");
-        histogram(&mut cols[0], &p);
-        theme::section(&mut cols[1], "Statistics");
-        stats(&mut cols[1], &p);
-    });
-
-    theme::section(ui, &format!("Lints ({})", p.lints.len()));
-    lint_list(ui, &p.lints, actions);
 }
 
 /// The lints, worst first, each with buttons that jump to its example rows (shared with the
@@ -113,28 +145,27 @@ pub(crate) fn lint_list(ui: &mut Ui, lints: &[Lint], actions: &mut Vec<Action>) 
     }
 }
 
-fn navigator(ui: &mut Ui, s: &mut AppState) {
-    let total = s
-        .preview
+fn navigator(ui: &mut Ui, pp: &mut PreviewPanel, s: &mut Session, cx: &PanelContext) {
+    let total = pp
         .preview
         .as_ref()
         .map(|p| p.num_rows)
-        .or_else(|| s.preview.pairs.preview().map(|p| p.num_rows))
-        .or_else(|| s.dataset.summary.as_ref().map(|d| d.num_rows))
+        .or_else(|| pp.pairs.preview().map(|p| p.num_rows))
+        .or_else(|| cx.dataset.as_ref().map(|d| d.num_rows))
         .unwrap_or(0);
     let batch = s.config.training.micro_batch.clamp(1, 16);
     ui.horizontal(|ui| {
         let prev = ui
-            .add_enabled(s.preview.start_row > 0, egui::Button::new("◀ Previous"))
+            .add_enabled(pp.start_row > 0, egui::Button::new("◀ Previous"))
             .on_hover_text("The previous batch of rows");
         if prev.clicked() {
-            s.preview.start_row = s.preview.start_row.saturating_sub(batch);
-            s.preview.highlight = None;
+            pp.start_row = pp.start_row.saturating_sub(batch);
+            pp.highlight = None;
         }
         let l = ui.label("First row");
         let max = total.saturating_sub(1);
         ui.add(
-            egui::DragValue::new(&mut s.preview.start_row)
+            egui::DragValue::new(&mut pp.start_row)
                 .range(0..=max)
                 .speed(1.0),
         )
@@ -143,27 +174,24 @@ fn navigator(ui: &mut Ui, s: &mut AppState) {
             "Rows are shown in batches of the micro-batch size, padded as the collator pads them",
         );
         let next = ui
-            .add_enabled(
-                s.preview.start_row + batch < total,
-                egui::Button::new("Next ▶"),
-            )
+            .add_enabled(pp.start_row + batch < total, egui::Button::new("Next ▶"))
             .on_hover_text("The next batch of rows");
         if next.clicked() {
-            s.preview.start_row = (s.preview.start_row + batch).min(max);
-            s.preview.highlight = None;
+            pp.start_row = (pp.start_row + batch).min(max);
+            pp.highlight = None;
         }
         if total > 0 {
             ui.label(
                 RichText::new(format!(
                     "rows {}–{} of {} (one micro-batch of {batch})",
-                    s.preview.start_row,
-                    (s.preview.start_row + batch).min(total) - 1,
+                    pp.start_row,
+                    (pp.start_row + batch).min(total) - 1,
                     theme::count(total as u64)
                 ))
                 .weak(),
             );
         }
-        if s.preview.loading {
+        if pp.loading {
             ui.add(egui::Spinner::new().size(14.0));
         }
     });

@@ -17,7 +17,7 @@ use tunestudio::train::{RunConfig, TrainingMethod};
 
 use super::{lint_list, MAX_CHIPS_PER_ROW};
 use crate::gui::app::Action;
-use crate::gui::state::Panel;
+use crate::gui::session::Panel;
 use crate::gui::text;
 use crate::gui::theme;
 

@@ -7,9 +7,9 @@ use eframe::egui::{self, RichText, Ui};
 
 use tunestudio::train::{FinishReason, RunCurves};
 
+use super::RunPanel;
 use crate::gui::app::Action;
 use crate::gui::jobs::PickTarget;
-use crate::gui::state::AppState;
 use crate::gui::theme;
 
 /// A past run read back from its output folder.
@@ -46,7 +46,7 @@ pub struct HistoryState {
     pub error: Option<String>,
 }
 
-pub(super) fn history(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
+pub(super) fn history(ui: &mut Ui, rp: &mut RunPanel, actions: &mut Vec<Action>) {
     ui.horizontal(|ui| {
         if ui
             .small_button("Refresh")
@@ -58,11 +58,11 @@ pub(super) fn history(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) 
         if ui.small_button("Add run folder…").clicked() {
             actions.push(Action::Pick(PickTarget::RunDir));
         }
-        if s.history.loading {
+        if rp.history.loading {
             ui.add(egui::Spinner::new().size(12.0));
         }
     });
-    if s.history.runs.is_empty() {
+    if rp.history.runs.is_empty() {
         theme::note(
             ui,
             "No finished runs found yet (runs are read from their output folders' metrics.jsonl).",
@@ -74,8 +74,8 @@ pub(super) fn history(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) 
             .small()
             .weak(),
     );
-    for (i, h) in s.history.runs.iter().enumerate() {
-        let mut on = s.history.overlay.contains(&i);
+    for (i, h) in rp.history.runs.iter().enumerate() {
+        let mut on = rp.history.overlay.contains(&i);
         let last = h
             .curves
             .loss
@@ -107,13 +107,13 @@ pub(super) fn history(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) 
             .on_hover_text(h.dir.display().to_string());
         if r.changed() {
             if on {
-                s.history.overlay.push(i);
+                rp.history.overlay.push(i);
             } else {
-                s.history.overlay.retain(|&x| x != i);
+                rp.history.overlay.retain(|&x| x != i);
             }
         }
     }
-    if let Some(e) = &s.history.error {
+    if let Some(e) = &rp.history.error {
         theme::note(ui, e);
     }
 }

@@ -8,84 +8,104 @@ use egui_plot::{HLine, Legend, Line, LineStyle, Plot, PlotPoints, Points};
 use tunestudio::train::FinishReason;
 
 use crate::gui::app::Action;
-use crate::gui::run_state::{LogLevel, RunPhase};
-use crate::gui::state::AppState;
+use crate::gui::run_state::{LogLevel, RunPhase, RunState};
+use crate::gui::session::Session;
+use crate::gui::shared::PanelContext;
 use crate::gui::theme;
 
 mod history;
 use history::history;
 pub use history::{HistoryRun, HistoryState};
 
-/// Draws the Run panel.
-pub fn show(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
-    theme::heading(
-        ui,
-        "Run",
-        "Train with the current settings and watch it live.",
-    );
-    controls(ui, s, actions);
-    ui.add_space(6.0);
-    progress(ui, s);
-    diverged_offer(ui, s, actions);
+/// The Run panel: the live run (its trainer's events folded in; the app holds the thread)
+/// and the past runs.
+#[derive(Default)]
+pub struct RunPanel {
+    /// The live run.
+    pub live: RunState,
+    /// Past runs.
+    pub history: HistoryState,
+}
 
-    if let Some(err) = s.run.error.clone() {
-        ui.add_space(6.0);
-        theme::error_box(
+impl RunPanel {
+    /// Draws the Run panel.
+    pub fn show(
+        &mut self,
+        ui: &mut Ui,
+        s: &mut Session,
+        cx: &PanelContext,
+        actions: &mut Vec<Action>,
+    ) {
+        let rp = self;
+        theme::heading(
             ui,
-            if err.is_out_of_memory() {
-                "Out of memory"
-            } else {
-                "The run stopped with an error"
-            },
-            &format!(
-                "{}{}\n\nWhat to do: {}",
-                err.step
-                    .map(|st| format!("At step {st}: "))
-                    .unwrap_or_default(),
-                err.message,
-                err.hint
-            ),
+            "Run",
+            "Train with the current settings and watch it live.",
         );
-        if err.is_out_of_memory() {
-            match s.plan.plan.clone() {
-                Some(plan) if !plan.fixes.is_empty() => {
-                    ui.label(RichText::new("Fixes from the memory plan, best first:").strong());
-                    crate::gui::widgets::fixes(ui, &plan, actions);
-                }
-                _ => {
-                    ui.horizontal(|ui| {
+        controls(ui, rp, s, cx, actions);
+        ui.add_space(6.0);
+        progress(ui, rp);
+        diverged_offer(ui, rp, s, actions);
+
+        if let Some(err) = rp.live.error.clone() {
+            ui.add_space(6.0);
+            theme::error_box(
+                ui,
+                if err.is_out_of_memory() {
+                    "Out of memory"
+                } else {
+                    "The run stopped with an error"
+                },
+                &format!(
+                    "{}{}\n\nWhat to do: {}",
+                    err.step
+                        .map(|st| format!("At step {st}: "))
+                        .unwrap_or_default(),
+                    err.message,
+                    err.hint
+                ),
+            );
+            if err.is_out_of_memory() {
+                match cx.plan.cloned() {
+                    Some(plan) if !plan.fixes.is_empty() => {
+                        ui.label(RichText::new("Fixes from the memory plan, best first:").strong());
+                        crate::gui::widgets::fixes(ui, &plan, actions);
+                    }
+                    _ => {
+                        ui.horizontal(|ui| {
                         ui.label("The plan predicted this would fit; let auto-fit find settings with more headroom:");
                         if ui.button("Auto-fit").clicked() {
                             actions.push(Action::AutoFit);
-                            actions.push(Action::Goto(crate::gui::state::Panel::Devices));
+                            actions.push(Action::Goto(crate::gui::session::Panel::Devices));
                         }
                     });
+                    }
                 }
             }
         }
+
+        ui.add_space(8.0);
+        loss_chart(ui, rp, s);
+        ui.columns(2, |cols| {
+            theme::section(&mut cols[0], "Learning rate");
+            lr_chart(&mut cols[0], rp);
+            theme::section(&mut cols[1], "Memory per device");
+            memory_chart(&mut cols[1], rp);
+        });
+
+        theme::section(ui, "Log");
+        log(ui, rp);
+
+        theme::section(ui, "Run history");
+        history(ui, rp, actions);
     }
-
-    ui.add_space(8.0);
-    loss_chart(ui, s);
-    ui.columns(2, |cols| {
-        theme::section(&mut cols[0], "Learning rate");
-        lr_chart(&mut cols[0], s);
-        theme::section(&mut cols[1], "Memory per device");
-        memory_chart(&mut cols[1], s);
-    });
-
-    theme::section(ui, "Log");
-    log(ui, s);
-
-    theme::section(ui, "Run history");
-    history(ui, s, actions);
 }
 
 /// After the divergence watch stopped the run: resume from the last good checkpoint with a
 /// tenth of the learning rate.
-fn diverged_offer(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
+fn diverged_offer(ui: &mut Ui, rp: &mut RunPanel, s: &mut Session, actions: &mut Vec<Action>) {
     let (RunPhase::Finished(FinishReason::Diverged), Some(lr)) =
-        (s.run.phase, s.run.suggested_learning_rate)
+        (rp.live.phase, rp.live.suggested_learning_rate)
     else {
         return;
     };
@@ -105,24 +125,8 @@ fn diverged_offer(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
     });
 }
 
-/// The error-level lints of the data (the preview's) and of the settings that `[data] allow`
-/// does not name: they stop a run, as they stop `tunestudio train`.
-pub(crate) fn blocking_lints(s: &AppState) -> Vec<tunestudio::data::Lint> {
-    let mut lints = s
-        .preview
-        .preview
-        .as_ref()
-        .map(|p| p.lints.clone())
-        .unwrap_or_default();
-    lints.extend(crate::gui::follow::settings_lints(s));
-    tunestudio::data::lints::blocking(&lints, &s.config.data.allow)
-        .into_iter()
-        .cloned()
-        .collect()
-}
-
 /// Why Start is disabled by the data, the rows, the fix, and a named override per lint.
-fn lint_gate(ui: &mut Ui, s: &mut AppState, blocking: &[tunestudio::data::Lint]) {
+fn lint_gate(ui: &mut Ui, s: &mut Session, blocking: &[tunestudio::data::Lint]) {
     for l in blocking {
         let id = l.kind.id();
         let rows: Vec<String> = l.examples.iter().map(usize::to_string).collect();
@@ -144,8 +148,8 @@ fn lint_gate(ui: &mut Ui, s: &mut AppState, blocking: &[tunestudio::data::Lint])
 }
 
 /// Start found another run in the output folder: resume it, or train in a new folder.
-fn existing_run_question(ui: &mut Ui, s: &AppState, actions: &mut Vec<Action>) {
-    let Some(existing) = &s.run.existing_run else {
+fn existing_run_question(ui: &mut Ui, rp: &RunPanel, actions: &mut Vec<Action>) {
+    let Some(existing) = &rp.live.existing_run else {
         return;
     };
     theme::card(ui, |ui| {
@@ -164,13 +168,19 @@ fn existing_run_question(ui: &mut Ui, s: &AppState, actions: &mut Vec<Action>) {
     });
 }
 
-fn controls(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
-    let phase = s.run.phase;
-    let blocking = blocking_lints(s);
+fn controls(
+    ui: &mut Ui,
+    rp: &mut RunPanel,
+    s: &mut Session,
+    cx: &PanelContext,
+    actions: &mut Vec<Action>,
+) {
+    let phase = rp.live.phase;
+    let blocking = &cx.blocking_lints;
     ui.horizontal(|ui| {
         // A planned machine (not this one) shows its `tunestudio train` command instead.
-        let planning_only = crate::gui::widgets::planning_only_note(ui, s, actions);
-        let can_start = !s.run.is_active() && blocking.is_empty() && !planning_only;
+        let planning_only = crate::gui::widgets::planning_only_note(ui, cx, actions);
+        let can_start = !rp.live.is_active() && blocking.is_empty() && !planning_only;
         let start = ui
             .add_enabled(
                 can_start,
@@ -203,7 +213,7 @@ fn controls(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         }
         let r = ui
             .add_enabled(
-                s.run.is_active(),
+                rp.live.is_active(),
                 egui::Button::new("Stop").min_size(egui::vec2(90.0, 30.0)),
             )
             .on_hover_text(
@@ -221,13 +231,19 @@ fn controls(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
         if r.clicked() {
             actions.push(Action::SaveNow);
         }
-        phase_label(ui, s);
+        phase_label(ui, rp);
     });
-    if !s.run.is_active() {
-        lint_gate(ui, s, &blocking);
+    if !rp.live.is_active() {
+        lint_gate(ui, s, blocking);
     }
-    existing_run_question(ui, s, actions);
-    if let Some(refit) = s.run.oom_refit.clone().filter(|_| !s.run.is_active()) {
+    existing_run_question(ui, rp, actions);
+    run_notes(ui, rp, cx, actions);
+}
+
+/// Below the controls: the out-of-memory refit offer, the lints a run was allowed to train
+/// despite, and the plan's "will not fit".
+fn run_notes(ui: &mut Ui, rp: &RunPanel, cx: &PanelContext, actions: &mut Vec<Action>) {
+    if let Some(refit) = rp.live.oom_refit.clone().filter(|_| !rp.live.is_active()) {
         theme::card(ui, |ui| {
             ui.label(format!(
                 "Out of memory. The run stopped with a checkpoint of its last good step. Settings that fit what the device held (same effective batch): {}",
@@ -238,7 +254,7 @@ fn controls(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             }
         });
     }
-    for l in &s.run.allowed_lints {
+    for l in &rp.live.allowed_lints {
         ui.label(
             RichText::new(format!(
                 "training despite lint `{}` ({} rows), allowed by [data] allow",
@@ -248,8 +264,8 @@ fn controls(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
             .small(),
         );
     }
-    if let Some(plan) = &s.plan.plan {
-        if !plan.fits() && !s.run.is_active() {
+    if let Some(plan) = cx.plan {
+        if !plan.fits() && !rp.live.is_active() {
             ui.label(
                 RichText::new(format!(
                     "The memory plan says this will not fit: {}",
@@ -263,11 +279,11 @@ fn controls(ui: &mut Ui, s: &mut AppState, actions: &mut Vec<Action>) {
 }
 
 /// Where the run is, in a word (with a spinner while it loads).
-fn phase_label(ui: &mut Ui, s: &AppState) {
-    let phase = s.run.phase;
+fn phase_label(ui: &mut Ui, rp: &RunPanel) {
+    let phase = rp.live.phase;
     let (color, text) = match phase {
         RunPhase::Idle => (ui.visuals().weak_text_color(), "ready".to_string()),
-        RunPhase::Loading => (theme::ACCENT, s.run.status.clone()),
+        RunPhase::Loading => (theme::ACCENT, rp.live.status.clone()),
         RunPhase::Running => (theme::OK, "training".to_string()),
         RunPhase::Paused => (theme::WARNING, "paused".to_string()),
         RunPhase::Finished(FinishReason::Completed) => (theme::OK, "completed".to_string()),
@@ -281,8 +297,8 @@ fn phase_label(ui: &mut Ui, s: &AppState) {
     ui.label(RichText::new(text).color(color).strong());
 }
 
-fn progress(ui: &mut Ui, s: &AppState) {
-    let r = &s.run;
+fn progress(ui: &mut Ui, rp: &RunPanel) {
+    let r = &rp.live;
     if r.phase == RunPhase::Idle {
         theme::note(
             ui,
@@ -346,7 +362,7 @@ pub fn smooth(points: &[[f64; 2]], weight: f64) -> Vec<[f64; 2]> {
     out
 }
 
-fn loss_chart(ui: &mut Ui, s: &mut AppState) {
+fn loss_chart(ui: &mut Ui, rp: &mut RunPanel, s: &mut Session) {
     ui.horizontal(|ui| {
         ui.label(RichText::new("Loss").size(15.0).strong());
         ui.add_space(20.0);
@@ -360,14 +376,14 @@ fn loss_chart(ui: &mut Ui, s: &mut AppState) {
         .on_hover_text("Exponential moving average of the training loss (0 = raw)");
     });
     let w = s.settings.smoothing as f64;
-    let run = &s.run;
+    let run = &rp.live;
     // (name, train loss, eval loss) of each overlaid run.
     type Curves = (String, Vec<[f64; 2]>, Vec<[f64; 2]>);
-    let overlays: Vec<Curves> = s
+    let overlays: Vec<Curves> = rp
         .history
         .overlay
         .iter()
-        .filter_map(|&i| s.history.runs.get(i))
+        .filter_map(|&i| rp.history.runs.get(i))
         .map(|h| {
             let pts = |v: &[(u64, f64)]| {
                 v.iter()
@@ -437,16 +453,16 @@ fn loss_chart(ui: &mut Ui, s: &mut AppState) {
         });
 }
 
-fn lr_chart(ui: &mut Ui, s: &AppState) {
+fn lr_chart(ui: &mut Ui, rp: &RunPanel) {
     Plot::new("lr-chart")
         .height(170.0)
         .x_axis_label("step")
         .allow_scroll(false)
         .y_axis_formatter(|m, _| format!("{:.0e}", m.value))
         .show(ui, |plot| {
-            if !s.run.lr.is_empty() {
+            if !rp.live.lr.is_empty() {
                 plot.line(
-                    Line::new("learning rate", PlotPoints::from(s.run.lr.clone()))
+                    Line::new("learning rate", PlotPoints::from(rp.live.lr.clone()))
                         .color(theme::MEM_GRADIENTS)
                         .width(2.0),
                 );
@@ -454,8 +470,8 @@ fn lr_chart(ui: &mut Ui, s: &AppState) {
         });
 }
 
-fn memory_chart(ui: &mut Ui, s: &AppState) {
-    let mem = &s.run.memory;
+fn memory_chart(ui: &mut Ui, rp: &RunPanel) {
+    let mem = &rp.live.memory;
     Plot::new("memory-chart")
         .height(170.0)
         .legend(Legend::default())
@@ -528,7 +544,7 @@ fn memory_chart(ui: &mut Ui, s: &AppState) {
     });
 }
 
-fn log(ui: &mut Ui, s: &AppState) {
+fn log(ui: &mut Ui, rp: &RunPanel) {
     egui::Frame::new()
         .fill(ui.visuals().extreme_bg_color)
         .inner_margin(8.0)
@@ -541,10 +557,10 @@ fn log(ui: &mut Ui, s: &AppState) {
                 .stick_to_bottom(true)
                 .auto_shrink([false, true])
                 .show(ui, |ui| {
-                    if s.run.log.is_empty() {
+                    if rp.live.log.is_empty() {
                         ui.label(RichText::new("(empty)").weak().monospace());
                     }
-                    for l in &s.run.log {
+                    for l in &rp.live.log {
                         let color = match l.level {
                             LogLevel::Info => ui.visuals().text_color(),
                             LogLevel::Warning => theme::WARNING,
