@@ -28,25 +28,6 @@ fn main() {
             println!("cargo:rustc-cfg={cfg}");
         }
     }
-    // A CPU feature cannot be installed, so it is marked even under CI: the kernel's tests
-    // are then reported as ignored (with the reason), never as passed without checking.
-    // The build script runs on the machine the tests run on (no cross-compiled test runs).
-    println!("cargo::rustc-check-cfg=cfg(tunestudio_missing_avx512bf16)");
-    if !host_has_avx512bf16() {
-        println!("cargo:rustc-cfg=tunestudio_missing_avx512bf16");
-    }
-}
-
-fn host_has_avx512bf16() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bf16")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
 }
 
 /// Whether `program` is in a `PATH` folder. Each folder is watched, so installing the program

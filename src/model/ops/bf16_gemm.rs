@@ -715,91 +715,35 @@ unsafe fn kernel(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::ops::bf16_to_f32;
-    use crate::model::ops::matmul::tests::filled;
-
-    /// `lhs @ rhs` of the bf16-rounded operands, in f64.
-    fn reference(a: &[f32], b: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
-        let r = |v: f32| f64::from(bf16_to_f32(f32_to_bf16(v)));
-        let mut out = vec![0f64; m * n];
-        for i in 0..m {
-            for p in 0..k {
-                let x = r(a[i * k + p]);
-                for j in 0..n {
-                    out[i * n + j] += x * r(b[p * n + j]);
-                }
-            }
-        }
-        out
-    }
+    use crate::model::ops::kernel_path::{tests::check_products, Bf16Kernel};
 
     /// Every layout of the products a layer runs, ragged edges included, against the f64
-    /// product of the rounded operands: only the f32 summation differs.
+    /// product of the operands as the path sees them. On a CPU without AVX512-BF16 the path a
+    /// bf16 run takes there (the f32 widening) is checked against the same reference instead,
+    /// so the test runs everywhere and says which path it checked.
     #[test]
-    #[cfg_attr(
-        tunestudio_missing_avx512bf16,
-        ignore = "this CPU has no AVX512-BF16 (the widening path runs and is tested instead)"
-    )]
     fn products_of_rounded_operands_match_a_reference() {
-        assert!(available(), "build.rs saw AVX512-BF16 but the run does not");
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .unwrap();
-        for &(m, k, n) in &[
-            (256, 576, 192),
-            (37, 129, 251),
-            (300, 513, 40),
-            (5, 3, 33),
-            (1, 1, 1),
-        ] {
-            let a = filled(m * k, 1 + m as u64);
-            let b = filled(k * n, 7 + n as u64);
-            let want = reference(&a, &b, m, k, n);
-            let a_t: Vec<f32> = (0..k * m).map(|idx| a[(idx % m) * k + idx / m]).collect();
-            let b_half: Vec<bf16> = b.iter().map(|&v| f32_to_bf16(v)).collect();
-            let b_half_t: Vec<bf16> = (0..n * k)
-                .map(|idx| b_half[(idx % k) * n + idx / k])
-                .collect();
-            let tol = 1e-5 * (k as f64).sqrt() * 4.0;
-            let check = |got: &[f32], shift: f64, what: &str| {
-                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                    assert!(
-                        (f64::from(*g) - w - shift).abs() <= tol,
-                        "{m}x{k}x{n} {what}: element {i} is {g}, expected {}",
-                        w + shift
-                    );
-                }
-            };
-            pool.install(|| {
-                let lhs = MatRef::row_major(&a, m, k);
-                let lhs_t = MatRef::row_major(&a_t, k, m).t();
-                check(
-                    &bf16_gemm_new(lhs, MatRef::row_major(&b, k, n)).unwrap(),
-                    0.0,
-                    "f32 · f32",
-                );
-                check(
-                    &bf16_gemm_new(lhs_t, MatRef::row_major(&b_half, k, n)).unwrap(),
-                    0.0,
-                    "f32ᵀ · bf16",
-                );
-                let rhs_t = MatRef::row_major(&b_half_t, n, k).t();
-                check(&bf16_gemm_new(lhs, rhs_t).unwrap(), 0.0, "f32 · bf16ᵀ");
-                // Accumulating into a wider destination leaves the padding alone.
-                let mut acc = vec![0.5f32; m * (n + 3)];
-                bf16_gemm(&mut acc, n + 3, true, lhs, rhs_t).unwrap();
-                let inside: Vec<f32> = acc.chunks(n + 3).flat_map(|r| r[..n].to_vec()).collect();
-                check(&inside, 0.5, "accumulated");
-                assert!(acc.chunks(n + 3).all(|r| r[n..] == [0.5; 3]));
-            });
-        }
+        let kernel = if available() {
+            Bf16Kernel::Avx512Bf16
+        } else {
+            Bf16Kernel::F32
+        };
+        check_products(kernel, &[(64, 1000, 70)]);
+        eprintln!(
+            "bf16 products checked on the {} path{}",
+            kernel.name(),
+            if available() {
+                ""
+            } else {
+                " (this CPU has no AVX512-BF16)"
+            }
+        );
     }
 
+    /// Wrong shapes are errors, never a product; without the instruction every call is one,
+    /// naming what is missing.
     #[test]
-    #[cfg_attr(tunestudio_missing_avx512bf16, ignore = "this CPU has no AVX512-BF16")]
     fn mismatched_views_are_errors() {
-        assert!(available(), "build.rs saw AVX512-BF16 but the run does not");
         let a = vec![1f32; 6];
         assert!(bf16_gemm_new(MatRef::row_major(&a, 2, 3), MatRef::row_major(&a, 2, 3)).is_err());
         let mut small = vec![0f32; 3];
@@ -811,5 +755,10 @@ mod tests {
             MatRef::row_major(&a, 3, 2),
         );
         assert!(err.is_err());
+        if !available() {
+            let err = bf16_gemm_new(MatRef::row_major(&a, 2, 3), MatRef::row_major(&a, 3, 2))
+                .expect_err("refused without AVX512-BF16");
+            assert!(err.to_string().contains("AVX512-BF16"), "{err}");
+        }
     }
 }
