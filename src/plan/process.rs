@@ -145,14 +145,14 @@ fn logits_chunk_rows(d: &StepDims) -> u64 {
 }
 
 /// The step's logits-sized blocks, which the pool refits each step rather than fragmenting:
-/// one chunk of the loss, or for a preference step every full-logits tensor (the three its
+/// one chunk of the loss (and gemm's buffers for its products), or for a preference step every full-logits tensor (the three its
 /// graph keeps, the backward's and the residue: [`super::step_model::full_logits_bytes`]).
 fn logits_blocks_bytes(d: &StepDims) -> u64 {
     if d.full_logits {
         return (3 + super::step_model::FULL_LOGITS_BACKWARD_TENSORS)
             * super::step_model::full_logits_bytes(d);
     }
-    logits_chunk_rows(d) * d.vocab * 4
+    logits_chunk_rows(d) * d.vocab * 4 + super::step_model::f32_head_pack_bytes(d)
 }
 
 /// The evaluation's heap above what stays resident (weights, master copy, moments): the

@@ -55,6 +55,7 @@ mod head;
 mod native_layer;
 mod transients;
 
+pub(crate) use head::f32_head_pack_bytes;
 pub use head::full_logits_bytes;
 pub(crate) use head::FULL_LOGITS_BACKWARD_TENSORS;
 pub use native_layer::native_ctx_bytes;

@@ -257,13 +257,13 @@ unsafe fn gemm_unchecked(
 }
 
 /// Columns or rows per thread are rounded to this many (a multiple of every SIMD width gemm uses).
-const SPLIT_ALIGN: usize = 16;
+pub(super) const SPLIT_ALIGN: usize = 16;
 
 /// The widest pool that splits products itself.
 const MAX_SPLIT_THREADS: usize = 4;
 
 /// Whether [`split_across_threads`] takes the product rather than gemm's own threading.
-fn split_ok(m: usize, k: usize, n: usize, threads: usize) -> bool {
+pub(super) fn split_ok(m: usize, k: usize, n: usize, threads: usize) -> bool {
     // Below this gemm itself stays on one thread (its threading threshold is 48·48·256). The gain
     // was measured on 2 threads; with many threads each block would re-pack the whole shared
     // operand, so wider pools keep gemm's own scheme.
@@ -345,15 +345,8 @@ pub(crate) fn for_each_thread_block(
     use rayon::prelude::*;
     let split_cols = n >= m;
     let len = if split_cols { n } else { m };
-    let bound = |part: usize| {
-        if part == threads {
-            len
-        } else {
-            (len * part / threads).next_multiple_of(align).min(len)
-        }
-    };
     (0..threads).into_par_iter().for_each(|part| {
-        let (start, end) = (bound(part), bound(part + 1));
+        let (start, end) = block_bounds(len, threads, align, part);
         if end > start {
             block(ThreadBlock {
                 split_cols,
@@ -362,6 +355,24 @@ pub(crate) fn for_each_thread_block(
             });
         }
     });
+}
+
+/// Where part `part` of `threads` starts and ends along a dimension of `len`, inner
+/// boundaries rounded up to `align`.
+pub(super) fn block_bounds(
+    len: usize,
+    threads: usize,
+    align: usize,
+    part: usize,
+) -> (usize, usize) {
+    let bound = |part: usize| {
+        if part == threads {
+            len
+        } else {
+            (len * part / threads).next_multiple_of(align).min(len)
+        }
+    };
+    (bound(part), bound(part + 1))
 }
 
 /// One single-threaded gemm per thread, each on a contiguous block of the destination's columns

@@ -18,6 +18,7 @@ mod cast;
 pub mod composite;
 mod cross_entropy;
 mod frozen_linear;
+pub(crate) mod gemm_pack;
 pub(crate) mod generic;
 pub mod kernel_path;
 pub(crate) mod matmul;

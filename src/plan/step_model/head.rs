@@ -59,6 +59,19 @@ pub(super) fn full_logits_head_terms(d: &StepDims) -> BlockTerms {
     }
 }
 
+/// gemm's buffers for the fused head's `f32` products of one loss chunk (logits, hidden
+/// gradient, and the weight gradient when the head is trained). The pool cuts them from the
+/// same free block every step (like the logits chunk), so they add to the step's peak, not to
+/// the allocator's retention.
+pub(crate) fn f32_head_pack_bytes(d: &StepDims) -> u64 {
+    if d.bf16_products || d.generic_ops || d.full_logits {
+        return 0;
+    }
+    let rows = d.micro_batch * d.seq_len.saturating_sub(1);
+    let chunk = d.loss_rows.min(rows).min(LOSS_CHUNK_ROWS);
+    super::native_layer::f32_linear_pack_bytes(chunk, d.hidden, d.vocab, d.lora.is_none())
+}
+
 /// The head on the fused CPU path (`ops::linear_cross_entropy`).
 pub(super) fn fused_head_terms(d: &StepDims) -> BlockTerms {
     let n = d.tokens;
@@ -78,12 +91,12 @@ pub(super) fn fused_head_terms(d: &StepDims) -> BlockTerms {
         // on the bf16 dot-product path is multiplied as it is).
         kept += rows * h * 4 + if d.bf16_products { 0 } else { v * h * 4 };
     }
-    // The bf16 path's packing buffers, while a chunk's logits (forward) or its gradients
-    // (backward) are computed.
+    // The packing buffers of the bf16 path, or of gemm's f32 products, while a chunk's
+    // logits (forward) or its gradients (backward) are computed.
     let packing = if d.bf16_products {
         bf16_pack_bytes([(chunk, h, v), (chunk, v, h), (v, chunk, h)])
     } else {
-        0
+        f32_head_pack_bytes(d)
     };
     // Loss op state: labels (i64) and active rows (usize) copies, per-row
     // log-sum-exp and loss (f32), and the last chunk's probabilities (each

@@ -17,6 +17,28 @@ pub(super) fn bf16_pack_bytes(products: impl IntoIterator<Item = (u64, u64, u64)
         .unwrap_or(0)
 }
 
+/// The largest gemm buffers of the `f32` products of a linear weight `[o, i]` on `n` rows
+/// (forward `x Wᵀ`, input gradient `dy W`, weight gradient `dyᵀ x`), as this CPU's gemm runs
+/// them over rayon's threads ([`crate::model::ops::gemm_pack::sgemm_pack_bytes`]); a frozen
+/// weight (`trained` false: LoRA's base) has no weight-gradient product.
+pub(super) fn f32_linear_pack_bytes(n: u64, i: u64, o: u64, trained: bool) -> u64 {
+    use crate::model::ops::gemm_pack::{sgemm_pack_bytes, Strides};
+    let (n, i, o) = (n as usize, i as usize, o as usize);
+    let rm = Strides::row_major;
+    [
+        sgemm_pack_bytes(n, i, o, rm(i), Strides::transposed(i), rm(o)),
+        sgemm_pack_bytes(n, o, i, rm(o), rm(i), rm(i)),
+        if trained {
+            sgemm_pack_bytes(o, n, i, Strides::transposed(o), rm(i), rm(i))
+        } else {
+            0
+        },
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0)
+}
+
 /// What one product of a native layer's linear weight holds besides its operands and output:
 /// the packing buffers of the bf16 dot-product path, or the f32 copy of a half or quantized
 /// weight (one at a time), or nothing (f32).
@@ -36,11 +58,19 @@ fn native_weight_transient_bytes(d: &StepDims) -> u64 {
                 .flat_map(|&(_, i, o, _)| [(n, i, o), (n, o, i), (o, n, i)]),
         );
     }
-    if d.act_bytes != 4 {
-        largest_weight * 4
-    } else {
-        dequant_transient_bytes(d)
-    }
+    // The f32 products (on widened or dequantized copies too) pack through gemm.
+    let packing = d
+        .linears()
+        .iter()
+        .map(|&(_, i, o, _)| f32_linear_pack_bytes(n, i, o, d.lora.is_none()))
+        .max()
+        .unwrap_or(0);
+    packing
+        + if d.act_bytes != 4 {
+            largest_weight * 4
+        } else {
+            dequant_transient_bytes(d)
+        }
 }
 
 /// Bytes a native layer keeps for its backward (`Saved` in `model::native_layer`): the
