@@ -152,7 +152,7 @@ fn logits_blocks_bytes(d: &StepDims) -> u64 {
         return (3 + super::step_model::FULL_LOGITS_BACKWARD_TENSORS)
             * super::step_model::full_logits_bytes(d);
     }
-    logits_chunk_rows(d) * d.vocab * 4 + super::step_model::f32_head_pack_bytes(d)
+    logits_chunk_rows(d) * d.vocab * 4 + super::step_model::f32_head_pack_bytes(d, true)
 }
 
 /// The evaluation's heap above what stays resident (weights, master copy, moments): the

@@ -59,17 +59,18 @@ pub(super) fn full_logits_head_terms(d: &StepDims) -> BlockTerms {
     }
 }
 
-/// gemm's buffers for the fused head's `f32` products of one loss chunk (logits, hidden
-/// gradient, and the weight gradient when the head is trained). The pool cuts them from the
+/// gemm's buffers for the fused head's `f32` products of one loss chunk: the logits, and with
+/// `backward` the hidden gradient and the weight gradient when the head is trained. The pool cuts them from the
 /// same free block every step (like the logits chunk), so they add to the step's peak, not to
 /// the allocator's retention.
-pub(crate) fn f32_head_pack_bytes(d: &StepDims) -> u64 {
+pub(crate) fn f32_head_pack_bytes(d: &StepDims, backward: bool) -> u64 {
     if d.bf16_products || d.generic_ops || d.full_logits {
         return 0;
     }
     let rows = d.micro_batch * d.seq_len.saturating_sub(1);
     let chunk = d.loss_rows.min(rows).min(LOSS_CHUNK_ROWS);
-    super::native_layer::f32_linear_pack_bytes(chunk, d.hidden, d.vocab, d.lora.is_none())
+    let trained = d.lora.is_none();
+    super::native_layer::f32_linear_pack_bytes(chunk, d.hidden, d.vocab, trained, backward)
 }
 
 /// The head on the fused CPU path (`ops::linear_cross_entropy`).
@@ -93,10 +94,11 @@ pub(super) fn fused_head_terms(d: &StepDims) -> BlockTerms {
     }
     // The packing buffers of the bf16 path, or of gemm's f32 products, while a chunk's
     // logits (forward) or its gradients (backward) are computed.
-    let packing = if d.bf16_products {
-        bf16_pack_bytes([(chunk, h, v), (chunk, v, h), (v, chunk, h)])
+    let (packing, packing_fwd) = if d.bf16_products {
+        let all = bf16_pack_bytes([(chunk, h, v), (chunk, v, h), (v, chunk, h)]);
+        (all, all)
     } else {
-        f32_head_pack_bytes(d)
+        (f32_head_pack_bytes(d, true), f32_head_pack_bytes(d, false))
     };
     // Loss op state: labels (i64) and active rows (usize) copies, per-row
     // log-sum-exp and loss (f32), and the last chunk's probabilities (each
@@ -145,7 +147,7 @@ pub(super) fn fused_head_terms(d: &StepDims) -> BlockTerms {
     let head_grads = if full { (v * h + h) * g } else { 0 };
     BlockTerms {
         kept_bytes: kept,
-        forward_transient_bytes: packing,
+        forward_transient_bytes: packing_fwd,
         backward_transient_bytes: f32_head.max(cast_back) + multi_chunk_extra,
         backward_grad_bytes: head_grads,
         residue_bytes: 0,

@@ -19,16 +19,21 @@ pub(super) fn bf16_pack_bytes(products: impl IntoIterator<Item = (u64, u64, u64)
 
 /// The largest gemm buffers of the `f32` products of a linear weight `[o, i]` on `n` rows
 /// (forward `x Wᵀ`, input gradient `dy W`, weight gradient `dyᵀ x`), as this CPU's gemm runs
-/// them over rayon's threads ([`crate::model::ops::gemm_pack::sgemm_pack_bytes`]); a frozen
-/// weight (`trained` false: LoRA's base) has no weight-gradient product.
-pub(super) fn f32_linear_pack_bytes(n: u64, i: u64, o: u64, trained: bool) -> u64 {
+/// them over rayon's threads ([`crate::model::ops::gemm_pack::sgemm_pack_bytes`]): the forward
+/// product alone, or with `backward` every product; a frozen weight (`trained` false: LoRA's
+/// base) has no weight-gradient product.
+pub(super) fn f32_linear_pack_bytes(n: u64, i: u64, o: u64, trained: bool, backward: bool) -> u64 {
     use crate::model::ops::gemm_pack::{sgemm_pack_bytes, Strides};
     let (n, i, o) = (n as usize, i as usize, o as usize);
     let rm = Strides::row_major;
     [
         sgemm_pack_bytes(n, i, o, rm(i), Strides::transposed(i), rm(o)),
-        sgemm_pack_bytes(n, o, i, rm(o), rm(i), rm(i)),
-        if trained {
+        if backward {
+            sgemm_pack_bytes(n, o, i, rm(o), rm(i), rm(i))
+        } else {
+            0
+        },
+        if trained && backward {
             sgemm_pack_bytes(o, n, i, Strides::transposed(o), rm(i), rm(i))
         } else {
             0
@@ -41,8 +46,8 @@ pub(super) fn f32_linear_pack_bytes(n: u64, i: u64, o: u64, trained: bool) -> u6
 
 /// What one product of a native layer's linear weight holds besides its operands and output:
 /// the packing buffers of the bf16 dot-product path, or the f32 copy of a half or quantized
-/// weight (one at a time), or nothing (f32).
-fn native_weight_transient_bytes(d: &StepDims) -> u64 {
+/// weight (one at a time), or nothing (f32); in the forward (`backward` false) or the backward.
+fn native_weight_transient_bytes(d: &StepDims, backward: bool) -> u64 {
     let n = d.tokens;
     let largest_weight = d
         .linears()
@@ -62,7 +67,7 @@ fn native_weight_transient_bytes(d: &StepDims) -> u64 {
     let packing = d
         .linears()
         .iter()
-        .map(|&(_, i, o, _)| f32_linear_pack_bytes(n, i, o, d.lora.is_none()))
+        .map(|&(_, i, o, _)| f32_linear_pack_bytes(n, i, o, d.lora.is_none(), backward))
         .max()
         .unwrap_or(0);
     packing
@@ -108,7 +113,8 @@ pub(super) fn native_layer_terms(d: &StepDims, params: &BlockParams) -> BlockTer
     } else {
         0
     };
-    let jit = native_weight_transient_bytes(d);
+    let jit = native_weight_transient_bytes(d, false);
+    let jit_bwd = native_weight_transient_bytes(d, true);
     let own_grads = params.trainable * d.grad_bytes;
     let own_grads_f32 = params.trainable * 4;
     // Forward scratch: the per-head attention outputs before they are interleaved, or the
@@ -130,7 +136,7 @@ pub(super) fn native_layer_terms(d: &StepDims, params: &BlockParams) -> BlockTer
     let m2 = (2 * n * i + n * h) * 4 + wg * 3 * h * i * 4;
     let m3 = wg * (3 * h * i + h + h * q) * 4 + (2 * n * h + 5 * n * q + 2 * n * kv) * 4;
     let m4 = own_grads_f32 + 3 * n * h * 4;
-    let bwd = m1.max(m2).max(m3).max(m4) + if half { widened + n * h * 4 } else { 0 } + jit;
+    let bwd = m1.max(m2).max(m3).max(m4) + if half { widened + n * h * 4 } else { 0 } + jit_bwd;
     if d.checkpointing {
         BlockTerms {
             kept_bytes: out + NATIVE_LAYER_METADATA_BYTES,
