@@ -406,3 +406,20 @@ fn planner_state_terms_are_bytes_per_trainable_parameter() {
         );
     }
 }
+
+/// A tie in the layer split is broken the documented way: three equal layers on two equal
+/// devices can go 1 + 2 or 2 + 1 (both fullest at two layers), and the first cut scanned from
+/// the left that reaches the optimum is kept, so the split is the same on every run and the
+/// planner and the trainer agree on it.
+#[test]
+fn an_even_tie_in_the_layer_split_keeps_the_first_cut_from_the_left() {
+    use tunestudio::plan::placement::{balance_layers, StageCosts};
+    let costs = StageCosts {
+        embeddings_bytes: 0,
+        layer_bytes: vec![100; 3],
+        head_bytes: 0,
+    };
+    let split = balance_layers(&costs, &[1_000, 1_000]).unwrap();
+    assert_eq!(split.ranges, vec![0..1, 1..3]);
+    assert_eq!(split.device_bytes, vec![100, 200]);
+}
