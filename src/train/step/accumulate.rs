@@ -439,3 +439,30 @@ fn on_rank(mut err: TrainError, rank: usize, ranks: usize) -> TrainError {
     }
     err
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Data parallel over 3 ranks: 7 rows go 3 + 2 + 2 (the earlier ranks take the extra row),
+    /// in order, every row once; 2 rows leave the last rank empty; one rank takes everything.
+    #[test]
+    fn rows_are_sharded_contiguously_with_the_extra_rows_first() {
+        let rows: Vec<usize> = (10..17).collect();
+        let shards = shard_rows(&rows, 3);
+        assert_eq!(shards, vec![&[10, 11, 12][..], &[13, 14], &[15, 16]]);
+        assert_eq!(shard_rows(&rows[..2], 3), vec![&[10][..], &[11], &[]]);
+        assert_eq!(shard_rows(&rows, 1), vec![&rows[..]]);
+        assert_eq!(shard_rows(&rows, 0), vec![&rows[..]]);
+    }
+
+    /// Without loss scaling the summed loss is back-propagated as it is (the optimizer divides
+    /// by the step's count); with fp16's scale 1024 over 8 tokens each token's loss carries 128,
+    /// the scale of the mean loss as torch's GradScaler applies it.
+    #[test]
+    fn the_backward_factor_scales_the_mean_loss() {
+        assert_eq!(backward_factor(1.0, 8), 1.0);
+        assert_eq!(backward_factor(1024.0, 8), 128.0);
+        assert_eq!(backward_factor(1024.0, 0), 1024.0);
+    }
+}
