@@ -71,4 +71,18 @@ mod tests {
         assert_eq!(s.scale, 1024.0);
         assert_eq!(s.skipped_steps, 1);
     }
+
+    /// A run that overflows at every step bottoms out at scale 1 (it keeps skipping, the scale
+    /// never reaches 0 and the loss never vanishes); a long clean run tops out at 2^81.
+    #[test]
+    fn scaler_stays_between_one_and_its_ceiling() {
+        let mut s = LossScaler::new(4.0, 1);
+        for _ in 0..5 {
+            assert!(!s.update(false));
+        }
+        assert_eq!((s.scale, s.skipped_steps, s.clean_steps), (1.0, 5, 0));
+        let mut s = LossScaler::new(MAX_SCALE / 2.0, 1);
+        assert!(s.update(true) && s.update(true));
+        assert_eq!(s.scale, 2f64.powi(81));
+    }
 }
