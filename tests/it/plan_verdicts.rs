@@ -639,13 +639,16 @@ fn the_cpu_loss_is_planned_for_the_trained_rows_of_the_data() {
     let every_row = plan::plan(&req).unwrap().per_device[0].peak_bytes;
     assert_eq!(req.loss_rows(), 4 * 127);
 
-    // Completion-only rows: the fullest 4 train 90 + 80 + 70 + 60 tokens.
-    let counts = [10, 90, 60, 80, 5, 70, 20];
+    // Completion-only rows: the fullest 4 train 120 + 100 + 90 + 90 tokens. (Far fewer rows
+    // would make gemm's packed operand of the head's gradient product larger on a CPU whose
+    // L3 then no longer bounds it, `model::ops::gemm_pack`: on a 32 MiB-L3 EPYC, 300 rows
+    // pack 29.5 MB a thread against 25.0 at 508.)
+    let counts = [10, 120, 90, 100, 5, 90, 20];
     req.trained_tokens = Some(TrainedTokens::from_counts(128, 0, counts));
-    assert_eq!(req.loss_rows(), 300);
+    assert_eq!(req.loss_rows(), 400);
     let trained = plan::plan(&req).unwrap().per_device[0].peak_bytes;
-    // The last chunk's f32 logits shrink by (508 − 300) rows × vocab.
-    let logits_bytes = 208 * 49_152 * 4;
+    // The last chunk's f32 logits shrink by (508 − 400) rows × vocab.
+    let logits_bytes = 108 * 49_152 * 4;
     assert!(
         every_row - trained >= logits_bytes,
         "every row {every_row} vs trained rows {trained}: less than the {logits_bytes} bytes of logits"
