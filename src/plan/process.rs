@@ -145,8 +145,9 @@ fn logits_chunk_rows(d: &StepDims) -> u64 {
 }
 
 /// The step's logits-sized blocks, which the pool refits each step rather than fragmenting:
-/// one chunk of the loss (and gemm's buffers for its products), or for a preference step every full-logits tensor (the three its
-/// graph keeps, the backward's and the residue: [`super::step_model::full_logits_bytes`]).
+/// one chunk of the loss (and gemm's buffers for its products), or for a preference step
+/// every full-logits tensor (the three its graph keeps, the backward's and the residue:
+/// [`super::step_model::full_logits_bytes`]).
 fn logits_blocks_bytes(d: &StepDims) -> u64 {
     if d.full_logits {
         return (3 + super::step_model::FULL_LOGITS_BACKWARD_TENSORS)

@@ -21,14 +21,19 @@ fn sample(row: usize, n: usize, masked: usize) -> TokenizedSample {
     }
 }
 
-#[test]
-fn packing_keeps_trained_tokens() {
-    let s = vec![
+/// Lengths 5, 7, 3, 9; the first and third with a masked prompt of 2 and 1 tokens.
+fn four_samples() -> Vec<TokenizedSample> {
+    vec![
         sample(0, 5, 2),
         sample(1, 7, 0),
         sample(2, 3, 1),
         sample(3, 9, 0),
-    ];
+    ]
+}
+
+#[test]
+fn packing_keeps_trained_tokens() {
+    let s = four_samples();
     let packed = pack(&s, 12);
     let before: usize = s.iter().map(TokenizedSample::num_trained).sum();
     let after: usize = packed.iter().map(TokenizedSample::num_trained).sum();
@@ -46,12 +51,7 @@ fn packing_keeps_trained_tokens() {
 /// a sample longer than the limit is cut to it.
 #[test]
 fn packing_fills_first_fit_decreasing_and_masks_each_boundary() {
-    let s = vec![
-        sample(0, 5, 2),
-        sample(1, 7, 0),
-        sample(2, 3, 1),
-        sample(3, 9, 0),
-    ];
+    let s = four_samples();
     let packed = pack(&s, 12);
     let ig = IGNORE_INDEX;
     assert_eq!(packed.len(), 2);

@@ -60,9 +60,9 @@ pub(super) fn full_logits_head_terms(d: &StepDims) -> BlockTerms {
 }
 
 /// gemm's buffers for the fused head's `f32` products of one loss chunk: the logits, and with
-/// `backward` the hidden gradient and the weight gradient when the head is trained. The pool cuts them from the
-/// same free block every step (like the logits chunk), so they add to the step's peak, not to
-/// the allocator's retention.
+/// `backward` the hidden gradient and the weight gradient when the head is trained. The pool
+/// cuts them from the same free block every step (like the logits chunk), so they add to the
+/// step's peak, not to the allocator's retention.
 pub(crate) fn f32_head_pack_bytes(d: &StepDims, backward: bool) -> u64 {
     if d.bf16_products || d.generic_ops || d.full_logits {
         return 0;
