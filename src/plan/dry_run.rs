@@ -159,7 +159,8 @@ pub struct StepMeasurement {
 pub struct StepMeasured {
     /// The meter and the counted tensors.
     pub readings: StepReadings,
-    /// The plan of the same run with the data's trained tokens and longest batch.
+    /// The plan of the same run for the batch the step ran on (its rows' trained tokens and
+    /// longest row).
     pub plan_for_data: Option<Plan>,
 }
 

@@ -18,9 +18,12 @@ use crate::plan::{self, DryRunReport, Plan, PlanRequest, StepMeasured, StepReadi
 /// tensors are not attributed to device 0 and only the peak is compared.
 ///
 /// The plan compared with is `request`'s for a dry run ([`plan::PlanRequest::for_dry_run`]:
-/// the dry run does not evaluate), and once the run has tokenized its data, that plan with
-/// the data's trained tokens and longest batch (the run's own samples: the data is not
-/// tokenized twice). The plan compared with is returned with the report. Nothing is written
+/// the dry run does not evaluate), and once the run has tokenized its data, that plan for the
+/// rows the step runs on: their trained tokens and longest row (the run's own samples: the data
+/// is not tokenized twice). The plan of the whole data sizes its loss for the rows with the most
+/// trained tokens, which need not be the longest rows stepped on: compared with that bound, the
+/// demo trained on completions measured +6.2 % on an AVX2 EPYC, +7.9 % in the headless build
+/// (its binary 2–3 MiB smaller); with the step's own rows, −0.5 %. The plan compared with is returned with the report. Nothing is written
 /// (no checkpoint, no metrics).
 pub fn dry_run(
     config: RunConfig,
@@ -34,7 +37,7 @@ pub fn dry_run(
             let mut run = TrainingRun::new(config).map_err(|e| e.to_string())?;
             let in_use_before_step = meter.in_use_bytes();
             let peak_before_step = meter.peak_bytes();
-            let plan_for_data = run.data_trained_tokens().and_then(|tokens| {
+            let plan_for_data = run.longest_step_trained_tokens().and_then(|tokens| {
                 let mut req = request.clone();
                 req.trained_tokens = Some(tokens);
                 plan::plan(&req).ok()

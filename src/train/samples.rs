@@ -185,11 +185,20 @@ pub fn split_trained_tokens(
     config: &RunConfig,
     train: &[Sample],
 ) -> Option<crate::plan::TrainedTokens> {
+    rows_trained_tokens(config, train.iter())
+}
+
+/// The trained tokens and longest row of `rows` (a split, or the rows of one step); `None` with
+/// packing, as [`split_trained_tokens`].
+pub fn rows_trained_tokens<'a>(
+    config: &RunConfig,
+    rows: impl Iterator<Item = &'a Sample> + Clone,
+) -> Option<crate::plan::TrainedTokens> {
     (!config.data.packing).then(|| {
         crate::plan::TrainedTokens::from_counts(
             config.data.max_length,
-            train.iter().map(Sample::len).max().unwrap_or(0),
-            crate::data::largest_trained_counts(train.iter()),
+            rows.clone().map(Sample::len).max().unwrap_or(0),
+            crate::data::largest_trained_counts(rows),
         )
     })
 }

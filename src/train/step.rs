@@ -280,6 +280,22 @@ impl TrainingRun {
         samples::split_trained_tokens(&self.config, &self.splits.train)
     }
 
+    /// The trained tokens and longest row of the batch [`Self::step_longest`] steps on, for the
+    /// dry run's plan of that step (`None` for preference pairs and with packing, as
+    /// [`Self::data_trained_tokens`]).
+    pub fn longest_step_trained_tokens(&self) -> Option<crate::plan::TrainedTokens> {
+        if self.pairs.is_some() {
+            return None;
+        }
+        let accumulation = self.config.training.gradient_accumulation;
+        let rows = self.loader.longest_step(accumulation);
+        let samples = rows
+            .iter()
+            .flatten()
+            .filter_map(|&i| self.splits.train.get(i));
+        samples::rows_trained_tokens(&self.config, samples)
+    }
+
     /// Label tokens trained so far.
     pub fn trained_tokens(&self) -> u64 {
         self.trained_tokens

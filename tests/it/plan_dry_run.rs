@@ -140,11 +140,11 @@ fn dry_run_of_the_demo_measures_the_step_and_its_components() {
 }
 
 /// Trained on completions only, the demo's longest rows train far fewer tokens than every
-/// position: the dry run compares with the plan of its own data's trained tokens (before, with
-/// the plan's upper bound, 143 MiB measured against 179 MiB predicted, +25 %). The plan stays
-/// a bound: its loss is sized for the 4 samples with the most trained tokens, which are not
-/// the 4 longest rows the dry run steps on (measured +5.9 %, 150 against 159 MiB); +8 % allows
-/// for that and no more.
+/// position: the dry run compares with the plan of the rows it steps on (before, with the
+/// plan's upper bound, 143 MiB measured against 179 MiB predicted, +25 %; with the plan of the
+/// whole data, sized for the 4 rows with the most trained tokens rather than the 4 longest it
+/// steps on, +6.2 %, and +8.2 % in CI's headless build, whose binary is 2–3 MiB smaller).
+/// Measured on an AVX2 EPYC: −0.5 % (178 MiB against 177), +1.1 % headless.
 #[cfg(target_os = "linux")]
 #[test]
 fn dry_run_plans_the_data_it_steps_on() {
@@ -159,7 +159,7 @@ fn dry_run_plans_the_data_it_steps_on() {
     let err = (predicted - measured) / measured;
     println!("completions only: {}", r["summary"]);
     assert!(
-        (-0.03..=0.08).contains(&err),
+        (-0.05..=0.05).contains(&err),
         "planned {predicted} vs measured {measured} ({:+.1} %)",
         100.0 * err
     );

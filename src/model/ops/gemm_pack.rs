@@ -1,7 +1,7 @@
 //! What gemm allocates for one `f32` product as [`super::matmul::sgemm`] runs it: the
 //! planner's model of gemm-common 0.19's packing buffers, next to the code that calls gemm.
 
-use super::matmul::{block_bounds, split_ok, SPLIT_ALIGN};
+use super::matmul::{block_bounds, split_ok, PackChunks, SPLIT_ALIGN};
 
 /// Element strides of a product's operand or destination.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,15 +27,18 @@ impl Strides {
 /// Bytes gemm allocates for `dst[m, n] = lhs[m, k] @ rhs[k, n]` (strides as given) the way
 /// [`super::matmul::sgemm`] runs it on rayon's pool: its packed right operand and pre-packed left operand,
 /// summed over the per-thread blocks of `matmul::split_across_threads` (which run at once) or once
-/// for gemm's own threading. Freed when the product returns.
+/// for gemm's own threading; a single-threaded product whose buffers are large is cut into
+/// `matmul::PackChunks`, one after another, and counts its widest chunk. Freed when the
+/// product returns.
 ///
 /// Why the planner needs it: gemm packs the right operand, `kc × nc` elements with `nc` sized
 /// by the L3 cache, whenever the (transposed) left operand has more than two register tiles
 /// of rows, and the tile follows the SIMD width (64 rows with AVX-512, 16 with AVX2). The
 /// fused head's weight gradient on the demo (hidden 64, vocabulary 49,152, 508 rows) thus
-/// packs nothing on a Sapphire Rapids Xeon and 23.8 MiB per thread on an AVX2 EPYC (L3
-/// 32 MiB): the demo's peak heap there was 175.9 / 199.7 / 248.4 MiB at 1 / 2 / 4 rayon
-/// threads (`examples/rss_breakdown.rs`), the plan 24 MiB a thread low until this term.
+/// packs nothing on a Sapphire Rapids Xeon and, uncut, 23.8 MiB per thread on an AVX2 EPYC
+/// (L3 32 MiB): the demo's peak heap there was 175.9 / 199.7 / 248.4 MiB at 1 / 2 / 4 rayon
+/// threads (`examples/rss_breakdown.rs`), the plan 24 MiB a thread low until this term. Cut
+/// into chunks it packs 1.9 MiB a thread.
 pub fn sgemm_pack_bytes(
     m: usize,
     k: usize,
@@ -55,14 +58,35 @@ pub fn sgemm_pack_bytes(
                 if count == 0 {
                     0
                 } else if split_cols {
-                    gemm_pack_bytes(m, k, count, lhs, rhs, dst, false)
+                    chunked_pack_bytes(m, k, count, lhs, rhs, dst)
                 } else {
-                    gemm_pack_bytes(count, k, n, lhs, rhs, dst, false)
+                    chunked_pack_bytes(count, k, n, lhs, rhs, dst)
                 }
             })
             .sum();
     }
-    gemm_pack_bytes(m, k, n, lhs, rhs, dst, threads > 1)
+    if threads > 1 {
+        gemm_pack_bytes(m, k, n, lhs, rhs, dst, true)
+    } else {
+        chunked_pack_bytes(m, k, n, lhs, rhs, dst)
+    }
+}
+
+/// One thread's single-threaded product, cut into `matmul::PackChunks` that run one after
+/// another: the widest chunk's buffers (each chunk's are freed before the next allocates).
+fn chunked_pack_bytes(
+    m: usize,
+    k: usize,
+    n: usize,
+    lhs: Strides,
+    rhs: Strides,
+    dst: Strides,
+) -> u64 {
+    match PackChunks::of((m, k, n), lhs, rhs, dst) {
+        Some(c) if c.split_cols => gemm_pack_bytes(m, k, c.widest(), lhs, rhs, dst, false),
+        Some(c) => gemm_pack_bytes(c.widest(), k, n, lhs, rhs, dst, false),
+        None => gemm_pack_bytes(m, k, n, lhs, rhs, dst, false),
+    }
 }
 
 /// gemm's register tile for `f32` on this CPU, as gemm-f32 0.19 dispatches it: rows (MR),
@@ -79,6 +103,18 @@ fn f32_register_tile() -> (usize, usize, usize) {
         }
     }
     (2, 4, 1)
+}
+
+/// gemm's buffers for one single-threaded call on the whole product (no chunks).
+pub(super) fn single_call_bytes(
+    m: usize,
+    k: usize,
+    n: usize,
+    lhs: Strides,
+    rhs: Strides,
+    dst: Strides,
+) -> u64 {
+    gemm_pack_bytes(m, k, n, lhs, rhs, dst, false)
 }
 
 /// gemm-common 0.19's `gemm_basic_generic` buffers for one call: the same transposition,

@@ -4,6 +4,8 @@
 
 use candle_core::{bail, Result};
 
+use super::gemm_pack::{self, Strides};
+
 /// A read-only strided matrix view over a slice (of `f32` unless said otherwise).
 pub(crate) struct MatRef<'a, T = f32> {
     pub data: &'a [T],
@@ -231,6 +233,31 @@ unsafe fn gemm_unchecked(
     let parallelism = if parallel && threads > 1 {
         gemm::Parallelism::Rayon(threads)
     } else {
+        let strides = |row, col| Strides { row, col };
+        if let Some(chunks) = PackChunks::of(
+            (m, k, n),
+            strides(lhs.row_stride, lhs.col_stride),
+            strides(rhs.row_stride, rhs.col_stride),
+            strides(dst_row_stride, dst_col_stride),
+        ) {
+            for block in chunks.blocks() {
+                let (lhs_part, rhs_part, dst_offset) =
+                    block.views(lhs, rhs, dst_row_stride, dst_col_stride);
+                // SAFETY: each chunk is a disjoint part of the checked destination view.
+                unsafe {
+                    gemm_unchecked(
+                        dst.add(dst_offset),
+                        dst_row_stride,
+                        dst_col_stride,
+                        accumulate,
+                        lhs_part,
+                        rhs_part,
+                        false,
+                    )
+                };
+            }
+            return;
+        }
         gemm::Parallelism::None
     };
     gemm::gemm(
@@ -254,6 +281,67 @@ unsafe fn gemm_unchecked(
         false,
         parallelism,
     );
+}
+
+/// The most columns of gemm's (transposed) problem one single-threaded call takes when its
+/// buffers would pass [`PACK_CHUNK_ABOVE_BYTES`].
+///
+/// Why: gemm packs its right operand into `kc × nc` elements per call, `nc` sized by the L3
+/// cache, and allocates that buffer afresh each call. On AVX2 (a 16-row register tile) the
+/// fused head's weight gradient on the demo packed 23.8 MiB per thread, and whether the two
+/// threads' buffers were alive at once was rayon's scheduling: 60 demo steps peaked at
+/// 210–230 MiB from run to run. In chunks of 960 columns (a multiple of gemm's 6-column tile
+/// and of the 16-lane SIMD width) the buffer is at most `kc × 960` floats (1.9 MiB at `kc` =
+/// 512): the same 60 steps peak at 156–158 MiB, in the same time (`farm-bench`, 10 pairs on a
+/// 2-vCPU EPYC: wall ratio 0.99, spread 0.81–1.18).
+pub(super) const PACK_CHUNK_COLS: usize = 960;
+
+/// gemm buffers of one call above which it is cut into chunks. Smaller buffers are left whole:
+/// every chunk re-packs the left operand, and a product that packs little gains nothing.
+pub(super) const PACK_CHUNK_ABOVE_BYTES: u64 = 4 << 20;
+
+/// A single-threaded product cut along gemm's column dimension into [`PACK_CHUNK_COLS`]
+/// chunks: gemm transposes a destination whose columns are closer than its rows, so for a
+/// row-major destination its columns are the destination's rows.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PackChunks {
+    /// Whether the chunks are ranges of the destination's columns (else of its rows).
+    pub split_cols: bool,
+    /// The length of the dimension cut.
+    pub len: usize,
+}
+
+impl PackChunks {
+    /// The chunks of `dst[m, n] = lhs[m, k] @ rhs[k, n]` with these strides; `None` when one
+    /// call takes it (its buffers are small, or it is no wider than a chunk).
+    pub(super) fn of(
+        (m, k, n): (usize, usize, usize),
+        lhs: Strides,
+        rhs: Strides,
+        dst: Strides,
+    ) -> Option<Self> {
+        let split_cols = dst.col >= dst.row;
+        let len = if split_cols { n } else { m };
+        let chunks = Self { split_cols, len };
+        (len > PACK_CHUNK_COLS
+            && gemm_pack::single_call_bytes(m, k, n, lhs, rhs, dst) > PACK_CHUNK_ABOVE_BYTES)
+            .then_some(chunks)
+    }
+
+    /// The widest chunk.
+    pub(super) fn widest(self) -> usize {
+        PACK_CHUNK_COLS.min(self.len)
+    }
+
+    fn blocks(self) -> impl Iterator<Item = ThreadBlock> {
+        (0..self.len)
+            .step_by(PACK_CHUNK_COLS)
+            .map(move |start| ThreadBlock {
+                split_cols: self.split_cols,
+                start,
+                count: PACK_CHUNK_COLS.min(self.len - start),
+            })
+    }
 }
 
 /// Columns or rows per thread are rounded to this many (a multiple of every SIMD width gemm uses).
@@ -417,124 +505,4 @@ unsafe fn split_across_threads(
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
-    use super::*;
-
-    /// A deterministic pseudo-random matrix in [-1, 1).
-    pub(crate) fn filled(len: usize, seed: u64) -> Vec<f32> {
-        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..len)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
-            .collect()
-    }
-
-    /// `lhs @ rhs` in f64, element by element.
-    fn reference(lhs: MatRef<'_>, rhs: MatRef<'_>) -> Vec<f64> {
-        let mut out = vec![0f64; lhs.rows * rhs.cols];
-        for i in 0..lhs.rows {
-            for p in 0..lhs.cols {
-                let a = lhs.data[i * lhs.row_stride + p * lhs.col_stride] as f64;
-                for j in 0..rhs.cols {
-                    out[i * rhs.cols + j] +=
-                        a * rhs.data[p * rhs.row_stride + j * rhs.col_stride] as f64;
-                }
-            }
-        }
-        out
-    }
-
-    fn assert_close(got: &[f32], want: &[f64], k: usize, what: &str) {
-        // Inputs in [-1, 1): the f32 error of a length-k dot product grows about like sqrt(k).
-        let tol = 1e-5 * (k as f64).sqrt() * 4.0;
-        for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            assert!(
-                (*g as f64 - w).abs() <= tol,
-                "{what}: element {i} is {g}, expected {w} (tolerance {tol})"
-            );
-        }
-    }
-
-    /// The products of a training step (activations × weights, their transposes for the
-    /// gradients) and ragged shapes that end in partial micro-tiles, through whichever kernel
-    /// the gemm crate picks on this CPU at run time.
-    #[test]
-    fn products_match_a_reference_in_every_layout() {
-        // Two threads, as on the bench machines, so the products split across threads (by
-        // columns, or by rows for the tall one) as well as running whole.
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(2)
-            .build()
-            .unwrap();
-        pool.install(|| {
-            check_products_against_reference(&[
-                (256, 576, 1536),
-                (37, 129, 251),
-                (300, 200, 40),
-                (5, 3, 300),
-                (17, 1000, 9),
-            ])
-        });
-    }
-
-    #[test]
-    fn uneven_splits_cover_every_column_and_row() {
-        // 97 columns (or rows) over 3 threads: blocks with boundaries rounded to 16.
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(3)
-            .build()
-            .unwrap();
-        pool.install(|| check_products_against_reference(&[(40, 300, 97), (97, 300, 40)]));
-    }
-
-    fn check_products_against_reference(shapes: &[(usize, usize, usize)]) {
-        for (seed, &(m, k, n)) in shapes.iter().enumerate() {
-            let a = filled(m * k, seed as u64 + 1);
-            let b = filled(k * n, seed as u64 + 100);
-            // Row-major and transposed storage of the same logical matrices.
-            let a_t: Vec<f32> = (0..k * m).map(|idx| a[(idx % m) * k + idx / m]).collect();
-            let b_t: Vec<f32> = (0..n * k).map(|idx| b[(idx % k) * n + idx / k]).collect();
-            let lhs_views = [
-                MatRef::row_major(&a, m, k),
-                MatRef::row_major(&a_t, k, m).t(),
-            ];
-            let rhs_views = [
-                MatRef::row_major(&b, k, n),
-                MatRef::row_major(&b_t, n, k).t(),
-            ];
-            let want = reference(lhs_views[0], rhs_views[0]);
-            for (li, lhs) in lhs_views.iter().enumerate() {
-                for (ri, rhs) in rhs_views.iter().enumerate() {
-                    let what = format!("{m}x{k}x{n}, layout {li}{ri}");
-                    let fresh = sgemm_new(*lhs, *rhs).unwrap();
-                    assert_close(&fresh, &want, k, &format!("new {what}"));
-
-                    // Accumulating adds onto what is there.
-                    let mut acc = vec![0.5f32; m * n];
-                    sgemm(&mut acc, n, 1, true, *lhs, *rhs).unwrap();
-                    let shifted: Vec<f64> = want.iter().map(|w| w + 0.5).collect();
-                    assert_close(&acc, &shifted, k, &format!("accumulate {what}"));
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn mismatched_or_out_of_bounds_views_are_errors() {
-        let a = vec![1f32; 6];
-        let b = vec![1f32; 6];
-        assert!(sgemm_new(MatRef::row_major(&a, 2, 3), MatRef::row_major(&b, 2, 3)).is_err());
-        let short = MatRef {
-            data: &a,
-            rows: 3,
-            cols: 3,
-            row_stride: 3,
-            col_stride: 1,
-        };
-        assert!(sgemm_new(short, MatRef::row_major(&b, 3, 2)).is_err());
-    }
-}
+pub(crate) mod tests;
