@@ -361,3 +361,69 @@ impl InplaceOp2 for InPlaceUpdate<'_> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn coeffs() -> Coeffs {
+        Coeffs {
+            step_size: 1e-3,
+            bc2_sqrt: 1.0,
+            eps: 1e-8,
+            one_m_b1: 0.1,
+            b2: 0.999,
+            one_m_b2: 0.001,
+            mult: 1.0,
+        }
+    }
+
+    /// Zipped chunks stop at the shortest slice, so an operand of another length would leave
+    /// part of a parameter silently un-updated: each of the five (the bf16 parameter, its
+    /// master copy, both moments, the gradient) one element short is an error.
+    #[test]
+    fn a_typed_update_refuses_operands_of_different_lengths() {
+        for short in ["parameter", "master", "m", "v", "gradient"] {
+            let len = |name: &str| if name == short { 7 } else { 8 };
+            let mut p = vec![bf16::ONE; len("parameter")];
+            let mut w = vec![1f32; len("master")];
+            let mut m = vec![0f32; len("m")];
+            let mut v = vec![0f32; len("v")];
+            let g = vec![0.5f32; len("gradient")];
+            let out = update_typed(&mut p, Some(&mut w), &mut m, &mut v, &g, 1.0, coeffs());
+            assert!(out.is_err(), "{short} one element short was accepted");
+        }
+        let (mut p, mut w) = (vec![bf16::ONE; 8], vec![1f32; 8]);
+        let (mut m, mut v) = (vec![0f32; 8], vec![0f32; 8]);
+        update_typed(
+            &mut p,
+            Some(&mut w),
+            &mut m,
+            &mut v,
+            &[0.5f32; 8],
+            1.0,
+            coeffs(),
+        )
+        .unwrap();
+        assert!(
+            w.iter().all(|&x| x < 1.0),
+            "a positive gradient lowers every weight"
+        );
+    }
+
+    /// Only a contiguous float CPU parameter and gradient are updated in their own storage: a
+    /// transposed (strided) gradient goes through host copies, which read it in logical order.
+    #[test]
+    fn a_strided_gradient_is_not_updated_in_place() {
+        let p = Tensor::zeros((4, 3), DType::F32, &Device::Cpu).unwrap();
+        let g = Tensor::zeros((3, 4), DType::F32, &Device::Cpu)
+            .unwrap()
+            .t()
+            .unwrap();
+        assert!(!g.is_contiguous());
+        assert!(!in_place_ok(&p, &g));
+        assert!(in_place_ok(&p, &g.contiguous().unwrap()));
+        let ints = Tensor::zeros((4, 3), DType::U32, &Device::Cpu).unwrap();
+        assert!(!in_place_ok(&p, &ints) && !in_place_ok(&ints, &p));
+    }
+}
