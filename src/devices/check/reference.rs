@@ -104,3 +104,68 @@ pub(super) fn max_grad_rel_diff(
     }
     Ok(worst)
 }
+
+/// How a run's gradients stand against the reference's `grad.*` tensors.
+#[derive(Debug, Clone, Default)]
+pub(super) struct GradientComparison {
+    /// Gradients present on both sides.
+    pub compared: usize,
+    /// Parameters transformers trained that have no gradient here: a failure, not a skip.
+    pub missing: Vec<String>,
+    /// The largest max |g − reference| / max |reference| over the tensors, and its name.
+    pub worst_rel: f64,
+    pub worst_name: String,
+    /// The smallest cosine between a gradient and its reference.
+    pub worst_cosine: f64,
+}
+
+impl GradientComparison {
+    /// One line for the step's detail, with the gradient tolerance it is held to.
+    pub fn describe(&self, tolerance: &ParityTolerance) -> String {
+        format!(
+            "{} gradients: worst rel diff {:.2e} (tol {:.0e}, {}), min cosine {:.5}{}",
+            self.compared,
+            self.worst_rel,
+            tolerance.grad_rel,
+            self.worst_name,
+            self.worst_cosine,
+            if self.missing.is_empty() {
+                String::new()
+            } else {
+                format!("; no gradient for {}", self.missing.join(", "))
+            }
+        )
+    }
+}
+
+/// Compares every `grad.<name>` of the reference with the run's gradient of `<name>`.
+pub(super) fn compare_with_reference(
+    grads: &Gradients,
+    reference: &HashMap<String, Tensor>,
+) -> Result<GradientComparison, DevicesError> {
+    let mut out = GradientComparison {
+        worst_cosine: 1.0,
+        ..GradientComparison::default()
+    };
+    let mut names: Vec<&String> = reference.keys().collect();
+    names.sort();
+    for key in names {
+        let Some(name) = key.strip_prefix("grad.") else {
+            continue;
+        };
+        let Some(g) = grads.get(name) else {
+            out.missing.push(name.to_string());
+            continue;
+        };
+        let ref_grad = &reference[key];
+        let (d, m) = diff(g, ref_grad)?;
+        let rel = d / m.max(1e-12);
+        if rel > out.worst_rel {
+            out.worst_rel = rel;
+            out.worst_name = name.to_string();
+        }
+        out.worst_cosine = out.worst_cosine.min(cosine(g, ref_grad)?);
+        out.compared += 1;
+    }
+    Ok(out)
+}

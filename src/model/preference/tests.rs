@@ -117,3 +117,52 @@ fn dpo_at_the_reference_is_ln2_and_smoothing_is_symmetric() {
     assert!(orpo_loss(&p, 0.1).is_ok());
     assert!(preference_loss(PreferenceLossKind::Ipo, &p, None, 0.1).is_err());
 }
+
+#[test]
+fn merged_metrics_are_weighted_by_pairs() {
+    // One step of two micro-batches: 1 pair, then 3 pairs. TRL logs the mean over the step's
+    // pairs, so the 3-pair batch weighs three times the other.
+    let one = PreferenceMetrics {
+        pairs: 1,
+        loss: 0.8,
+        rewards_chosen: 0.4,
+        rewards_rejected: -0.2,
+        rewards_accuracies: 1.0,
+        rewards_margins: 0.6,
+        logps_chosen: -12.0,
+        logps_rejected: -20.0,
+        log_odds_ratio: Some(-0.5),
+        log_odds_chosen: None,
+        nll_loss: Some(2.0),
+    };
+    let three = PreferenceMetrics {
+        pairs: 3,
+        loss: 0.4,
+        rewards_chosen: 0.0,
+        rewards_rejected: 0.2,
+        rewards_accuracies: 1.0 / 3.0,
+        rewards_margins: -0.2,
+        logps_chosen: -16.0,
+        logps_rejected: -8.0,
+        log_odds_ratio: Some(-0.1),
+        log_odds_chosen: Some(1.5),
+        nll_loss: None,
+    };
+    let m = one.merge(&three);
+    let close = |x: f64, want: f64| (x - want).abs() < 1e-12;
+    assert_eq!(m.pairs, 4);
+    assert!(close(m.loss, 0.5), "loss {}", m.loss);
+    assert!(close(m.rewards_chosen, 0.1), "{}", m.rewards_chosen);
+    assert!(close(m.rewards_rejected, 0.1), "{}", m.rewards_rejected);
+    assert!(close(m.rewards_accuracies, 0.5), "{}", m.rewards_accuracies);
+    assert!(close(m.rewards_margins, 0.0), "{}", m.rewards_margins);
+    assert!(close(m.logps_chosen, -15.0), "{}", m.logps_chosen);
+    assert!(close(m.logps_rejected, -11.0), "{}", m.logps_rejected);
+    assert!(close(m.log_odds_ratio.unwrap_or(f64::NAN), -0.2));
+    // A metric one side lacks is the other side's, not halved.
+    assert_eq!(m.log_odds_chosen, Some(1.5));
+    assert_eq!(m.nll_loss, Some(2.0));
+    // The order of the batches does not matter.
+    let r = three.merge(&one);
+    assert!(close(r.loss, m.loss) && close(r.logps_chosen, m.logps_chosen));
+}
