@@ -213,16 +213,12 @@ fn settings_lints(
                 .flatten()
                 .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
         });
-    let ctx = SettingsContext {
-        pretrained: SettingsContext::is_pretrained(run.model.init, has_weights),
-        train_rows: preview.num_train_rows,
-        longest_row_tokens: preview.stats.max_length_seen,
-        ranks: if run.devices.strategy == tunestudio::settings::Strategy::DataParallel {
-            run.devices.devices.len().max(1)
-        } else {
-            1
-        },
-    };
+    let ctx = SettingsContext::new(
+        &run,
+        has_weights,
+        preview.num_train_rows,
+        preview.stats.max_length_seen,
+    );
     settings_lints(&run, &ctx)
         .into_iter()
         .filter(|l| !run.data.allow.iter().any(|a| a == l.kind.id()))

@@ -58,6 +58,9 @@ pub enum LintKind {
     ManyEpochs,
     /// Settings: `max_length` far above the data's longest row.
     MaxLengthOversized,
+    /// Settings: half precision on a CPU with no half-precision arithmetic (each product
+    /// widens its operands to f32).
+    HalfPrecisionWidened,
     /// Preference pairs whose chosen and rejected completions are the same tokens.
     PairIdentical,
     /// Preference pairs with a completion that is empty (after truncation).
@@ -74,7 +77,7 @@ pub enum LintKind {
 
 impl LintKind {
     /// Every kind, for listing the names an override may use.
-    pub const ALL: [LintKind; 24] = [
+    pub const ALL: [LintKind; 25] = [
         LintKind::LabelsMismatch,
         LintKind::PaddingTrained,
         LintKind::NoPadToken,
@@ -93,6 +96,7 @@ impl LintKind {
         LintKind::TinyEffectiveBatch,
         LintKind::ManyEpochs,
         LintKind::MaxLengthOversized,
+        LintKind::HalfPrecisionWidened,
         LintKind::PairIdentical,
         LintKind::PairCompletionEmpty,
         LintKind::PairPromptMismatch,
@@ -123,6 +127,7 @@ impl LintKind {
             LintKind::TinyEffectiveBatch => "tiny-effective-batch",
             LintKind::ManyEpochs => "many-epochs",
             LintKind::MaxLengthOversized => "max-length-oversized",
+            LintKind::HalfPrecisionWidened => "half-precision-widened",
             LintKind::PairIdentical => "pair-identical",
             LintKind::PairCompletionEmpty => "pair-completion-empty",
             LintKind::PairPromptMismatch => "pair-prompt-mismatch",

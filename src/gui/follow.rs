@@ -123,19 +123,12 @@ pub fn settings_lints(
     };
     let stats = preview.map(|p| (p.num_train_rows, p.stats.max_length_seen));
     let (train_rows, longest_row_tokens) = stats.unwrap_or((usize::MAX, 0));
-    let ctx = SettingsContext {
-        pretrained: SettingsContext::is_pretrained(
-            config.model.init,
-            !info.weight_files.is_empty(),
-        ),
+    let ctx = SettingsContext::new(
+        config,
+        !info.weight_files.is_empty(),
         train_rows,
         longest_row_tokens,
-        ranks: if config.devices.strategy == tunestudio::settings::Strategy::DataParallel {
-            config.devices.devices.len().max(1)
-        } else {
-            1
-        },
-    };
+    );
     settings_lints(config, &ctx)
 }
 

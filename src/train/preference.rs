@@ -51,15 +51,12 @@ pub fn load_checked_pairs(
     has_weights: bool,
 ) -> Result<(super::samples::Splits, PairRun), TrainError> {
     let pairs = load_pair_splits(config, tok)?;
-    let ctx = super::settings_lints::SettingsContext {
-        pretrained: super::settings_lints::SettingsContext::is_pretrained(
-            config.model.init,
-            has_weights,
-        ),
-        train_rows: pairs.train.len(),
-        longest_row_tokens: pairs.train.iter().map(pair_len).max().unwrap_or(0),
-        ranks: 1,
-    };
+    let ctx = super::settings_lints::SettingsContext::new(
+        config,
+        has_weights,
+        pairs.train.len(),
+        pairs.train.iter().map(pair_len).max().unwrap_or(0),
+    );
     let mut lints = pairs.lints.clone();
     lints.extend(super::settings_lints::settings_lints(config, &ctx));
     let blocking = crate::data::lints::blocking(&lints, &config.data.allow);

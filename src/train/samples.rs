@@ -120,10 +120,12 @@ pub fn load_checked_splits(
     has_weights: bool,
 ) -> Result<Splits, TrainError> {
     let mut splits = load_splits(config, tok)?;
-    splits.lints.extend(super::settings_lints::settings_lints(
+    let settings = super::settings_lints::settings_lints(
         config,
         &settings_context(config, has_weights, &splits.train),
-    ));
+    );
+    splits.warnings.extend(settings_warnings(&settings));
+    splits.lints.extend(settings);
     let blocking = crate::data::lints::blocking(&splits.lints, &config.data.allow);
     if !blocking.is_empty() {
         return Err(TrainError::Lints {
@@ -139,25 +141,28 @@ pub fn load_checked_splits(
     Ok(splits)
 }
 
+/// The warning-level settings lints, as the run's warnings (an error-level one stops the run
+/// or, allowed by name, is reported as allowed).
+pub(super) fn settings_warnings(lints: &[crate::data::Lint]) -> Vec<String> {
+    lints
+        .iter()
+        .filter(|l| l.severity == crate::data::lints::Severity::Warning)
+        .map(|l| l.message.clone())
+        .collect()
+}
+
 /// What the settings lints need to know of the model and the data.
 pub fn settings_context(
     config: &RunConfig,
     has_weights: bool,
     train: &[Sample],
 ) -> super::settings_lints::SettingsContext {
-    super::settings_lints::SettingsContext {
-        pretrained: super::settings_lints::SettingsContext::is_pretrained(
-            config.model.init,
-            has_weights,
-        ),
-        train_rows: train.len(),
-        longest_row_tokens: train.iter().map(Sample::len).max().unwrap_or(0),
-        ranks: if config.devices.strategy == crate::settings::Strategy::DataParallel {
-            config.devices.devices.len().max(1)
-        } else {
-            1
-        },
-    }
+    super::settings_lints::SettingsContext::new(
+        config,
+        has_weights,
+        train.len(),
+        train.iter().map(Sample::len).max().unwrap_or(0),
+    )
 }
 
 /// The trained tokens of the run's data for the memory plan (`PlanRequest::trained_tokens`):

@@ -62,6 +62,30 @@ fn a_learning_rate_far_above_the_usual_stops_the_run_until_allowed() {
     );
 }
 
+/// bf16-mixed on the CPU: where the CPU has no bf16 arithmetic (AVX512-BF16 or AMX) the run
+/// is told, by name and with the fix, that its products widen to f32 and run slower than fp32;
+/// it is a warning, so the run still trains. Where the CPU has it, nothing is said.
+#[test]
+fn half_precision_on_a_cpu_without_its_arithmetic_is_named_and_still_trains() {
+    use tunestudio::model::ops::kernel_path::Bf16Kernel;
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = tiny_config(&tmp.path().join("out"), 1);
+    cfg.training.precision = tunestudio::settings::Precision::Bf16Mixed;
+    let path = save(&cfg, &tmp.path().join("run.toml"));
+    let out = train(&path, &[]);
+    let shown = text(&out);
+    assert!(out.status.success(), "{shown}");
+    let bf16_kernel = [Bf16Kernel::Avx512Bf16, Bf16Kernel::Amx]
+        .into_iter()
+        .any(Bf16Kernel::available);
+    let named = shown.contains("widens its operands to f32");
+    eprintln!("bf16 kernel on this CPU: {bf16_kernel}; lint shown: {named}");
+    assert_eq!(named, !bf16_kernel, "{shown}");
+    if named {
+        assert!(shown.contains("training.precision = \"fp32\""), "{shown}");
+    }
+}
+
 /// tiny-llama at its steady 1e-3, until step 10's rate is multiplied by 1000 (the
 /// `TUNESTUDIO_INJECT_LR_SPIKE` switch: a rate typed with the wrong exponent). The loss of
 /// the next step jumps far above its recent median. The watch reports it (CLI and
