@@ -362,12 +362,15 @@ impl ParityTolerance {
     // fp32: the CPU matches transformers to float rounding; cuBLAS reorders sums.
     // bf16 (8 mantissa bits): measured on the CPU against the fp32 reference, worst gradient
     // 9.4e-3 (native) and 2.2e-2 (generic ops + checkpointing), cosine ≥ 0.9998; 0.1 leaves
-    // ~4× for cuBLAS's orders and fails a gradient 10 % off in size.
+    // ~4× and fails a gradient 10 % off in size. The GPU has not run this step yet (cuBLAS
+    // rounds its bf16 outputs and orders sums its own way): 0.25 until it has, which still
+    // fails a gradient a quarter off (a doubled one is 1.0 off).
     fn of(dtype: DType, mode: CheckMode) -> Self {
         let (loss_rel, grad_rel, cosine) = match (dtype, mode) {
             (DType::F32, CheckMode::Cpu) => (1e-5, 1e-3, 0.0),
             (DType::F32, CheckMode::Gpu) => (1e-4, 5e-3, 0.0),
-            _ => (3e-2, 1e-1, 0.99),
+            (_, CheckMode::Cpu) => (3e-2, 1e-1, 0.99),
+            (_, CheckMode::Gpu) => (3e-2, 2.5e-1, 0.99),
         };
         Self {
             loss_rel,

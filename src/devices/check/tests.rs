@@ -57,6 +57,12 @@ fn a_bf16_gradient_in_the_right_direction_but_twice_the_size_fails() {
     let (passed, detail) = judged(DType::BF16, &grads);
     assert!(!passed, "a doubled gradient passed: {detail}");
     assert!(detail.contains("min cosine 1.00000"), "{detail}");
+    let on_gpu = ParityTolerance::of(DType::BF16, CheckMode::Gpu);
+    let comparison = compare_with_reference(&grads, &reference()).expect("comparison");
+    assert!(
+        !on_gpu.admits(0.0, &comparison),
+        "a doubled gradient passed on the GPU"
+    );
 }
 
 #[test]
