@@ -231,6 +231,10 @@ if [[ $MODE == gpu ]]; then
   MEM_TOL=5       # percent: the plan against NVML's figure for the process
 else
   ONE='"cpu"'; TWO='"cpu:0", "cpu:1"'
+  # Logical CPU devices as distinct memories: a transfer between them copies, as between two
+  # GPUs, so a copy kept across steps goes stale here too (the tied head of a layer split did,
+  # on the first H200 run).
+  export TUNESTUDIO_DISTINCT_CPU_DEVICES=1
   DP_TOL=1e-5
   QLORA_TOL=1e-5
   OOM_WORDS=300

@@ -143,8 +143,12 @@ pub(crate) struct Modules {
     pub embed: Tensor,
     pub layers: Vec<Arc<Layer>>,
     pub norm: Tensor,
+    /// The head's weight where its parameter lives (the embeddings' stage for a tied head).
     pub lm_head: Tensor,
     pub lm_head_frozen: bool,
+    /// `(owner, head)`: the head runs on another logical device than its weight's owner (a
+    /// tied head under a layer split), so each use moves the weight there.
+    pub head_transfer: Option<(usize, Home)>,
 }
 
 /// A causal language model ready for training: parameters, forward, loss, backward.

@@ -64,13 +64,14 @@ fn check_label_range(model: &CausalLm, labels: &[i64]) -> Result<(), ModelError>
 /// Cross-entropy rows for `hidden` rows `[n, hidden]` against `labels` (`[n]` u32), in chunks.
 fn chunked_ce(model: &CausalLm, rows: &Tensor, labels: &Tensor) -> Result<Tensor, ModelError> {
     let n = rows.dim(0)?;
+    let head = model.head_weight()?;
     let mut parts = Vec::new();
     let mut start = 0;
     while start < n {
         let len = LOSS_CHUNK_TOKENS.min(n - start);
         let r = rows.narrow(0, start, len)?;
         let l = labels.narrow(0, start, len)?;
-        let logits = model.head_matmul(&r)?;
+        let logits = model.head_matmul_with(&r, &head)?;
         parts.push(kernels::cross_entropy_rows(&logits, &l)?);
         start += len;
     }
@@ -102,11 +103,12 @@ pub(crate) fn causal_lm_loss(
     let (b, t, h) = hidden.dims3()?;
     let (flat, keep) = shifted_labels(labels, b, t)?;
     check_label_range(model, &flat)?;
+    let head = model.head_weight()?;
     if keep.is_empty() {
         // Nothing to learn from; keep the graph connected so backward still reaches
         // every parameter (with zero gradients).
         let zero = Tensor::zeros((), hidden.dtype(), hidden.device())?;
-        let reach = (hidden.sum_all()? + model.modules.lm_head.sum_all()?)?;
+        let reach = (hidden.sum_all()? + head.sum_all()?)?;
         let sum = reach.mul(&zero)?.to_dtype(DType::F32)?;
         return Ok(LossOutput { sum, num_tokens: 0 });
     }
@@ -116,7 +118,7 @@ pub(crate) fn causal_lm_loss(
         // The fused op skips ignored rows itself and recomputes chunk logits in backward.
         let (sum, _) = ops::linear_cross_entropy_with_sink(
             &shifted,
-            &model.modules.lm_head,
+            &head,
             &flat,
             LOSS_CHUNK_TOKENS,
             model.head_grad_sink(),
@@ -137,7 +139,7 @@ pub(crate) fn causal_lm_loss(
         // Device-generic: one log-sum-exp per row kept, chunk logits recomputed in backward.
         let sum = ops::generic::linear_cross_entropy(
             &rows,
-            &model.modules.lm_head,
+            &head,
             &targets,
             LOSS_CHUNK_TOKENS,
             !model.modules.lm_head_frozen,

@@ -45,6 +45,6 @@ pub use locate::{locate_model, ModelLocation};
 pub use lora::LINEAR_MODULES;
 pub use lora::{parse_adapter_config, LoraConfig};
 pub use ops_mode::{OpsMode, OPS_ENV};
-pub use placed::{Home, Placed};
+pub use placed::{Home, Placed, DISTINCT_CPU_DEVICES_ENV};
 pub use quant::QuantSummary;
 pub use save::dtype_name;

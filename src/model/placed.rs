@@ -16,6 +16,16 @@ use candle_core::{Device, Tensor};
 
 use super::error::ModelError;
 
+/// Set to `1`: a transfer between two logical CPU devices copies the tensor, as a transfer
+/// between two GPUs does, instead of sharing its storage ([`Placed::to`]). Tests of layer
+/// splits and data parallel on logical CPU devices set it; it costs a copy per transfer.
+pub const DISTINCT_CPU_DEVICES_ENV: &str = "TUNESTUDIO_DISTINCT_CPU_DEVICES";
+
+/// Whether [`DISTINCT_CPU_DEVICES_ENV`] is on (read per transfer: a few per forward pass).
+pub fn distinct_cpu_devices() -> bool {
+    std::env::var(DISTINCT_CPU_DEVICES_ENV).is_ok_and(|v| v.trim() == "1")
+}
+
 /// A logical device as the model sees it: its position among the run's devices (the stage
 /// under a layer split, the rank under data parallel) and the candle device its tensors
 /// live on.
@@ -87,14 +97,29 @@ impl Placed {
 
     /// The explicit transfer to `home` (a no-op when it already owns it). Differentiable:
     /// candle's backward moves the gradient back.
+    ///
+    /// Between two GPUs (or two streams of one) the result is a copy: a later in-place update
+    /// of the source (an optimizer step) does not reach it. Between logical CPU devices candle
+    /// shares the storage, so a copy kept across steps would look fresh on the CPU and be
+    /// stale on GPUs (the tied head of a layer split was, until a GPU ran it). With
+    /// [`DISTINCT_CPU_DEVICES_ENV`] set, a transfer between logical CPU devices copies too, so
+    /// CPU tests see what GPUs see.
     pub fn to(&self, home: &Home) -> Result<Placed, ModelError> {
-        if self.owner == home.index && self.tensor.device().same_device(&home.device) {
-            return Ok(self.clone());
-        }
-        Ok(Placed::new(
-            self.tensor.to_device(&home.device)?,
-            home.index,
-        ))
+        let moved = if self.transfer_shares_storage(home) {
+            self.tensor.clone()
+        } else if self.tensor.device().same_device(&home.device) {
+            self.tensor.copy()?
+        } else {
+            self.tensor.to_device(&home.device)?
+        };
+        Ok(Placed::new(moved, home.index))
+    }
+
+    /// Whether [`Self::to`] hands back this very storage: the same candle device, and no copy
+    /// forced between two logical CPU devices.
+    pub fn transfer_shares_storage(&self, home: &Home) -> bool {
+        self.tensor.device().same_device(&home.device)
+            && (self.owner == home.index || !distinct_cpu_devices())
     }
 }
 

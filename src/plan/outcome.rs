@@ -87,7 +87,7 @@ pub struct DevicePlan {
     pub logits_and_loss_bytes: u64,
     /// Short-lived buffers at the peak (backward's zero-then-add, copies, optimizer scratch).
     pub temporaries_bytes: u64,
-    /// Runtime overhead (≈ 500 MiB CUDA context per CUDA device; 0 on CPU).
+    /// Runtime overhead (≈ 612 MiB CUDA context and workspace per CUDA device; 0 on CPU).
     pub overhead_bytes: u64,
     /// The predicted high-water mark (on the first CPU device of a request with
     /// [`PlanRequest::process`], the process's peak resident set).

@@ -52,6 +52,9 @@ fn train_with_ops(config: &Path, extra: &[&str], ops: &str) {
         .arg(config)
         .args(extra)
         .env(tunestudio::model::OPS_ENV, ops)
+        // Logical CPU devices as distinct memories: a copy kept across steps goes stale here
+        // as it does between GPUs.
+        .env(tunestudio::model::DISTINCT_CPU_DEVICES_ENV, "1")
         .output()
         .unwrap();
     assert!(
@@ -224,6 +227,7 @@ fn layer_split_case(tmp: &Path, model: &Path, ops: &str) {
             .args(["train", "--config"])
             .arg(&path)
             .env(tunestudio::model::OPS_ENV, ops)
+            .env(tunestudio::model::DISTINCT_CPU_DEVICES_ENV, "1")
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()

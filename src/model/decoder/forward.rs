@@ -188,6 +188,13 @@ impl CausalLm {
         let usable = self.native_layers
             && self.native_kernels()
             && param.trainable
+            && self
+                .modules
+                .head_transfer
+                .as_ref()
+                .is_none_or(|(owner, home)| {
+                    Placed::new(head.clone(), *owner).transfer_shares_storage(home)
+                })
             && head.id() == param.var.as_tensor().id()
             && native_embedding::applies(head);
         if !usable {
@@ -200,12 +207,32 @@ impl CausalLm {
         }))
     }
 
+    /// The head's weight on the head's device, as the parameter is now: the parameter itself,
+    /// or (a tied head under a layer split) a fresh differentiable transfer of it.
+    pub(crate) fn head_weight(&self) -> Result<Tensor, ModelError> {
+        match &self.modules.head_transfer {
+            None => Ok(self.modules.lm_head.clone()),
+            Some((owner, home)) => Ok(Placed::new(self.modules.lm_head.clone(), *owner)
+                .to(home)?
+                .into_tensor()),
+        }
+    }
+
     /// `[n, hidden] @ lm_head^T` → `[n, vocab]` in the model dtype.
     pub(crate) fn head_matmul(&self, h2: &Tensor) -> Result<Tensor, ModelError> {
+        self.head_matmul_with(h2, &self.head_weight()?)
+    }
+
+    /// [`Self::head_matmul`] with the head's weight already fetched ([`Self::head_weight`]).
+    pub(crate) fn head_matmul_with(
+        &self,
+        h2: &Tensor,
+        head: &Tensor,
+    ) -> Result<Tensor, ModelError> {
         if self.modules.lm_head_frozen {
-            kernels::frozen_linear(h2, &self.modules.lm_head, self.ops)
+            kernels::frozen_linear(h2, head, self.ops)
         } else {
-            Ok(h2.matmul(&self.modules.lm_head.t()?)?)
+            Ok(h2.matmul(&head.t()?)?)
         }
     }
 
