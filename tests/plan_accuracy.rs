@@ -210,6 +210,42 @@ fn planner_matches_measured_peaks_on_the_generic_path() {
     );
 }
 
+/// Prompt-masked rows on the generic path (what a GPU runs on SFT data that trains only the
+/// answers): `loss::causal_lm_loss` sends only the trained rows through the head, so its
+/// chunk logits are a quarter of every position's here, and the selection (a copy and its
+/// `index_add` backward) and micro-batch 2's copy of `hidden[:, :-1]` exist. The generic grid
+/// above trains every row at micro-batch 1, where none of that happens. LoRA, so that the
+/// head's logits, not a trained head's gradient, set the backward peak.
+#[test]
+fn planner_matches_prompt_masked_rows_on_the_generic_path() {
+    let _guard = exclusive();
+    let _generic = generic_ops();
+    let mut raw = harness::model_config().raw.clone();
+    raw["num_hidden_layers"] = 2.into();
+    let cfg =
+        tunestudio::model::ModelConfig::from_json_str(&raw.to_string(), "2-layer smollm").unwrap();
+    let cases = [harness::Case {
+        prompt_tokens: 192,
+        ..harness::case(tunestudio::plan::Precision::Fp32, false, true, 2, 256)
+    }];
+    harness::print_header();
+    let rows = harness::run_grid_with(&cfg, &cases);
+    check(&rows);
+    // What the head keeps from its forward to its backward (the copies above are a few MB of a
+    // 357 MB peak, so the peak alone cannot see them).
+    let (_, m, d) = &rows[0];
+    let planned = d.predicted_components().step.logits_and_loss_bytes;
+    let e = err_pct(planned, m.head_kept);
+    println!(
+        "head kept {} B measured, {planned} B predicted ({e:+.2} %)",
+        m.head_kept
+    );
+    assert!(
+        e.abs() <= 3.0,
+        "the head's kept bytes predicted {e:+.2} % off"
+    );
+}
+
 /// The generic chunked loss over several chunks (seq 2048: 2047 rows, two chunks of ≤ 1024)
 /// on a 2-layer model of SmolLM2's width, LoRA: the plan within 3 % of the measured peak.
 #[test]

@@ -23,6 +23,9 @@ pub struct Case {
     pub accumulation: usize,
     /// LoRA rank (on all seven linears) when `lora` is on.
     pub lora_r: usize,
+    /// Leading positions of every row whose labels are -100 (a prompt the data does not
+    /// train); 0 trains every position.
+    pub prompt_tokens: usize,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -134,7 +137,15 @@ pub fn request(cfg: &ModelConfig, c: &Case) -> PlanRequest {
         // The models below read TUNESTUDIO_OPS too, so the plan follows the same path.
         ops: tunestudio::model::OpsMode::from_env().expect("TUNESTUDIO_OPS"),
         process: None,
-        trained_tokens: None,
+        // The data's trained tokens, as `train::plan_request` passes them: every row trains
+        // the positions after its prompt.
+        trained_tokens: (c.prompt_tokens > 0).then(|| {
+            tunestudio::plan::TrainedTokens::from_counts(
+                c.seq_len,
+                c.seq_len,
+                vec![c.seq_len - c.prompt_tokens; c.micro_batch * c.accumulation],
+            )
+        }),
         head_loss: Default::default(),
         reference: Default::default(),
     }
@@ -163,7 +174,13 @@ pub fn measure(model: &mut CausalLm, c: &Case, zero: u64, seed: u64) -> Measured
                 .map(|_| rng.gen_range(0..vocab))
                 .collect();
             let ids = Tensor::from_vec(ids, (c.micro_batch, c.seq_len), &Device::Cpu).unwrap();
-            let labels = ids.to_dtype(DType::I64).unwrap();
+            let mut labels = ids.to_dtype(DType::I64).unwrap();
+            if c.prompt_tokens > 0 {
+                let masked =
+                    Tensor::full(-100i64, (c.micro_batch, c.prompt_tokens), &Device::Cpu).unwrap();
+                let trained = labels.narrow(1, c.prompt_tokens, c.seq_len - c.prompt_tokens);
+                labels = Tensor::cat(&[&masked, &trained.unwrap()], 1).unwrap();
+            }
             (ids, labels)
         })
         .collect();
@@ -398,6 +415,7 @@ pub fn case(p: Precision, ckpt: bool, lora: bool, b: usize, t: usize) -> Case {
         seq_len: t,
         accumulation: 1,
         lora_r: 8,
+        prompt_tokens: 0,
     }
 }
 
