@@ -210,6 +210,13 @@ fn planner_matches_measured_peaks_on_the_generic_path() {
     );
 }
 
+/// SmolLM2-135M's width with 2 layers: the head's share of the step is large enough to see.
+fn two_layer_smollm() -> tunestudio::model::ModelConfig {
+    let mut raw = harness::model_config().raw.clone();
+    raw["num_hidden_layers"] = 2.into();
+    tunestudio::model::ModelConfig::from_json_str(&raw.to_string(), "2-layer smollm").unwrap()
+}
+
 /// Prompt-masked rows on the generic path (what a GPU runs on SFT data that trains only the
 /// answers): `loss::causal_lm_loss` sends only the trained rows through the head, so its
 /// chunk logits are a quarter of every position's here, and the selection (a copy and its
@@ -220,10 +227,7 @@ fn planner_matches_measured_peaks_on_the_generic_path() {
 fn planner_matches_prompt_masked_rows_on_the_generic_path() {
     let _guard = exclusive();
     let _generic = generic_ops();
-    let mut raw = harness::model_config().raw.clone();
-    raw["num_hidden_layers"] = 2.into();
-    let cfg =
-        tunestudio::model::ModelConfig::from_json_str(&raw.to_string(), "2-layer smollm").unwrap();
+    let cfg = two_layer_smollm();
     let cases = [harness::Case {
         prompt_tokens: 192,
         ..harness::case(tunestudio::plan::Precision::Fp32, false, true, 2, 256)
@@ -252,10 +256,7 @@ fn planner_matches_prompt_masked_rows_on_the_generic_path() {
 fn planner_matches_the_generic_loss_over_several_chunks() {
     let _guard = exclusive();
     let _generic = generic_ops();
-    let mut raw = harness::model_config().raw.clone();
-    raw["num_hidden_layers"] = 2.into();
-    let cfg =
-        tunestudio::model::ModelConfig::from_json_str(&raw.to_string(), "2-layer smollm").unwrap();
+    let cfg = two_layer_smollm();
     let cases = [harness::case(
         tunestudio::plan::Precision::Fp32,
         false,
