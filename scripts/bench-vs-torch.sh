@@ -3,13 +3,16 @@
 # the SmolLM2-135M shape (random init), seq 256, batch 1, AdamW, 2 threads.
 # Runs are interleaved (tunestudio, PyTorch, tunestudio, PyTorch, ...) so that drift
 # in the machine's speed hits both; prints tokens/s and peak RSS of each and the ratios.
-# Modes (MODES, default "full lora bf16-mixed"):
+# Modes (MODES, default "full lora bf16-mixed lora-bf16-mixed"):
 #   full        fp32 full fine-tuning, for each gradient accumulation in ACCUMULATIONS
 #               (default "1 4"; same effective batch on both sides: PyTorch accumulates in
 #               `.grad`, tunestudio in one buffer per parameter)
 #   lora        fp32 LoRA r LORA_R (default 16) on all seven linear layers (PEFT on the
 #               PyTorch side); also the ratio to tunestudio's own full fine-tuning
 #   bf16-mixed  tunestudio --precision bf16-mixed vs PyTorch CPU autocast bf16
+#   lora-bf16-mixed
+#               LoRA r LORA_R under bf16-mixed vs PEFT under CPU autocast bf16; also the
+#               ratio to tunestudio's own fp32 LoRA when the lora mode ran before it
 #
 #   scripts/bench-vs-torch.sh [ROUNDS=2] [STEPS=3]
 #
@@ -22,7 +25,7 @@ cd "$(dirname "$0")/.."
 ROUNDS="${1:-2}"
 STEPS="${2:-3}"
 ACCUMULATIONS="${ACCUMULATIONS:-1 4}"
-MODES="${MODES:-full lora bf16-mixed}"
+MODES="${MODES:-full lora bf16-mixed lora-bf16-mixed}"
 LORA_R="${LORA_R:-16}"
 THREADS="${THREADS:-2}"
 SHARED="${TUNESTUDIO_SHARED:-$(cd .. && pwd)/shared}"
@@ -86,6 +89,7 @@ compare() {
 }
 
 full_tps=""
+lora_tps=""
 for MODE in $MODES; do
   case "$MODE" in
     full)
@@ -98,12 +102,22 @@ for MODE in $MODES; do
       ACC=1
       echo; echo "== LoRA r $LORA_R on all linear layers, fp32 =="
       LABEL="LoRA r $LORA_R fp32" TS_ARGS="--lora-r $LORA_R" PT_ARGS="--lora-r $LORA_R" compare
+      lora_tps="$ts_t"
       [ -n "$full_tps" ] && printf '  LoRA vs tunestudio full fine-tuning: %.2f× tokens/s (target ≥ 1.30)\n' \
         "$(awk -v a="$ts_t" -v b="$full_tps" 'BEGIN {print a/b}')" ;;
     bf16-mixed)
       ACC=1
       echo; echo "== bf16-mixed (tunestudio) vs CPU autocast bf16 (PyTorch) =="
-      LABEL="bf16-mixed full fine-tuning" TS_ARGS="--precision bf16-mixed" PT_ARGS="--bf16" compare ;;
-    *) echo "unknown mode $MODE (full, lora, bf16-mixed)"; exit 2 ;;
+      LABEL="bf16-mixed full fine-tuning" TS_ARGS="--precision bf16-mixed" PT_ARGS="--bf16" compare
+      [ -n "$full_tps" ] && printf '  bf16-mixed vs tunestudio fp32 full fine-tuning: %.2f× tokens/s\n' \
+        "$(awk -v a="$ts_t" -v b="$full_tps" 'BEGIN {print a/b}')" ;;
+    lora-bf16-mixed)
+      ACC=1
+      echo; echo "== LoRA r $LORA_R under bf16-mixed (tunestudio) vs PEFT under CPU autocast bf16 =="
+      LABEL="LoRA r $LORA_R bf16-mixed" TS_ARGS="--lora-r $LORA_R --precision bf16-mixed" \
+        PT_ARGS="--lora-r $LORA_R --bf16" compare
+      [ -n "$lora_tps" ] && printf '  bf16-mixed LoRA vs tunestudio fp32 LoRA: %.2f× tokens/s\n' \
+        "$(awk -v a="$ts_t" -v b="$lora_tps" 'BEGIN {print a/b}')" ;;
+    *) echo "unknown mode $MODE (full, lora, bf16-mixed, lora-bf16-mixed)"; exit 2 ;;
   esac
 done

@@ -558,7 +558,12 @@ mod simd_pack {
 
     /// Packs one full [`MR`]-row panel of `lhs` (columns `k0 .. k0 + kc`, from row `i0`):
     /// rows contiguous (each row's pairs are consecutive) or columns contiguous (a pair joins
-    /// two columns); false for other layouts or element types.
+    /// two columns); false for other layouts or element types. Any `kc`: the last chunk of a
+    /// row is a masked load, and an odd last column pairs with zero. (The lm head's weight
+    /// gradient has one row per trained token, 255 for a 256-token row and any count under
+    /// prompt masking; with only multiples of 32 packed here, its 49,152 × 255 left operand
+    /// went through the scalar loop, the hottest spot of the packing in a profile on a Zen 5
+    /// EPYC. The step did not get measurably faster without it: those reads are strided.)
     ///
     /// # Safety
     /// As `pack_lhs`, for a panel of [`MR`] rows inside the view; AVX512-BF16 and BW.
@@ -569,23 +574,30 @@ mod simd_pack {
         (k0, kc): (usize, usize),
         i0: usize,
     ) -> bool {
-        if !T::IS_F32 || kc % 32 != 0 {
+        if !T::IS_F32 {
             return false;
         }
-        let base = lhs.data.as_ptr();
+        let base = lhs.data.as_ptr().cast::<f32>();
         let out = panel.as_mut_ptr();
         if lhs.col_stride == 1 {
-            // Pairs `p .. p + 16` of row `i` are 32 consecutive values: one conversion, then
-            // one u32 store per pair into the panel's column `i`.
-            let mut pairs = [0u32; 16];
-            for i in 0..MR {
-                let row = base.add((i0 + i) * lhs.row_stride + k0);
-                for chunk in 0..kc / 32 {
-                    let v = load32(row.add(32 * chunk));
-                    _mm512_storeu_si512(pairs.as_mut_ptr().cast(), v);
-                    for (q, &pair) in pairs.iter().enumerate() {
-                        *out.add((16 * chunk + q) * MR + i) = pair;
-                    }
+            // Pairs `p .. p + 16` of row `i` are 32 consecutive values: one conversion per
+            // row gives the 12 × 16 pairs of the panel's rows, transposed in registers into
+            // 16 columns of 12 pairs, each one masked store (it was 16 scalar stores per row:
+            // the bf16-mixed step went from 470 to 474–485 tokens/s, SmolLM2-135M, Zen 5).
+            for chunk in 0..kc.div_ceil(32) {
+                let left = (kc - 32 * chunk).min(32);
+                let mut rows = [_mm512_setzero_si512(); MR];
+                for (i, v) in rows.iter_mut().enumerate() {
+                    let row = base.add((i0 + i) * lhs.row_stride + k0 + 32 * chunk);
+                    *v = load32_f32_masked(row, left);
+                }
+                let cols = transpose_12x16(&rows);
+                for (q, col) in cols.iter().enumerate().take(left.div_ceil(2)) {
+                    _mm512_mask_storeu_epi32(
+                        out.add((16 * chunk + q) * MR).cast(),
+                        ROWS_MASK,
+                        *col,
+                    );
                 }
             }
             return true;
@@ -594,14 +606,15 @@ mod simd_pack {
             // Columns `2p` and `2p + 1` hold the panel's rows contiguously: their first 16
             // rows interleave into the pairs of 16 rows, of which the panel stores MR.
             let lo_idx = index(&INTERLEAVE_LO);
-            let mask: __mmask16 = ((1u32 << MR) - 1) as __mmask16;
-            for p in 0..kc / 2 {
-                let c0 = base.add((k0 + 2 * p) * lhs.col_stride + i0).cast::<f32>();
-                let c1 = base
-                    .add((k0 + 2 * p + 1) * lhs.col_stride + i0)
-                    .cast::<f32>();
+            let mask = ROWS_MASK;
+            for p in 0..kc.div_ceil(2) {
+                let c0 = base.add((k0 + 2 * p) * lhs.col_stride + i0);
                 let v0 = _mm512_maskz_loadu_ps(mask, c0);
-                let v1 = _mm512_maskz_loadu_ps(mask, c1);
+                let v1 = if 2 * p + 1 < kc {
+                    _mm512_maskz_loadu_ps(mask, c0.add(lhs.col_stride))
+                } else {
+                    _mm512_setzero_ps()
+                };
                 let both: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(v1, v0));
                 // bf16 lanes 0–15 are column 2p, 16–31 column 2p + 1.
                 let pairs = _mm512_permutexvar_epi16(lo_idx_single(lo_idx), both);
@@ -610,6 +623,60 @@ mod simd_pack {
             return true;
         }
         false
+    }
+
+    /// The lanes of a panel column: [`MR`] rows.
+    const ROWS_MASK: __mmask16 = ((1u32 << MR) - 1) as __mmask16;
+
+    /// `cols[q]` lane `i` = `rows[i]` lane `q` (lanes 12–15 zero): the 16 × 16 transpose of
+    /// 32-bit lanes (pairs, then quads within 128-bit blocks, then the blocks), with the four
+    /// missing rows zero.
+    #[inline(always)]
+    unsafe fn transpose_12x16(rows: &[__m512i; MR]) -> [__m512i; 16] {
+        // Plain loops, no closures: a closure does not inherit the caller's target features,
+        // and written with `std::array::from_fn` this transpose made the bf16-mixed step 13 %
+        // slower than the scalar stores it replaces (405 against 465 tokens/s, Zen 5).
+        let zero = _mm512_setzero_si512();
+        let mut r = [zero; 16];
+        r[..MR].copy_from_slice(rows);
+        // t[2h] / t[2h + 1]: rows 2h, 2h + 1 interleaved (low / high halves of each block).
+        let mut t = [zero; 16];
+        for h in 0..8 {
+            t[2 * h] = _mm512_unpacklo_epi32(r[2 * h], r[2 * h + 1]);
+            t[2 * h + 1] = _mm512_unpackhi_epi32(r[2 * h], r[2 * h + 1]);
+        }
+        // u[4g + j]: in block L, rows 4g .. 4g + 4 of column 4L + j.
+        let mut u = [zero; 16];
+        for g in 0..4 {
+            u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+            u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+            u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+            u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+        }
+        let mut cols = [zero; 16];
+        for j in 0..4 {
+            // Blocks 0–1 (`0x44`) and 2–3 (`0xEE`) of rows 0–7, then of rows 8–15.
+            let lo01 = _mm512_shuffle_i32x4::<0x44>(u[j], u[4 + j]);
+            let hi01 = _mm512_shuffle_i32x4::<0x44>(u[8 + j], u[12 + j]);
+            let lo23 = _mm512_shuffle_i32x4::<0xEE>(u[j], u[4 + j]);
+            let hi23 = _mm512_shuffle_i32x4::<0xEE>(u[8 + j], u[12 + j]);
+            // Column 4L + j: the even blocks (`0x88`) or the odd ones (`0xDD`) of the two.
+            cols[j] = _mm512_shuffle_i32x4::<0x88>(lo01, hi01);
+            cols[4 + j] = _mm512_shuffle_i32x4::<0xDD>(lo01, hi01);
+            cols[8 + j] = _mm512_shuffle_i32x4::<0x88>(lo23, hi23);
+            cols[12 + j] = _mm512_shuffle_i32x4::<0xDD>(lo23, hi23);
+        }
+        cols
+    }
+
+    /// The first `n` (≤ 32) of 32 `f32` values from `ptr` as bf16 lanes, zero past `n`; only
+    /// the `n` values are read.
+    #[inline(always)]
+    unsafe fn load32_f32_masked(ptr: *const f32, n: usize) -> __m512i {
+        let bits = |count: usize| -> __mmask16 { ((1u32 << count.min(16)) - 1) as __mmask16 };
+        let lo = _mm512_maskz_loadu_ps(bits(n), ptr);
+        let hi = _mm512_maskz_loadu_ps(bits(n.saturating_sub(16)), ptr.wrapping_add(16));
+        std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo))
     }
 
     /// The two-operand interleave indices as a one-operand permutation of a vector whose
