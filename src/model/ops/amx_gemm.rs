@@ -262,8 +262,8 @@ unsafe fn gemm_block<A: PackElem, B: PackElem>(
 }
 
 /// Packs rows `k0 .. k0 + kc` of `rhs` as [`pack_rhs`] does; a bf16 operand whose columns are
-/// contiguous (a transposed weight, `x Wᵀ`) by 16 × 16 transposes of pairs, which here beat
-/// the dot-product kernel's gathers.
+/// contiguous (a transposed weight, `x Wᵀ`) by 16 × 16 transposes of pairs, one tile step
+/// (32 values) at a time.
 ///
 /// # Safety
 /// As [`pack_rhs`].
@@ -419,6 +419,7 @@ mod pack_lhs {
 /// AVX-512 packing of the left operand's `f32` layouts.
 #[cfg(target_arch = "x86_64")]
 mod simd {
+    use super::super::bf16_gemm::simd_pack::transpose16;
     use super::KT;
     use std::arch::x86_64::*;
 
@@ -482,37 +483,6 @@ mod simd {
         for (p, row) in transpose16(v).iter().enumerate() {
             _mm512_storeu_si512(dst.add(p * super::NR).cast(), *row);
         }
-    }
-
-    /// Transposes 16 vectors of 16 32-bit lanes: lane `r` of input `p` becomes lane `p` of
-    /// output `r`.
-    #[inline(always)]
-    unsafe fn transpose16(v: [__m512i; 16]) -> [__m512i; 16] {
-        let mut a = [_mm512_setzero_si512(); 16];
-        for j in 0..8 {
-            a[2 * j] = _mm512_unpacklo_epi32(v[2 * j], v[2 * j + 1]);
-            a[2 * j + 1] = _mm512_unpackhi_epi32(v[2 * j], v[2 * j + 1]);
-        }
-        // b[4j + q], 128-bit lane L: row 4L + q, pairs 4j .. 4j + 4.
-        let mut b = [_mm512_setzero_si512(); 16];
-        for j in 0..4 {
-            b[4 * j] = _mm512_unpacklo_epi64(a[4 * j], a[4 * j + 2]);
-            b[4 * j + 1] = _mm512_unpackhi_epi64(a[4 * j], a[4 * j + 2]);
-            b[4 * j + 2] = _mm512_unpacklo_epi64(a[4 * j + 1], a[4 * j + 3]);
-            b[4 * j + 3] = _mm512_unpackhi_epi64(a[4 * j + 1], a[4 * j + 3]);
-        }
-        let mut out = [_mm512_setzero_si512(); 16];
-        for q in 0..4 {
-            let e0 = _mm512_shuffle_i32x4::<0x44>(b[q], b[4 + q]);
-            let e1 = _mm512_shuffle_i32x4::<0xEE>(b[q], b[4 + q]);
-            let f0 = _mm512_shuffle_i32x4::<0x44>(b[8 + q], b[12 + q]);
-            let f1 = _mm512_shuffle_i32x4::<0xEE>(b[8 + q], b[12 + q]);
-            out[q] = _mm512_shuffle_i32x4::<0x88>(e0, f0);
-            out[4 + q] = _mm512_shuffle_i32x4::<0xDD>(e0, f0);
-            out[8 + q] = _mm512_shuffle_i32x4::<0x88>(e1, f1);
-            out[12 + q] = _mm512_shuffle_i32x4::<0xDD>(e1, f1);
-        }
-        out
     }
 }
 

@@ -439,7 +439,7 @@ unsafe fn pack_lhs<A: PackElem>(
 /// AVX-512 packing of whole panels from the layouts a layer's products use (scalar packing
 /// was ≈ 40 % of the products' time).
 #[cfg(target_arch = "x86_64")]
-mod simd_pack {
+pub(super) mod simd_pack {
     use super::{PackElem, MR, NR};
     use crate::model::ops::matmul::MatRef;
     use std::arch::x86_64::*;
@@ -526,7 +526,13 @@ mod simd_pack {
     }
 
     /// [`rhs_panel`] for bf16 data whose columns are contiguous (a transposed row-major
-    /// weight, `x @ Wᵀ`): each pair is one `u32` of column `j`, gathered 16 columns at a time.
+    /// weight, `x @ Wᵀ`): pair `p` of column `j` is one `u32` of column `j`'s data. For 16
+    /// columns at a time, 16 pairs of each column are one load, and a transpose in registers
+    /// turns them into 16 pairs of 16 columns, as the AMX kernel packs it. (It was one
+    /// 16-lane gather per pair and 16 columns, ≈ 20 % of the packing's samples in a profile
+    /// of the bf16-mixed step on a Zen 5 EPYC; the step did not get measurably faster there,
+    /// 498 → 501 tokens/s, but gathers are microcoded on Intel CPUs under the Gather Data
+    /// Sampling mitigation.)
     ///
     /// # Safety
     /// As [`rhs_panel`], with `rhs.row_stride == 1`, bf16 elements and an even `kc`.
@@ -537,22 +543,27 @@ mod simd_pack {
         (k0, kc): (usize, usize),
         j0: usize,
     ) {
-        // Offsets of 16 consecutive columns, in bf16 elements (the gather's scale is 2 bytes).
-        let stride = rhs.col_stride as i32;
-        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        let offsets = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(stride));
-        let col0 = rhs
-            .data
-            .as_ptr()
-            .add(j0 * rhs.col_stride + k0)
-            .cast::<u16>();
-        let col16 = col0.add(16 * rhs.col_stride);
+        let pairs = kc / 2;
         let out = panel.as_mut_ptr();
-        for p in 0..kc / 2 {
-            let lo = _mm512_i32gather_epi32::<2>(offsets, col0.add(2 * p).cast());
-            let hi = _mm512_i32gather_epi32::<2>(offsets, col16.add(2 * p).cast());
-            _mm512_storeu_si512(out.add(p * NR).cast(), lo);
-            _mm512_storeu_si512(out.add(p * NR + 16).cast(), hi);
+        for half in 0..NR / 16 {
+            let col0 = rhs
+                .data
+                .as_ptr()
+                .add((j0 + 16 * half) * rhs.col_stride + k0)
+                .cast::<u16>();
+            for p0 in (0..pairs).step_by(16) {
+                let n = (pairs - p0).min(16);
+                let mask: __mmask32 = if n == 16 { !0 } else { (1u32 << (2 * n)) - 1 };
+                let mut cols = [_mm512_setzero_si512(); 16];
+                for (j, v) in cols.iter_mut().enumerate() {
+                    let at = col0.add(j * rhs.col_stride + 2 * p0);
+                    *v = _mm512_maskz_loadu_epi16(mask, at.cast());
+                }
+                let rows = transpose16(cols);
+                for (q, row) in rows.iter().enumerate().take(n) {
+                    _mm512_storeu_si512(out.add((p0 + q) * NR + 16 * half).cast(), *row);
+                }
+            }
         }
     }
 
@@ -586,12 +597,13 @@ mod simd_pack {
             // the bf16-mixed step went from 470 to 474–485 tokens/s, SmolLM2-135M, Zen 5).
             for chunk in 0..kc.div_ceil(32) {
                 let left = (kc - 32 * chunk).min(32);
-                let mut rows = [_mm512_setzero_si512(); MR];
-                for (i, v) in rows.iter_mut().enumerate() {
+                // The four rows past the panel's MR stay zero.
+                let mut rows = [_mm512_setzero_si512(); 16];
+                for (i, v) in rows.iter_mut().take(MR).enumerate() {
                     let row = base.add((i0 + i) * lhs.row_stride + k0 + 32 * chunk);
                     *v = load32_f32_masked(row, left);
                 }
-                let cols = transpose_12x16(&rows);
+                let cols = transpose16(rows);
                 for (q, col) in cols.iter().enumerate().take(left.div_ceil(2)) {
                     _mm512_mask_storeu_epi32(
                         out.add((16 * chunk + q) * MR).cast(),
@@ -628,17 +640,18 @@ mod simd_pack {
     /// The lanes of a panel column: [`MR`] rows.
     const ROWS_MASK: __mmask16 = ((1u32 << MR) - 1) as __mmask16;
 
-    /// `cols[q]` lane `i` = `rows[i]` lane `q` (lanes 12–15 zero): the 16 × 16 transpose of
-    /// 32-bit lanes (pairs, then quads within 128-bit blocks, then the blocks), with the four
-    /// missing rows zero.
+    /// `cols[q]` lane `i` = `r[i]` lane `q`: the 16 × 16 transpose of 32-bit lanes (pairs,
+    /// then quads within 128-bit blocks, then the blocks). The AMX kernel's packing uses it
+    /// too.
+    ///
+    /// # Safety
+    /// AVX-512 (inlined into the caller's target features).
     #[inline(always)]
-    unsafe fn transpose_12x16(rows: &[__m512i; MR]) -> [__m512i; 16] {
+    pub(in crate::model::ops) unsafe fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
         // Plain loops, no closures: a closure does not inherit the caller's target features,
         // and written with `std::array::from_fn` this transpose made the bf16-mixed step 13 %
         // slower than the scalar stores it replaces (405 against 465 tokens/s, Zen 5).
         let zero = _mm512_setzero_si512();
-        let mut r = [zero; 16];
-        r[..MR].copy_from_slice(rows);
         // t[2h] / t[2h + 1]: rows 2h, 2h + 1 interleaved (low / high halves of each block).
         let mut t = [zero; 16];
         for h in 0..8 {
@@ -691,7 +704,7 @@ mod simd_pack {
 
 /// Off x86-64 nothing is packed with SIMD (and nothing runs: [`available`] is false).
 #[cfg(not(target_arch = "x86_64"))]
-mod simd_pack {
+pub(super) mod simd_pack {
     use super::PackElem;
     use crate::model::ops::matmul::MatRef;
     pub(super) unsafe fn rhs_panel<T: PackElem>(
