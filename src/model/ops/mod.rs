@@ -349,9 +349,16 @@ pub(crate) fn row_max(row: &[f32]) -> f32 {
     m
 }
 
-/// Replaces every `v` of `row` by `exp(v - shift)` and returns their sum (8 lanes, vectorises).
-#[inline]
-pub(crate) fn exp_shift_sum_in_place(row: &mut [f32], shift: f32) -> f32 {
+simd::wide_fn!(
+    /// Replaces every `v` of `row` by `exp(v - shift)` and returns their sum (8 lanes,
+    /// vectorises; one AVX2 vector where the CPU has it, with the same per-lane sums as the
+    /// baseline build's two SSE2 vectors, so the bits do not depend on the CPU).
+    pub(crate) fn exp_shift_sum_in_place<>(row: &mut [f32], shift: f32) -> f32 => exp_shift_sum_in_place_body
+);
+
+/// [`exp_shift_sum_in_place`]'s loop, inlined into the build for the CPU's vector width.
+#[inline(always)]
+pub(crate) fn exp_shift_sum_in_place_body(row: &mut [f32], shift: f32) -> f32 {
     let mut acc = [0f32; 8];
     let mut chunks = row.chunks_exact_mut(8);
     for c in &mut chunks {

@@ -1,7 +1,7 @@
 //! `silu(gate) * up` (the SwiGLU MLP's elementwise part) with a backward for both inputs.
 
 use super::{
-    composite, contiguous_slice, cpu_storage_to_tensor, dispatch_float, fast_exp, use_fused,
+    composite, contiguous_slice, cpu_storage_to_tensor, dispatch_float, fast_exp, simd, use_fused,
     with_cpu, Elem,
 };
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
@@ -47,13 +47,39 @@ pub(crate) fn forward<T: Elem>(gate: &[T], up: &[T]) -> Vec<T> {
     out.par_chunks_mut(CHUNK)
         .zip(gate.par_chunks(CHUNK))
         .zip(up.par_chunks(CHUNK))
-        .for_each(|((o, g), u)| {
-            for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
-                let gv = g.f();
-                *o = T::of(gv * sigmoid(gv) * u.f());
-            }
-        });
+        .for_each(|((o, g), u)| forward_chunk_wide(o, g, u));
     out
+}
+
+// The loops below ran as baseline (SSE2) code, 8.7 % of the SmolLM2-135M bf16-mixed step on a
+// Zen 5 EPYC; compiled for AVX2 they compute the same bits per element (no FMA contraction).
+simd::wide_fn!(
+    /// [`forward_chunk`] compiled for the CPU's vector width.
+    fn forward_chunk_wide<T: Elem>(o: &mut [T], g: &[T], u: &[T]) => forward_chunk
+);
+simd::wide_fn!(
+    /// [`backward_chunk`] compiled for the CPU's vector width.
+    fn backward_chunk_wide<T: Elem>(dg: &mut [T], du: &mut [T], g: &[T], u: &[T], gr: &[T]) => backward_chunk
+);
+
+#[inline(always)]
+fn forward_chunk<T: Elem>(o: &mut [T], g: &[T], u: &[T]) {
+    for ((o, g), u) in o.iter_mut().zip(g).zip(u) {
+        let gv = g.f();
+        *o = T::of(gv * sigmoid(gv) * u.f());
+    }
+}
+
+#[inline(always)]
+fn backward_chunk<T: Elem>(dg: &mut [T], du: &mut [T], g: &[T], u: &[T], gr: &[T]) {
+    for ((((dg, du), g), u), gr) in dg.iter_mut().zip(du).zip(g).zip(u).zip(gr) {
+        let (x, uv, gv) = (g.f(), u.f(), gr.f());
+        let s = sigmoid(x);
+        let silu = x * s;
+        *du = T::of(gv * silu);
+        // d silu / dx = s * (1 + x * (1 - s))
+        *dg = T::of(gv * uv * s * (1.0 + x * (1.0 - s)));
+    }
 }
 
 /// Returns (grad_gate, grad_up).
@@ -66,16 +92,7 @@ pub(crate) fn backward<T: Elem>(gate: &[T], up: &[T], grad: &[T]) -> (Vec<T>, Ve
         .zip(gate.par_chunks(CHUNK))
         .zip(up.par_chunks(CHUNK))
         .zip(grad.par_chunks(CHUNK))
-        .for_each(|((((dg, du), g), u), gr)| {
-            for ((((dg, du), g), u), gr) in dg.iter_mut().zip(du).zip(g).zip(u).zip(gr) {
-                let (x, uv, gv) = (g.f(), u.f(), gr.f());
-                let s = sigmoid(x);
-                let silu = x * s;
-                *du = T::of(gv * silu);
-                // d silu / dx = s * (1 + x * (1 - s))
-                *dg = T::of(gv * uv * s * (1.0 + x * (1.0 - s)));
-            }
-        });
+        .for_each(|((((dg, du), g), u), gr)| backward_chunk_wide(dg, du, g, u, gr));
     (d_gate, d_up)
 }
 
@@ -148,5 +165,42 @@ impl CustomOp2 for SiluMul {
             Some(cpu_storage_to_tensor(dg, gate.shape())?),
             Some(cpu_storage_to_tensor(du, up.shape())?),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The loops built for the CPU's vector width give the baseline build's bits, so a run's
+    /// numbers do not depend on which CPU it ran on.
+    #[test]
+    fn the_wide_loops_give_the_baseline_bits() {
+        let n = 10_007;
+        let value = |i: usize, k: f32| {
+            ((i as f32 * k).sin() * 12.0) + if i.is_multiple_of(97) { 90.0 } else { 0.0 }
+        };
+        let g: Vec<f32> = (0..n).map(|i| value(i, 0.37)).collect();
+        let u: Vec<f32> = (0..n).map(|i| value(i, 0.11)).collect();
+        let gr: Vec<f32> = (0..n).map(|i| value(i, 0.73)).collect();
+        let (mut wide, mut base) = (vec![0f32; n], vec![0f32; n]);
+        forward_chunk_wide(&mut wide, &g, &u);
+        forward_chunk(&mut base, &g, &u);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&wide), bits(&base), "forward");
+        let (mut dg_w, mut du_w, mut dg_b, mut du_b) =
+            (vec![0f32; n], vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+        backward_chunk_wide(&mut dg_w, &mut du_w, &g, &u, &gr);
+        backward_chunk(&mut dg_b, &mut du_b, &g, &u, &gr);
+        assert_eq!(bits(&dg_w), bits(&dg_b), "gate gradient");
+        assert_eq!(bits(&du_w), bits(&du_b), "up gradient");
+        let mut row_w = g.clone();
+        let mut row_b = g.clone();
+        let (sw, sb) = (
+            crate::model::ops::exp_shift_sum_in_place(&mut row_w, 3.0),
+            crate::model::ops::exp_shift_sum_in_place_body(&mut row_b, 3.0),
+        );
+        assert_eq!(sw.to_bits(), sb.to_bits(), "exp sum");
+        assert_eq!(bits(&row_w), bits(&row_b), "exp row");
     }
 }

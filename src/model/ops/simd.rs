@@ -27,13 +27,13 @@ pub(crate) fn has_avx2_fma() -> bool {
 /// a `#[target_feature]` function is not reliably inlined into it (the AdamW update stayed
 /// SSE2 that way), an `#[inline(always)]` function always is.
 macro_rules! wide_fn {
-    ($(#[$meta:meta])* $vis:vis fn $name:ident<$($g:ident: $bound:path),*>($($arg:ident: $ty:ty),* $(,)?) => $body:path) => {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident<$($g:ident: $bound:path),*>($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? => $body:path) => {
         $(#[$meta])*
-        $vis fn $name<$($g: $bound),*>($($arg: $ty),*) {
+        $vis fn $name<$($g: $bound),*>($($arg: $ty),*) $(-> $ret)? {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx2,fma")]
-                unsafe fn fast<$($g: $bound),*>($($arg: $ty),*) {
+                unsafe fn fast<$($g: $bound),*>($($arg: $ty),*) $(-> $ret)? {
                     $body($($arg),*)
                 }
                 if $crate::model::ops::simd::has_avx2_fma() {
