@@ -394,73 +394,92 @@ fn the_plan_follows_the_gemm_geometry_it_is_given() {
     harness::warm_up_process();
     let slab = GemmGeometry::host().l2_slab_bytes;
     let c = harness::case(Fp32, false, false, 2, 256);
-    let mut rows = Vec::new();
-    for threads in [1usize, 2, 3] {
-        // Taken before the pool exists: its threads' slabs are part of what is measured.
-        let zero = tunestudio::mem::current_bytes();
-        // Joinable threads: a dropped pool's threads free their slabs only when they exit,
-        // which must happen before the next pool's zero is taken.
-        let mut workers = Vec::new();
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .spawn_handler(|thread| {
-                workers.push(std::thread::spawn(move || thread.run()));
-                Ok(())
-            })
-            .build()
-            .unwrap();
-        pool.broadcast(|_| gemm_common::gemm::L2_SLAB.with(|_| ()));
-        let m = pool.install(|| {
-            let mut model = CausalLm::random_init(&cfg, 7, DType::F32, &Device::Cpu).unwrap();
-            harness::measure(&mut model, &c, zero, 5)
-        });
-        drop(pool);
-        for worker in workers {
-            worker.join().unwrap();
-        }
-        // Inside `install` the caller is one of the pool's threads: `threads` slabs, not +1.
-        let geometry = GemmGeometry {
-            l2_slab_bytes: slab,
-            threads: threads as u64,
-        };
-        let mut req = harness::request(&cfg, &c);
-        req.devices = vec![DeviceSpec::cpu(1 << 40).with_gemm(geometry)];
-        let d = tunestudio::plan::plan(&req).unwrap().per_device.remove(0);
-        println!(
+    let measure_rows = || {
+        let mut rows = Vec::new();
+        for threads in [1usize, 2, 3] {
+            // Taken before the pool exists: its threads' slabs are part of what is measured.
+            let zero = tunestudio::mem::current_bytes();
+            // Joinable threads: a dropped pool's threads free their slabs only when they exit,
+            // which must happen before the next pool's zero is taken.
+            let mut workers = Vec::new();
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .spawn_handler(|thread| {
+                    workers.push(std::thread::spawn(move || thread.run()));
+                    Ok(())
+                })
+                .build()
+                .unwrap();
+            pool.broadcast(|_| gemm_common::gemm::L2_SLAB.with(|_| ()));
+            let m = pool.install(|| {
+                let mut model = CausalLm::random_init(&cfg, 7, DType::F32, &Device::Cpu).unwrap();
+                harness::measure(&mut model, &c, zero, 5)
+            });
+            drop(pool);
+            for worker in workers {
+                worker.join().unwrap();
+            }
+            // Inside `install` the caller is one of the pool's threads: `threads` slabs, not +1.
+            let geometry = GemmGeometry {
+                l2_slab_bytes: slab,
+                threads: threads as u64,
+            };
+            let mut req = harness::request(&cfg, &c);
+            req.devices = vec![DeviceSpec::cpu(1 << 40).with_gemm(geometry)];
+            let d = tunestudio::plan::plan(&req).unwrap().per_device.remove(0);
+            println!(
             "{threads} thread(s), slab {} MiB: measured {:.2} MiB, planned {:.2} MiB ({:+.2} %)",
             harness::mib(slab),
             harness::mib(m.peak),
             harness::mib(d.peak_bytes),
             err_pct(d.peak_bytes, m.peak)
         );
-        let e = err_pct(d.peak_bytes, m.peak);
-        assert!(e.abs() <= 3.0, "{threads} thread(s): peak {e:+.2} %");
-        rows.push((m.peak, d.peak_bytes));
-        // The same CPU with another machine's cache: the plan moves by threads × Δslab.
-        let zen4 = GemmGeometry {
-            l2_slab_bytes: 1 << 20,
-            ..geometry
-        };
-        req.devices = vec![DeviceSpec::cpu(1 << 40).with_gemm(zen4)];
-        let other = tunestudio::plan::plan(&req).unwrap().per_device.remove(0);
-        assert_eq!(
-            d.peak_bytes as i64 - other.peak_bytes as i64,
-            threads as i64 * (slab as i64 - (1 << 20)),
-            "a plan for a 1 MiB slab differs by each thread's slab difference"
-        );
-    }
-    for (i, (measured, planned)) in rows.iter().enumerate().skip(1) {
-        let measured_delta = *measured as i64 - rows[0].0 as i64;
-        let planned_delta = *planned as i64 - rows[0].1 as i64;
-        println!(
-            "{} threads − 1 thread: measured {:+.2} MiB, planned {:+.2} MiB",
-            i + 1,
-            measured_delta as f64 / (1 << 20) as f64,
-            planned_delta as f64 / (1 << 20) as f64
-        );
+            let e = err_pct(d.peak_bytes, m.peak);
+            assert!(e.abs() <= 3.0, "{threads} thread(s): peak {e:+.2} %");
+            rows.push((m.peak, d.peak_bytes));
+            // The same CPU with another machine's cache: the plan moves by threads × Δslab.
+            let zen4 = GemmGeometry {
+                l2_slab_bytes: 1 << 20,
+                ..geometry
+            };
+            req.devices = vec![DeviceSpec::cpu(1 << 40).with_gemm(zen4)];
+            let other = tunestudio::plan::plan(&req).unwrap().per_device.remove(0);
+            assert_eq!(
+                d.peak_bytes as i64 - other.peak_bytes as i64,
+                threads as i64 * (slab as i64 - (1 << 20)),
+                "a plan for a 1 MiB slab differs by each thread's slab difference"
+            );
+        }
+        rows
+    };
+    // A thread that ends elsewhere in the process during a measurement frees its 1 MiB gemm
+    // slab there (see `harness::exclusive`): once in a CI run on a 2-vCPU Zen 5 the 3-thread
+    // row read a whole slab low (+1.02 MiB over 1 thread, the plan +2.00; alone it measures
+    // +2.03 every time). So a mismatch is measured once more, and only a second one fails.
+    let deltas_match = |rows: &[(u64, u64)]| {
+        rows.iter()
+            .enumerate()
+            .skip(1)
+            .all(|(i, (measured, planned))| {
+                let measured_delta = *measured as i64 - rows[0].0 as i64;
+                let planned_delta = *planned as i64 - rows[0].1 as i64;
+                println!(
+                    "{} threads − 1 thread: measured {:+.2} MiB, planned {:+.2} MiB",
+                    i + 1,
+                    measured_delta as f64 / (1 << 20) as f64,
+                    planned_delta as f64 / (1 << 20) as f64
+                );
+                (measured_delta - planned_delta).abs() <= slab as i64 / 4
+            })
+    };
+    let rows = measure_rows();
+    if !deltas_match(&rows) {
+        println!("the thread deltas did not match the plan: measuring again");
+        let again = measure_rows();
         assert!(
-            (measured_delta - planned_delta).abs() <= slab as i64 / 4,
-            "{i} more thread(s) hold {measured_delta} B more; the plan says {planned_delta} B"
+            deltas_match(&again),
+            "each more thread should hold one gemm slab ({slab} B) more, twice in a row: \
+             {rows:?}, then {again:?} (measured, planned)"
         );
     }
 }
