@@ -18,6 +18,7 @@ pub mod error;
 pub mod events;
 pub mod export;
 pub mod export_gguf;
+pub mod grpo_rewards;
 pub mod loader;
 pub mod memory;
 pub mod metrics;
