@@ -73,11 +73,19 @@ pub enum LintKind {
     PairCompletionTruncated,
     /// Preference pairs whose prompts lose their start to `max_prompt_length`.
     PairPromptTruncated,
+    /// GRPO prompts whose start is cut by `grpo.max_prompt_length`.
+    GrpoPromptTruncated,
+    /// GRPO prompts that repeat an earlier prompt's tokens.
+    GrpoDuplicatePrompt,
+    /// GRPO rows without the column an accuracy reward reads.
+    GrpoMissingAnswerColumn,
+    /// GRPO prompts with no token, or only whitespace as their text.
+    GrpoEmptyPrompt,
 }
 
 impl LintKind {
     /// Every kind, for listing the names an override may use.
-    pub const ALL: [LintKind; 25] = [
+    pub const ALL: [LintKind; 29] = [
         LintKind::LabelsMismatch,
         LintKind::PaddingTrained,
         LintKind::NoPadToken,
@@ -103,6 +111,10 @@ impl LintKind {
         LintKind::PairCompletionMasked,
         LintKind::PairCompletionTruncated,
         LintKind::PairPromptTruncated,
+        LintKind::GrpoPromptTruncated,
+        LintKind::GrpoDuplicatePrompt,
+        LintKind::GrpoMissingAnswerColumn,
+        LintKind::GrpoEmptyPrompt,
     ];
 
     /// The name a user overrides it by (`[data] allow = ["labels-mismatch"]`,
@@ -134,6 +146,10 @@ impl LintKind {
             LintKind::PairCompletionMasked => "pair-completion-masked",
             LintKind::PairCompletionTruncated => "pair-completion-truncated",
             LintKind::PairPromptTruncated => "pair-prompt-truncated",
+            LintKind::GrpoPromptTruncated => "grpo-prompt-truncated",
+            LintKind::GrpoDuplicatePrompt => "grpo-duplicate-prompt",
+            LintKind::GrpoMissingAnswerColumn => "grpo-missing-answer-column",
+            LintKind::GrpoEmptyPrompt => "grpo-empty-prompt",
         }
     }
 

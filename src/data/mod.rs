@@ -26,6 +26,7 @@ pub mod lints;
 pub mod preference;
 pub mod prepare;
 pub mod preview;
+pub mod prompts;
 pub mod readers;
 pub mod stats;
 pub mod template;
