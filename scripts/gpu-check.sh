@@ -5,7 +5,7 @@
 # whose CUDA runtime (cuBLAS, cuRAND, cudart, NVRTC, NCCL) comes from the NVIDIA wheels in the
 # machine's Python. One JSON report: $OUT/check.json (steps with status, reason, seconds, figures).
 #
-# Steps (each a named entry of check.json; README "The GPU check" says what each proves):
+# Steps (each a named entry of check.json; docs/gpu-check.md says what each proves):
 #   parity-fp32            fixture parity (transformers' loss and gradients), fp32, generic ops + checkpointing
 #   parity-bf16            the same in bf16
 #   memory-plan            `tunestudio plan` vs the NVML process peak of `tunestudio train`, 6 single-GPU shapes (±5 %)

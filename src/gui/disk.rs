@@ -1,11 +1,13 @@
-//! The studio's file access: every look at the disk the studio itself makes (is this a file,
-//! a folder, does it exist) goes through here, so that a test can make a folder slow and
-//! count which thread looked.
+//! The studio's file checks (is this a file, a folder, does it exist) go through here, so
+//! that a test can make a folder slow and count which thread looked
+//! (`gui::tests::slow_disk`). Not every look does yet: the in-app file picker
+//! (`gui/file_picker.rs`), the pickers' start folders (`gui/app/pick.rs`,
+//! `session::dialog_dir`) and opening or saving the run config (`gui/app/config_file.rs`)
+//! read the disk directly, on the UI thread.
 //!
-//! The UI thread never calls these while drawing a frame: what a frame needs from the disk
+//! The UI thread never calls these while drawing a panel: what a frame needs from the disk
 //! (the model's resolved source, the dataset's resolved paths, the sizes the plan counts)
-//! comes from a job's result. Actions a click starts (saving a config, opening the file
-//! picker) may look once.
+//! comes from a job's result.
 
 use std::path::Path;
 

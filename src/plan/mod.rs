@@ -2,8 +2,12 @@
 //! it starts, says where and by how much it runs out, ranks the fixes, and fits
 //! the run to the devices.
 //!
-//! The planner is pure (no I/O, no tensors; a plan takes well under a
-//! millisecond) and models tunestudio's *own* training step on candle, not a
+//! The planner holds no tensors and does no I/O in its own sources, but a CPU
+//! plan reads the hardware through the kernels it models: gemm's cache geometry
+//! ([`GemmGeometry::host`]) and packing rules (`model::ops::gemm_pack`), and for
+//! bf16 the kernel `model::ops::kernel_path` chooses once per process (reading
+//! the CPU's name and `~/.cache/tunestudio/kernel-paths.json`, and timing the
+//! kernels on a cache miss). It models tunestudio's *own* training step on candle, not a
 //! generic formula: which precision copies exist, that accumulated gradients
 //! stay alive across micro-batches, that candle's autograd keeps every forward
 //! tensor of the graph alive until the loss is dropped, that its backward

@@ -6,7 +6,8 @@
 //! - [`Trainer::spawn`] runs a [`RunConfig`] on a background thread; the front end sends
 //!   [`Command`]s and receives [`Event`]s (also appended to `<output>/metrics.jsonl`).
 //! - [`TrainingRun`] is the same loop, synchronously: `TrainingRun::new(config)?` then
-//!   `.step()` until `.is_done()`; tests and the CLI use it.
+//!   `.step()` until `.is_done()`; the tests and the dry run use it (the CLI runs the
+//!   thread, through [`Trainer::spawn_with`]).
 
 pub mod apply_plan;
 pub mod checkpoint;

@@ -5,7 +5,7 @@
 
 use std::process::Command;
 
-/// The steps of the GPU check, in order (README, "The GPU check").
+/// The steps of the GPU check, in order (docs/gpu-check.md).
 const STEPS: [&str; 11] = [
     "parity-fp32",
     "parity-bf16",

@@ -24,6 +24,7 @@ mod devices_discovery;
 mod devices_fake_gpus;
 mod devices_gpu_check;
 mod devices_strategies;
+mod docs_paths;
 mod export_gguf;
 mod gui_window;
 mod headless;

@@ -1,5 +1,6 @@
-//! One module per panel of the left navigation. Each owns its state (a `…Panel` struct: its
-//! fields, its job answers) and its view (`show`), edits the shared run config
+//! One module per panel of the left navigation (the Playground is `gui/playground/`). Each
+//! owns its state (a `…Panel` struct: its fields, its job answers) and its view (`show`),
+//! except Training, a free `training::show` with no state of its own; each edits the shared run config
 //! ([`crate::gui::session::Session`]) in place, reads the other panels' results only through
 //! the [`crate::gui::shared::PanelContext`] the app lends it, and queues
 //! [`crate::gui::app::Action`]s for anything that needs the app (jobs, trainer). No panel
