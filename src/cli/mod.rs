@@ -14,6 +14,7 @@ pub mod hub_progress;
 pub mod plan;
 pub mod preview;
 pub mod preview_pairs;
+pub mod preview_rollouts;
 pub mod train;
 
 /// A fine-tuning studio for causal language models.

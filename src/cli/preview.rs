@@ -78,6 +78,9 @@ pub struct PreviewArgs {
 
 /// Runs `tunestudio preview`.
 pub fn run(args: PreviewArgs) -> anyhow::Result<ExitCode> {
+    if let Some(config) = grpo_run(&args)? {
+        return crate::cli::preview_rollouts::run(&config, args.rows, args.json, use_color(&args));
+    }
     let (model, cfg, micro_batch) = resolve(&args)?;
     let tok = TokenizerBundle::from_source(&model)
         .with_context(|| format!("cannot load the tokenizer of {model}"))?;
@@ -115,6 +118,39 @@ pub fn run(args: PreviewArgs) -> anyhow::Result<ExitCode> {
             render(out, &cfg, &tok, &preview, use_color(&args))
         }
     })
+}
+
+/// A GRPO run config (`[training] method = "grpo"`), with the flags applied: its preview
+/// samples completions and scores them (`preview_rollouts.rs`). `None` for any other run.
+fn grpo_run(args: &PreviewArgs) -> anyhow::Result<Option<tunestudio::train::RunConfig>> {
+    let Some(path) = &args.config else {
+        return Ok(None);
+    };
+    let Ok(mut config) = tunestudio::train::RunConfig::load(path) else {
+        // Not a full run config: the data preview reads what it can of it.
+        return Ok(None);
+    };
+    if !config.training.method.is_grpo() {
+        return Ok(None);
+    }
+    if let Some(m) = &args.model {
+        config.model.source = m.clone();
+    }
+    if let Some(d) = &args.data {
+        config.data.path = d.clone();
+    }
+    if let Some(n) = args.max_prompt_length {
+        config.grpo.max_prompt_length = n;
+    }
+    if let Some(n) = args.max_completion_length {
+        config.grpo.max_completion_length = n;
+    }
+    for lint in &args.allow_lint {
+        if !config.data.allow.contains(lint) {
+            config.data.allow.push(lint.clone());
+        }
+    }
+    Ok(Some(config))
 }
 
 /// The model source and the data settings: the run config's, overridden by the flags (each

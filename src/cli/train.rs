@@ -324,12 +324,17 @@ fn step_line(e: &render::Step<'_>, log_every: u64) -> Option<String> {
     } else {
         ""
     };
-    // Preference runs: TRL's reward figures on the same line.
+    // Preference and GRPO runs: TRL's reward figures on the same line.
     let rewards: String = [
         ("rewards/accuracies", "acc"),
         ("rewards/margins", "margin"),
         ("rewards/chosen", "chosen"),
         ("rewards/rejected", "rejected"),
+        // GRPO: TRL's reward, its spread and how long the completions ran.
+        ("reward", "reward"),
+        ("reward_std", "reward_std"),
+        ("kl", "kl"),
+        ("completions/mean_length", "len"),
     ]
     .iter()
     .filter_map(|(key, short)| metrics.get(*key).map(|v| format!("  {short} {v:.3}")))

@@ -81,11 +81,13 @@ pub enum LintKind {
     GrpoMissingAnswerColumn,
     /// GRPO prompts with no token, or only whitespace as their text.
     GrpoEmptyPrompt,
+    /// Every previewed GRPO group had equal rewards: every advantage 0, nothing to learn.
+    GrpoZeroAdvantage,
 }
 
 impl LintKind {
     /// Every kind, for listing the names an override may use.
-    pub const ALL: [LintKind; 29] = [
+    pub const ALL: [LintKind; 30] = [
         LintKind::LabelsMismatch,
         LintKind::PaddingTrained,
         LintKind::NoPadToken,
@@ -115,6 +117,7 @@ impl LintKind {
         LintKind::GrpoDuplicatePrompt,
         LintKind::GrpoMissingAnswerColumn,
         LintKind::GrpoEmptyPrompt,
+        LintKind::GrpoZeroAdvantage,
     ];
 
     /// The name a user overrides it by (`[data] allow = ["labels-mismatch"]`,
@@ -150,6 +153,7 @@ impl LintKind {
             LintKind::GrpoDuplicatePrompt => "grpo-duplicate-prompt",
             LintKind::GrpoMissingAnswerColumn => "grpo-missing-answer-column",
             LintKind::GrpoEmptyPrompt => "grpo-empty-prompt",
+            LintKind::GrpoZeroAdvantage => "grpo-zero-advantage",
         }
     }
 
@@ -173,6 +177,22 @@ pub struct Lint {
     pub examples: Vec<usize>,
     /// The explanation and the fix.
     pub message: String,
+}
+
+/// The rollout preview's finding: all `completions` previewed got the same reward `value`
+/// within their groups, so every advantage is 0 (a warning: a hard task can start there, but a
+/// reward that never varies is a bug in the reward).
+pub fn grpo_zero_advantage(completions: usize, value: f64, rewards: &[String]) -> Lint {
+    Lint {
+        kind: LintKind::GrpoZeroAdvantage,
+        severity: Severity::Warning,
+        count: completions,
+        examples: Vec::new(),
+        message: format!(
+            "every previewed group's {completions} completions got equal rewards (the first {value}) from {}: every advantage is 0, so these prompts teach nothing. Check that the reward can differ between completions (a format pattern that never matches, an answer column that is never found), or raise grpo.temperature for more varied completions",
+            rewards.join(", ")
+        ),
+    }
 }
 
 /// Whether any lint is an error (the CLI's exit decision).

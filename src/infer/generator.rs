@@ -17,6 +17,7 @@ use std::time::Instant;
 
 mod model_files;
 
+pub(crate) use model_files::eos_ids;
 use model_files::*;
 
 /// Prompt tokens decoded with the output so the first output token decodes in context

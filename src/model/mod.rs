@@ -6,7 +6,8 @@
 //! [`locate`] a model's folder without reading its weights;
 //! [`weights`] memory-maps safetensors; [`decoder`] is the model; [`loss`] the chunked
 //! causal-LM loss; [`checkpoint`] activation checkpointing; [`lora`] PEFT adapters;
-//! [`preference`] the DPO / IPO / ORPO losses on sequence log-probabilities;
+//! [`preference`] the DPO / IPO / ORPO losses on sequence log-probabilities; [`grpo`] GRPO's
+//! advantages, completion log-probabilities and clipped-surrogate loss;
 //! [`adamw`] the optimizer; [`save`] `save_pretrained`; [`bench`] the training benchmark.
 //! [`quant`] stores the frozen base quantized for QLoRA (GGML blocks, a GGUF cache).
 //! [`reference_ops`] holds the composite differentiable ops and [`ops`] the fused kernels.
@@ -18,6 +19,7 @@ pub mod config;
 pub mod decoder;
 pub mod error;
 pub mod gradients;
+pub mod grpo;
 pub mod hub;
 mod kernels;
 pub mod locate;

@@ -9,8 +9,8 @@
 
 use super::estimate::{plan_without_fixes, TIGHT_HEADROOM};
 use super::{
-    format_bytes, Change, DeviceKind, Fix, HeadLoss, LoraSpec, Plan, PlanError, PlanRequest,
-    Precision, Quantization, ReferencePlan, Strategy,
+    format_bytes, Change, DeviceKind, Fix, LoraSpec, Plan, PlanError, PlanRequest, Precision,
+    Quantization, ReferencePlan, Strategy,
 };
 
 /// LoRA rank auto-fit proposes when nothing else fits.
@@ -58,13 +58,10 @@ impl ReferencePlan {
     }
 }
 
-/// Rows a sample puts in a micro-batch: 2 for a preference pair (chosen and rejected run as
-/// one batch), else 1. A micro-batch the search proposes is a whole number of samples.
+/// Rows a sample puts in a micro-batch ([`crate::plan::HeadLoss::rows_per_sample`]). A micro-batch the
+/// search proposes is a whole number of samples.
 fn rows_per_sample(req: &PlanRequest) -> usize {
-    match req.head_loss {
-        HeadLoss::FullLogits => 2,
-        HeadLoss::Chunked => 1,
-    }
+    req.head_loss.rows_per_sample()
 }
 
 /// A change in words, and the reference it switches along with it (LoRA on a run with a

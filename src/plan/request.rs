@@ -96,6 +96,30 @@ pub enum HeadLoss {
     /// every row exist at once, with their log-softmax temporaries and gradients.
     /// [`PlanRequest::trained_tokens`] (counts of SFT samples) does not apply.
     FullLogits,
+    /// GRPO: every prompt runs as `generations` rows (its sampled completions), whose
+    /// log-probabilities come from the full logits as for [`HeadLoss::FullLogits`].
+    Completions {
+        /// Completions per prompt (`[grpo] num_generations`).
+        generations: usize,
+    },
+}
+
+impl HeadLoss {
+    /// Whether the f32 logits of every position exist at once (preference and GRPO).
+    pub fn is_full_logits(self) -> bool {
+        !matches!(self, HeadLoss::Chunked)
+    }
+
+    /// Rows one sample (the unit of `training.micro_batch`) puts in a micro-batch: a
+    /// preference pair's chosen and rejected rows (2), a GRPO prompt's completions, an SFT
+    /// row (1). The one place this rule is written.
+    pub fn rows_per_sample(self) -> usize {
+        match self {
+            HeadLoss::Chunked => 1,
+            HeadLoss::FullLogits => 2,
+            HeadLoss::Completions { generations } => generations.max(1),
+        }
+    }
 }
 
 /// The trained tokens (rows the loss sees) of a tokenized dataset's samples, for the loss's
@@ -179,7 +203,7 @@ impl PlanRequest {
     /// micro-batch of the data holds ([`Self::trained_tokens`]), else every position after the
     /// first of each row; with [`HeadLoss::FullLogits`], every position of every row.
     pub fn loss_rows(&self) -> usize {
-        if self.head_loss == HeadLoss::FullLogits {
+        if self.head_loss.is_full_logits() {
             // Every position of every row, the last one included.
             return self.micro_batch * self.planned_seq_len();
         }
@@ -258,7 +282,7 @@ impl PlanRequest {
                 self.planned_seq_len()
             ));
         }
-        if self.head_loss == HeadLoss::FullLogits {
+        if self.head_loss.is_full_logits() {
             s.push_str(", loss on full logits (preference pairs)");
         }
         match self.reference {

@@ -231,7 +231,7 @@ impl StepDims {
                 && matches!(req.precision, Precision::Bf16Mixed | Precision::Bf16)
                 && crate::model::ops::kernel_path::bf16_products(),
             generic_ops,
-            full_logits: req.head_loss == super::HeadLoss::FullLogits,
+            full_logits: req.head_loss.is_full_logits(),
         }
     }
 

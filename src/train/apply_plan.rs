@@ -85,15 +85,21 @@ pub fn set_seq_len(config: &mut RunConfig, seq_len: usize) {
     if planned_seq_len(config) == seq_len {
         return;
     }
-    if !config.training.method.is_preference() {
+    let method = config.training.method;
+    let (prompt, completion) = if method.is_preference() {
+        let p = &mut config.preference;
+        (&mut p.max_prompt_length, &mut p.max_completion_length)
+    } else if method.is_grpo() {
+        let g = &mut config.grpo;
+        (&mut g.max_prompt_length, &mut g.max_completion_length)
+    } else {
         config.data.max_length = seq_len;
         return;
+    };
+    if seq_len <= *prompt {
+        *prompt = seq_len / 2;
     }
-    let p = &mut config.preference;
-    if seq_len <= p.max_prompt_length {
-        p.max_prompt_length = seq_len / 2;
-    }
-    p.max_completion_length = seq_len - p.max_prompt_length;
+    *completion = seq_len - *prompt;
 }
 
 /// `[lora]` and `[model] quantize`: a quantized base exists only under LoRA.

@@ -15,11 +15,13 @@ use super::precision::Precision;
 use super::schedule::ScheduleKind;
 use crate::settings::{Quantization, Strategy};
 
+mod grpo;
 mod method;
 mod probe;
 
 use probe::probe_and_strip;
 
+pub use grpo::{GrpoLossType, GrpoSection, ScaleRewards};
 pub use method::{DpoLoss, PreferenceSection, ReferenceMode, TrainingMethod};
 
 /// A complete training run description (`run.toml`).
@@ -44,6 +46,8 @@ pub struct RunConfig {
     pub devices: DevicesSection,
     /// `[preference]`: the loss and reference of `training.method = "dpo"` or `"orpo"`.
     pub preference: PreferenceSection,
+    /// `[grpo]`: sampling, rewards and the loss of `training.method = "grpo"`.
+    pub grpo: GrpoSection,
     /// The folder relative paths are resolved against (the config file's folder).
     /// Not written to the file.
     #[serde(skip)]
@@ -62,6 +66,7 @@ impl Default for RunConfig {
             checkpoint: CheckpointSection::default(),
             devices: DevicesSection::default(),
             preference: PreferenceSection::default(),
+            grpo: GrpoSection::default(),
             base_dir: PathBuf::new(),
         }
     }
@@ -188,7 +193,7 @@ pub struct TrainingSection {
     /// What a loss spike after the warm-up does: `"warn"` or `"stop"` (see `train::divergence`).
     pub on_divergence: super::divergence::OnDivergence,
     /// What is learned: `"sft"` (next tokens of the data), `"dpo"` or `"orpo"` (preference
-    /// pairs; see `[preference]`).
+    /// pairs; see `[preference]`), `"grpo"` (rewards of sampled completions; see `[grpo]`).
     pub method: TrainingMethod,
 }
 
@@ -338,6 +343,7 @@ const SECTIONS: &[&str] = &[
     "checkpoint",
     "devices",
     "preference",
+    "grpo",
 ];
 
 impl RunConfig {

@@ -226,6 +226,27 @@ pub enum TrainError {
         message: String,
     },
     /// The step code panicked (a bug); the trainer thread survives.
+    /// A GRPO reward function failed (a command that crashed, printed something other than one
+    /// number per completion, or timed out; an accuracy reward without its answer column).
+    #[error("step {step}: {cause}")]
+    Reward {
+        /// The step whose completions were being scored (0: while starting the functions).
+        step: u64,
+        /// What failed, naming the function.
+        #[source]
+        cause: crate::train::grpo_rewards::RewardError,
+    },
+    /// Sampling a GRPO step's completions failed.
+    #[error("step {step}: {context}: {cause}")]
+    Rollout {
+        /// The step.
+        step: u64,
+        /// What was being sampled.
+        context: String,
+        /// The generation error.
+        #[source]
+        cause: crate::infer::InferError,
+    },
     #[error("internal error during step {step}: {message}; please report it. The run can be resumed from the last checkpoint")]
     Panic {
         /// The step.
@@ -301,6 +322,12 @@ impl TrainError {
                     .into()
             }
             TrainError::Panic { .. } => "resume from the last checkpoint".into(),
+            TrainError::Reward { .. } => {
+                "fix the reward function named above (`tunestudio preview` runs every reward on sampled completions before a run), then resume with --resume latest".into()
+            }
+            TrainError::Rollout { .. } => {
+                "check `[grpo]` (temperature, top_p, top_k, max_completion_length) and resume from the last checkpoint".into()
+            }
         }
     }
 }

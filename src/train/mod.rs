@@ -19,6 +19,7 @@ pub mod error;
 pub mod events;
 pub mod export;
 pub mod export_gguf;
+pub mod grpo;
 pub mod grpo_rewards;
 pub mod loader;
 pub mod memory;
@@ -41,8 +42,9 @@ pub mod validate;
 pub use apply_plan::{apply_fix, apply_plan_request};
 pub use checkpoint::{existing_run, latest_checkpoint, list_checkpoints, TrainerState};
 pub use config::{
-    CheckpointSection, DevicesSection, DpoLoss, EvalSection, InitMode, LoraSection, ModelDtype,
-    ModelSection, PreferenceSection, ReferenceMode, RunConfig, TrainingMethod, TrainingSection,
+    CheckpointSection, DevicesSection, DpoLoss, EvalSection, GrpoLossType, GrpoSection, InitMode,
+    LoraSection, ModelDtype, ModelSection, PreferenceSection, ReferenceMode, RunConfig,
+    ScaleRewards, TrainingMethod, TrainingSection,
 };
 pub use device_check::{check_options, check_request};
 pub use dry_run::dry_run;
@@ -61,5 +63,5 @@ pub use plan_adapter::{
 pub use precision::{LossScaler, Precision, UnknownPrecision};
 pub use render::{dispatch, EventRenderer};
 pub use schedule::{LrSchedule, ScheduleKind};
-pub use step::{EvalResult, StepGradients, StepOutcome, TrainingRun};
+pub use step::{last_rollouts, EvalResult, StepGradients, StepOutcome, TrainingRun};
 pub use trainer::{Trainer, TrainerHandle, TrainerOptions, Waker};

@@ -72,11 +72,10 @@ pub fn plan_request(
     // A preference step (DPO, ORPO) runs each pair's chosen and rejected rows as one batch,
     // cut at the pair's prompt + completion lengths, and its loss holds the full logits of
     // every row (`model::preference::model_sequence_logps`), not the chunked SFT loss.
-    let head_loss = if t.method.is_preference() {
-        HeadLoss::FullLogits
-    } else {
-        HeadLoss::Chunked
-    };
+    // A GRPO micro-step runs `num_generations` rows per prompt, cut at the prompt + completion
+    // lengths; its log-probabilities hold the logits of the completion positions at once
+    // (`model::grpo::model_completion_logps`), planned as full logits (an upper bound).
+    let head_loss = head_loss(config);
     PlanRequest {
         model,
         precision: t.precision,
@@ -98,14 +97,24 @@ pub fn plan_request(
     }
 }
 
-/// Rows a sample puts in a micro-batch: a preference pair's chosen and rejected run as one
-/// batch (2), an SFT sample is one row. `micro_batch` counts samples; the request, rows.
-pub(crate) fn rows_per_sample(config: &RunConfig) -> usize {
-    if config.training.method.is_preference() {
-        2
+/// How the run's loss holds the head's logits, by `[training] method`.
+pub(crate) fn head_loss(config: &RunConfig) -> HeadLoss {
+    let method = config.training.method;
+    if method.is_preference() {
+        HeadLoss::FullLogits
+    } else if method.is_grpo() {
+        HeadLoss::Completions {
+            generations: config.grpo.num_generations,
+        }
     } else {
-        1
+        HeadLoss::Chunked
     }
+}
+
+/// Rows a sample puts in a micro-batch ([`HeadLoss::rows_per_sample`]): `micro_batch` counts
+/// samples (rows, pairs, prompts); the request, rows.
+pub(crate) fn rows_per_sample(config: &RunConfig) -> usize {
+    head_loss(config).rows_per_sample()
 }
 
 /// Tokens a row is cut at: `[data] max_length`, or for a preference pair its prompt plus
@@ -114,6 +123,10 @@ pub(crate) fn planned_seq_len(config: &RunConfig) -> usize {
     if config.training.method.is_preference() {
         let p = &config.preference;
         p.max_prompt_length + p.max_completion_length
+    } else if config.training.method.is_grpo() {
+        // Sized by the longest completion allowed: a long one will come (the memory that runs
+        // out after a hundred steps elsewhere).
+        config.grpo.max_prompt_length + config.grpo.max_completion_length
     } else {
         config.data.max_length
     }
@@ -124,6 +137,15 @@ pub(crate) fn planned_seq_len(config: &RunConfig) -> usize {
 /// `auto` is precomputed, ORPO has none).
 pub(crate) fn plan_reference(config: &RunConfig) -> crate::plan::ReferencePlan {
     use super::preference::ReferenceSource;
+    if config.training.method.is_grpo() {
+        return match super::grpo::GrpoReference::of(config) {
+            super::grpo::GrpoReference::None => crate::plan::ReferencePlan::Stored,
+            super::grpo::GrpoReference::AdapterDisabled => {
+                crate::plan::ReferencePlan::AdapterDisabled
+            }
+            super::grpo::GrpoReference::Copy => crate::plan::ReferencePlan::Copy,
+        };
+    }
     if !config.training.method.is_preference() {
         return crate::plan::ReferencePlan::Stored;
     }

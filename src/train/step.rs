@@ -27,10 +27,12 @@ use super::samples::{self, Splits};
 use super::schedule::LrSchedule;
 
 mod accumulate;
+mod accumulate_grpo;
 mod build;
 mod checkpoint_io;
 mod run;
 
+pub use accumulate_grpo::last_rollouts;
 pub use build::build_model;
 pub(crate) use run::panic_message;
 
@@ -70,6 +72,8 @@ pub struct StepOutcome {
     pub batch_shapes: Vec<(usize, usize)>,
     /// A preference step's metrics under TRL's names (`rewards/chosen`, ...); `None` for SFT.
     pub preference: Option<crate::model::preference::PreferenceMetrics>,
+    /// A GRPO step's metrics under TRL's names (`reward`, `rewards/<name>/mean`, `kl`, ...).
+    pub grpo: Option<super::grpo::GrpoStepMetrics>,
 }
 
 /// An evaluation's result.
@@ -109,6 +113,8 @@ struct Accumulated {
     label_tokens: u64,
     /// A preference step's metrics (TRL's names), merged over its micro-batches.
     preference: Option<crate::model::preference::PreferenceMetrics>,
+    /// A GRPO step's metrics (TRL's names).
+    grpo: Option<super::grpo::GrpoStepMetrics>,
     shapes: Vec<(usize, usize)>,
     /// What the summed loss was multiplied by before backward.
     backward_factor: f64,
@@ -123,6 +129,7 @@ impl Accumulated {
             tokens: 0,
             label_tokens: 0,
             preference: None,
+            grpo: None,
             shapes: Vec::new(),
             backward_factor,
         }
@@ -166,6 +173,9 @@ pub struct TrainingRun {
     /// `[training] method = "dpo" | "orpo"`: the pairs, loss and reference (`splits` is then
     /// empty but for its lints and warnings).
     pairs: Option<super::preference::PairRun>,
+    /// `[training] method = "grpo"`: the prompts and reward functions (`splits` is then empty
+    /// but for its lints and warnings).
+    grpo: Option<super::grpo::GrpoRun>,
     /// `reference = "copy"`: each rank's frozen reference, rank 0 first (empty otherwise).
     reference_copies: Vec<CausalLm>,
     loader: DataLoader,
@@ -264,6 +274,10 @@ impl TrainingRun {
 
     /// Rows in the training and validation splits.
     pub fn split_sizes(&self) -> (usize, usize) {
+        if let Some(g) = &self.grpo {
+            // GRPO has no evaluation loss: its prompts are all training prompts.
+            return (g.prompts.len(), 0);
+        }
         match &self.pairs {
             Some(p) => (p.splits.train.len(), p.splits.eval.len()),
             None => (self.splits.train.len(), self.splits.eval.len()),
@@ -273,8 +287,8 @@ impl TrainingRun {
     /// The training split's trained tokens and longest row, for the memory plan
     /// ([`crate::plan::PlanRequest::trained_tokens`]; `None` with packing).
     pub fn data_trained_tokens(&self) -> Option<crate::plan::TrainedTokens> {
-        if self.pairs.is_some() {
-            // The plan counts every position of the pairs' rows.
+        if self.pairs.is_some() || self.grpo.is_some() {
+            // The plan counts every position of the pairs' (and rollouts') rows.
             return None;
         }
         samples::split_trained_tokens(&self.config, &self.splits.train)
@@ -284,7 +298,7 @@ impl TrainingRun {
     /// dry run's plan of that step (`None` for preference pairs and with packing, as
     /// [`Self::data_trained_tokens`]).
     pub fn longest_step_trained_tokens(&self) -> Option<crate::plan::TrainedTokens> {
-        if self.pairs.is_some() {
+        if self.pairs.is_some() || self.grpo.is_some() {
             return None;
         }
         let accumulation = self.config.training.gradient_accumulation;

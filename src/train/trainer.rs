@@ -436,6 +436,11 @@ fn train_loop(
                 if super::oom::is_out_of_memory(&e) {
                     report_out_of_memory(run, &e, &memory, em);
                 }
+                // A reward function failed before any weight moved: the last good step is
+                // saved, so fixing the function and resuming loses nothing.
+                if matches!(e, TrainError::Reward { .. }) && run.step_index() > 0 {
+                    save(run, em);
+                }
                 em.error(&e, Some(run.step_index() + 1));
                 break FinishReason::Failed;
             }
@@ -555,6 +560,7 @@ pub fn step_event(o: &StepOutcome) -> Event {
                     .map(|(name, v)| (name.to_string(), v))
                     .collect()
             })
+            .or_else(|| o.grpo.as_ref().map(|g| g.named().into_iter().collect()))
             .unwrap_or_default(),
     }
 }

@@ -69,6 +69,7 @@ pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
     // [checkpoint] / [eval] have no invalid values (0 = off / keep all) beyond their types.
     devices_problems(config, &mut p);
     preference_problems(config, &mut p);
+    grpo_problems(config, &mut p);
     output_dir_problems(config, &mut p);
     p
 }
@@ -126,6 +127,85 @@ fn preference_problems(config: &RunConfig, p: &mut Vec<ConfigProblem>) {
         bad(
             "data.packing",
             "preference pairs are not packed; set packing = false".into(),
+        );
+    }
+}
+
+/// `[grpo]`: the settings a GRPO run reads (TRL's ranges) and its reward functions.
+fn grpo_problems(config: &RunConfig, p: &mut Vec<ConfigProblem>) {
+    if !config.training.method.is_grpo() {
+        return;
+    }
+    let mut bad = |field: &str, message: String| p.push(ConfigProblem::new(field, message));
+    let g = &config.grpo;
+    if g.num_generations < 2 {
+        bad(
+            "grpo.num_generations",
+            format!("must be ≥ 2 (got {}): advantages compare the completions of one prompt; TRL's default is 8", g.num_generations),
+        );
+    }
+    for (field, v) in [
+        ("grpo.max_prompt_length", g.max_prompt_length),
+        ("grpo.max_completion_length", g.max_completion_length),
+    ] {
+        if v == 0 {
+            bad(field, "must be ≥ 1".into());
+        }
+    }
+    if !(g.temperature > 0.0 && g.temperature.is_finite()) {
+        bad(
+            "grpo.temperature",
+            format!("must be > 0 (got {}): GRPO samples its completions; 1.0 samples the model as it is", g.temperature),
+        );
+    }
+    if !(g.top_p > 0.0 && g.top_p <= 1.0) {
+        bad(
+            "grpo.top_p",
+            format!("must be in (0, 1] (got {}); 1.0 turns it off", g.top_p),
+        );
+    }
+    if !(g.beta >= 0.0 && g.beta.is_finite()) {
+        bad(
+            "grpo.beta",
+            format!(
+                "must be ≥ 0 (got {}); 0 trains without a reference model",
+                g.beta
+            ),
+        );
+    }
+    if !(g.epsilon > 0.0 && g.epsilon < 1.0) {
+        bad(
+            "grpo.epsilon",
+            format!(
+                "must be in (0, 1) (got {}); TRL's default is 0.2",
+                g.epsilon
+            ),
+        );
+    }
+    if g.epsilon_high.is_some_and(|e| !(e > 0.0 && e.is_finite())) {
+        bad(
+            "grpo.epsilon_high",
+            "must be > 0 (DAPO uses 0.28); remove it to use epsilon".into(),
+        );
+    }
+    if g.num_iterations != 1 {
+        bad(
+            "grpo.num_iterations",
+            format!("{} is not supported yet: every optimizer step samples its own completions (num_iterations = 1, TRL's default)", g.num_iterations),
+        );
+    }
+    if g.reward.is_empty() {
+        bad(
+            "grpo.reward",
+            "GRPO needs at least one reward function: add a [[grpo.reward]] entry, e.g. kind = \"accuracy\" with column = \"answer\", or kind = \"format\" with a pattern".into(),
+        );
+    } else if let Err(e) = crate::train::grpo_rewards::validate(&g.reward) {
+        bad("grpo.reward", e.to_string());
+    }
+    if config.data.packing {
+        bad(
+            "data.packing",
+            "GRPO prompts are not packed; set packing = false".into(),
         );
     }
 }

@@ -26,6 +26,8 @@ mod devices_gpu_check;
 mod devices_strategies;
 mod docs_paths;
 mod export_gguf;
+mod grpo_loss;
+mod grpo_train;
 mod gui_window;
 mod headless;
 mod hub_download;

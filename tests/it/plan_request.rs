@@ -18,7 +18,10 @@ use tunestudio::train::{
     self, CheckpointSection, DevicesSection, EvalSection, InitMode, LoraSection, ModelDtype,
     ModelSection, RunConfig, ScheduleKind, TrainingSection,
 };
-use tunestudio::train::{DpoLoss, PreferenceSection, ReferenceMode, TrainingMethod};
+use tunestudio::train::{
+    DpoLoss, GrpoLossType, GrpoSection, PreferenceSection, ReferenceMode, ScaleRewards,
+    TrainingMethod,
+};
 
 /// Whether the planner reads a key.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -35,6 +38,8 @@ enum Reads {
     WhenPreference,
     /// Only with `[training] method = "dpo"` (the reference; ORPO has none).
     WhenDpo,
+    /// Only with `[training] method = "grpo"` (the group size, lengths and reference).
+    WhenGrpo,
     /// Never: a change must leave the request equal.
     No,
 }
@@ -487,6 +492,92 @@ fn keys() -> Vec<Key> {
                 }
             },
         },
+        // GRPO: G rows per prompt at the prompt + completion lengths, and a reference when
+        // β > 0; the sampling knobs, clipping, aggregation and rewards cost no memory.
+        Key {
+            name: "grpo.num_generations",
+            reads: WhenGrpo,
+            change: |c| c.grpo.num_generations += 1,
+        },
+        Key {
+            name: "grpo.max_prompt_length",
+            reads: WhenGrpo,
+            change: |c| c.grpo.max_prompt_length += 1,
+        },
+        Key {
+            name: "grpo.max_completion_length",
+            reads: WhenGrpo,
+            change: |c| c.grpo.max_completion_length += 1,
+        },
+        Key {
+            name: "grpo.beta",
+            reads: WhenGrpo,
+            change: |c| c.grpo.beta = if c.grpo.beta == 0.0 { 0.04 } else { 0.0 },
+        },
+        Key {
+            name: "grpo.temperature",
+            reads: No,
+            change: |c| c.grpo.temperature *= 0.5,
+        },
+        Key {
+            name: "grpo.top_p",
+            reads: No,
+            change: |c| c.grpo.top_p *= 0.5,
+        },
+        Key {
+            name: "grpo.top_k",
+            reads: No,
+            change: |c| c.grpo.top_k += 1,
+        },
+        Key {
+            name: "grpo.epsilon",
+            reads: No,
+            change: |c| c.grpo.epsilon *= 0.5,
+        },
+        Key {
+            name: "grpo.epsilon_high",
+            reads: No,
+            change: |c| c.grpo.epsilon_high = Some(c.grpo.epsilon_high.unwrap_or(0.2) + 0.08),
+        },
+        Key {
+            name: "grpo.loss_type",
+            reads: No,
+            change: |c| {
+                c.grpo.loss_type = match c.grpo.loss_type {
+                    GrpoLossType::Dapo => GrpoLossType::Grpo,
+                    _ => GrpoLossType::Dapo,
+                }
+            },
+        },
+        Key {
+            name: "grpo.scale_rewards",
+            reads: No,
+            change: |c| {
+                c.grpo.scale_rewards = match c.grpo.scale_rewards {
+                    ScaleRewards::Group => ScaleRewards::Batch,
+                    _ => ScaleRewards::Group,
+                }
+            },
+        },
+        Key {
+            name: "grpo.num_iterations",
+            reads: No,
+            change: |c| c.grpo.num_iterations += 1,
+        },
+        Key {
+            name: "grpo.mask_truncated_completions",
+            reads: No,
+            change: |c| flip(&mut c.grpo.mask_truncated_completions),
+        },
+        Key {
+            name: "grpo.reward",
+            reads: No,
+            change: |c| {
+                c.grpo.reward.push(
+                    toml::from_str("kind = \"format\"\npattern = \"x\"").expect("a reward entry"),
+                )
+            },
+        },
     ]
 }
 
@@ -524,6 +615,7 @@ fn run_config_keys() -> BTreeSet<String> {
         ("checkpoint", fields_of::<CheckpointSection>()),
         ("devices", fields_of::<DevicesSection>()),
         ("preference", fields_of::<PreferenceSection>()),
+        ("grpo", fields_of::<GrpoSection>()),
     ];
     let is_section = |name: &str| sections.iter().any(|(s, _)| *s == name);
     let mut out = BTreeSet::new();
@@ -645,6 +737,7 @@ fn changing_a_key_the_planner_reads_changes_the_request_and_no_other_does() {
                     Reads::WhenLoraIsOn => config.lora.enabled,
                     Reads::WhenPreference => config.training.method.is_preference(),
                     Reads::WhenDpo => config.training.method == TrainingMethod::Dpo,
+                    Reads::WhenGrpo => config.training.method.is_grpo(),
                     Reads::ForProcess => {
                         train::process_inputs(&changed) != train::process_inputs(&config)
                     }
@@ -751,12 +844,8 @@ fn every_change(
     config: &RunConfig,
     req: &tunestudio::plan::PlanRequest,
 ) -> Vec<tunestudio::plan::Change> {
-    use tunestudio::plan::{Change, HeadLoss, LoraSpec, ReferencePlan};
-    let rows = if req.head_loss == HeadLoss::FullLogits {
-        2
-    } else {
-        1
-    };
+    use tunestudio::plan::{Change, LoraSpec, ReferencePlan};
+    let rows = req.head_loss.rows_per_sample();
     let mut out: Vec<Change> = DeviceStrategy::ALL
         .iter()
         .map(|s| Change::Strategy(*s))

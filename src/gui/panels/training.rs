@@ -263,7 +263,14 @@ fn objective(ui: &mut Ui, s: &mut Session) {
                                 (its log-probabilities precomputed once). Each step runs a pair's chosen and rejected rows: twice the rows of SFT.");
             ui.radio_value(method, TrainingMethod::Orpo, "ORPO")
                 .on_hover_text("Odds-ratio preference optimisation: the chosen answer's NLL plus an odds-ratio term; no reference model.");
+            ui.radio_value(method, TrainingMethod::Grpo, "GRPO")
+                .on_hover_text("Group relative policy optimisation: the model samples a group of completions per prompt, the reward functions \
+                                score them, and each completion learns from its advantage over its group. Micro-batch counts prompts.");
         });
+        if *method == TrainingMethod::Grpo {
+            grpo_settings(ui, &mut s.config.grpo);
+            return;
+        }
         let p = &mut s.config.preference;
         // ORPO has its own loss: DPO's loss and label smoothing would be refused.
         if *method == TrainingMethod::Orpo && before != TrainingMethod::Orpo {
@@ -314,6 +321,38 @@ fn objective(ui: &mut Ui, s: &mut Session) {
                 );
             });
     });
+}
+
+/// `[grpo]`'s sampling, lengths and loss; the reward functions are listed (edited in run.toml).
+fn grpo_settings(ui: &mut Ui, g: &mut tunestudio::train::GrpoSection) {
+    use tunestudio::train::GrpoLossType;
+    egui::Grid::new("train-grpo")
+        .num_columns(2)
+        .spacing([12.0, 8.0])
+        .show(ui, |ui| {
+            theme::drag_row(ui, "Generations per prompt", "G (TRL's num_generations): completions sampled per prompt; the advantages compare them. Each micro-step trains micro-batch × G rows.", &mut g.num_generations, 2..=64, 0.1, "");
+            theme::drag_row(ui, "Max prompt length", "Prompt tokens kept, from the prompt's end (TRL's max_prompt_length).", &mut g.max_prompt_length, 1..=131072, 4.0, " tokens");
+            theme::drag_row(ui, "Max completion length", "Most tokens sampled per completion. The memory plan is sized by it: a completion this long will come.", &mut g.max_completion_length, 1..=131072, 4.0, " tokens");
+            theme::drag_row(ui, "Temperature", "Sampling temperature; every log-probability divides the logits by it too (TRL's default 1.0).", &mut g.temperature, 0.05..=2.0, 0.01, "");
+            theme::drag_row(ui, "Beta (KL)", "The KL coefficient against the reference (0: no reference model, TRL's default; with LoRA the reference is the base with the adapter off).", &mut g.beta, 0.0..=1.0, 0.001, "");
+            theme::combo_row(ui, "grpo-loss", "Loss", "How per-token losses are aggregated (TRL's loss_type): dapo divides by the step's completion tokens (TRL's default), grpo averages each completion first, dr_grpo divides by rows × max completion length, bnpo by the micro-batch's tokens.", &mut g.loss_type, &[(GrpoLossType::Dapo, "dapo"), (GrpoLossType::Grpo, "grpo"), (GrpoLossType::DrGrpo, "dr_grpo"), (GrpoLossType::Bnpo, "bnpo")]);
+        });
+    if g.reward.is_empty() {
+        theme::note(ui, "No reward function yet: add [[grpo.reward]] entries to the run config (kind = \"accuracy\", \"format\", \"length\" or \"command\").");
+    } else {
+        let names: Vec<String> = g
+            .reward
+            .iter()
+            .map(|r| format!("{} ({}, weight {})", r.name(), r.kind, r.weight))
+            .collect();
+        theme::note(
+            ui,
+            &format!(
+                "Rewards: {}. Preview samples completions and scores them before the run.",
+                names.join(", ")
+            ),
+        );
+    }
 }
 
 /// Optimizer, learning rate and its schedule, decay, clipping and seed.

@@ -46,7 +46,7 @@ pub(super) fn adapter_base_name(adapter: &Path) -> Option<String> {
 
 /// End-of-sequence ids: config.json's, generation_config.json's (may be a list), and the
 /// tokenizer's EOS.
-pub(super) fn eos_ids(
+pub(crate) fn eos_ids(
     config: &ModelConfig,
     dirs: &[&Path],
     tokenizer: &TokenizerBundle,

@@ -1,5 +1,6 @@
 //! `[training] method` and the `[preference]` table: what a run learns, and DPO's and ORPO's
-//! settings (the loss, β, the reference, the pairs' truncation lengths).
+//! settings (the loss, β, the reference, the pairs' truncation lengths). GRPO's are in
+//! [`super::grpo`].
 
 use serde::{Deserialize, Serialize};
 
@@ -16,12 +17,21 @@ pub enum TrainingMethod {
     /// Odds-ratio preference optimisation: the chosen answers' NLL plus an odds-ratio term;
     /// no reference model.
     Orpo,
+    /// Group relative policy optimisation: the model samples `[grpo] num_generations`
+    /// completions per prompt, reward functions score them, and each completion's tokens
+    /// learn from its advantage over its group (see `[grpo]`).
+    Grpo,
 }
 
 impl TrainingMethod {
     /// Whether the method trains on preference pairs.
     pub fn is_preference(self) -> bool {
-        self != TrainingMethod::Sft
+        matches!(self, TrainingMethod::Dpo | TrainingMethod::Orpo)
+    }
+
+    /// Whether the method samples completions and learns from their rewards.
+    pub fn is_grpo(self) -> bool {
+        self == TrainingMethod::Grpo
     }
 
     /// The config spelling.
@@ -30,6 +40,7 @@ impl TrainingMethod {
             TrainingMethod::Sft => "sft",
             TrainingMethod::Dpo => "dpo",
             TrainingMethod::Orpo => "orpo",
+            TrainingMethod::Grpo => "grpo",
         }
     }
 }

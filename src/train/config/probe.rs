@@ -26,6 +26,7 @@ pub(super) fn probe_and_strip(table: &mut toml::Table) -> Vec<ConfigProblem> {
             "checkpoint" => probe_section::<CheckpointSection>(&key, table, &mut problems),
             "devices" => probe_section::<DevicesSection>(&key, table, &mut problems),
             "preference" => probe_section::<PreferenceSection>(&key, table, &mut problems),
+            "grpo" => probe_section::<super::GrpoSection>(&key, table, &mut problems),
             "data" => probe_section::<DataConfig>(&key, table, &mut problems),
             _ => Some(format!(
                 "unknown setting; expected one of {}",

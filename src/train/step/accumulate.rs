@@ -32,6 +32,11 @@ impl TrainingRun {
         if self.pairs.is_some() {
             return self.accumulate_pairs(micro_batches, loss_scale);
         }
+        if let Some(grpo) = self.grpo.take() {
+            let result = self.accumulate_grpo(&grpo, micro_batches, loss_scale);
+            self.grpo = Some(grpo);
+            return result;
+        }
         let step = self.step + 1;
         let settings = self.settings_summary();
         let ranks = self.placement.ranks();
@@ -108,7 +113,7 @@ impl TrainingRun {
     }
 
     /// Sets every rank's dropout seed base for the step and returns it.
-    fn set_dropout_seed(&mut self) -> u64 {
+    pub(super) fn set_dropout_seed(&mut self) -> u64 {
         let seed_base = derive_seed(self.config.training.seed, DROPOUT_STREAM, 0);
         self.model.dropout_seed_base = seed_base;
         for r in &mut self.replicas {
@@ -119,7 +124,7 @@ impl TrainingRun {
 
     /// Sums the ranks' gradients of the step into `acc` (all-reduced, one copy per rank),
     /// unless no micro-batch had a trained token.
-    fn reduce_step(
+    pub(super) fn reduce_step(
         &self,
         per_rank: Vec<Gradients>,
         acc: &mut Accumulated,
@@ -372,7 +377,7 @@ type PairMicroStep = Result<(Option<PairStep>, Gradients), (Phase, crate::model:
 
 /// [`run_ranks`]'s schedule for any per-rank job: a thread per rank when `concurrent` (every
 /// rank a GPU), in turn otherwise. Results come back in rank order.
-fn run_rank_jobs<J: Send, T: Send>(
+pub(super) fn run_rank_jobs<J: Send, T: Send>(
     concurrent: bool,
     jobs: Vec<J>,
     work: impl Fn(J) -> T + Sync,
@@ -395,7 +400,7 @@ fn run_rank_jobs<J: Send, T: Send>(
 
 /// Cuts a micro-step's rows into `ranks` contiguous shards, earlier ranks taking the
 /// extra rows (a short last batch may leave later ranks empty).
-fn shard_rows(rows: &[usize], ranks: usize) -> Vec<&[usize]> {
+pub(super) fn shard_rows(rows: &[usize], ranks: usize) -> Vec<&[usize]> {
     let ranks = ranks.max(1);
     let mut out = Vec::with_capacity(ranks);
     let mut start = 0;
@@ -420,7 +425,7 @@ fn backward_factor(loss_scale: f64, count: usize) -> f64 {
 
 /// The failure a test injects at `phase` of `step` ([`super::super::oom::injected_failure`]),
 /// as the step error it stands for.
-fn injected_failure(
+pub(super) fn injected_failure(
     step: u64,
     phase: Phase,
     shape: (usize, usize),
@@ -433,7 +438,7 @@ fn injected_failure(
 }
 
 /// A step error of data-parallel rank `rank` (of `ranks`) names the rank.
-fn on_rank(mut err: TrainError, rank: usize, ranks: usize) -> TrainError {
+pub(super) fn on_rank(mut err: TrainError, rank: usize, ranks: usize) -> TrainError {
     if let TrainError::Step { device, .. } = &mut err {
         *device = (ranks > 1).then_some(rank);
     }

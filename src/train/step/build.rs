@@ -12,6 +12,7 @@ use crate::model::{
 
 use super::super::config::{InitMode, RunConfig};
 use super::super::error::{ConfigError, TrainError};
+use super::super::grpo::{self, GrpoReference, GrpoRun};
 use super::super::loader::{derive_seed, DataLoader};
 use super::super::placement::RunPlacement;
 use super::super::precision::LossScaler;
@@ -20,18 +21,24 @@ use super::super::samples::{self, Splits};
 use super::super::schedule::LrSchedule;
 use super::{Replica, TrainingRun, LORA_STREAM};
 
-/// The run's data: SFT samples, or preference pairs (their lints and warnings in `Splits`).
+/// The run's data: SFT samples, preference pairs or GRPO prompts (the last two's lints and
+/// warnings in `Splits`).
 fn load_data(
     config: &RunConfig,
     tokenizer: &crate::data::TokenizerBundle,
-    has_weights: bool,
-) -> Result<(Splits, Option<PairRun>), TrainError> {
+    located: &ModelLocation,
+) -> Result<(Splits, Option<PairRun>, Option<GrpoRun>), TrainError> {
+    let has_weights = located.has_weights;
     if config.training.method.is_preference() {
         let (splits, pairs) = preference::load_checked_pairs(config, tokenizer, has_weights)?;
-        Ok((splits, Some(pairs)))
+        Ok((splits, Some(pairs), None))
+    } else if config.training.method.is_grpo() {
+        let (splits, grpo) = grpo::load_checked_prompts(config, tokenizer, located)?;
+        Ok((splits, None, Some(grpo)))
     } else {
         Ok((
             samples::load_checked_splits(config, tokenizer, has_weights)?,
+            None,
             None,
         ))
     }
@@ -77,8 +84,11 @@ fn build_reference_copies(
     config: &RunConfig,
     placement: &RunPlacement,
     pairs: Option<&PairRun>,
+    grpo: Option<&GrpoRun>,
 ) -> Result<Vec<CausalLm>, TrainError> {
-    if pairs.is_none_or(|p| p.source != ReferenceSource::Copy) {
+    let pair_copy = pairs.is_some_and(|p| p.source == ReferenceSource::Copy);
+    let grpo_copy = grpo.is_some_and(|g| g.reference == GrpoReference::Copy);
+    if !pair_copy && !grpo_copy {
         return Ok(Vec::new());
     }
     let context = |what: &str| format!("cannot build the frozen reference copy ({what})");
@@ -225,6 +235,7 @@ fn check_config(config: &RunConfig) -> Result<(), TrainError> {
 struct RunData {
     splits: Splits,
     pairs: Option<PairRun>,
+    grpo: Option<GrpoRun>,
     pad_id: u32,
 }
 
@@ -243,10 +254,11 @@ impl RunData {
             })?;
         samples::check_vocab(&tokenizer, &located.dir, model_config.vocab_size)?;
         let pad_id = tokenizer.pad().id;
-        let (splits, pairs) = load_data(config, &tokenizer, located.has_weights)?;
+        let (splits, pairs, grpo) = load_data(config, &tokenizer, &located)?;
         Ok(RunData {
             splits,
             pairs,
+            grpo,
             pad_id,
         })
     }
@@ -267,6 +279,7 @@ impl RunModels {
         config: &RunConfig,
         placement: &RunPlacement,
         pairs: Option<&PairRun>,
+        grpo: Option<&GrpoRun>,
     ) -> Result<Self, TrainError> {
         let device = placement.primary().clone();
         let (mut model, model_dir) = build_model(config, &device)?;
@@ -279,7 +292,7 @@ impl RunModels {
                 })?;
         }
         let replicas = build_replicas(config, placement)?;
-        let reference_copies = build_reference_copies(config, placement, pairs)?;
+        let reference_copies = build_reference_copies(config, placement, pairs, grpo)?;
         Ok(RunModels {
             device,
             model,
@@ -324,7 +337,8 @@ impl TrainingRun {
             &config,
             samples::split_trained_tokens(&config, &data.splits.train),
         )?;
-        let models = RunModels::build(&config, &placement, data.pairs.as_ref())?;
+        let models =
+            RunModels::build(&config, &placement, data.pairs.as_ref(), data.grpo.as_ref())?;
         let t = &config.training;
         let lengths = prepare_pairs(
             data.pairs.as_mut(),
@@ -332,6 +346,7 @@ impl TrainingRun {
             data.pad_id,
             t.micro_batch,
         )?
+        .or_else(|| data.grpo.as_ref().map(GrpoRun::lengths))
         .unwrap_or_else(|| data.splits.train.iter().map(|s| s.len()).collect());
         let loader = data_loader(&config, lengths, placement.ranks());
         let total_steps = match t.max_steps {
@@ -353,6 +368,7 @@ impl TrainingRun {
             replicas: models.replicas,
             splits: data.splits,
             pairs: data.pairs,
+            grpo: data.grpo,
             reference_copies: models.reference_copies,
             loader,
             schedule,

@@ -119,6 +119,7 @@ impl TrainingRun {
             loss_scale: self.scaler.as_ref().map(|s| s.scale),
             batch_shapes: acc.shapes,
             preference: acc.preference,
+            grpo: acc.grpo,
         })
     }
 

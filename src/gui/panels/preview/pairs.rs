@@ -165,6 +165,10 @@ fn method_note(ui: &mut Ui, method: TrainingMethod, actions: &mut Vec<Action>) {
             "ORPO: each step trains the chosen completion (its NLL) and raises its odds against the rejected one's; \
              no reference model.",
         ),
+        TrainingMethod::Grpo => theme::note(
+            ui,
+            "GRPO samples its own completions: it reads the pairs' prompts only and ignores chosen and rejected.",
+        ),
     }
 }
 

@@ -1,0 +1,71 @@
+//! A micro-batch of rollouts as tensors: prompts left-padded (so every completion starts at
+//! the same position, as TRL pads them), completions right-padded, on one device.
+
+use candle_core::{Device, Tensor};
+
+use super::rollouts::Rollout;
+use super::GrpoRun;
+
+/// One micro-batch's rows on a device.
+#[derive(Debug)]
+pub struct GrpoBatch {
+    /// `[rows, prompt width]` u32, left-padded with the pad token.
+    pub prompt_ids: Tensor,
+    /// `[rows, prompt width]` u32, 0 on the padding.
+    pub prompt_mask: Tensor,
+    /// `[rows, completion width]` u32, right-padded with the pad token.
+    pub completion_ids: Tensor,
+    /// `[rows, completion width]` f32: 1 on trained completion tokens.
+    pub completion_mask: Tensor,
+    /// `[rows]` f32.
+    pub advantages: Tensor,
+    /// Rows.
+    pub rows: usize,
+    /// Prompt width + completion width.
+    pub seq_len: usize,
+}
+
+impl GrpoRun {
+    /// `rows` as one batch on `device`.
+    pub fn batch(
+        &self,
+        rows: &[&Rollout],
+        pad_id: u32,
+        device: &Device,
+    ) -> Result<GrpoBatch, candle_core::Error> {
+        let n = rows.len();
+        let prompt_w = rows
+            .iter()
+            .map(|r| self.prompts[r.prompt].prompt_ids.len())
+            .max()
+            .unwrap_or(0);
+        let completion_w = rows
+            .iter()
+            .map(|r| r.completion_ids.len())
+            .max()
+            .unwrap_or(0);
+        let mut prompt_ids = vec![pad_id; n * prompt_w];
+        let mut prompt_mask = vec![0u32; n * prompt_w];
+        let mut completion_ids = vec![pad_id; n * completion_w];
+        let mut completion_mask = vec![0f32; n * completion_w];
+        for (i, r) in rows.iter().enumerate() {
+            let p = &self.prompts[r.prompt].prompt_ids;
+            let start = i * prompt_w + prompt_w - p.len();
+            prompt_ids[start..start + p.len()].copy_from_slice(p);
+            prompt_mask[start..start + p.len()].fill(1);
+            let c = i * completion_w;
+            completion_ids[c..c + r.completion_ids.len()].copy_from_slice(&r.completion_ids);
+            completion_mask[c..c + r.mask.len()].copy_from_slice(&r.mask);
+        }
+        let advantages: Vec<f32> = rows.iter().map(|r| r.advantage).collect();
+        Ok(GrpoBatch {
+            prompt_ids: Tensor::from_vec(prompt_ids, (n, prompt_w), device)?,
+            prompt_mask: Tensor::from_vec(prompt_mask, (n, prompt_w), device)?,
+            completion_ids: Tensor::from_vec(completion_ids, (n, completion_w), device)?,
+            completion_mask: Tensor::from_vec(completion_mask, (n, completion_w), device)?,
+            advantages: Tensor::from_vec(advantages, n, device)?,
+            rows: n,
+            seq_len: prompt_w + completion_w,
+        })
+    }
+}

@@ -1,0 +1,143 @@
+//! A GRPO step's forward and backward: the step's rollouts first (sampled with rank 0's
+//! weights, which every rank shares), then each micro-batch's rows cut into one shard of whole
+//! groups per rank, the gradients summed in place and over the ranks (see `train::grpo`).
+
+use crate::model::Gradients;
+
+use super::super::error::{step_error, Phase, TrainError};
+use super::super::grpo::rollouts::Rollout;
+use super::super::grpo::{GrpoMicroStep, GrpoRun, GrpoStepMetrics, StepRollouts};
+use super::accumulate::{injected_failure, on_rank, run_rank_jobs, shard_rows};
+use super::{Accumulated, TrainingRun};
+
+/// One rank's rows of a micro-step and its accumulated gradients.
+type GrpoJob<'a> = (
+    &'a crate::model::CausalLm,
+    Option<&'a crate::model::CausalLm>,
+    Option<super::super::grpo::batch::GrpoBatch>,
+    Gradients,
+);
+
+impl TrainingRun {
+    /// [`Self::accumulate`] for GRPO: `micro_batches` hold prompt indices. The count the
+    /// optimizer divides by is 1: the loss is already the step's mean.
+    pub(super) fn accumulate_grpo(
+        &mut self,
+        grpo: &GrpoRun,
+        micro_batches: &[Vec<usize>],
+        loss_scale: f64,
+    ) -> Result<Accumulated, TrainError> {
+        let step = self.step + 1;
+        let settings = self.settings_summary();
+        let ranks = self.placement.ranks();
+        let prompts: Vec<usize> = micro_batches.iter().flatten().copied().collect();
+        let infer = crate::infer::InferModel::from_causal_lm(&self.model).map_err(|cause| {
+            TrainError::Rollout {
+                step,
+                context: "viewing the policy's weights for sampling".into(),
+                cause,
+            }
+        })?;
+        let rollouts = grpo.rollouts(&infer, &prompts, self.config.training.seed, step)?;
+        let loss_settings =
+            grpo.loss_settings(rollouts.trained_tokens(), micro_batches.len() * ranks);
+        // The count is 1, so the backward factor is the loss scale itself (1 without fp16).
+        let mut acc = Accumulated::new(loss_scale);
+        self.set_dropout_seed();
+        let generations = grpo.settings.num_generations;
+        let mut per_rank: Vec<Gradients> = vec![Gradients::new(); ranks];
+        let mut loss_metrics: Option<crate::model::grpo::GrpoLossMetrics> = None;
+        let mut start = 0;
+        for (i, prompts) in micro_batches.iter().enumerate() {
+            let rows = &rollouts.rows[start * generations..(start + prompts.len()) * generations];
+            start += prompts.len();
+            let jobs = self
+                .grpo_jobs(grpo, rows, prompts.len(), std::mem::take(&mut per_rank))
+                .map_err(|e| step_error(Phase::Forward, step, (rows.len(), 0), e, &settings))?;
+            let shape = (
+                rows.len(),
+                jobs.iter()
+                    .filter_map(|j| j.2.as_ref().map(|b| b.seq_len))
+                    .max()
+                    .unwrap_or(0),
+            );
+            acc.shapes.push(shape);
+            injected_failure(step, Phase::Forward, shape, &settings)?;
+            let counter = (step << 16) + i as u64;
+            let factor = acc.backward_factor;
+            let concurrent = ranks > 1 && self.model.device().is_cuda();
+            let results = run_rank_jobs(concurrent, jobs, |(model, copy, batch, mut grads)| {
+                let Some(batch) = batch else {
+                    return Ok((None, grads));
+                };
+                model
+                    .forward_counter
+                    .store(counter, std::sync::atomic::Ordering::Relaxed);
+                grpo.micro_step(model, copy, &batch, &loss_settings, factor, &mut grads)
+                    .map(|out| (Some(out), grads))
+            });
+            for (rank, result) in results.into_iter().enumerate() {
+                let (out, grads): (Option<GrpoMicroStep>, Gradients) =
+                    result.map_err(|(phase, e)| {
+                        on_rank(step_error(phase, step, shape, e, &settings), rank, ranks)
+                    })?;
+                per_rank.push(grads);
+                if let Some(out) = out {
+                    acc.loss_sum += out.loss;
+                    acc.label_tokens += out.tokens as u64;
+                    loss_metrics = Some(match loss_metrics {
+                        Some(m) => m.merge(&out.metrics),
+                        None => out.metrics,
+                    });
+                }
+            }
+            injected_failure(step, Phase::Backward, shape, &settings)?;
+        }
+        acc.tokens = 1;
+        acc.grpo = Some(GrpoStepMetrics {
+            rollout: rollouts.metrics.clone(),
+            loss: loss_metrics.unwrap_or_default(),
+        });
+        self.reduce_step(per_rank, &mut acc, step, &settings)?;
+        Ok(acc)
+    }
+
+    /// One micro-step's rows (`prompts` groups of rollouts) cut into one shard of whole groups
+    /// per rank, each collated on its rank's device, with the rank's model, reference copy and
+    /// gradients.
+    fn grpo_jobs<'a>(
+        &'a self,
+        grpo: &GrpoRun,
+        rows: &[Rollout],
+        prompts: usize,
+        per_rank: Vec<Gradients>,
+    ) -> Result<Vec<GrpoJob<'a>>, candle_core::Error> {
+        let generations = grpo.settings.num_generations;
+        let groups: Vec<usize> = (0..prompts).collect();
+        let models = self.rank_models();
+        let mut jobs = Vec::with_capacity(models.len());
+        for ((rank, shard), grads) in shard_rows(&groups, models.len())
+            .into_iter()
+            .enumerate()
+            .zip(per_rank)
+        {
+            let batch = if shard.is_empty() {
+                None
+            } else {
+                let picked: Vec<&Rollout> = shard
+                    .iter()
+                    .flat_map(|&g| &rows[g * generations..(g + 1) * generations])
+                    .collect();
+                let device = &self.placement.devices[rank].candle;
+                Some(grpo.batch(&picked, self.pad_id, device)?)
+            };
+            jobs.push((models[rank], self.reference_copies.get(rank), batch, grads));
+        }
+        Ok(jobs)
+    }
+}
+
+/// The rollouts of the last step, for the front ends (`None` before the first GRPO step).
+pub fn last_rollouts(run: &TrainingRun) -> Option<StepRollouts> {
+    run.grpo.as_ref().and_then(GrpoRun::last_rollouts)
+}

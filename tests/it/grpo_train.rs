@@ -1,0 +1,287 @@
+//! GRPO as a user runs it: `tunestudio train` with `[training] method = "grpo"`, the
+//! demo model (`assets/demo-model`, random weights, so it samples nearly uniformly over its
+//! 49,152 tokens) and a prompt set the test writes. The reward is one the demo model can learn
+//! within seconds: a completion that starts with a capital letter (about one sampled token in
+//! six does at first). Then: a Python `command` reward with the same rule trains the same run,
+//! a reward command that crashes stops the run with its name after a checkpoint, and a seeded
+//! run is reproducible and resumes exactly.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use tunestudio::train::{Event, RunConfig, TrainingRun};
+
+/// The rule both rewards apply: the completion's text starts with a capital letter.
+const CAPITAL: &str = "[A-Z].*";
+
+fn demo_model() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("assets/demo-model")
+}
+
+/// 16 conversational prompts (TRL's `prompt` column as messages) with an `answer` column.
+fn write_prompts(dir: &Path) -> PathBuf {
+    let rows: Vec<serde_json::Value> = (0..16)
+        .map(|i| {
+            serde_json::json!({
+                "prompt": [{"role": "user", "content": format!("Write a word that starts with a capital letter. ({i})")}],
+                "answer": format!("{i}"),
+            })
+        })
+        .collect();
+    let path = dir.join("prompts.json");
+    std::fs::write(&path, serde_json::to_string(&rows).unwrap()).unwrap();
+    path
+}
+
+/// A GRPO + LoRA run of `steps` steps on the demo model; `reward` is the `[[grpo.reward]]`
+/// table's body.
+fn config_text(dir: &Path, steps: u64, reward: &str) -> String {
+    format!(
+        r#"output_dir = {out:?}
+[model]
+source = {model:?}
+init = "random"
+[data]
+path = {data:?}
+validation_ratio = 0.0
+allow = ["learning-rate"]
+[training]
+method = "grpo"
+micro_batch = 2
+gradient_accumulation = 2
+max_steps = {steps}
+learning_rate = 0.02
+schedule = "constant"
+seed = 7
+[grpo]
+num_generations = 8
+max_prompt_length = 64
+max_completion_length = 4
+temperature = 1.0
+[[grpo.reward]]
+{reward}
+[lora]
+enabled = true
+r = 8
+alpha = 16
+[checkpoint]
+save_every = 2
+keep_last = 10
+save_final = false
+[devices]
+devices = ["cpu"]
+"#,
+        out = dir.join("out").display().to_string(),
+        model = demo_model().display().to_string(),
+        data = write_prompts(dir).display().to_string(),
+    )
+}
+
+fn write_config(dir: &Path, steps: u64, reward: &str) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let path = dir.join("run.toml");
+    std::fs::write(&path, config_text(dir, steps, reward)).unwrap();
+    path
+}
+
+fn format_reward() -> String {
+    format!("kind = \"format\"\nname = \"capital\"\npattern = {CAPITAL:?}")
+}
+
+/// Runs `tunestudio train --config path` (plus `extra`), returning (success, stdout+stderr).
+fn train(path: &Path, extra: &[&str]) -> (bool, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tunestudio"))
+        .args(["train", "--config"])
+        .arg(path)
+        .args(extra)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// Each recorded step's loss and metrics, by step.
+fn steps(out: &Path) -> BTreeMap<u64, (f64, BTreeMap<String, f64>)> {
+    tunestudio::train::read_metrics(out)
+        .unwrap()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Step {
+                step,
+                loss,
+                metrics,
+                ..
+            } => Some((step, (loss, metrics.into_iter().collect()))),
+            _ => None,
+        })
+        .collect()
+}
+
+fn mean_reward(
+    steps: &BTreeMap<u64, (f64, BTreeMap<String, f64>)>,
+    range: std::ops::RangeInclusive<u64>,
+) -> f64 {
+    let n = range.clone().count() as f64;
+    range.map(|s| steps[&s].1["reward"]).sum::<f64>() / n
+}
+
+#[test]
+fn grpo_through_the_cli_raises_the_mean_reward() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = write_config(tmp.path(), 24, &format_reward());
+    // Full fine-tuning: the demo model's weights are random, its tied head tiny, and its final
+    // RMSNorm bounds the hidden state, so LoRA on the layers alone barely moves the first
+    // token's distribution (measured: LoRA r 8 at lr 0.002-0.1 stayed at 0.24-0.31 after 24
+    // steps, entropy fixed at ln 49152; full fine-tuning at lr 0.05 went 0.28 → 1.0). The
+    // LoRA path's numbers are held to TRL's in `grpo_loss.rs`; the other tests here run LoRA.
+    let text = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("enabled = true", "enabled = false")
+        .replace("learning_rate = 0.02", "learning_rate = 0.05");
+    std::fs::write(&path, text).unwrap();
+    let (ok, printed) = train(&path, &[]);
+    assert!(ok, "{printed}");
+    assert!(
+        printed.contains("  reward "),
+        "the progress lines show the reward: {printed}"
+    );
+    let s = steps(&tmp.path().join("out"));
+    assert_eq!(s.len(), 24);
+    for key in [
+        "reward",
+        "reward_std",
+        "rewards/capital/mean",
+        "rewards/capital/std",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "frac_reward_zero_std",
+        "entropy",
+        "clip_ratio/region_mean",
+    ] {
+        assert!(s[&1].1.contains_key(key), "{key} in {:?}", s[&1].1);
+    }
+    let (early, late) = (mean_reward(&s, 1..=6), mean_reward(&s, 19..=24));
+    println!("mean reward {early:.3} → {late:.3}");
+    assert!(late > early + 0.15, "mean reward {early} → {late}");
+}
+
+/// The same rule as a Python reward command: reads JSON lines, prints one number per line.
+const PY_CAPITAL: &str = r#"import json, re, sys
+for line in sys.stdin:
+    row = json.loads(line)
+    print(1.0 if re.fullmatch(r"[A-Z].*", row["completion"].strip(), re.S) else 0.0, flush=True)
+"#;
+
+#[test]
+fn a_python_reward_command_trains_the_same_run_as_the_builtin() {
+    let tmp = tempfile::tempdir().unwrap();
+    let builtin = write_config(&tmp.path().join("builtin"), 3, &format_reward());
+    let dir = tmp.path().join("command");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("capital.py"), PY_CAPITAL).unwrap();
+    let command = write_config(
+        &dir,
+        3,
+        "kind = \"command\"\nname = \"capital\"\ncommand = [\"python3\", \"capital.py\"]",
+    );
+    let (ok, printed) = train(&builtin, &[]);
+    assert!(ok, "{printed}");
+    let (ok, printed) = train(&command, &[]);
+    assert!(ok, "{printed}");
+    let a = steps(&tmp.path().join("builtin/out"));
+    let b = steps(&dir.join("out"));
+    assert_eq!(a.len(), 3);
+    for (step, (loss, m)) in &a {
+        let (other_loss, other) = &b[step];
+        assert_eq!(loss, other_loss, "step {step}: the loss");
+        assert_eq!(m["reward"], other["reward"], "step {step}: the reward");
+    }
+}
+
+#[test]
+fn a_crashing_reward_command_stops_the_run_with_its_name_after_a_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    // A step scores 2 × 2 prompts × 8 completions = 32 lines: it crashes on step 3's first.
+    let script = r#"import json, sys, os
+seen = 0
+for line in sys.stdin:
+    seen += 1
+    if seen > 2 * 32:
+        sys.stderr.write("KeyError: 'solution' (the reward script's own bug)\n")
+        sys.exit(3)
+    print(0.5 if seen % 2 else 0.0, flush=True)
+"#;
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("flaky.py"), script).unwrap();
+    let path = write_config(
+        dir,
+        6,
+        "kind = \"command\"\nname = \"flaky\"\ncommand = [\"python3\", \"flaky.py\"]\ntimeout_secs = 20",
+    );
+    // No periodic checkpoint: the one found after the failure is the failure's own.
+    let text = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("save_every = 2", "save_every = 0");
+    std::fs::write(&path, text).unwrap();
+    let (ok, printed) = train(&path, &[]);
+    assert!(!ok, "the run must stop: {printed}");
+    assert!(
+        printed.contains("flaky"),
+        "the error names the reward: {printed}"
+    );
+    assert!(
+        printed.contains("KeyError"),
+        "the error shows the stderr tail: {printed}"
+    );
+    let latest = tunestudio::train::latest_checkpoint(&dir.join("out"))
+        .expect("a checkpoint of the last good step");
+    assert!(latest.ends_with("checkpoint-2"), "{}", latest.display());
+}
+
+fn run_config(dir: &Path, steps: u64) -> RunConfig {
+    let path = write_config(dir, steps, &format_reward());
+    RunConfig::load(&path).unwrap()
+}
+
+fn losses(run: &mut TrainingRun) -> BTreeMap<u64, (f64, f64)> {
+    let mut out = BTreeMap::new();
+    while !run.is_done() {
+        let o = run.step().unwrap();
+        let reward = o
+            .grpo
+            .as_ref()
+            .and_then(|g| g.named().into_iter().find(|(k, _)| k == "reward"))
+            .map(|(_, v)| v)
+            .unwrap();
+        out.insert(o.step, (o.loss, reward));
+    }
+    out
+}
+
+#[test]
+fn a_seeded_grpo_run_is_reproducible_and_resumes_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let first = losses(&mut TrainingRun::new(run_config(&tmp.path().join("a"), 4)).unwrap());
+    let again = losses(&mut TrainingRun::new(run_config(&tmp.path().join("b"), 4)).unwrap());
+    assert_eq!(
+        first, again,
+        "the same config twice samples and trains the same"
+    );
+
+    let cfg = run_config(&tmp.path().join("c"), 4);
+    let mut cut = TrainingRun::new(cfg.clone()).unwrap();
+    cut.step().unwrap();
+    cut.step().unwrap();
+    let ckpt = cut.save_checkpoint().unwrap();
+    drop(cut);
+    let mut resumed = TrainingRun::resume(cfg, &ckpt).unwrap();
+    let after = losses(&mut resumed);
+    assert_eq!(after.keys().copied().collect::<Vec<_>>(), vec![3, 4]);
+    for (step, v) in &after {
+        assert_eq!(v, &first[step], "step {step} after the resume");
+    }
+}
