@@ -36,8 +36,8 @@ pub struct PlanArgs {
     /// fp32, bf16-mixed, bf16 or fp16-mixed.
     #[arg(long)]
     pub precision: Option<String>,
-    /// Samples per micro-batch (per device under data parallel; a preference pair runs as two
-    /// rows).
+    /// Samples per micro-batch, in the run's unit: rows (SFT), pairs (DPO, ORPO: two rows
+    /// each) or prompts (GRPO: `num_generations` rows each); per device under data parallel.
     #[arg(long)]
     pub micro_batch: Option<usize>,
     /// Micro-batches accumulated per optimizer step.
@@ -238,13 +238,14 @@ fn print_text(
     println!("Model:    {}", model_summary(req));
     println!("Settings: {}", req.settings_summary());
     println!(
-        "Effective batch: {} rows/step; {} trainable parameters",
+        "Effective batch: {} rows/step{}; {} trainable parameters",
         req.effective_batch(),
+        req.head_loss.rows_in_samples(req.effective_batch()),
         human_count(the_plan.trainable_parameters)
     );
     if req.trained_tokens.is_some() {
         println!(
-            "Loss rows: {} per micro-batch, the most tokens any {} samples of the data train \
+            "Loss rows: {} per micro-batch, the most tokens any {} rows of the data train \
              (of {} positions)",
             req.loss_rows(),
             req.micro_batch,
@@ -320,7 +321,10 @@ fn model_summary(req: &PlanRequest) -> String {
 fn request_json(req: &PlanRequest) -> serde_json::Value {
     serde_json::json!({
         "precision": req.precision,
-        "micro_batch": req.micro_batch,
+        // The flag's (and the run config's) unit: rows, pairs or prompts; and the rows they are.
+        "micro_batch": req.micro_batch / req.head_loss.rows_per_sample(),
+        "micro_batch_unit": req.head_loss.sample_unit(),
+        "micro_batch_rows": req.micro_batch,
         "gradient_accumulation": req.gradient_accumulation,
         "seq_len": req.seq_len,
         "planned_seq_len": req.planned_seq_len(),

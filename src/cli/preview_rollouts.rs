@@ -10,7 +10,7 @@ use crate::cli::preview::{exit_code, render_lints, write_json, write_out, Style}
 use std::io::Write;
 use std::process::ExitCode;
 use tunestudio::text::visible_keep_spaces as visible;
-use tunestudio::train::grpo::{rollout_preview, PreviewGroup, RolloutPreview};
+use tunestudio::train::rollout_preview::{rollout_preview, PreviewGroup, RolloutPreview};
 use tunestudio::train::RunConfig;
 
 /// Previews the rollouts of `config`'s first `prompts` prompts.
@@ -20,7 +20,7 @@ pub fn run(
     json: bool,
     color: bool,
 ) -> anyhow::Result<ExitCode> {
-    let preview = rollout_preview(config, prompts)?;
+    let preview = rollout_preview(config, 0, prompts)?;
     let code = exit_code(&preview.lints, &config.data.allow);
     write_out(code, |out| {
         if json {
@@ -102,13 +102,12 @@ fn render_group(
             c.reward,
             rewards.join(", "),
             c.advantage,
-            c.ids.len(),
+            c.tokens.len(),
         )?;
         let tokens: Vec<String> = c
             .tokens
             .iter()
-            .zip(&c.ids)
-            .map(|(t, id)| st.paint("32", &format!("{}({id})", visible(t))))
+            .map(|t| st.paint("32", &format!("{}({})", visible(&t.text), t.id)))
             .collect();
         writeln!(out, "      {}", tokens.join(" "))?;
     }

@@ -291,6 +291,9 @@ impl EventRenderer for ProgressLine {
         ));
     }
 
+    // The progress line shows the step's rewards; the texts are in metrics.jsonl.
+    fn completions(&mut self, _: u64, _: &tunestudio::train::SampledGroup) {}
+
     fn finished(&mut self, e: render::Finished<'_>) {
         self.finished = Some(e.reason);
         if let Some(b) = &self.bar {
@@ -375,6 +378,7 @@ fn started(e: &render::Started<'_>, bar: Option<&ProgressBar>, interactive: bool
         eval_rows,
         output_dir,
         effective_batch,
+        batch_unit,
         ranks,
         placement,
     } = e;
@@ -393,7 +397,7 @@ fn started(e: &render::Started<'_>, bar: Option<&ProgressBar>, interactive: bool
     );
     say(
         bar,
-        format!("effective batch {effective_batch} rows per step ({ranks} data-parallel rank(s))"),
+        format!("effective batch {effective_batch} {batch_unit} per step ({ranks} data-parallel rank(s))"),
     );
     if placement.len() > 1 {
         for d in placement.iter() {

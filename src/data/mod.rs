@@ -45,8 +45,8 @@ pub use prepare::{
     OpenedData, Pipeline, PreparedData,
 };
 pub use preview::{
-    preview_dataset, preview_opened, DataPreview, PreviewOptions, RowPreview, RowSelection,
-    SplitName, TokenClass, TokenSpan,
+    preview_dataset, preview_opened, token_spans, DataPreview, PreviewOptions, RowPreview,
+    RowSelection, SplitName, TokenClass, TokenSpan,
 };
 pub use readers::{Dataset, FileKind, ResolvedSource};
 pub use stats::{largest_trained_counts, DataStats, LengthHistogram};

@@ -51,6 +51,47 @@ pub struct TokenSpan {
     pub special: bool,
 }
 
+/// Token spans of `ids` with their label classes (`labels[i]`: −100 masked, the id itself
+/// trained, anything else a mismatch) and loss weights (`weights`, else 1 trained and 0
+/// masked): what every preview (SFT rows, preference pairs, GRPO completions) draws as chips.
+pub fn token_spans(
+    tok: &TokenizerBundle,
+    ids: &[u32],
+    labels: &[i64],
+    weights: Option<&[f32]>,
+) -> Vec<TokenSpan> {
+    let texts = tok.token_texts(ids);
+    let bytes = tok.token_bytes(ids);
+    ids.iter()
+        .zip(labels)
+        .zip(texts.into_iter().zip(bytes))
+        .enumerate()
+        .map(|(i, ((&id, &label), (text, bytes)))| {
+            let class = if label == IGNORE_INDEX {
+                TokenClass::Masked
+            } else if label != i64::from(id) {
+                TokenClass::Mismatch
+            } else {
+                TokenClass::Trained
+            };
+            let weight = match weights {
+                Some(w) => w[i],
+                None if class == TokenClass::Masked => 0.0,
+                None => 1.0,
+            };
+            TokenSpan {
+                text,
+                id,
+                label,
+                class,
+                weight,
+                bytes,
+                special: tok.is_special(id),
+            }
+        })
+        .collect()
+}
+
 impl TokenSpan {
     /// The token's bytes, or its text where the tokenizer gave none (an id outside the
     /// vocabulary in pre-tokenised data).
@@ -280,38 +321,7 @@ pub fn row_previews(
         let width = padded_len(longest, &opts);
         for r in group {
             let s = &r.sample;
-            let texts = tok.token_texts(&s.input_ids);
-            let bytes = tok.token_bytes(&s.input_ids);
-            let mut tokens: Vec<TokenSpan> = s
-                .input_ids
-                .iter()
-                .zip(&s.labels)
-                .zip(texts.into_iter().zip(bytes))
-                .enumerate()
-                .map(|(i, ((&id, &label), (text, bytes)))| {
-                    let class = if label == IGNORE_INDEX {
-                        TokenClass::Masked
-                    } else if label != id as i64 {
-                        TokenClass::Mismatch
-                    } else {
-                        TokenClass::Trained
-                    };
-                    let weight = match &s.weights {
-                        Some(w) => w[i],
-                        None if class == TokenClass::Masked => 0.0,
-                        None => 1.0,
-                    };
-                    TokenSpan {
-                        text,
-                        id,
-                        label,
-                        class,
-                        weight,
-                        bytes,
-                        special: tok.is_special(id),
-                    }
-                })
-                .collect();
+            let mut tokens = token_spans(tok, &s.input_ids, &s.labels, s.weights.as_deref());
             if r.dropped.is_none() {
                 for _ in s.len()..width {
                     tokens.push(TokenSpan {

@@ -14,11 +14,11 @@ use tunestudio::plan::{Change, PlanRequest};
 use tunestudio::train::{self, Command, RunConfig};
 
 use super::jobs::{JobOutput, Jobs};
-use super::panels::export::ExportKind;
 use super::panels::Panels;
 use super::playground;
 use super::reducer::apply_job;
 use super::session::{push_recent, Panel, Session, Settings};
+use super::shared::ExportKind;
 
 mod action;
 mod central;

@@ -1,14 +1,18 @@
 //! Settings that follow the model and the method. The demo trains a random tiny model at
 //! 3e-3; carried over to a real pretrained model that rate wrecked it (2.05 → 10.7 in nine
-//! steps). When the model turns out to have weights, or the method changes between full
-//! fine-tuning and LoRA, the settings the user has not touched move to defaults suited to it,
-//! and one line says what changed and why; settings the user set stay.
+//! steps). When the model turns out to have weights, the method changes between full
+//! fine-tuning and LoRA, or the objective changes (SFT, DPO/ORPO, GRPO: switching to DPO with
+//! LoRA proposed SFT's 2e-4, 40× the usual 5e-6), the settings the user has not touched move to
+//! defaults suited to it, and one line says what changed and why; settings the user set stay.
 //!
 //! "Not touched" is tracked by value: the studio remembers what it (or the loaded config)
 //! set, and a setting still holding that value is the studio's to move.
 
 use tunestudio::train::settings_lints::usual_learning_rate;
-use tunestudio::train::{InitMode, RunConfig};
+use tunestudio::train::{InitMode, RunConfig, TrainingMethod};
+
+/// What the settings are fitted to: a pretrained model or not, LoRA or not, the objective.
+pub type Fitting = (bool, bool, TrainingMethod);
 
 /// The warm-up the studio suggests for a pretrained model: 3 % of the steps (transformers'
 /// and LLaMA-Factory's common recipe).
@@ -17,9 +21,9 @@ const PRETRAINED_WARMUP_RATIO: f64 = 0.03;
 /// What the studio last fitted the training settings to, and the values it set.
 #[derive(Debug, Clone, Default)]
 pub struct FollowState {
-    /// `(pretrained, lora)` the settings are fitted to; `None`: adopt the first one seen
-    /// without moving anything (a config the user saved is theirs).
-    fitted_for: Option<(bool, bool)>,
+    /// What the settings are fitted to; `None`: adopt the first one seen without moving
+    /// anything (a config the user saved is theirs).
+    fitted_for: Option<Fitting>,
     init: Option<InitMode>,
     learning_rate: Option<f64>,
     warmup_ratio: Option<f64>,
@@ -30,7 +34,7 @@ pub struct FollowState {
 impl FollowState {
     /// After a config was loaded: its values count as not touched. `fitted_for` is what they
     /// suit (the demo: a random model, full fine-tuning), or `None` for a user's own config.
-    pub fn loaded(config: &RunConfig, fitted_for: Option<(bool, bool)>) -> Self {
+    pub fn loaded(config: &RunConfig, fitted_for: Option<Fitting>) -> Self {
         FollowState {
             fitted_for,
             init: Some(config.model.init),
@@ -57,7 +61,7 @@ pub fn follow(
         changes.push("initialisation random → pretrained weights".to_string());
     }
     let pretrained = has_weights && config.model.init != InitMode::Random;
-    let context = (pretrained, config.lora.enabled);
+    let context = (pretrained, config.lora.enabled, config.training.method);
     let Some(fitted) = state.fitted_for else {
         state.fitted_for = Some(context);
         return announce(state, changes, context, config);
@@ -95,7 +99,7 @@ pub fn follow(
 fn announce(
     state: &mut FollowState,
     changes: Vec<String>,
-    (pretrained, _): (bool, bool),
+    (pretrained, _, _): Fitting,
     config: &RunConfig,
 ) -> Option<String> {
     if changes.is_empty() {
@@ -146,7 +150,7 @@ mod tests {
     #[test]
     fn a_model_with_weights_after_the_demo_moves_init_rate_and_warm_up() {
         let mut c = demo();
-        let mut s = FollowState::loaded(&c, Some((false, false)));
+        let mut s = FollowState::loaded(&c, Some((false, false, TrainingMethod::Sft)));
         // The demo model itself (no weights): nothing moves.
         assert_eq!(follow(&mut s, &mut c, Some(false)), None);
         let note = follow(&mut s, &mut c, Some(true)).expect("an announcement");
@@ -162,6 +166,29 @@ mod tests {
         c.lora.enabled = false;
         assert_eq!(follow(&mut s, &mut c, Some(true)), None);
         assert_eq!(c.training.learning_rate, 5e-5);
+    }
+
+    /// The objective moves the rate too: DPO with LoRA is usually 5e-6, GRPO with full
+    /// fine-tuning 1e-6 (TRL's default), and back to SFT's.
+    #[test]
+    fn switching_the_objective_moves_an_untouched_rate() {
+        let mut c = demo();
+        let mut s = FollowState::loaded(&c, Some((false, false, TrainingMethod::Sft)));
+        follow(&mut s, &mut c, Some(true)).expect("pretrained");
+        c.lora.enabled = true;
+        follow(&mut s, &mut c, Some(true)).expect("LoRA's rate");
+        assert_eq!(c.training.learning_rate, 2e-4);
+        c.training.method = TrainingMethod::Dpo;
+        let note = follow(&mut s, &mut c, Some(true)).expect("DPO's rate");
+        assert_eq!(c.training.learning_rate, 5e-6);
+        assert!(note.contains("preference training with LoRA"), "{note}");
+        c.training.method = TrainingMethod::Grpo;
+        c.lora.enabled = false;
+        follow(&mut s, &mut c, Some(true)).expect("GRPO's rate");
+        assert_eq!(c.training.learning_rate, 1e-6);
+        c.training.method = TrainingMethod::Sft;
+        follow(&mut s, &mut c, Some(true)).expect("SFT's rate");
+        assert_eq!(c.training.learning_rate, 2e-5);
     }
 
     #[test]

@@ -117,7 +117,15 @@ fn previewed(s: &mut Session, p: &mut Panels, result: Result<Previewed, JobError
     // `max_length` cuts SFT rows only; pairs are cut at `[preference]`'s lengths.
     let propose = std::mem::take(&mut p.dataset.propose_max_length);
     let rows = match result {
+        Ok(Previewed::Rollouts(rollouts)) => {
+            p.preview.rollouts.set(rollouts);
+            p.preview.pairs.clear();
+            p.preview.preview = None;
+            p.preview.error = None;
+            return Vec::new();
+        }
         Ok(Previewed::Pairs(pairs)) => {
+            p.preview.rollouts.clear();
             p.preview.pairs.set(pairs);
             p.preview.preview = None;
             p.preview.error = None;
@@ -127,6 +135,7 @@ fn previewed(s: &mut Session, p: &mut Panels, result: Result<Previewed, JobError
         Err(e) => Err(e),
     };
     p.preview.pairs.clear();
+    p.preview.rollouts.clear();
     let note = match (&rows, propose) {
         (Ok(rows), true) => propose_max_length(&mut s.config, p.model.info.as_ref(), rows),
         _ => None,

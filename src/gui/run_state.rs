@@ -113,6 +113,11 @@ pub struct RunState {
     pub suggested_learning_rate: Option<f64>,
     /// (step, learning rate).
     pub lr: Vec<[f64; 2]>,
+    /// GRPO: (step, value) of the mean reward (`reward`) and of each function's mean
+    /// (`rewards/<name>/mean`), by TRL's metric name.
+    pub rewards: BTreeMap<String, Vec<[f64; 2]>>,
+    /// GRPO: the last step's first prompt and its sampled completions, with that step.
+    pub completions: Option<(u64, tunestudio::train::SampledGroup)>,
     /// Trained tokens per second of the last step.
     pub tokens_per_sec: f64,
     /// Training seconds so far.
@@ -139,6 +144,12 @@ pub struct RunState {
     pub out_of_memory_reported: bool,
 }
 
+/// Whether a step metric is one the Run panel's reward chart draws: GRPO's mean reward and each
+/// reward function's mean.
+pub fn is_reward_curve(name: &str) -> bool {
+    name == "reward" || (name.starts_with("rewards/") && name.ends_with("/mean"))
+}
+
 impl Default for RunState {
     fn default() -> Self {
         RunState {
@@ -156,6 +167,8 @@ impl Default for RunState {
             divergences: Vec::new(),
             suggested_learning_rate: None,
             lr: Vec::new(),
+            rewards: BTreeMap::new(),
+            completions: None,
             tokens_per_sec: 0.0,
             elapsed_secs: 0.0,
             trained_tokens: 0,
@@ -277,6 +290,12 @@ impl EventRenderer for RunState {
             self.loss.push([step as f64, e.loss]);
         }
         self.lr.push([step as f64, e.lr]);
+        for (name, &value) in e.metrics {
+            if is_reward_curve(name) && value.is_finite() {
+                let curve = self.rewards.entry(name.clone()).or_default();
+                curve.push([step as f64, value]);
+            }
+        }
         if e.tokens_per_sec.is_finite() {
             self.tokens_per_sec = e.tokens_per_sec;
         }
@@ -424,6 +443,10 @@ impl EventRenderer for RunState {
             ),
         );
         self.allowed_lints.push(lint.clone());
+    }
+
+    fn completions(&mut self, step: u64, group: &tunestudio::train::SampledGroup) {
+        self.completions = Some((step, group.clone()));
     }
 
     fn finished(&mut self, e: render::Finished<'_>) {

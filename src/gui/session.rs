@@ -179,8 +179,9 @@ impl Session {
 
     /// What the loaded config's settings suit: the bundled demo's a random model's full
     /// fine-tuning; a user's own config is adopted as it is (`None`).
-    fn demo_fitting(&self) -> Option<(bool, bool)> {
-        self.is_demo().then_some((false, false))
+    fn demo_fitting(&self) -> Option<crate::gui::follow::Fitting> {
+        self.is_demo()
+            .then_some((false, false, tunestudio::train::TrainingMethod::Sft))
     }
 
     /// Whether the config open is the bundled demo's.

@@ -1,13 +1,15 @@
 //! What the panels share read-only: the results of one panel's jobs that another panel
-//! shows (the model, the dataset summary, the plan), and the [`PanelContext`] through which
-//! the app lends them for one frame. A panel never imports another panel's module.
+//! shows (the model, the dataset summary, the plan), the types the background jobs take and
+//! answer with (an export's kind and progress, a past run), and the [`PanelContext`] through
+//! which the app lends them for one frame. A panel never imports another panel's module, and
+//! the jobs import none (`tests/it/layering.rs`).
 
 use std::path::PathBuf;
 
 use tunestudio::data::{Format, Lint};
 use tunestudio::model::ModelConfig;
 use tunestudio::plan::{DeviceSpec, Plan};
-use tunestudio::train::RunConfig;
+use tunestudio::train::{FinishReason, RunConfig, RunCurves};
 
 /// What the Model panel shows about the resolved model.
 #[derive(Debug, Clone)]
@@ -98,4 +100,48 @@ pub struct PanelContext<'a> {
     pub blocking_lints: Vec<Lint>,
     /// The newest checkpoint of the live run (Playground).
     pub last_checkpoint: Option<PathBuf>,
+}
+
+/// What to export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExportKind {
+    /// The LoRA adapter (PEFT layout).
+    Adapter,
+    /// Base + adapter merged into a full HF model.
+    Merged,
+    /// The full fine-tuned model.
+    Full,
+    /// One GGUF file (adapter merged) for llama.cpp / Ollama, with a Modelfile.
+    Gguf,
+}
+
+/// How far a GGUF export is: bytes written and the file's size, written by the export's
+/// thread and read by the panel each frame (no message per tensor).
+#[derive(Debug, Default)]
+pub struct ExportProgressCell {
+    /// Bytes written so far.
+    pub done_bytes: std::sync::atomic::AtomicU64,
+    /// The file's size (0 until the plan is known).
+    pub total_bytes: std::sync::atomic::AtomicU64,
+}
+
+/// A past run read back from its output folder.
+#[derive(Debug, Clone)]
+pub struct HistoryRun {
+    /// The output folder.
+    pub dir: PathBuf,
+    /// Its curves from `metrics.jsonl`.
+    pub curves: RunCurves,
+    /// How it ended, if it did.
+    pub finished: Option<FinishReason>,
+}
+
+impl HistoryRun {
+    /// The folder's name.
+    pub fn name(&self) -> String {
+        self.dir
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_else(|| self.dir.display().to_string())
+    }
 }

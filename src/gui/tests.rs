@@ -18,6 +18,7 @@ use super::session::Panel;
 use tunestudio::train::FinishReason;
 
 mod fixes;
+mod grpo;
 mod runs;
 mod slow_disk;
 
@@ -1639,7 +1640,7 @@ fn the_export_panel_writes_a_gguf_file_with_its_predicted_size() {
     h.step();
     assert_eq!(
         h.state().panels.export.kind,
-        super::panels::export::ExportKind::Gguf
+        super::shared::ExportKind::Gguf
     );
     // The size follows the type, computed from the loaded model's config.
     let size_of =

@@ -86,14 +86,17 @@ pub struct InferModel {
     inv_freq: Vec<f32>,
 }
 
-/// The keys and values of every layer for the positions seen so far (batch of one).
+/// The keys and values of every layer for the positions seen so far, for `rows` sequences
+/// that advance together (one for a generation; a GRPO group's completions after their shared
+/// prompt, [`KvCache::repeat_rows`]).
 ///
-/// Buffers are `[1, kv_heads, capacity, head_dim]` and grow by doubling; keys are stored
+/// Buffers are `[rows, kv_heads, capacity, head_dim]` and grow by doubling; keys are stored
 /// after RoPE, so a cached position never needs recomputing.
 pub struct KvCache {
     layers: Vec<Option<(Tensor, Tensor)>>,
     len: usize,
     capacity: usize,
+    rows: usize,
 }
 
 impl KvCache {
@@ -117,7 +120,50 @@ impl KvCache {
         self.len = self.len.min(len);
     }
 
-    /// Writes `k`, `v` (`[1, kv_heads, t, head_dim]`) after the cached positions of `layer`
+    /// Sequences the cache holds.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// A cache of `rows` sequences that each start with this one-sequence cache's positions
+    /// (a prompt prefilled once, then decoded `rows` ways), with room for `capacity_tokens`
+    /// positions.
+    pub fn repeat_rows(&self, rows: usize, capacity_tokens: usize) -> Result<KvCache, InferError> {
+        if self.rows != 1 {
+            return Err(InferError::Model(ModelError::Input(format!(
+                "only a one-sequence cache can be repeated (this one holds {})",
+                self.rows
+            ))));
+        }
+        let cap = capacity_tokens.max(self.len).max(1);
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for slot in &self.layers {
+            layers.push(match slot {
+                None => None,
+                Some((k, v)) => {
+                    let repeat = |b: &Tensor| -> Result<Tensor, InferError> {
+                        let (_, nkv, _, hd) = b.dims4()?;
+                        let out = Tensor::zeros((rows, nkv, cap, hd), b.dtype(), b.device())?;
+                        if self.len > 0 {
+                            let prefix = b.narrow(2, 0, self.len)?;
+                            let prefix = prefix.broadcast_as((rows, nkv, self.len, hd))?;
+                            out.slice_set(&prefix.contiguous()?, 2, 0)?;
+                        }
+                        Ok(out)
+                    };
+                    Some((repeat(k)?, repeat(v)?))
+                }
+            });
+        }
+        Ok(KvCache {
+            layers,
+            len: self.len,
+            capacity: cap,
+            rows,
+        })
+    }
+
+    /// Writes `k`, `v` (`[rows, kv_heads, t, head_dim]`) after the cached positions of `layer`
     /// and returns views of all `len + t` positions. [`KvCache::len`] advances only in
     /// [`KvCache::commit`], once every layer has appended.
     fn append(
@@ -126,7 +172,7 @@ impl KvCache {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<(Tensor, Tensor), InferError> {
-        let (_, nkv, t, hd) = k.dims4()?;
+        let (rows, nkv, t, hd) = k.dims4()?;
         let needed = self.len + t;
         let slot = &mut self.layers[layer];
         let grow = match slot {
@@ -140,8 +186,8 @@ impl KvCache {
             };
             // Doubling keeps the copies of a long generation linear in its length.
             let cap = needed.max(self.capacity).max(2 * old_cap);
-            let kb = Tensor::zeros((1, nkv, cap, hd), k.dtype(), k.device())?;
-            let vb = Tensor::zeros((1, nkv, cap, hd), v.dtype(), v.device())?;
+            let kb = Tensor::zeros((rows, nkv, cap, hd), k.dtype(), k.device())?;
+            let vb = Tensor::zeros((rows, nkv, cap, hd), v.dtype(), v.device())?;
             if let (Some((ok, ov)), true) = (slot.as_ref(), self.len > 0) {
                 kb.slice_set(&ok.narrow(2, 0, self.len)?.contiguous()?, 2, 0)?;
                 vb.slice_set(&ov.narrow(2, 0, self.len)?.contiguous()?, 2, 0)?;
@@ -287,6 +333,7 @@ impl InferModel {
             layers: (0..self.layers.len()).map(|_| None).collect(),
             len: 0,
             capacity: capacity_tokens.max(1),
+            rows: 1,
         }
     }
 
@@ -317,13 +364,21 @@ impl InferModel {
         Ok((cos, sin))
     }
 
-    /// Runs `ids` (the positions after those in `cache`) through the decoder, appending them
-    /// to the cache; returns the final hidden states `[t, hidden]`.
+    /// Runs `ids` (the positions after those in `cache`, row after row: `cache.rows()` rows of
+    /// `ids.len() / rows` positions) through the decoder, appending them to the cache; returns
+    /// the final hidden states `[rows · t, hidden]`.
     fn hidden(&self, ids: &[u32], cache: &mut KvCache) -> Result<Tensor, InferError> {
-        let t = ids.len();
-        if t == 0 {
+        let rows = cache.rows.max(1);
+        if ids.is_empty() {
             return Err(InferError::EmptyPrompt);
         }
+        if !ids.len().is_multiple_of(rows) {
+            return Err(InferError::Model(ModelError::Input(format!(
+                "{} token ids do not split into the cache's {rows} rows",
+                ids.len()
+            ))));
+        }
+        let t = ids.len() / rows;
         let vocab = self.config.vocab_size;
         if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
             return Err(InferError::Model(ModelError::Input(format!(
@@ -339,7 +394,7 @@ impl InferModel {
         }
         let offset = cache.len;
         let ids_t = Tensor::new(ids, &self.device)?;
-        let mut h = self.embed.index_select(&ids_t, 0)?; // [t, hidden]
+        let mut h = self.embed.index_select(&ids_t, 0)?; // [rows · t, hidden]
 
         // Per-device tables and masks (layers may sit on several devices).
         struct DevCtx {
@@ -410,10 +465,11 @@ impl InferModel {
     ) -> Result<Tensor, InferError> {
         let c = &self.config;
         let (nh, nkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-        let t = h.dim(0)?;
+        let rows = cache.rows.max(1);
+        let t = h.dim(0)? / rows;
         let x = ops::rms_norm(h, &layer.input_norm, c.rms_norm_eps)?;
         let heads = |y: Tensor, n: usize| -> Result<Tensor, InferError> {
-            Ok(y.reshape((1, t, n, hd))?.transpose(1, 2)?.contiguous()?)
+            Ok(y.reshape((rows, t, n, hd))?.transpose(1, 2)?.contiguous()?)
         };
         let q = heads(layer.q.forward(&x)?, nh)?;
         let k = heads(layer.k.forward(&x)?, nkv)?;
@@ -433,23 +489,23 @@ impl InferModel {
         };
         let tk = k_all.dim(2)?;
         // Grouped-query attention as in the training decoder: the `rep` query heads of one
-        // kv head are stacked along time ([1, nkv, rep*t, hd]), q's memory order already.
+        // kv head are stacked along time ([rows, nkv, rep*t, hd]), q's memory order already.
         let rep = nh / nkv;
-        let q = q.reshape((1, nkv, rep * t, hd))?;
+        let q = q.reshape((rows, nkv, rep * t, hd))?;
         let scale = 1.0 / (hd as f64).sqrt();
         let mut scores = (q.matmul(&k_all.t()?)? * scale)?.to_dtype(DType::F32)?;
         if let Some(m) = mask {
             scores = scores
-                .reshape((1, nkv, rep, t, tk))?
+                .reshape((rows, nkv, rep, t, tk))?
                 .broadcast_add(m)?
-                .reshape((1, nkv, rep * t, tk))?;
+                .reshape((rows, nkv, rep * t, tk))?;
         }
         let probs = ops::softmax_last_dim(&scores)?.to_dtype(self.dtype)?;
-        let o = probs.matmul(&v_all)?; // [1, nkv, rep*t, hd] == [1, nh, t, hd]
+        let o = probs.matmul(&v_all)?; // [rows, nkv, rep*t, hd] == [rows, nh, t, hd]
         let o = o
-            .reshape((1, nh, t, hd))?
+            .reshape((rows, nh, t, hd))?
             .transpose(1, 2)?
-            .reshape((t, nh * hd))?;
+            .reshape((rows * t, nh * hd))?;
         let h = (h + layer.o.forward(&o)?)?;
         let x = ops::rms_norm(&h, &layer.post_norm, c.rms_norm_eps)?;
         let a = ops::silu_mul(&layer.gate.forward(&x)?, &layer.up.forward(&x)?)?;
@@ -457,8 +513,10 @@ impl InferModel {
     }
 
     /// Feeds `ids` after the cached positions and returns the logits of the LAST position
-    /// (`vocab_size` f32 values). The head runs on that one row only.
+    /// (`vocab_size` f32 values). The head runs on that one row only. `cache` holds one
+    /// sequence ([`InferModel::new_cache`]).
     pub fn forward(&self, ids: &[u32], cache: &mut KvCache) -> Result<Vec<f32>, InferError> {
+        one_row(cache)?;
         let h = self.hidden(ids, cache)?;
         let t = h.dim(0)?;
         let last = h.narrow(0, t - 1, 1)?;
@@ -469,9 +527,36 @@ impl InferModel {
     /// Like [`InferModel::forward`] but returns the logits of every fed position,
     /// `[t, vocab]` f32 (for tests and scoring).
     pub fn forward_all(&self, ids: &[u32], cache: &mut KvCache) -> Result<Tensor, InferError> {
+        one_row(cache)?;
         let h = self.hidden(ids, cache)?;
         Ok(ops::frozen_linear(&h, &self.lm_head, None)?.to_dtype(DType::F32)?)
     }
+
+    /// One decode step of every sequence of a many-row cache ([`KvCache::repeat_rows`]): `ids`
+    /// holds each row's next token; returns each row's logits, `[rows, vocab]` f32. The rows'
+    /// products run as one matrix product instead of `rows` matrix-vector products.
+    pub fn forward_rows(&self, ids: &[u32], cache: &mut KvCache) -> Result<Tensor, InferError> {
+        if ids.len() != cache.rows {
+            return Err(InferError::Model(ModelError::Input(format!(
+                "{} token ids for a cache of {} rows: one id per row",
+                ids.len(),
+                cache.rows
+            ))));
+        }
+        let h = self.hidden(ids, cache)?;
+        Ok(ops::frozen_linear(&h, &self.lm_head, None)?.to_dtype(DType::F32)?)
+    }
+}
+
+/// A one-sequence cache, or the error that says which call takes a many-row one.
+fn one_row(cache: &KvCache) -> Result<(), InferError> {
+    if cache.rows == 1 {
+        return Ok(());
+    }
+    Err(InferError::Model(ModelError::Input(format!(
+        "this cache holds {} sequences: decode them with forward_rows",
+        cache.rows
+    ))))
 }
 
 #[allow(dead_code)]

@@ -1,11 +1,13 @@
 //! GRPO's rollouts: a group of completions sampled for one prompt, every one from the same
-//! prefill (the prompt runs through the model once; each completion restarts from its cached
-//! keys and values), each seeded on its own so a run is reproducible and a resumed run samples
-//! what the uninterrupted one would have.
+//! prefill (the prompt runs through the model once, and its cached keys and values are copied
+//! to every completion's row), decoded together as one batch (each step's products are one
+//! matrix product over the group's rows, not a matrix-vector product per completion), each
+//! sampled with its own seed so a run is reproducible and a resumed run samples what the
+//! uninterrupted one would have.
 //!
-//! The completions of a group are decoded one after another on a batch-of-one cache: the
-//! prompt's prefill, the expensive part for short answers, is shared, but the decode steps are
-//! matrix-vector products. Decoding the group as one batch is the next speed step.
+//! A completion that stopped (EOS) keeps its row until the whole group has stopped: its later
+//! tokens are computed and dropped, which costs less than re-packing the cache every time one
+//! finishes.
 
 use super::engine::InferModel;
 use super::error::InferError;
@@ -42,34 +44,58 @@ pub fn sample_group(
         return Err(InferError::EmptyPrompt);
     }
     let prompt_len = prompt_ids.len();
-    let mut cache = model.new_cache(prompt_len + params.max_new_tokens);
-    let first_logits = model.forward(prompt_ids, &mut cache)?;
-    let mut completions = Vec::with_capacity(generations);
-    for g in 0..generations {
-        cache.truncate(prompt_len);
-        let seeded = SamplingParams {
-            seed: params.seed.wrapping_add(g as u64),
-            ..params.clone()
-        };
-        let mut sampler = Sampler::new(&seeded);
-        let mut logits = first_logits.clone();
-        let mut context = prompt_ids.to_vec();
-        let mut ids = Vec::new();
-        let truncated = loop {
-            let id = sampler
-                .next_token(&mut logits, &context)
-                .ok_or(InferError::NonFiniteLogits { step: ids.len() })?;
-            ids.push(id);
-            context.push(id);
+    let mut prefill = model.new_cache(prompt_len);
+    let first_logits = model.forward(prompt_ids, &mut prefill)?;
+    let rows = generations.max(1);
+    let mut cache = prefill.repeat_rows(rows, prompt_len + params.max_new_tokens)?;
+    drop(prefill);
+    let mut samplers: Vec<Sampler> = (0..rows)
+        .map(|g| {
+            Sampler::new(&SamplingParams {
+                seed: params.seed.wrapping_add(g as u64),
+                ..params.clone()
+            })
+        })
+        .collect();
+    let mut logits: Vec<Vec<f32>> = vec![first_logits; rows];
+    let mut contexts: Vec<Vec<u32>> = vec![prompt_ids.to_vec(); rows];
+    let mut completions: Vec<SampledCompletion> = (0..rows)
+        .map(|_| SampledCompletion {
+            ids: Vec::new(),
+            truncated: false,
+        })
+        .collect();
+    let mut open = vec![true; rows];
+    let mut step = 0;
+    loop {
+        let mut next = Vec::with_capacity(rows);
+        for g in 0..rows {
+            let c = &mut completions[g];
+            if !open[g] {
+                // A stopped row feeds its last token again; what it computes is dropped.
+                next.push(c.ids.last().copied().unwrap_or(0));
+                continue;
+            }
+            let id = samplers[g]
+                .next_token(&mut logits[g], &contexts[g])
+                .ok_or(InferError::NonFiniteLogits { step })?;
+            c.ids.push(id);
+            contexts[g].push(id);
             if eos_ids.contains(&id) {
-                break false;
+                open[g] = false;
+            } else if c.ids.len() >= params.max_new_tokens {
+                c.truncated = true;
+                open[g] = false;
             }
-            if ids.len() >= params.max_new_tokens {
-                break true;
-            }
-            logits = model.forward(&[id], &mut cache)?;
-        };
-        completions.push(SampledCompletion { ids, truncated });
+            next.push(id);
+        }
+        step += 1;
+        if !open.iter().any(|&o| o) {
+            break;
+        }
+        let batch = model.forward_rows(&next, &mut cache)?;
+        logits = batch.to_vec2::<f32>()?;
     }
+    completions.truncate(generations);
     Ok(GroupSample { completions })
 }

@@ -67,6 +67,22 @@ pub enum OptimizerOffload {
     Host,
 }
 
+impl OptimizerOffload {
+    /// `Host` when `offloaded`, else `None` (a front end's on/off switch).
+    pub fn host_if(offloaded: bool) -> Self {
+        if offloaded {
+            OptimizerOffload::Host
+        } else {
+            OptimizerOffload::None
+        }
+    }
+
+    /// Whether the state lives in host RAM.
+    pub fn is_host(self) -> bool {
+        self == OptimizerOffload::Host
+    }
+}
+
 /// Where the optimizer keeps its moments (and master weights).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum StatePlacement {

@@ -150,8 +150,8 @@ fn logits_chunk_rows(d: &StepDims) -> u64 {
 /// [`super::step_model::full_logits_bytes`]).
 fn logits_blocks_bytes(d: &StepDims) -> u64 {
     if d.full_logits {
-        return (3 + super::step_model::FULL_LOGITS_BACKWARD_TENSORS)
-            * super::step_model::full_logits_bytes(d);
+        let (kept, backward) = super::step_model::full_logits_tensors(d);
+        return (kept + backward) * super::step_model::full_logits_bytes(d);
     }
     logits_chunk_rows(d) * d.vocab * 4 + super::step_model::f32_head_pack_bytes(d, true)
 }

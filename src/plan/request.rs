@@ -101,6 +101,9 @@ pub enum HeadLoss {
     Completions {
         /// Completions per prompt (`[grpo] num_generations`).
         generations: usize,
+        /// The completion positions whose logits exist (`[grpo] max_completion_length`): the
+        /// head runs on these only (`model::grpo::model_completion_logps`).
+        completion_tokens: usize,
     },
 }
 
@@ -110,6 +113,40 @@ impl HeadLoss {
         !matches!(self, HeadLoss::Chunked)
     }
 
+    /// Positions of a `seq_len`-token row whose f32 logits the loss holds (full-logits heads):
+    /// every one for preference pairs, the completion's for GRPO.
+    pub fn logit_positions(self, seq_len: usize) -> usize {
+        match self {
+            HeadLoss::Completions {
+                completion_tokens, ..
+            } => completion_tokens.min(seq_len),
+            _ => seq_len,
+        }
+    }
+
+    /// What one sample (the unit of `training.micro_batch`) is, in the plural: `rows`, `pairs`
+    /// or `prompts` (agrees with `train::TrainingMethod::micro_batch_unit`, tested there).
+    pub fn sample_unit(self) -> &'static str {
+        match self {
+            HeadLoss::Chunked => "rows",
+            HeadLoss::FullLogits => "pairs",
+            HeadLoss::Completions { .. } => "prompts",
+        }
+    }
+
+    /// The micro-batch of `rows` rows in samples, said as a user set it: `""` for SFT (a row is
+    /// a sample), `" (2 pairs)"`, `" (2 prompts × 8 completions)"`.
+    pub fn rows_in_samples(self, rows: usize) -> String {
+        let per = self.rows_per_sample();
+        match self {
+            HeadLoss::Chunked => String::new(),
+            HeadLoss::FullLogits => format!(" ({} pairs)", rows / per),
+            HeadLoss::Completions { generations, .. } => {
+                format!(" ({} prompts × {generations} completions)", rows / per)
+            }
+        }
+    }
+
     /// Rows one sample (the unit of `training.micro_batch`) puts in a micro-batch: a
     /// preference pair's chosen and rejected rows (2), a GRPO prompt's completions, an SFT
     /// row (1). The one place this rule is written.
@@ -117,7 +154,7 @@ impl HeadLoss {
         match self {
             HeadLoss::Chunked => 1,
             HeadLoss::FullLogits => 2,
-            HeadLoss::Completions { generations } => generations.max(1),
+            HeadLoss::Completions { generations, .. } => generations.max(1),
         }
     }
 }
@@ -239,10 +276,7 @@ impl PlanRequest {
 
     /// Replicas that each process a micro-batch (1 unless data parallel).
     pub fn data_parallel_ranks(&self) -> usize {
-        match self.strategy {
-            Strategy::DataParallel => self.devices.len().max(1),
-            _ => 1,
-        }
+        self.strategy.ranks(self.devices.len())
     }
 
     /// The devices this strategy actually uses (single uses the first only).
@@ -268,9 +302,10 @@ impl PlanRequest {
     /// A one-line description of the settings ("fp32, micro-batch 1 × 4, seq 512, ...").
     pub fn settings_summary(&self) -> String {
         let mut s = format!(
-            "{}, micro-batch {} × accumulation {}, seq {}, {}",
+            "{}, micro-batch {} rows{} × accumulation {}, seq {}, {}",
             self.precision,
             self.micro_batch,
+            self.head_loss.rows_in_samples(self.micro_batch),
             self.gradient_accumulation,
             self.seq_len,
             self.strategy
@@ -282,8 +317,14 @@ impl PlanRequest {
                 self.planned_seq_len()
             ));
         }
-        if self.head_loss.is_full_logits() {
-            s.push_str(", loss on full logits (preference pairs)");
+        match self.head_loss {
+            HeadLoss::Chunked => {}
+            HeadLoss::FullLogits => s.push_str(", loss on full logits (preference pairs)"),
+            HeadLoss::Completions {
+                completion_tokens, ..
+            } => s.push_str(&format!(
+                ", loss on the full logits of {completion_tokens} completion positions (GRPO)"
+            )),
         }
         match self.reference {
             ReferencePlan::Stored => {}

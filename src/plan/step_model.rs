@@ -57,7 +57,7 @@ mod transients;
 
 pub(crate) use head::f32_head_pack_bytes;
 pub use head::full_logits_bytes;
-pub(crate) use head::FULL_LOGITS_BACKWARD_TENSORS;
+pub(crate) use head::full_logits_tensors;
 pub use native_layer::native_ctx_bytes;
 pub use transients::{
     accumulated_head_transient, accumulated_sum_temporaries, gemm_workspace_bytes,
@@ -168,6 +168,13 @@ pub struct StepDims {
     /// The loss takes the full logits of every row (preference training,
     /// [`super::HeadLoss::FullLogits`]): see [`full_logits_head_terms`].
     pub full_logits: bool,
+    /// Positions (rows × positions per row) whose f32 logits a full-logits head holds:
+    /// every token for preference pairs, the completions' for GRPO.
+    pub logit_positions: u64,
+    /// GRPO's head ([`super::HeadLoss::Completions`]): the completion positions' hidden rows
+    /// are cut out (a copy) and the logits divided by the temperature (one more logits-sized
+    /// tensor in the graph, and its gradient).
+    pub sampled_logits: bool,
 }
 
 impl StepDims {
@@ -232,6 +239,8 @@ impl StepDims {
                 && crate::model::ops::kernel_path::bf16_products(),
             generic_ops,
             full_logits: req.head_loss.is_full_logits(),
+            logit_positions: (req.micro_batch * req.head_loss.logit_positions(seq_len)) as u64,
+            sampled_logits: matches!(req.head_loss, super::HeadLoss::Completions { .. }),
         }
     }
 

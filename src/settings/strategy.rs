@@ -31,6 +31,16 @@ impl Strategy {
         Strategy::DataParallel,
     ];
 
+    /// Replicas that each take a micro-batch over `devices` devices: every device under data
+    /// parallel, one otherwise. The one place this rule is written (the trainer's placement,
+    /// the planner, the run config's effective batch).
+    pub fn ranks(self, devices: usize) -> usize {
+        match self {
+            Strategy::DataParallel => devices.max(1),
+            Strategy::Single | Strategy::LayerSplit => 1,
+        }
+    }
+
     /// The run-config spelling.
     pub fn as_str(&self) -> &'static str {
         match self {

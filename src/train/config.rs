@@ -197,6 +197,29 @@ pub struct TrainingSection {
     pub method: TrainingMethod,
 }
 
+impl RunConfig {
+    /// Switches `[training] method` to `method`, leaving settings the new method would refuse
+    /// at values it accepts: ORPO has its own loss, so DPO's `ipo` loss and label smoothing go
+    /// back to `sigmoid` and 0 (the settings lint would stop the run otherwise).
+    pub fn set_method(&mut self, method: TrainingMethod) {
+        let before = self.training.method;
+        self.training.method = method;
+        if method == TrainingMethod::Orpo && before != TrainingMethod::Orpo {
+            self.preference.loss = DpoLoss::Sigmoid;
+            self.preference.label_smoothing = 0.0;
+        }
+    }
+}
+
+impl TrainingSection {
+    /// Samples per optimizer step over `ranks` data-parallel ranks, in the method's unit
+    /// ([`TrainingMethod::micro_batch_unit`]): micro-batch × accumulation × ranks. The one
+    /// place this product is written outside the planner (which counts rows).
+    pub fn effective_batch(&self, ranks: usize) -> usize {
+        self.micro_batch * self.gradient_accumulation * ranks
+    }
+}
+
 impl Default for TrainingSection {
     fn default() -> Self {
         TrainingSection {
@@ -347,6 +370,17 @@ const SECTIONS: &[&str] = &[
 ];
 
 impl RunConfig {
+    /// Data-parallel ranks of `[devices]` ([`crate::settings::Strategy::ranks`]).
+    pub fn data_parallel_ranks(&self) -> usize {
+        self.devices.strategy.ranks(self.devices.devices.len())
+    }
+
+    /// Samples per optimizer step over the run's data-parallel ranks
+    /// ([`TrainingSection::effective_batch`]).
+    pub fn effective_batch(&self) -> usize {
+        self.training.effective_batch(self.data_parallel_ranks())
+    }
+
     /// A config from a parsed TOML table, tolerantly: every key that does not deserialise
     /// (unknown, or of the wrong type) is left out, at its default, and returned as a problem
     /// instead of failing. No semantic checks. `tunestudio plan --config` reads configs this way.

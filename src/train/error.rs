@@ -232,9 +232,10 @@ pub enum TrainError {
     Reward {
         /// The step whose completions were being scored (0: while starting the functions).
         step: u64,
-        /// What failed, naming the function.
+        /// What failed, naming the function (boxed: it carries the offending line and the
+        /// stderr tail, and every `Result<_, TrainError>` would otherwise be that large).
         #[source]
-        cause: crate::train::grpo_rewards::RewardError,
+        cause: Box<crate::train::grpo_rewards::RewardError>,
     },
     /// Sampling a GRPO step's completions failed.
     #[error("step {step}: {context}: {cause}")]
@@ -243,9 +244,9 @@ pub enum TrainError {
         step: u64,
         /// What was being sampled.
         context: String,
-        /// The generation error.
+        /// The generation error (boxed, as the reward's).
         #[source]
-        cause: crate::infer::InferError,
+        cause: Box<crate::infer::InferError>,
     },
     #[error("internal error during step {step}: {message}; please report it. The run can be resumed from the last checkpoint")]
     Panic {

@@ -67,6 +67,10 @@ fn one() -> usize {
     1
 }
 
+fn rows_unit() -> String {
+    "rows".into()
+}
+
 /// What the front end asks the trainer thread to do.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -98,6 +102,40 @@ pub enum FinishReason {
     Diverged,
 }
 
+/// A prompt's group of sampled completions as the front ends show it ([`Event::Completions`]):
+/// texts cut at [`SampledGroup::TEXT_CHARS`] characters so `metrics.jsonl` stays small.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SampledGroup {
+    /// The prompt's dataset row.
+    pub row: usize,
+    /// The prompt as the model saw it (its end, when cut).
+    pub prompt: String,
+    /// The reward functions' names.
+    pub reward_names: Vec<String>,
+    /// The completions, in generation order.
+    pub completions: Vec<SampledText>,
+}
+
+impl SampledGroup {
+    /// Characters kept of a prompt or a completion.
+    pub const TEXT_CHARS: usize = 400;
+}
+
+/// One completion of a [`SampledGroup`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SampledText {
+    /// The completion's text (its start, when cut).
+    pub text: String,
+    /// Each reward function's value.
+    pub rewards: Vec<f32>,
+    /// The weighted sum.
+    pub reward: f32,
+    /// Its advantage over its group.
+    pub advantage: f32,
+    /// It hit `max_completion_length` without an EOS.
+    pub truncated: bool,
+}
+
 /// What the trainer thread reports, in order.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
@@ -125,9 +163,14 @@ pub enum Event {
         eval_rows: usize,
         /// The output folder.
         output_dir: PathBuf,
-        /// Rows per optimizer step: micro-batch × gradient accumulation × data-parallel ranks.
+        /// Samples per optimizer step: micro-batch × gradient accumulation × data-parallel
+        /// ranks, in `batch_unit`.
         #[serde(default)]
         effective_batch: usize,
+        /// What `micro_batch` and `effective_batch` count: `rows` (SFT), `pairs` (DPO, ORPO)
+        /// or `prompts` (GRPO).
+        #[serde(default = "rows_unit")]
+        batch_unit: String,
         /// Data-parallel ranks (1 unless `strategy = "data-parallel"`).
         #[serde(default = "one")]
         ranks: usize,
@@ -282,6 +325,14 @@ pub enum Event {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         refit_error: Option<String>,
     },
+    /// GRPO: one prompt's group of the step just taken, as sampled and scored (the first
+    /// prompt of the step), for a front end to show beside the reward chart.
+    Completions {
+        /// The step.
+        step: u64,
+        /// The prompt and its completions.
+        group: SampledGroup,
+    },
     /// The run is over; the thread ends after this.
     Finished {
         /// Why.
@@ -317,6 +368,7 @@ impl Event {
             Event::LintsBlocked { .. } => "lints_blocked",
             Event::OutOfMemory { .. } => "out_of_memory",
             Event::LintAllowed { .. } => "lint_allowed",
+            Event::Completions { .. } => "completions",
             Event::Finished { .. } => "finished",
         }
     }

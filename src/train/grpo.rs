@@ -16,7 +16,6 @@
 //! `micro_batch` counts prompts: a micro-step trains `micro_batch × num_generations` rows.
 
 pub mod batch;
-pub mod preview;
 pub mod prompts;
 pub mod rollouts;
 
@@ -31,7 +30,6 @@ use super::config::{GrpoSection, RunConfig};
 use super::error::{Phase, TrainError};
 use super::grpo_rewards::RewardSet;
 
-pub use preview::{rollout_preview, PreviewCompletion, PreviewGroup, RolloutPreview};
 pub use prompts::{load_checked_prompts, load_prompts, prompt_lints};
 pub use rollouts::{Rollout, RolloutMetrics, StepRollouts};
 
@@ -120,8 +118,12 @@ impl GrpoRun {
         tokenizer: TokenizerBundle,
         eos_ids: Vec<u32>,
     ) -> Result<Self, TrainError> {
-        let rewards = RewardSet::start(&config.grpo.reward, &config.base_dir)
-            .map_err(|cause| TrainError::Reward { step: 0, cause })?;
+        let rewards = RewardSet::start(&config.grpo.reward, &config.base_dir).map_err(|cause| {
+            TrainError::Reward {
+                step: 0,
+                cause: Box::new(cause),
+            }
+        })?;
         Ok(GrpoRun {
             prompts,
             rewards: Mutex::new(rewards),

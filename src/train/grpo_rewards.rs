@@ -12,7 +12,7 @@
 mod answer;
 mod builtin;
 mod command;
-mod error;
+mod reward_error;
 mod spec;
 #[cfg(test)]
 mod tests;
@@ -23,7 +23,7 @@ use serde_json::{Map, Value};
 
 use builtin::Builtin;
 use command::CommandReward;
-pub use error::RewardError;
+pub use reward_error::RewardError;
 pub use spec::{validate, RewardKind, RewardSpec, DEFAULT_COLUMN, DEFAULT_TIMEOUT_SECS};
 
 /// What a reward function sees of one completion.

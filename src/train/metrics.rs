@@ -164,6 +164,7 @@ impl EventRenderer for CurvesBuilder {
     fn lints_blocked(&mut self, _: &[LintFinding]) {}
     fn out_of_memory(&mut self, _: render::OutOfMemory<'_>) {}
     fn lint_allowed(&mut self, _: &LintFinding) {}
+    fn completions(&mut self, _: u64, _: &super::SampledGroup) {}
     fn finished(&mut self, _: render::Finished<'_>) {}
 }
 

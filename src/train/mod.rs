@@ -32,6 +32,7 @@ pub mod precision;
 pub mod preference;
 pub mod render;
 pub mod resume_changes;
+pub mod rollout_preview;
 pub mod samples;
 pub mod schedule;
 pub mod settings_lints;
@@ -49,7 +50,9 @@ pub use config::{
 pub use device_check::{check_options, check_request};
 pub use dry_run::dry_run;
 pub use error::{ConfigError, ConfigProblem, Phase, TrainError};
-pub use events::{Command, Event, FinishReason, LintFinding, MemoryScope};
+pub use events::{
+    Command, Event, FinishReason, LintFinding, MemoryScope, SampledGroup, SampledText,
+};
 pub use export::{export_adapter, export_full, export_merged};
 pub use export_gguf::{
     default_gguf_path, export_gguf, export_source, plan_gguf, ExportSource, GgufExport,

@@ -79,11 +79,7 @@ impl RunPlacement {
 
     /// Data-parallel ranks (1 unless the strategy is data parallel).
     pub fn ranks(&self) -> usize {
-        if self.strategy == Strategy::DataParallel {
-            self.devices.len()
-        } else {
-            1
-        }
+        self.strategy.ranks(self.devices.len())
     }
 
     /// The logical device of every decoder layer under a layer split (`None` otherwise).

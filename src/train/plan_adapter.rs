@@ -105,6 +105,7 @@ pub(crate) fn head_loss(config: &RunConfig) -> HeadLoss {
     } else if method.is_grpo() {
         HeadLoss::Completions {
             generations: config.grpo.num_generations,
+            completion_tokens: config.grpo.max_completion_length,
         }
     } else {
         HeadLoss::Chunked
@@ -358,6 +359,26 @@ where
 mod tests {
     use super::*;
     use crate::settings::{Precision, Strategy};
+
+    /// The studio's and the CLI's micro-batch unit is the one the plan counts samples in.
+    #[test]
+    fn every_method_names_its_micro_batch_in_the_plans_unit() {
+        use crate::train::TrainingMethod;
+        for method in [
+            TrainingMethod::Sft,
+            TrainingMethod::Dpo,
+            TrainingMethod::Orpo,
+            TrainingMethod::Grpo,
+        ] {
+            let mut config = RunConfig::default();
+            config.training.method = method;
+            assert_eq!(
+                method.micro_batch_unit(),
+                head_loss(&config).sample_unit(),
+                "{method:?}"
+            );
+        }
+    }
 
     #[test]
     fn lenient_reading_takes_aliases_and_leaves_out_what_it_cannot_read() {

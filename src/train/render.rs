@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::error::Phase;
-use super::events::{Event, FinishReason, LintFinding, MemoryScope};
+use super::events::{Event, FinishReason, LintFinding, MemoryScope, SampledGroup};
 use super::placement::DeviceLayers;
 use crate::mem::alloc_failure::AllocationFailure;
 
@@ -59,6 +59,8 @@ pub trait EventRenderer {
     fn out_of_memory(&mut self, e: OutOfMemory<'_>);
     /// [`Event::LintAllowed`]: an error-level lint the run trains despite.
     fn lint_allowed(&mut self, lint: &LintFinding);
+    /// [`Event::Completions`]: GRPO's sampled group of `step`.
+    fn completions(&mut self, step: u64, group: &SampledGroup);
     /// [`Event::Finished`]: the run is over.
     fn finished(&mut self, e: Finished<'_>);
 }
@@ -101,6 +103,7 @@ pub fn dispatch(event: &Event, renderer: &mut impl EventRenderer) {
         Event::LintsBlocked { lints } => r.lints_blocked(lints),
         Event::OutOfMemory { .. } => r.out_of_memory(out_of_memory(event)),
         Event::LintAllowed { lint } => r.lint_allowed(lint),
+        Event::Completions { step, group } => r.completions(*step, group),
         Event::Finished { .. } => r.finished(finished(event)),
     }
 }
@@ -124,8 +127,10 @@ pub struct Started<'a> {
     pub eval_rows: usize,
     /// The output folder.
     pub output_dir: &'a Path,
-    /// Rows per optimizer step.
+    /// Samples per optimizer step, in `batch_unit`.
     pub effective_batch: usize,
+    /// What the batch counts: `rows`, `pairs` or `prompts`.
+    pub batch_unit: &'a str,
     /// Data-parallel ranks.
     pub ranks: usize,
     /// The decoder layers each device holds.
@@ -272,6 +277,7 @@ fn started(event: &Event) -> Started<'_> {
         eval_rows,
         output_dir,
         effective_batch,
+        batch_unit,
         ranks,
         placement,
     } = event
@@ -288,6 +294,7 @@ fn started(event: &Event) -> Started<'_> {
         eval_rows: *eval_rows,
         output_dir,
         effective_batch: *effective_batch,
+        batch_unit,
         ranks: *ranks,
         placement,
     }

@@ -85,14 +85,7 @@ pub fn config_changes(checkpoint: &RunConfig, resumed: &RunConfig) -> Vec<Config
 }
 
 fn effect_of(key: &str, before: &RunConfig, after: &RunConfig) -> String {
-    let effective = |c: &RunConfig| {
-        let ranks = if c.devices.strategy == crate::settings::Strategy::DataParallel {
-            c.devices.devices.len().max(1)
-        } else {
-            1
-        };
-        c.training.micro_batch * c.training.gradient_accumulation * ranks
-    };
+    let effective = RunConfig::effective_batch;
     match key {
         "training.micro_batch" | "training.gradient_accumulation" | "devices.devices" => {
             let (b, a) = (effective(before), effective(after));

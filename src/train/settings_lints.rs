@@ -5,7 +5,10 @@
 //! The usual learning rates are those the tools a user would otherwise pick start from:
 //! full fine-tuning of a pretrained model 1e-5–2e-5 (TRL's SFT examples, LLaMA-Factory's full
 //! recipes), LoRA and QLoRA 1e-4–2e-4 (Unsloth's and LLaMA-Factory's defaults), a model trained
-//! from random weights ~1e-3. The reported case: 3e-3 (the demo's rate) on SmolLM2-135M full
+//! from random weights ~1e-3. The objective moves them: DPO and ORPO 1e-6 for full fine-tuning
+//! (TRL's `DPOConfig` and `ORPOConfig` default) and 5e-6 with LoRA (Unsloth's DPO notebook;
+//! users report 5e-6–5e-5), GRPO 1e-6 for full fine-tuning (TRL's `GRPOConfig`) and 5e-6 with
+//! LoRA (Unsloth's GRPO notebooks). The reported case: 3e-3 (the demo's rate) on SmolLM2-135M full
 //! fine-tuning took the loss from 2.05 to 10.7 in 9 steps — 150× the usual rate.
 
 use crate::data::lints::{Lint, LintKind, Severity};
@@ -55,11 +58,7 @@ impl SettingsContext {
             pretrained: Self::is_pretrained(config.model.init, has_weights),
             train_rows,
             longest_row_tokens,
-            ranks: if config.devices.strategy == crate::settings::Strategy::DataParallel {
-                config.devices.devices.len().max(1)
-            } else {
-                1
-            },
+            ranks: config.data_parallel_ranks(),
             cpu_bf16_kernel: Bf16Kernel::ALL
                 .into_iter()
                 .any(|k| k != Bf16Kernel::F32 && k.available()),
@@ -78,10 +77,16 @@ impl SettingsContext {
 
 /// The usual learning rate for this method and initialisation, and what it is called.
 pub fn usual_learning_rate(config: &RunConfig, pretrained: bool) -> (f64, &'static str) {
-    match (pretrained, config.lora.enabled) {
-        (false, _) => (1e-3, "training from random weights"),
-        (true, true) => (2e-4, "LoRA on a pretrained model"),
-        (true, false) => (2e-5, "full fine-tuning of a pretrained model"),
+    use super::config::TrainingMethod as M;
+    let method = config.training.method;
+    match (pretrained, config.lora.enabled, method) {
+        (false, _, _) => (1e-3, "training from random weights"),
+        (true, true, M::Sft) => (2e-4, "LoRA on a pretrained model"),
+        (true, false, M::Sft) => (2e-5, "full fine-tuning of a pretrained model"),
+        (true, true, M::Dpo | M::Orpo) => (5e-6, "preference training with LoRA"),
+        (true, false, M::Dpo | M::Orpo) => (1e-6, "full preference training"),
+        (true, true, M::Grpo) => (5e-6, "GRPO with LoRA"),
+        (true, false, M::Grpo) => (1e-6, "full GRPO fine-tuning"),
     }
 }
 
@@ -132,7 +137,7 @@ pub fn settings_lints(config: &RunConfig, ctx: &SettingsContext) -> Vec<Lint> {
             ),
         ));
     }
-    let effective = t.micro_batch * t.gradient_accumulation * ctx.ranks.max(1);
+    let effective = t.effective_batch(ctx.ranks.max(1));
     if effective == 1 && high {
         out.push(lint(
             LintKind::TinyEffectiveBatch,
@@ -263,6 +268,31 @@ mod tests {
         assert!(kinds(&settings_lints(&c, &ctx(true)))
             .contains(&(LintKind::LearningRate, Severity::Warning)));
         c.training.learning_rate = 2e-4;
+        assert!(settings_lints(&c, &ctx(true))
+            .iter()
+            .all(|l| l.kind != LintKind::LearningRate));
+    }
+
+    /// SFT's LoRA rate carried into DPO is 40× DPO's usual one: an error naming DPO's rate;
+    /// GRPO with LoRA at its usual 5e-6 is fine.
+    #[test]
+    fn the_usual_rate_follows_the_objective() {
+        let mut c = RunConfig::default();
+        c.training.warmup_ratio = 0.03;
+        c.lora.enabled = true;
+        c.training.learning_rate = 2e-4;
+        c.training.method = crate::train::TrainingMethod::Dpo;
+        let dpo = settings_lints(&c, &ctx(true));
+        assert!(
+            kinds(&dpo).contains(&(LintKind::LearningRate, Severity::Error)),
+            "{dpo:?}"
+        );
+        assert!(
+            dpo[0].message.contains("training.learning_rate = 5e-6"),
+            "{dpo:?}"
+        );
+        c.training.method = crate::train::TrainingMethod::Grpo;
+        c.training.learning_rate = 5e-6;
         assert!(settings_lints(&c, &ctx(true))
             .iter()
             .all(|l| l.kind != LintKind::LearningRate));

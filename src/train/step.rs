@@ -32,7 +32,7 @@ mod build;
 mod checkpoint_io;
 mod run;
 
-pub use accumulate_grpo::last_rollouts;
+pub use accumulate_grpo::{last_prompts, last_rollouts};
 pub use build::build_model;
 pub(crate) use run::panic_message;
 
@@ -231,10 +231,9 @@ impl TrainingRun {
         self.config.training.micro_batch * self.placement.ranks()
     }
 
-    /// Rows per optimizer step: micro-batch × accumulation × data-parallel ranks.
+    /// Samples (rows, pairs or prompts) per optimizer step ([`RunConfig::effective_batch`]).
     pub fn effective_batch(&self) -> usize {
-        let t = &self.config.training;
-        t.micro_batch * t.gradient_accumulation * self.placement.ranks()
+        self.config.effective_batch()
     }
 
     /// The model's folder (config, tokenizer).

@@ -21,9 +21,11 @@ use super::config::RunConfig;
 use super::error::{Phase, TrainError};
 use super::events::{Command, Event, FinishReason};
 use super::metrics::{MetricsWriter, METRICS_FILE};
-use super::step::{panic_message, StepOutcome, TrainingRun};
+use super::step::{panic_message, TrainingRun};
 
 mod out_of_memory;
+mod step_events;
+use step_events::{last_group, step_event};
 
 use out_of_memory::report_out_of_memory;
 
@@ -378,6 +380,7 @@ fn announce(run: &TrainingRun, em: &mut Emitter) {
         eval_rows,
         output_dir: out,
         effective_batch: run.effective_batch(),
+        batch_unit: run.config().training.method.micro_batch_unit().into(),
         ranks: run.placement().ranks(),
         placement: run
             .placement()
@@ -446,6 +449,12 @@ fn train_loop(
             }
         };
         em.emit(step_event(&outcome));
+        if let Some(group) = last_group(run) {
+            em.emit(Event::Completions {
+                step: outcome.step,
+                group,
+            });
+        }
         let spike = (!outcome.skipped)
             .then(|| watch.observe(outcome.step, outcome.loss, outcome.lr))
             .flatten();
@@ -534,33 +543,5 @@ fn save(run: &mut TrainingRun, em: &mut Emitter) {
         Err(e) => em.emit(Event::Warning {
             message: format!("could not save a checkpoint: {e}; training continues"),
         }),
-    }
-}
-
-/// The event of a finished step.
-pub fn step_event(o: &StepOutcome) -> Event {
-    Event::Step {
-        step: o.step,
-        loss: o.loss,
-        lr: o.lr,
-        grad_norm: o.grad_norm,
-        tokens_per_sec: o.tokens_per_sec,
-        trained_tokens: o.trained_tokens,
-        elapsed_secs: o.elapsed_secs,
-        epoch: o.epoch,
-        skipped: o.skipped,
-        loss_scale: o.loss_scale,
-        metrics: o
-            .preference
-            .map(|m| {
-                m.named()
-                    .into_iter()
-                    // The loss is the event's own field.
-                    .filter(|(name, _)| *name != "loss")
-                    .map(|(name, v)| (name.to_string(), v))
-                    .collect()
-            })
-            .or_else(|| o.grpo.as_ref().map(|g| g.named().into_iter().collect()))
-            .unwrap_or_default(),
     }
 }

@@ -163,6 +163,25 @@ fn grpo_through_the_cli_raises_the_mean_reward() {
     ] {
         assert!(s[&1].1.contains_key(key), "{key} in {:?}", s[&1].1);
     }
+    // Every step's first prompt and its sampled group, for the front ends.
+    let groups: Vec<_> = tunestudio::train::read_metrics(&tmp.path().join("out"))
+        .unwrap()
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Completions { step, group } => Some((step, group)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(groups.len(), 24);
+    for (step, g) in &groups {
+        assert_eq!(g.completions.len(), 8, "step {step}");
+        assert_eq!(g.reward_names, ["capital"]);
+        let mean = g.completions.iter().map(|c| c.advantage).sum::<f32>() / 8.0;
+        assert!(
+            mean.abs() < 1e-5,
+            "step {step}: advantages centre on 0 ({mean})"
+        );
+    }
     let (early, late) = (mean_reward(&s, 1..=6), mean_reward(&s, 19..=24));
     println!("mean reward {early:.3} → {late:.3}");
     assert!(late > early + 0.15, "mean reward {early} → {late}");
@@ -284,4 +303,59 @@ fn a_seeded_grpo_run_is_reproducible_and_resumes_exactly() {
     for (step, v) in &after {
         assert_eq!(v, &first[step], "step {step} after the resume");
     }
+}
+
+/// Runs `tunestudio preview --config path` (plus `extra`): (exit code, stdout+stderr).
+fn preview(path: &Path, extra: &[&str]) -> (Option<i32>, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tunestudio"))
+        .args(["preview", "--no-color", "--config"])
+        .arg(path)
+        .args(extra)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
+/// Issue #59 item 6: `tunestudio preview --config` on a GRPO run samples each prompt's group
+/// and prints every completion's rewards and advantage; a reward that no completion can change
+/// fires the zero-advantage lint (a warning: it still exits 0).
+#[test]
+fn the_cli_previews_each_prompts_group_and_finds_a_constant_reward() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = write_config(tmp.path(), 2, &format_reward());
+    let (code, printed) = preview(&path, &["--rows", "2", "--json"]);
+    assert_eq!(code, Some(0), "{printed}");
+    let json: serde_json::Value = serde_json::from_str(&printed).expect(&printed);
+    let groups = json["groups"].as_array().expect("groups");
+    assert_eq!(groups.len(), 2);
+    for g in groups {
+        let completions = g["completions"].as_array().expect("completions");
+        assert_eq!(completions.len(), 8, "G completions per prompt");
+        for c in completions {
+            assert_eq!(c["rewards"].as_array().map(Vec::len), Some(1));
+            assert!(c["tokens"]
+                .as_array()
+                .is_some_and(|t| (1..=4).contains(&t.len())));
+        }
+    }
+    let (code, printed) = preview(&path, &["--rows", "2"]);
+    assert_eq!(code, Some(0), "{printed}");
+    assert!(printed.contains("── prompt row 0"), "{printed}");
+    assert!(printed.contains("[7] reward "), "{printed}");
+    assert!(!printed.contains("GrpoZeroAdvantage"), "{printed}");
+
+    let constant = write_config(
+        &tmp.path().join("constant"),
+        2,
+        "kind = \"length\"\nname = \"short\"\ntarget_tokens = 100",
+    );
+    let (code, printed) = preview(&constant, &["--rows", "2"]);
+    assert_eq!(code, Some(0), "a warning: {printed}");
+    assert!(printed.contains("GrpoZeroAdvantage"), "{printed}");
+    assert!(printed.contains("short"), "{printed}");
 }

@@ -138,6 +138,51 @@ fn cached_greedy_generation_equals_uncached() {
     }
 }
 
+/// GRPO decodes a group's completions as one batch after one shared prefill
+/// (`KvCache::repeat_rows`, `InferModel::forward_rows`): each row's logits equal those of the
+/// same tokens decoded alone, past mistral's sliding window of 8 too; and a greedy group is
+/// the greedy generation, G times.
+#[test]
+fn a_group_decoded_as_one_batch_equals_each_row_decoded_alone() {
+    for name in MODELS {
+        let lm = CausalLm::load(&fixture(name), DType::F32, &Device::Cpu).unwrap();
+        let model = InferModel::from_causal_lm(&lm).unwrap();
+        let prompt: Vec<u32> = vec![1, 17, 42, 99, 5];
+        let steps = 12;
+        let mut shared = model.new_cache(prompt.len());
+        model.forward(&prompt, &mut shared).unwrap();
+        let mut rows = shared.repeat_rows(3, prompt.len() + steps).unwrap();
+        assert_eq!(rows.rows(), 3);
+        let mut alone: Vec<_> = (0..3)
+            .map(|_| {
+                let mut c = model.new_cache(prompt.len());
+                model.forward(&prompt, &mut c).unwrap();
+                c
+            })
+            .collect();
+        for step in 0..steps as u32 {
+            let ids = [3 + step, 50 + 2 * step, 120 - step];
+            let batch = model.forward_rows(&ids, &mut rows).unwrap();
+            for (r, cache) in alone.iter_mut().enumerate() {
+                let one = model.forward(&ids[r..r + 1], cache).unwrap();
+                let one = Tensor::new(one.as_slice(), &Device::Cpu).unwrap();
+                let d = max_diff(&batch.i(r).unwrap(), &one);
+                assert!(d < 1e-4, "{name}: step {step}, row {r}: {d}");
+            }
+        }
+        let err = model.forward(&[1], &mut rows).unwrap_err();
+        assert!(err.to_string().contains("forward_rows"), "{err}");
+
+        let want = uncached_greedy(&lm, &prompt, 6);
+        let group = tunestudio::infer::sample_group(&model, &prompt, &greedy(6), 4, &[]).unwrap();
+        assert_eq!(group.completions.len(), 4);
+        for c in &group.completions {
+            assert_eq!(c.ids, want, "{name}: a greedy completion of the group");
+            assert!(c.truncated);
+        }
+    }
+}
+
 #[test]
 fn adapter_generation_equals_merged_model() {
     let spec = ModelSpec::new(fixture("tiny-llama").to_string_lossy())

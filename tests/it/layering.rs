@@ -329,6 +329,31 @@ fn studio_panels_do_not_import_each_other() {
     );
 }
 
+/// The background jobs sit below the panels (issue #56 item 4): what a job takes or answers
+/// with (an export's kind and progress, a past run) lives in `gui/shared.rs`, so no file of
+/// `src/gui/jobs/` names a panel module and the studio's import circle through them is gone.
+#[test]
+fn the_studio_jobs_import_no_panel() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/gui/jobs");
+    let files = rust_files(&root);
+    assert!(!files.is_empty(), "no files under {}", root.display());
+    let mut bad = Vec::new();
+    for file in &files {
+        let text = std::fs::read_to_string(file).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            if code.contains("panels::") {
+                bad.push(format!("{}:{}: {}", file.display(), n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "a job imports a panel (move the type to src/gui/shared.rs):\n{}",
+        bad.join("\n")
+    );
+}
+
 /// The studio has no god struct (issue #39): `gui/state.rs` and its `AppState` are gone, and
 /// a panel (a module of `src/gui/panels/` or the Playground) reaches the other panels' state
 /// only through the `PanelContext` the app lends it: no panel names the `Panels` container,

@@ -459,3 +459,77 @@ fn the_pre_flight_check_plans_the_trained_rows_the_plan_shows() {
         PlanCheck::OutOfMemory { on_cpu: true, .. }
     ));
 }
+
+/// Issue #59 item 7: a GRPO step's peak is its policy forward and backward over G completions
+/// per prompt at prompt + `max_completion_length` tokens, with their full logits (the
+/// per-token log-probabilities of every completion), planned as `micro_batch × G` rows. The
+/// demo model's random weights almost never sample its EOS (1 in 49,152 per token), so every
+/// completion runs to `max_completion_length`: the length the plan assumes.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_grpo_run_with_lora_peaks_at_the_plan_of_its_full_length_completions() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = grpo_lora_demo_config(tmp.path());
+    let settings = planned_settings(&config);
+    assert!(
+        settings.contains("micro-batch 8 "),
+        "1 prompt × 8 generations are 8 rows: {settings}"
+    );
+    check_planned_peak_rss("GRPO, LoRA r 8, 1 prompt × G 8 × (48 + 96)", &config);
+}
+
+/// A GRPO + LoRA run of the demo model in `dir`: 4 conversational prompts cut at 48 tokens,
+/// 8 completions of at most 96 tokens each, 1 prompt per micro-step, a format reward.
+fn grpo_lora_demo_config(dir: &Path) -> std::path::PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let rows: Vec<serde_json::Value> = (0..4)
+        .map(|i| {
+            serde_json::json!({
+                "prompt": [{"role": "user", "content": format!("Write a long story about the number {i}, then give it a title.")}],
+            })
+        })
+        .collect();
+    let data = dir.join("prompts.json");
+    std::fs::write(&data, serde_json::to_string(&rows).unwrap()).unwrap();
+    let config = format!(
+        r#"output_dir = {out:?}
+[model]
+source = {model:?}
+init = "random"
+[data]
+path = {data:?}
+validation_ratio = 0.0
+allow = ["learning-rate"]
+[training]
+method = "grpo"
+precision = "fp32"
+micro_batch = 1
+learning_rate = 0.00001
+schedule = "constant"
+seed = 0
+[grpo]
+num_generations = 8
+max_prompt_length = 48
+max_completion_length = 96
+[[grpo.reward]]
+kind = "format"
+pattern = "[A-Z].*"
+[lora]
+enabled = true
+r = 8
+alpha = 16
+[checkpoint]
+save_every = 0
+save_final = false
+[devices]
+devices = ["cpu"]
+strategy = "single"
+"#,
+        out = dir.join("out").display().to_string(),
+        model = root.join("assets/demo-model").display().to_string(),
+        data = data.display().to_string(),
+    );
+    let path = dir.join("run.toml");
+    std::fs::write(&path, config).unwrap();
+    path
+}

@@ -312,6 +312,9 @@ impl EventRenderer for Recorder {
     fn lint_allowed(&mut self, _: &tunestudio::train::LintFinding) {
         self.saw("lint_allowed", None);
     }
+    fn completions(&mut self, step: u64, _: &tunestudio::train::SampledGroup) {
+        self.saw("completions", Some(step));
+    }
     fn finished(&mut self, e: render::Finished<'_>) {
         self.saw("finished", Some(e.step));
     }

@@ -10,7 +10,7 @@ use crate::data::config::{DataConfig, Format};
 use crate::data::labels::IGNORE_INDEX;
 use crate::data::lints::Lint;
 use crate::data::prepare::OpenedData;
-use crate::data::preview::{PreviewOptions, RowSelection, SplitName, TokenClass, TokenSpan};
+use crate::data::preview::{token_spans, PreviewOptions, RowSelection, SplitName, TokenSpan};
 use crate::data::tokenizer::TokenizerBundle;
 use crate::data::DataError;
 use crate::text::{group_tokens, TokenGroup};
@@ -224,7 +224,7 @@ fn shown_indices(rows: &RowSelection, n: usize) -> Result<Vec<usize>, DataError>
 fn prompt_part(tok: &TokenizerBundle, p: &PreferencePair) -> PartPreview {
     let labels = vec![IGNORE_INDEX; p.prompt_ids.len()];
     PartPreview {
-        tokens: spans(tok, &p.prompt_ids, &labels),
+        tokens: token_spans(tok, &p.prompt_ids, &labels, None),
         full_len: p.prompt_full_len,
         cut: p.prompt_cut(),
         num_trained: 0,
@@ -235,43 +235,11 @@ fn prompt_part(tok: &TokenizerBundle, p: &PreferencePair) -> PartPreview {
 
 fn completion_part(tok: &TokenizerBundle, c: &PairCompletion) -> PartPreview {
     PartPreview {
-        tokens: spans(tok, &c.ids, &c.labels),
+        tokens: token_spans(tok, &c.ids, &c.labels, None),
         full_len: c.full_len,
         cut: c.cut(),
         num_trained: c.num_trained(),
         eos_appended: c.eos_appended,
         prompt_differs: c.prompt_differs,
     }
-}
-
-/// Token spans with their label classes, as the SFT preview shows them.
-fn spans(tok: &TokenizerBundle, ids: &[u32], labels: &[i64]) -> Vec<TokenSpan> {
-    let texts = tok.token_texts(ids);
-    let bytes = tok.token_bytes(ids);
-    ids.iter()
-        .zip(labels)
-        .zip(texts.into_iter().zip(bytes))
-        .map(|((&id, &label), (text, bytes))| {
-            let class = if label == IGNORE_INDEX {
-                TokenClass::Masked
-            } else if label != i64::from(id) {
-                TokenClass::Mismatch
-            } else {
-                TokenClass::Trained
-            };
-            TokenSpan {
-                text,
-                id,
-                label,
-                class,
-                weight: if class == TokenClass::Masked {
-                    0.0
-                } else {
-                    1.0
-                },
-                bytes,
-                special: tok.is_special(id),
-            }
-        })
-        .collect()
 }

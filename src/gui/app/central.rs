@@ -4,7 +4,7 @@
 use eframe::egui;
 
 use super::{Action, StudioApp};
-use crate::gui::panels::{self, Panels};
+use crate::gui::panels::Panels;
 use crate::gui::session::Panel;
 use crate::gui::shared::PanelContext;
 
@@ -20,6 +20,7 @@ impl StudioApp {
             model,
             dataset,
             preview,
+            training,
             devices,
             run,
             export,
@@ -36,7 +37,7 @@ impl StudioApp {
                     cx.dataset = dataset.summary.as_ref();
                     preview.show(ui, s, &cx, &mut actions);
                 }
-                Panel::Training => panels::training::show(ui, s, &cx, &mut actions),
+                Panel::Training => training.show(ui, s, &cx, &mut actions),
                 Panel::Devices => {
                     cx.model = model.info.as_ref();
                     devices.show(ui, s, &cx, &mut actions);

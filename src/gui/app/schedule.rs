@@ -40,6 +40,17 @@ pub fn preview_key(config: &RunConfig, start_row: usize) -> String {
     )
 }
 
+/// The preview's request key: the settings' key ([`preview_key`]), except for a GRPO run,
+/// whose preview loads the model and samples with it: that runs when the user asks (the
+/// Preview's "Sample rollouts"), not on every edit of a setting (`None` until then).
+fn preview_request_key(dir: &str, config: &RunConfig, preview: &PreviewPanel) -> Option<String> {
+    if config.training.method.is_grpo() {
+        let asked = preview.rollouts.requests;
+        return (asked > 0).then(|| format!("rollouts|{asked}"));
+    }
+    Some(format!("{dir}|{}", preview_key(config, preview.start_row)))
+}
+
 /// Key of everything the dataset summary depends on (as written; the job resolves it).
 pub fn dataset_key(config: &RunConfig) -> String {
     let d = &config.data;
@@ -78,6 +89,10 @@ pub fn trained_tokens(config: &RunConfig, preview: &PreviewPanel) -> Option<Trai
     // the scan counted: the pair preview's scan gives the longest pair.
     if config.training.method.is_preference() {
         return preview.pairs.trained_tokens(config);
+    }
+    // A GRPO step's rows are sampled: the plan is sized by the lengths' limits.
+    if config.training.method.is_grpo() {
+        return None;
     }
     let p = preview.preview.as_ref()?;
     let data = &config.data;
@@ -147,8 +162,12 @@ impl StudioApp {
         }
         if let Some(dir) = p.model.info.as_ref().map(|i| i.dir.display().to_string()) {
             let preview = &mut p.preview;
-            let key = format!("{dir}|{}", preview_key(&s.config, preview.start_row));
-            if let Some(seq) = next_request(key, &mut preview.key, &mut preview.seq) {
+            let key = preview_request_key(&dir, &s.config, preview);
+            let request = key.and_then(|k| next_request(k, &mut preview.key, &mut preview.seq));
+            if let Some(seq) = request {
+                if s.config.training.method.is_grpo() {
+                    preview.rollouts.sampling(&s.config, preview.start_row);
+                }
                 preview.loading = true;
                 let rows = (
                     preview.start_row,

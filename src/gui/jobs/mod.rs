@@ -25,12 +25,11 @@ use tunestudio::data::{
 use tunestudio::devices::DeviceInventory;
 use tunestudio::model::{self, ModelConfig};
 use tunestudio::plan::{self, AutoFit, DeviceSpec, DryRunReport, Plan, PlanRequest};
+use tunestudio::train::rollout_preview::{rollout_preview, RolloutPreview};
 use tunestudio::train::{self, RunConfig};
 
 use super::error::{ErrorKind, JobError};
-use super::panels::export::ExportKind;
-use super::panels::run::HistoryRun;
-use super::shared::{DatasetSummary, ModelInfo};
+use super::shared::{DatasetSummary, ExportKind, HistoryRun, ModelInfo};
 
 /// What a finished job reports.
 pub enum JobOutput {
@@ -96,6 +95,8 @@ pub enum Previewed {
     Rows(DataPreview),
     /// Preference pairs.
     Pairs(PreferencePreview),
+    /// A GRPO run's rollouts: completions sampled for the shown prompts and scored.
+    Rollouts(RolloutPreview),
 }
 
 /// How a running job reports: each output wakes the UI.
@@ -268,7 +269,8 @@ impl Jobs {
     }
 
     /// Builds the token preview of `batch` rows starting at `start`; preference pairs are
-    /// cut at `limits` (`[preference]`), as the trainer cuts them.
+    /// cut at `limits` (`[preference]`), as the trainer cuts them. A GRPO run previews its
+    /// rollouts instead: `batch` prompts from `start`, each with its sampled group.
     pub fn preview(
         &self,
         seq: u64,
@@ -281,6 +283,10 @@ impl Jobs {
         self.spawn("preview", move |_| {
             let cfg = config.resolved_data();
             let result = (|| {
+                if config.training.method.is_grpo() {
+                    let p = rollout_preview(&config, start, batch.max(1))?;
+                    return Ok(Previewed::Rollouts(p));
+                }
                 let tok = tokenizer_for(&cache, &model_dir)?;
                 let opened = data::open_data(&cfg)?;
                 let n = opened.main.len();

@@ -239,7 +239,7 @@ pub struct ExportRequest {
     /// Overwrite an existing GGUF file.
     pub replace: bool,
     /// Where the GGUF export reports its bytes.
-    pub progress: Arc<crate::gui::panels::export::ExportProgressCell>,
+    pub progress: Arc<crate::gui::shared::ExportProgressCell>,
 }
 
 /// A GGUF export: `dest` is the file, or a folder for `<name>-<quant>.gguf`.
@@ -248,7 +248,7 @@ pub(super) fn export_gguf(
     dest: &std::path::Path,
     quant: tunestudio::gguf::GgufQuant,
     replace: bool,
-    progress: &crate::gui::panels::export::ExportProgressCell,
+    progress: &crate::gui::shared::ExportProgressCell,
 ) -> Result<PathBuf, JobError> {
     let source = train::export_source(checkpoint, None).map_err(JobError::from)?;
     let file = if dest

@@ -14,28 +14,7 @@ use crate::gui::shared::PanelContext;
 use crate::gui::theme;
 use tunestudio::gguf::GgufQuant;
 
-/// What to export.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ExportKind {
-    /// The LoRA adapter (PEFT layout).
-    Adapter,
-    /// Base + adapter merged into a full HF model.
-    Merged,
-    /// The full fine-tuned model.
-    Full,
-    /// One GGUF file (adapter merged) for llama.cpp / Ollama, with a Modelfile.
-    Gguf,
-}
-
-/// How far a GGUF export is: bytes written and the file's size, written by the export's
-/// thread and read by the panel each frame (no message per tensor).
-#[derive(Debug, Default)]
-pub struct ExportProgressCell {
-    /// Bytes written so far.
-    pub done_bytes: std::sync::atomic::AtomicU64,
-    /// The file's size (0 until the plan is known).
-    pub total_bytes: std::sync::atomic::AtomicU64,
-}
+use crate::gui::shared::{ExportKind, ExportProgressCell};
 
 /// Export dtype choices.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

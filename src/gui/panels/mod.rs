@@ -1,6 +1,6 @@
 //! One module per panel of the left navigation (the Playground is `gui/playground/`). Each
-//! owns its state (a `…Panel` struct: its fields, its job answers) and its view (`show`),
-//! except Training, a free `training::show` with no state of its own; each edits the shared run config
+//! owns its state (a `…Panel` struct: its fields, its job answers; Training's has none) and its
+//! view (`show`); each edits the shared run config
 //! ([`crate::gui::session::Session`]) in place, reads the other panels' results only through
 //! the [`crate::gui::shared::PanelContext`] the app lends it, and queues
 //! [`crate::gui::app::Action`]s for anything that needs the app (jobs, trainer). No panel
@@ -23,6 +23,8 @@ pub struct Panels {
     pub dataset: dataset::DatasetPanel,
     /// Preview panel.
     pub preview: preview::PreviewPanel,
+    /// Training panel (no state: it edits the run config).
+    pub training: training::TrainingPanel,
     /// GPUs & memory panel, with the memory plan.
     pub devices: devices::DevicesPanel,
     /// Run panel: the live run and the history.

@@ -13,22 +13,35 @@ use crate::gui::theme;
 
 const LORA_MODULES: [&str; 7] = tunestudio::model::LINEAR_MODULES;
 
-/// Draws the Training panel.
-pub fn show(ui: &mut Ui, s: &mut Session, cx: &PanelContext, actions: &mut Vec<Action>) {
+/// The Training panel. It holds no state of its own: every control edits the run config in
+/// the session, and the rules behind the controls (the effective batch, the data-parallel
+/// ranks, switching the method, the offload switch) are the library's.
+#[derive(Debug, Default)]
+pub struct TrainingPanel;
+
+impl TrainingPanel {
+    /// Draws the Training panel.
+    pub fn show(
+        &mut self,
+        ui: &mut Ui,
+        s: &mut Session,
+        cx: &PanelContext,
+        actions: &mut Vec<Action>,
+    ) {
+        show(ui, s, cx, actions);
+    }
+}
+
+fn show(ui: &mut Ui, s: &mut Session, cx: &PanelContext, actions: &mut Vec<Action>) {
     theme::heading(
         ui,
         "Training",
         "Optimisation settings. The memory plan (GPUs & memory) updates as you change them.",
     );
-    let ranks = if s.config.devices.strategy == tunestudio::settings::Strategy::DataParallel {
-        s.config.devices.devices.len().max(1)
-    } else {
-        1
-    };
     settings_findings(ui, s, cx);
 
     ui.columns(2, |cols| {
-        batch_and_precision(&mut cols[0], s, ranks);
+        batch_and_precision(&mut cols[0], s);
         method(&mut cols[0], s);
         objective(&mut cols[0], s);
         optimizer_and_schedule(&mut cols[1], s);
@@ -63,7 +76,8 @@ fn settings_findings(ui: &mut Ui, s: &mut Session, cx: &PanelContext) {
 }
 
 /// Batch, precision, sequence length and the memory savers (one grid).
-fn batch_and_precision(ui: &mut Ui, s: &mut Session, ranks: usize) {
+fn batch_and_precision(ui: &mut Ui, s: &mut Session) {
+    let ranks = s.config.data_parallel_ranks();
     theme::section(ui, "Batch and precision");
     theme::card(ui, |ui| {
         egui::Grid::new("train-batch").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
@@ -82,14 +96,19 @@ fn batch_and_precision(ui: &mut Ui, s: &mut Session, ranks: usize) {
                     (Precision::Fp16Mixed, "fp16-mixed"),
                 ],
             );
+            // The micro-batch in the objective's unit: SFT rows, DPO/ORPO pairs, GRPO prompts.
+            let unit = t.method.micro_batch_unit();
             theme::drag_row(
                 ui,
                 "Micro-batch",
-                "Rows per forward/backward pass. Activation memory grows linearly with it; larger is faster per row.",
+                &format!(
+                    "The {unit} per forward/backward pass (a pair is two rows, a GRPO prompt its generations' rows). \
+                     Activation memory grows linearly with it; larger is faster per row."
+                ),
                 &mut t.micro_batch,
                 1..=1024,
                 0.1,
-                " rows",
+                &format!(" {unit}"),
             );
             theme::drag_row(
                 ui,
@@ -101,11 +120,11 @@ fn batch_and_precision(ui: &mut Ui, s: &mut Session, ranks: usize) {
                 0.1,
                 "",
             );
-            let eff = t.micro_batch * t.gradient_accumulation * ranks;
+            let eff = t.effective_batch(ranks);
             ui.label(RichText::new("Effective batch").weak());
             ui.label(
                 RichText::new(format!(
-                    "{eff} rows per step ({} × {}{})",
+                    "{eff} {unit} per step ({} × {}{})",
                     t.micro_batch,
                     t.gradient_accumulation,
                     if ranks > 1 { format!(" × {ranks} devices") } else { String::new() }
@@ -153,8 +172,7 @@ fn memory_saver_rows(ui: &mut Ui, s: &mut Session) {
         &mut s.config.training.activation_checkpointing,
         "recompute activations",
     );
-    let mut offload =
-        s.config.training.optimizer_offload == tunestudio::model::OptimizerOffload::Host;
+    let mut offload = s.config.training.optimizer_offload.is_host();
     theme::check_row(
         ui,
         "Optimizer state in host RAM",
@@ -164,11 +182,7 @@ fn memory_saver_rows(ui: &mut Ui, s: &mut Session) {
         &mut offload,
         "offload",
     );
-    s.config.training.optimizer_offload = if offload {
-        tunestudio::model::OptimizerOffload::Host
-    } else {
-        tunestudio::model::OptimizerOffload::None
-    };
+    s.config.training.optimizer_offload = tunestudio::model::OptimizerOffload::host_if(offload);
 }
 
 /// Full fine-tune or LoRA, and the LoRA settings.
@@ -253,30 +267,28 @@ fn method(ui: &mut Ui, s: &mut Session) {
 fn objective(ui: &mut Ui, s: &mut Session) {
     theme::section(ui, "Objective");
     theme::card(ui, |ui| {
-        let method = &mut s.config.training.method;
-        let before = *method;
+        let mut method = s.config.training.method;
         ui.horizontal(|ui| {
-            ui.radio_value(method, TrainingMethod::Sft, "SFT")
+            ui.radio_value(&mut method, TrainingMethod::Sft, "SFT")
                 .on_hover_text("Supervised fine-tuning: the next-token loss on the trained tokens of each row.");
-            ui.radio_value(method, TrainingMethod::Dpo, "DPO")
+            ui.radio_value(&mut method, TrainingMethod::Dpo, "DPO")
                 .on_hover_text("Direct preference optimisation on prompt / chosen / rejected pairs, against the model as loaded \
                                 (its log-probabilities precomputed once). Each step runs a pair's chosen and rejected rows: twice the rows of SFT.");
-            ui.radio_value(method, TrainingMethod::Orpo, "ORPO")
+            ui.radio_value(&mut method, TrainingMethod::Orpo, "ORPO")
                 .on_hover_text("Odds-ratio preference optimisation: the chosen answer's NLL plus an odds-ratio term; no reference model.");
-            ui.radio_value(method, TrainingMethod::Grpo, "GRPO")
+            ui.radio_value(&mut method, TrainingMethod::Grpo, "GRPO")
                 .on_hover_text("Group relative policy optimisation: the model samples a group of completions per prompt, the reward functions \
                                 score them, and each completion learns from its advantage over its group. Micro-batch counts prompts.");
         });
-        if *method == TrainingMethod::Grpo {
+        if method != s.config.training.method {
+            // The library's switch: it also resets what the new method would refuse.
+            s.config.set_method(method);
+        }
+        if method == TrainingMethod::Grpo {
             grpo_settings(ui, &mut s.config.grpo);
             return;
         }
         let p = &mut s.config.preference;
-        // ORPO has its own loss: DPO's loss and label smoothing would be refused.
-        if *method == TrainingMethod::Orpo && before != TrainingMethod::Orpo {
-            p.loss = DpoLoss::Sigmoid;
-            p.label_smoothing = 0.0;
-        }
         if !method.is_preference() {
             theme::note(ui, "The data's rows are trained as they are; DPO and ORPO need preference pairs (prompt, chosen, rejected).");
             return;
@@ -285,7 +297,7 @@ fn objective(ui: &mut Ui, s: &mut Session) {
             .num_columns(2)
             .spacing([12.0, 8.0])
             .show(ui, |ui| {
-                if *method == TrainingMethod::Dpo {
+                if method == TrainingMethod::Dpo {
                     theme::combo_row(
                         ui,
                         "dpo-loss",
@@ -295,7 +307,7 @@ fn objective(ui: &mut Ui, s: &mut Session) {
                         &[(DpoLoss::Sigmoid, "sigmoid"), (DpoLoss::Ipo, "IPO")],
                     );
                 }
-                let (name, tip) = if *method == TrainingMethod::Dpo {
+                let (name, tip) = if method == TrainingMethod::Dpo {
                     ("Beta", "DPO's β: how far the model may move from the reference (TRL's default 0.1; smaller lets it move further).")
                 } else {
                     ("Lambda", "ORPO's λ (stored as `[preference] beta`): the weight of the odds-ratio term against the NLL (TRL's default 0.1).")

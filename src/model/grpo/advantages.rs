@@ -67,7 +67,7 @@ pub fn advantages(
     group_size: usize,
     scale: ScaleRewards,
 ) -> Result<Advantages, ModelError> {
-    if group_size == 0 || rewards.len() % group_size != 0 {
+    if group_size == 0 || !rewards.len().is_multiple_of(group_size) {
         return Err(ModelError::Input(format!(
             "{} rewards do not make whole groups of grpo.num_generations = {group_size}",
             rewards.len()

@@ -192,7 +192,8 @@ fn aggregate(
             masked.sum_all()?.affine(1.0 / divisor, 0.0)?
         }
         GrpoLossType::Dapo => {
-            if !(settings.step_completion_tokens > 0.0) {
+            let tokens = settings.step_completion_tokens;
+            if tokens.is_nan() || tokens <= 0.0 {
                 return Err(ModelError::Input(
                     "the dapo loss needs the optimizer step's completion-token count (> 0)".into(),
                 ));

@@ -7,10 +7,10 @@ use super::*;
 /// (see [`full_logits_head_terms`]).
 pub(crate) const FULL_LOGITS_BACKWARD_TENSORS: u64 = 7;
 
-/// The bytes of one micro-batch's f32 logits, every position of every row (the unit of the
-/// preference head's terms).
+/// The bytes of one micro-batch's f32 logits, every position of every row for preference
+/// pairs, every completion position for GRPO (the unit of the full-logits head's terms).
 pub fn full_logits_bytes(d: &StepDims) -> u64 {
-    d.tokens * d.vocab * 4
+    d.logit_positions * d.vocab * 4
 }
 
 /// The head of a preference step (DPO, IPO, ORPO: `model::preference::model_sequence_logps`
@@ -39,16 +39,33 @@ pub fn full_logits_bytes(d: &StepDims) -> u64 {
 /// * A trained head (full fine-tuning): its weight gradient arrives when the logits'
 ///   gradient is the only logits-sized one left besides the kept three and the max's, as five
 ///   weight-sized buffers (the module docs).
+///
+/// GRPO's head (`model::grpo::model_completion_logps`, [`StepDims::sampled_logits`]) runs on
+/// the completion positions only ([`StepDims::logit_positions`]): their hidden rows are cut
+/// out first (a copy kept by the graph), and the logits divided by the temperature are one
+/// more logits-sized tensor kept, with one more gradient in the backward.
 pub(super) fn full_logits_head_terms(d: &StepDims) -> BlockTerms {
     let n = d.tokens;
     let (a, g, h, v) = (d.act_bytes, d.grad_bytes, d.hidden, d.vocab);
+    let positions = d.logit_positions;
     let logits = full_logits_bytes(d);
-    let half_product = if a == 4 { 0 } else { n * v * a };
+    let half_product = if a == 4 { 0 } else { positions * v * a };
     let pairs = d.micro_batch.div_ceil(2);
-    let kept = n * h * a + half_product + 3 * logits + n * 9 * 4 + pairs * 2 * 4;
+    let (kept_logits, backward_logits) = full_logits_tensors(d);
+    let cut_rows = if d.sampled_logits {
+        positions * h * a
+    } else {
+        0
+    };
+    let kept = n * h * a
+        + cut_rows
+        + half_product
+        + kept_logits * logits
+        + positions * 9 * 4
+        + pairs * 2 * 4;
     let full = d.lora.is_none();
     let weight = if full { v * h * g } else { 0 };
-    let backward = (FULL_LOGITS_BACKWARD_TENSORS * logits).max(2 * logits + 5 * weight);
+    let backward = (backward_logits * logits).max(2 * logits + 5 * weight);
     BlockTerms {
         kept_bytes: kept,
         forward_transient_bytes: 0,
@@ -57,6 +74,13 @@ pub(super) fn full_logits_head_terms(d: &StepDims) -> BlockTerms {
         residue_bytes: logits,
         freed_kept_bytes: 0,
     }
+}
+
+/// Logits-sized f32 tensors of a full-logits head: (kept by the graph after the forward, added
+/// at the backward's peak). GRPO's temperature scaling adds one of each.
+pub(crate) fn full_logits_tensors(d: &StepDims) -> (u64, u64) {
+    let scaled = u64::from(d.sampled_logits);
+    (3 + scaled, FULL_LOGITS_BACKWARD_TENSORS + scaled)
 }
 
 /// gemm's buffers for the fused head's `f32` products of one loss chunk: the logits, and with

@@ -1,6 +1,6 @@
 //! `[training] method` and the `[preference]` table: what a run learns, and DPO's and ORPO's
 //! settings (the loss, β, the reference, the pairs' truncation lengths). GRPO's are in
-//! [`super::grpo`].
+//! `config/grpo.rs`.
 
 use serde::{Deserialize, Serialize};
 
@@ -32,6 +32,17 @@ impl TrainingMethod {
     /// Whether the method samples completions and learns from their rewards.
     pub fn is_grpo(self) -> bool {
         self == TrainingMethod::Grpo
+    }
+
+    /// What `[training] micro_batch` counts under this method, in the plural: SFT's rows,
+    /// DPO's and ORPO's pairs (each two rows), GRPO's prompts (each `num_generations` rows).
+    /// Every front end labels the micro-batch with it.
+    pub fn micro_batch_unit(self) -> &'static str {
+        match self {
+            TrainingMethod::Sft => "rows",
+            TrainingMethod::Dpo | TrainingMethod::Orpo => "pairs",
+            TrainingMethod::Grpo => "prompts",
+        }
     }
 
     /// The config spelling.
@@ -115,5 +126,32 @@ impl PreferenceSection {
             max_prompt_length: Some(self.max_prompt_length),
             max_completion_length: Some(self.max_completion_length),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::RunConfig;
+
+    /// Switching a DPO run with the IPO loss and label smoothing to ORPO leaves settings ORPO
+    /// accepts; switching back keeps them (a user's later choice).
+    #[test]
+    fn switching_to_orpo_resets_what_orpo_refuses() {
+        let mut c = RunConfig::default();
+        c.set_method(TrainingMethod::Dpo);
+        c.preference.loss = DpoLoss::Ipo;
+        c.preference.label_smoothing = 0.1;
+        c.set_method(TrainingMethod::Orpo);
+        assert_eq!(c.training.method, TrainingMethod::Orpo);
+        assert_eq!(c.preference.loss, DpoLoss::Sigmoid);
+        assert_eq!(c.preference.label_smoothing, 0.0);
+        c.preference.label_smoothing = 0.0;
+        c.set_method(TrainingMethod::Grpo);
+        assert_eq!(c.training.method.micro_batch_unit(), "prompts");
+        assert_eq!(
+            c.effective_batch(),
+            c.training.micro_batch * c.training.gradient_accumulation
+        );
     }
 }

@@ -155,7 +155,7 @@ impl GrpoRun {
             .map_err(|cause| TrainError::Rollout {
                 step,
                 context: format!("sampling the completions of prompt row {}", prompt.index),
-                cause,
+                cause: Box::new(cause),
             })?;
             for c in group.completions {
                 let mut mask = completion_mask(&c.ids, &self.eos_ids);
@@ -203,7 +203,10 @@ impl GrpoRun {
                 message: "the reward functions were left unusable by an earlier failure".into(),
             })?
             .score(&inputs)
-            .map_err(|cause| TrainError::Reward { step, cause })?;
+            .map_err(|cause| TrainError::Reward {
+                step,
+                cause: Box::new(cause),
+            })?;
         let weighted = scores.weighted();
         let adv = advantages(
             &weighted,

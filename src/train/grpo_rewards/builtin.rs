@@ -3,7 +3,7 @@
 use regex::Regex;
 
 use super::answer::{answers_match, final_answer, pattern_answer, reference_answer};
-use super::error::RewardError;
+use super::reward_error::RewardError;
 use super::spec::{compile, RewardKind, RewardSpec};
 use super::RewardInput;
 

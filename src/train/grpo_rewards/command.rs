@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::error::RewardError;
+use super::reward_error::RewardError;
 use super::spec::RewardSpec;
 use super::RewardInput;
 

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::error::RewardError;
+use super::reward_error::RewardError;
 
 /// The dataset column an `accuracy` reward reads when `column` is not set.
 pub const DEFAULT_COLUMN: &str = "answer";

@@ -35,7 +35,7 @@ impl TrainingRun {
             TrainError::Rollout {
                 step,
                 context: "viewing the policy's weights for sampling".into(),
-                cause,
+                cause: Box::new(cause),
             }
         })?;
         let rollouts = grpo.rollouts(&infer, &prompts, self.config.training.seed, step)?;
@@ -140,4 +140,9 @@ impl TrainingRun {
 /// The rollouts of the last step, for the front ends (`None` before the first GRPO step).
 pub fn last_rollouts(run: &TrainingRun) -> Option<StepRollouts> {
     run.grpo.as_ref().and_then(GrpoRun::last_rollouts)
+}
+
+/// The GRPO run's prompt rows (`None` for other methods), which `last_rollouts` index.
+pub fn last_prompts(run: &TrainingRun) -> Option<&[crate::data::prompts::PromptRow]> {
+    run.grpo.as_ref().map(|g| g.prompts.as_slice())
 }

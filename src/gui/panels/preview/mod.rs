@@ -16,6 +16,8 @@ use crate::gui::theme;
 
 /// Preference pairs: the Preview's view of DPO / ORPO data, a struct that owns its state.
 pub mod pairs;
+/// GRPO rollouts: the Preview of a GRPO run, a struct that owns its state.
+pub mod rollouts;
 
 /// At most this many chips per row are drawn (the rest are counted), so a
 /// 32k-token row cannot stall a frame.
@@ -40,6 +42,8 @@ pub struct PreviewPanel {
     pub highlight: Option<usize>,
     /// The preview of preference pairs, when the data holds them (then `preview` is `None`).
     pub pairs: pairs::PairPreviewPanel,
+    /// The rollout preview, when the run is GRPO (then `preview` is `None`).
+    pub rollouts: rollouts::RolloutPreviewPanel,
 }
 
 impl PreviewPanel {
@@ -59,6 +63,16 @@ impl PreviewPanel {
         );
 
         navigator(ui, pp, s, cx);
+
+        // A GRPO run previews the completions it samples, when asked.
+        if s.config.training.method.is_grpo() {
+            if let Some(e) = &pp.error {
+                theme::job_error(ui, "The rollouts could not be sampled", e);
+            }
+            let (start, loading) = (pp.start_row, pp.loading);
+            pp.rollouts.show(ui, &s.config, start, loading, actions);
+            return;
+        }
 
         if let Some(e) = &pp.error {
             theme::job_error(ui, "The preview could not be built", e);
@@ -151,9 +165,11 @@ fn navigator(ui: &mut Ui, pp: &mut PreviewPanel, s: &mut Session, cx: &PanelCont
         .as_ref()
         .map(|p| p.num_rows)
         .or_else(|| pp.pairs.preview().map(|p| p.num_rows))
+        .or_else(|| pp.rollouts.preview().map(|p| p.num_prompts))
         .or_else(|| cx.dataset.as_ref().map(|d| d.num_rows))
         .unwrap_or(0);
     let batch = s.config.training.micro_batch.clamp(1, 16);
+    let unit = s.config.training.method.micro_batch_unit();
     ui.horizontal(|ui| {
         let prev = ui
             .add_enabled(pp.start_row > 0, egui::Button::new("◀ Previous"))
@@ -183,7 +199,7 @@ fn navigator(ui: &mut Ui, pp: &mut PreviewPanel, s: &mut Session, cx: &PanelCont
         if total > 0 {
             ui.label(
                 RichText::new(format!(
-                    "rows {}–{} of {} (one micro-batch of {batch})",
+                    "{unit} {}–{} of {} (one micro-batch of {batch})",
                     pp.start_row,
                     (pp.start_row + batch).min(total) - 1,
                     theme::count(total as u64)

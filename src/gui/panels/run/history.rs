@@ -1,37 +1,16 @@
 //! The Run panel's past runs: runs read back from their output folders, overlaid on the
 //! loss chart.
 
-use std::path::PathBuf;
-
 use eframe::egui::{self, RichText, Ui};
 
-use tunestudio::train::{FinishReason, RunCurves};
+use tunestudio::train::FinishReason;
 
 use super::RunPanel;
 use crate::gui::app::Action;
 use crate::gui::jobs::PickTarget;
 use crate::gui::theme;
 
-/// A past run read back from its output folder.
-#[derive(Debug, Clone)]
-pub struct HistoryRun {
-    /// The output folder.
-    pub dir: PathBuf,
-    /// Its curves from `metrics.jsonl`.
-    pub curves: RunCurves,
-    /// How it ended, if it did.
-    pub finished: Option<FinishReason>,
-}
-
-impl HistoryRun {
-    /// The folder's name.
-    pub fn name(&self) -> String {
-        self.dir
-            .file_name()
-            .map(|n| n.to_string_lossy().to_string())
-            .unwrap_or_else(|| self.dir.display().to_string())
-    }
-}
+use crate::gui::shared::HistoryRun;
 
 /// The run history.
 #[derive(Debug, Default)]

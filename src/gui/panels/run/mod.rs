@@ -3,7 +3,6 @@
 //! capacity), the log, the error report with fixes, and past runs to overlay.
 
 use eframe::egui::{self, RichText, Ui};
-use egui_plot::{HLine, Legend, Line, LineStyle, Plot, PlotPoints, Points};
 
 use tunestudio::train::FinishReason;
 
@@ -13,9 +12,11 @@ use crate::gui::session::Session;
 use crate::gui::shared::PanelContext;
 use crate::gui::theme;
 
+mod charts;
 mod history;
+use charts::{loss_chart, lr_chart, memory_chart, reward_chart};
 use history::history;
-pub use history::{HistoryRun, HistoryState};
+pub use history::HistoryState;
 
 /// The Run panel: the live run (its trainer's events folded in; the app holds the thread)
 /// and the past runs.
@@ -86,6 +87,14 @@ impl RunPanel {
 
         ui.add_space(8.0);
         loss_chart(ui, rp, s);
+        if !rp.live.rewards.is_empty() {
+            theme::section(ui, "Rewards");
+            reward_chart(ui, rp);
+        }
+        if let Some((step, group)) = &rp.live.completions {
+            theme::section(ui, &format!("Latest completions (step {step})"));
+            latest_completions(ui, group);
+        }
         ui.columns(2, |cols| {
             theme::section(&mut cols[0], "Learning rate");
             lr_chart(&mut cols[0], rp);
@@ -99,6 +108,32 @@ impl RunPanel {
         theme::section(ui, "Run history");
         history(ui, rp, actions);
     }
+}
+
+/// GRPO: the last step's first prompt and each sampled completion with its rewards and
+/// advantage, so a reward that scores the wrong thing shows while the run is young.
+fn latest_completions(ui: &mut Ui, g: &tunestudio::train::SampledGroup) {
+    theme::card(ui, |ui| {
+        ui.label(RichText::new(format!("prompt row {}", g.row)).strong());
+        ui.add(egui::Label::new(RichText::new(&g.prompt).monospace().weak()).wrap());
+        for (i, c) in g.completions.iter().enumerate() {
+            ui.separator();
+            let per_function: Vec<String> = g
+                .reward_names
+                .iter()
+                .zip(&c.rewards)
+                .map(|(n, r)| format!("{n} {r:.3}"))
+                .collect();
+            ui.label(format!(
+                "[{i}] reward {:.3} ({}) · advantage {:+.3}{}",
+                c.reward,
+                per_function.join(", "),
+                c.advantage,
+                if c.truncated { " · truncated" } else { "" }
+            ));
+            ui.add(egui::Label::new(RichText::new(&c.text).monospace()).wrap());
+        }
+    });
 }
 
 /// After the divergence watch stopped the run: resume from the last good checkpoint with a
@@ -347,203 +382,6 @@ fn progress(ui: &mut Ui, rp: &RunPanel) {
     }
 }
 
-/// Exponential moving average (as TensorBoard's smoothing slider).
-pub fn smooth(points: &[[f64; 2]], weight: f64) -> Vec<[f64; 2]> {
-    let mut out = Vec::with_capacity(points.len());
-    let mut last: Option<f64> = None;
-    for p in points {
-        let v = match last {
-            None => p[1],
-            Some(prev) => prev * weight + p[1] * (1.0 - weight),
-        };
-        last = Some(v);
-        out.push([p[0], v]);
-    }
-    out
-}
-
-fn loss_chart(ui: &mut Ui, rp: &mut RunPanel, s: &mut Session) {
-    ui.horizontal(|ui| {
-        ui.label(RichText::new("Loss").size(15.0).strong());
-        ui.add_space(20.0);
-        let l = ui.label("Smoothing");
-        ui.add(
-            egui::DragValue::new(&mut s.settings.smoothing)
-                .range(0.0..=0.99)
-                .speed(0.01),
-        )
-        .labelled_by(l.id)
-        .on_hover_text("Exponential moving average of the training loss (0 = raw)");
-    });
-    let w = s.settings.smoothing as f64;
-    let run = &rp.live;
-    // (name, train loss, eval loss) of each overlaid run.
-    type Curves = (String, Vec<[f64; 2]>, Vec<[f64; 2]>);
-    let overlays: Vec<Curves> = rp
-        .history
-        .overlay
-        .iter()
-        .filter_map(|&i| rp.history.runs.get(i))
-        .map(|h| {
-            let pts = |v: &[(u64, f64)]| {
-                v.iter()
-                    .filter(|p| p.1.is_finite())
-                    .map(|&(x, y)| [x as f64, y])
-                    .collect()
-            };
-            (h.name(), pts(&h.curves.loss), pts(&h.curves.eval_loss))
-        })
-        .collect();
-    Plot::new("loss-chart")
-        .height(240.0)
-        .legend(Legend::default())
-        .x_axis_label("step")
-        .y_axis_label("loss")
-        .allow_scroll(false)
-        .show(ui, |plot| {
-            if !run.loss.is_empty() {
-                plot.line(
-                    Line::new("train (raw)", PlotPoints::from(run.loss.clone()))
-                        .color(theme::ACCENT.gamma_multiply(0.35))
-                        .width(1.0),
-                );
-                plot.line(
-                    Line::new("train", PlotPoints::from(smooth(&run.loss, w)))
-                        .color(theme::ACCENT)
-                        .width(2.0),
-                );
-            }
-            if !run.eval_loss.is_empty() {
-                plot.line(
-                    Line::new("eval", PlotPoints::from(run.eval_loss.clone()))
-                        .color(theme::MEM_ACTIVATIONS)
-                        .width(2.0),
-                );
-                plot.points(
-                    Points::new("eval", PlotPoints::from(run.eval_loss.clone()))
-                        .color(theme::MEM_ACTIVATIONS)
-                        .radius(3.5),
-                );
-            }
-            // The divergence watch's spikes (`train::divergence`).
-            if !run.divergences.is_empty() {
-                plot.points(
-                    Points::new("diverged", PlotPoints::from(run.divergences.clone()))
-                        .color(theme::ERROR)
-                        .radius(6.0),
-                );
-            }
-            for (i, (name, loss, eval)) in overlays.into_iter().enumerate() {
-                let c = theme::SERIES[(i + 2) % theme::SERIES.len()];
-                if !loss.is_empty() {
-                    plot.line(
-                        Line::new(format!("{name} train"), PlotPoints::from(smooth(&loss, w)))
-                            .color(c)
-                            .style(LineStyle::dashed_loose()),
-                    );
-                }
-                if !eval.is_empty() {
-                    plot.line(
-                        Line::new(format!("{name} eval"), PlotPoints::from(eval))
-                            .color(c)
-                            .style(LineStyle::dotted_dense()),
-                    );
-                }
-            }
-        });
-}
-
-fn lr_chart(ui: &mut Ui, rp: &RunPanel) {
-    Plot::new("lr-chart")
-        .height(170.0)
-        .x_axis_label("step")
-        .allow_scroll(false)
-        .y_axis_formatter(|m, _| format!("{:.0e}", m.value))
-        .show(ui, |plot| {
-            if !rp.live.lr.is_empty() {
-                plot.line(
-                    Line::new("learning rate", PlotPoints::from(rp.live.lr.clone()))
-                        .color(theme::MEM_GRADIENTS)
-                        .width(2.0),
-                );
-            }
-        });
-}
-
-fn memory_chart(ui: &mut Ui, rp: &RunPanel) {
-    let mem = &rp.live.memory;
-    Plot::new("memory-chart")
-        .height(170.0)
-        .legend(Legend::default())
-        .x_axis_label("step")
-        .y_axis_label("GiB")
-        .allow_scroll(false)
-        .include_y(0.0)
-        .show(ui, |plot| {
-            for (i, (device, series)) in mem.iter().enumerate() {
-                let c = theme::SERIES[i % theme::SERIES.len()];
-                if !series.used.is_empty() {
-                    let whose = match series.scope {
-                        tunestudio::train::MemoryScope::Process => "used",
-                        tunestudio::train::MemoryScope::Device => "used (whole device)",
-                    };
-                    plot.line(
-                        Line::new(
-                            format!("{device} {whose}"),
-                            PlotPoints::from(series.used.clone()),
-                        )
-                        .color(c)
-                        .width(2.0),
-                    );
-                }
-                if let Some(p) = series.predicted_peak_bytes {
-                    plot.hline(
-                        HLine::new(format!("{device} predicted peak"), theme::gib(p))
-                            .color(c)
-                            .style(LineStyle::dashed_loose()),
-                    );
-                }
-                // A capacity far above the use would flatten the curves to the axis.
-                let top = series
-                    .peak_bytes
-                    .max(series.predicted_peak_bytes.unwrap_or(0));
-                if let Some(t) = series.total_bytes.filter(|&t| t <= top.saturating_mul(4)) {
-                    plot.hline(
-                        HLine::new(format!("{device} capacity"), theme::gib(t))
-                            .color(theme::ERROR)
-                            .width(1.5),
-                    );
-                }
-            }
-        });
-    // One caption per line of the chart, so each device's figures read on their own.
-    let peaks: Vec<String> = mem
-        .iter()
-        .filter(|(_, v)| v.peak_bytes > 0)
-        .map(|(d, v)| {
-            format!(
-                "{d}: peak {}{}{}",
-                theme::bytes(v.peak_bytes),
-                v.predicted_peak_bytes
-                    .map(|p| format!(
-                        " (predicted {}, {:+.1} %)",
-                        theme::bytes(p),
-                        100.0 * (p as f64 - v.peak_bytes as f64) / v.peak_bytes as f64
-                    ))
-                    .unwrap_or_default(),
-                v.total_bytes
-                    .map(|t| format!(" of {}", theme::bytes(t)))
-                    .unwrap_or_default()
-            )
-        })
-        .collect();
-    ui.horizontal_wrapped(|ui| {
-        for p in peaks {
-            ui.label(RichText::new(p).small().weak());
-        }
-    });
-}
-
 fn log(ui: &mut Ui, rp: &RunPanel) {
     egui::Frame::new()
         .fill(ui.visuals().extreme_bg_color)
@@ -578,19 +416,4 @@ fn log(ui: &mut Ui, rp: &RunPanel) {
                     }
                 });
         });
-}
-
-#[cfg(test)]
-mod tests {
-    use super::smooth;
-
-    #[test]
-    fn smoothing_is_an_ema() {
-        let pts = [[1.0, 4.0], [2.0, 2.0], [3.0, 2.0]];
-        assert_eq!(smooth(&pts, 0.0), pts.to_vec());
-        let s = smooth(&pts, 0.5);
-        assert_eq!(s[0], [1.0, 4.0]);
-        assert_eq!(s[1], [2.0, 3.0]);
-        assert_eq!(s[2], [3.0, 2.5]);
-    }
 }

@@ -6,22 +6,22 @@
 use candle_core::Device;
 
 use crate::data::lints::Lint;
+use crate::data::{token_spans, TokenSpan};
 use crate::infer::InferModel;
 
-use super::super::config::RunConfig;
-use super::super::error::TrainError;
-use super::super::samples;
-use super::{prompt_lints, GrpoRun, StepRollouts};
+use super::config::RunConfig;
+use super::error::TrainError;
+use super::grpo::{prompt_lints, GrpoRun, StepRollouts};
+use super::samples;
 
 /// One previewed completion.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct PreviewCompletion {
     /// The completion's text (special tokens left out, as the reward functions read it).
     pub text: String,
-    /// Its tokens' texts, in order (the EOS shown as itself).
-    pub tokens: Vec<String>,
-    /// Its token ids.
-    pub ids: Vec<u32>,
+    /// Its tokens, in order (the EOS shown as itself), as the previews' chips: every one
+    /// trained.
+    pub tokens: Vec<TokenSpan>,
     /// Each reward function's value, in `[[grpo.reward]]` order.
     pub rewards: Vec<f32>,
     /// The weighted sum.
@@ -48,6 +48,8 @@ pub struct PreviewGroup {
 /// What `tunestudio preview` and the studio show of a GRPO run before it starts.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct RolloutPreview {
+    /// The prompts of the training data.
+    pub num_prompts: usize,
     /// The reward functions' names.
     pub reward_names: Vec<String>,
     /// The previewed groups.
@@ -58,13 +60,17 @@ pub struct RolloutPreview {
     pub lints: Vec<Lint>,
 }
 
-/// Samples `num_generations` completions for each of the first `prompts` prompts with the run's
-/// model (its weights as the run starts: pretrained, or random from the seed; LoRA adapters
-/// added but untrained) on the CPU, and scores them.
-pub fn rollout_preview(config: &RunConfig, prompts: usize) -> Result<RolloutPreview, TrainError> {
+/// Samples `num_generations` completions for each of `prompts` prompts from the `first` with
+/// the run's model (its weights as the run starts: pretrained, or random from the seed; LoRA
+/// adapters added but untrained) on the CPU, and scores them.
+pub fn rollout_preview(
+    config: &RunConfig,
+    first: usize,
+    prompts: usize,
+) -> Result<RolloutPreview, TrainError> {
     let located = samples::locate_model(config)?;
     let tok = samples::load_tokenizer(&located.dir)?;
-    let set = super::load_prompts(config, &tok)?;
+    let set = super::grpo::load_prompts(config, &tok)?;
     let mut lints = prompt_lints(config, &set, located.has_weights);
     let model_config = crate::model::ModelConfig::from_file(&located.config).map_err(|cause| {
         TrainError::Model {
@@ -73,17 +79,20 @@ pub fn rollout_preview(config: &RunConfig, prompts: usize) -> Result<RolloutPrev
         }
     })?;
     let eos_ids = crate::infer::generator::eos_ids(&model_config, &[located.dir.as_path()], &tok);
-    let shown: Vec<usize> = (0..prompts.min(set.rows.len())).collect();
+    let first = first.min(set.rows.len().saturating_sub(1));
+    let shown: Vec<usize> = (first..(first + prompts).min(set.rows.len())).collect();
+    let num_prompts = set.rows.len();
     let run = GrpoRun::new(config, set.rows, tok.clone(), eos_ids)?;
-    let (model, _) = super::super::step::build_model(config, &Device::Cpu)?;
+    let (model, _) = super::step::build_model(config, &Device::Cpu)?;
     let infer = InferModel::from_causal_lm(&model).map_err(|cause| TrainError::Rollout {
         step: 0,
         context: "viewing the model's weights for sampling".into(),
-        cause,
+        cause: Box::new(cause),
     })?;
     let rollouts = run.rollouts(&infer, &shown, config.training.seed, 0)?;
     lints.extend(zero_advantage_lint(&rollouts));
     Ok(RolloutPreview {
+        num_prompts,
         reward_names: rollouts.reward_names.clone(),
         groups: groups(&run, &tok, &rollouts),
         metrics: rollouts.metrics.named(),
@@ -111,8 +120,12 @@ fn groups(
                     .iter()
                     .map(|r| PreviewCompletion {
                         text: r.text.clone(),
-                        tokens: tok.token_texts(&r.completion_ids),
-                        ids: r.completion_ids.clone(),
+                        tokens: token_spans(
+                            tok,
+                            &r.completion_ids,
+                            &labels_of(&r.completion_ids),
+                            None,
+                        ),
                         rewards: r.rewards.clone(),
                         reward: r.reward,
                         advantage: r.advantage,
@@ -122,6 +135,11 @@ fn groups(
             }
         })
         .collect()
+}
+
+/// Every token of a completion is trained: its label is itself.
+fn labels_of(ids: &[u32]) -> Vec<i64> {
+    ids.iter().map(|&id| i64::from(id)).collect()
 }
 
 /// Every previewed group had equal rewards: every advantage is 0, so nothing would be learned
