@@ -650,3 +650,41 @@ fn generate_streams_byte_split_chinese_without_replacement_characters() {
     assert_eq!(stdout.trim_end(), expected);
     assert!(stderr.contains("inside a character"), "{stderr}");
 }
+
+/// The group decode's speed, not a check (`cargo test --test it -- --ignored
+/// a_group_decodes_faster --nocapture`): G 8 completions of 64 tokens after a 64-token prompt
+/// on the SmolLM2-135M shape (random weights, f32, this machine's threads), decoded one row
+/// at a time (what GRPO's rollouts did before) and as one batch.
+#[test]
+#[ignore = "a measurement: run it by name"]
+fn a_group_decodes_faster_as_one_batch() {
+    let cfg = ModelConfig::from_file(
+        &tunestudio::paths::shared_dir().join("model-configs/smollm2-135m.json"),
+    )
+    .unwrap();
+    let lm = CausalLm::random_init(&cfg, 0, DType::F32, &Device::Cpu).unwrap();
+    let model = InferModel::from_causal_lm(&lm).unwrap();
+    let prompt: Vec<u32> = (0..64).map(|i| 100 + 7 * i).collect();
+    let (g, steps) = (8usize, 64usize);
+    let mut prefill = model.new_cache(prompt.len());
+    model.forward(&prompt, &mut prefill).unwrap();
+    let ids = |step: usize| -> Vec<u32> { (0..g).map(|r| (500 + 31 * r + step) as u32).collect() };
+    let t = std::time::Instant::now();
+    for r in 0..g {
+        let mut cache = prefill.repeat_rows(1, prompt.len() + steps).unwrap();
+        for step in 0..steps {
+            model.forward(&ids(step)[r..r + 1], &mut cache).unwrap();
+        }
+    }
+    let one_by_one = t.elapsed().as_secs_f64();
+    let t = std::time::Instant::now();
+    let mut cache = prefill.repeat_rows(g, prompt.len() + steps).unwrap();
+    for step in 0..steps {
+        model.forward_rows(&ids(step), &mut cache).unwrap();
+    }
+    let batched = t.elapsed().as_secs_f64();
+    println!(
+        "G {g} × {steps} tokens: one row at a time {one_by_one:.2} s, one batch {batched:.2} s ({:.1}×)",
+        one_by_one / batched
+    );
+}
