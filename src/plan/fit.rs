@@ -255,11 +255,7 @@ fn search_space(req: &PlanRequest) -> Vec<PlanRequest> {
     let rows = rows_per_sample(req);
     let mut out = Vec::new();
     for strategy in strategy_options(req) {
-        let ranks = if strategy == Strategy::DataParallel {
-            req.devices.len()
-        } else {
-            1
-        };
+        let ranks = strategy.ranks(req.devices.len());
         if !effective.is_multiple_of(ranks * rows) {
             continue;
         }

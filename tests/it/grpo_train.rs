@@ -87,12 +87,10 @@ fn format_reward() -> String {
     format!("kind = \"format\"\nname = \"capital\"\npattern = {CAPITAL:?}")
 }
 
-/// Runs `tunestudio train --config path` (plus `extra`), returning (success, stdout+stderr).
-fn train(path: &Path, extra: &[&str]) -> (bool, String) {
+/// Runs `tunestudio ARGS`: its exit status and stdout+stderr.
+fn tunestudio(args: &[&std::ffi::OsStr]) -> (std::process::ExitStatus, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tunestudio"))
-        .args(["train", "--config"])
-        .arg(path)
-        .args(extra)
+        .args(args)
         .output()
         .unwrap();
     let text = format!(
@@ -100,7 +98,15 @@ fn train(path: &Path, extra: &[&str]) -> (bool, String) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    (out.status.success(), text)
+    (out.status, text)
+}
+
+/// Runs `tunestudio train --config path` (plus `extra`), returning (success, stdout+stderr).
+fn train(path: &Path, extra: &[&str]) -> (bool, String) {
+    let mut args = vec!["train".as_ref(), "--config".as_ref(), path.as_os_str()];
+    args.extend(extra.iter().map(std::ffi::OsStr::new));
+    let (status, text) = tunestudio(&args);
+    (status.success(), text)
 }
 
 /// Each recorded step's loss and metrics, by step.
@@ -307,18 +313,15 @@ fn a_seeded_grpo_run_is_reproducible_and_resumes_exactly() {
 
 /// Runs `tunestudio preview --config path` (plus `extra`): (exit code, stdout+stderr).
 fn preview(path: &Path, extra: &[&str]) -> (Option<i32>, String) {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_tunestudio"))
-        .args(["preview", "--no-color", "--config"])
-        .arg(path)
-        .args(extra)
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.code(), text)
+    let mut args = vec![
+        "preview".as_ref(),
+        "--no-color".as_ref(),
+        "--config".as_ref(),
+        path.as_os_str(),
+    ];
+    args.extend(extra.iter().map(std::ffi::OsStr::new));
+    let (status, text) = tunestudio(&args);
+    (status.code(), text)
 }
 
 /// Issue #59 item 6: `tunestudio preview --config` on a GRPO run samples each prompt's group

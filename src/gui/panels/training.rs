@@ -28,25 +28,21 @@ impl TrainingPanel {
         cx: &PanelContext,
         actions: &mut Vec<Action>,
     ) {
-        show(ui, s, cx, actions);
+        theme::heading(
+            ui,
+            "Training",
+            "Optimisation settings. The memory plan (GPUs & memory) updates as you change them.",
+        );
+        settings_findings(ui, s, cx);
+
+        ui.columns(2, |cols| {
+            batch_and_precision(&mut cols[0], s);
+            method(&mut cols[0], s);
+            objective(&mut cols[0], s);
+            optimizer_and_schedule(&mut cols[1], s);
+            length_eval_and_checkpoints(&mut cols[1], s, actions);
+        });
     }
-}
-
-fn show(ui: &mut Ui, s: &mut Session, cx: &PanelContext, actions: &mut Vec<Action>) {
-    theme::heading(
-        ui,
-        "Training",
-        "Optimisation settings. The memory plan (GPUs & memory) updates as you change them.",
-    );
-    settings_findings(ui, s, cx);
-
-    ui.columns(2, |cols| {
-        batch_and_precision(&mut cols[0], s);
-        method(&mut cols[0], s);
-        objective(&mut cols[0], s);
-        optimizer_and_schedule(&mut cols[1], s);
-        length_eval_and_checkpoints(&mut cols[1], s, actions);
-    });
 }
 
 /// What the studio moved to suit the model, and the settings lints (the same `tunestudio

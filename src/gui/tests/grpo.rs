@@ -78,7 +78,13 @@ devices = ["cpu"]
     path
 }
 
-fn sampled(h: &mut Harness<'static, StudioApp>, what: &str) {
+/// Clicks "Sample rollouts", waits for the answer and returns it.
+fn sample(
+    h: &mut Harness<'static, StudioApp>,
+    what: &str,
+) -> tunestudio::train::rollout_preview::RolloutPreview {
+    h.get_by_label("Sample rollouts").click();
+    h.step();
     wait_for(h, what, Duration::from_secs(120), |a| {
         let p = &a.panels.preview;
         a.jobs.in_flight() == 0
@@ -87,6 +93,7 @@ fn sampled(h: &mut Harness<'static, StudioApp>, what: &str) {
     });
     let p = &h.state().panels.preview;
     assert!(p.error.is_none(), "{:?}", p.error);
+    p.rollouts.preview().cloned().expect("a rollout preview")
 }
 
 #[test]
@@ -113,17 +120,7 @@ fn a_grpo_preview_shows_each_prompts_group_with_its_rewards_and_the_zero_advanta
         h.query_by_label_contains("prompts 0–1 of").is_some(),
         "the navigator counts prompts"
     );
-    h.get_by_label("Sample rollouts").click();
-    h.step();
-    sampled(&mut h, "the rollouts");
-    let p = h
-        .state()
-        .panels
-        .preview
-        .rollouts
-        .preview()
-        .cloned()
-        .expect("a rollout preview");
+    let p = sample(&mut h, "the rollouts");
     assert_eq!(p.num_prompts, 6);
     assert_eq!(p.groups.len(), 2, "one group per prompt of the micro-batch");
     assert_eq!(p.reward_names, ["capital", "short"]);
@@ -191,17 +188,7 @@ fn a_grpo_preview_shows_each_prompts_group_with_its_rewards_and_the_zero_advanta
             .is_some(),
         "a changed reward marks the shown sample stale"
     );
-    h.get_by_label("Sample rollouts").click();
-    h.step();
-    sampled(&mut h, "the rollouts of the constant reward");
-    let p = h
-        .state()
-        .panels
-        .preview
-        .rollouts
-        .preview()
-        .cloned()
-        .expect("a rollout preview");
+    let p = sample(&mut h, "the rollouts of the constant reward");
     assert_eq!(p.reward_names, ["short"]);
     let lint = p
         .lints
