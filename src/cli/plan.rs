@@ -491,6 +491,13 @@ fn print_process(device: &str, f: &tunestudio::plan::ProcessFootprint) {
         f.training_tensors_bytes,
         "the columns above (a layer split: every CPU stage's)",
     ));
+    if f.untouched_at_peak_bytes() > 0 {
+        rows.push(vec![
+            "gemm slab pages never touched".into(),
+            format!("−{}", format_bytes(f.untouched_at_peak_bytes())),
+            "allocated per thread, packed only up to 1.2 MiB (examples/gemm_slab_rss.rs)".into(),
+        ]);
+    }
     if f.evaluation_bytes > 0 {
         rows.push(moment(
             "evaluation heap",

@@ -49,6 +49,14 @@ pub struct GemmGeometry {
     pub threads: u64,
 }
 
+/// The most of its L2 slab (and packing buffer) one thread's products make resident:
+/// `examples/gemm_slab_rss.rs` reads `VmRSS` around one single-threaded f32 product per fresh
+/// process on a 2 MiB slab (Sapphire Rapids): 1,128–1,216 KiB for every shape with `k` ≥ 512
+/// (SmolLM2's 576/1536/49152 products both ways, 4096³, 8192 × 4096 × 14336), 236–284 KiB for
+/// the demo's (`k` 64/192, or 49152 with 64 columns). gemm-common caps a block at `kc` ≤ 512
+/// and `mc` ≤ 8 micro-panels whatever the cache, so a larger L2 adds no resident pages.
+pub const GEMM_SLAB_TOUCHED_BYTES: u64 = 1_216 * 1024;
+
 impl GemmGeometry {
     /// This process's: gemm's slab and rayon's workers plus the thread that calls them.
     pub fn host() -> Self {
@@ -61,6 +69,16 @@ impl GemmGeometry {
     /// Every thread's slab: they live as long as the threads, so under every phase of a step.
     pub fn workspace_bytes(&self) -> u64 {
         super::step_model::gemm_workspace_bytes(self.l2_slab_bytes, self.threads)
+    }
+
+    /// The part of [`Self::workspace_bytes`] that is resident: a product touches its slab only
+    /// as far as it packs, so a slab larger than [`GEMM_SLAB_TOUCHED_BYTES`] is never filled.
+    /// The heap (the counting allocator) sees every slab whole; `VmRSS` sees this.
+    pub fn resident_workspace_bytes(&self) -> u64 {
+        super::step_model::gemm_workspace_bytes(
+            self.l2_slab_bytes.min(GEMM_SLAB_TOUCHED_BYTES),
+            self.threads,
+        )
     }
 }
 
@@ -333,6 +351,24 @@ fn logical_cpu_index(lower: &str) -> Option<(usize, Option<&str>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slab_larger_than_gemm_packs_is_resident_only_as_far_as_it_packs() {
+        let sapphire_rapids = GemmGeometry {
+            l2_slab_bytes: 2 * MIB,
+            threads: 3,
+        };
+        assert_eq!(sapphire_rapids.workspace_bytes(), 6 * MIB);
+        assert_eq!(
+            sapphire_rapids.resident_workspace_bytes(),
+            3 * GEMM_SLAB_TOUCHED_BYTES
+        );
+        let epyc = GemmGeometry {
+            l2_slab_bytes: MIB / 2,
+            threads: 3,
+        };
+        assert_eq!(epyc.resident_workspace_bytes(), epyc.workspace_bytes());
+    }
 
     #[test]
     fn sizes() {

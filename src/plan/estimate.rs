@@ -341,6 +341,7 @@ fn process_footprint(
     dims: &StepDims,
     scope: &ProcessScope,
     rank_peak: u64,
+    untouched_workspace_bytes: u64,
 ) -> super::ProcessFootprint {
     let held: Vec<&Block> = scope.blocks.iter().map(|&i| &costs.blocks[i]).collect();
     let weights: u64 = held.iter().map(|b| b.memory.weights_bytes).sum();
@@ -357,6 +358,7 @@ fn process_footprint(
         scope.replicas * (weights + state),
         scope.replicas * weights,
         tensors_peak,
+        untouched_workspace_bytes,
     )
 }
 
@@ -393,7 +395,10 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
                         + overhead
                         + workspace
                 };
-                Some(process_footprint(inputs, &costs, &dims, &scope, rank_peak))
+                let untouched = workspace - resident_gemm_workspace_on(req, n_used, d);
+                Some(process_footprint(
+                    inputs, &costs, &dims, &scope, rank_peak, untouched,
+                ))
             }
             _ => None,
         };
@@ -516,15 +521,19 @@ fn resume_moment(
 /// gemm's per-thread workspace on device `d` of the `n_used` devices: the process's, so the
 /// first CPU device carries it (logical CPU devices share the threads); none on a GPU.
 fn gemm_workspace_on(req: &PlanRequest, n_used: usize, d: usize) -> u64 {
+    gemm_geometry_on(req, n_used, d).map_or(0, |g| g.workspace_bytes())
+}
+
+/// The resident part of [`gemm_workspace_on`] (what `VmRSS` sees of it).
+fn resident_gemm_workspace_on(req: &PlanRequest, n_used: usize, d: usize) -> u64 {
+    gemm_geometry_on(req, n_used, d).map_or(0, |g| g.resident_workspace_bytes())
+}
+
+fn gemm_geometry_on(req: &PlanRequest, n_used: usize, d: usize) -> Option<GemmGeometry> {
     let first_cpu = req.devices[..n_used]
         .iter()
         .position(|dev| dev.kind == DeviceKind::Cpu);
-    if first_cpu == Some(d) {
-        let geometry = req.devices[d].gemm.unwrap_or_else(GemmGeometry::host);
-        geometry.workspace_bytes()
-    } else {
-        0
-    }
+    (first_cpu == Some(d)).then(|| req.devices[d].gemm.unwrap_or_else(GemmGeometry::host))
 }
 
 fn summarize(per_device: &[DevicePlan], verdict: Verdict) -> String {

@@ -57,6 +57,10 @@ pub struct ProcessFootprint {
     pub evaluation_bytes: u64,
     /// The heap while the weights are loaded (mapped file pages + loaded tensors).
     pub loading_bytes: u64,
+    /// Pages of gemm's per-thread slabs that no product touches: counted in the training
+    /// tensors (the heap sees each slab whole) but never resident, so left out of the peak
+    /// when the training step is the largest moment (`GemmGeometry::resident_workspace_bytes`).
+    pub untouched_workspace_bytes: u64,
     /// Everything else, named, with its source.
     pub terms: Vec<ProcessTerm>,
     /// The process's predicted peak resident set.
@@ -67,6 +71,16 @@ impl ProcessFootprint {
     /// The terms' sum (the resident set besides the largest moment's heap).
     pub fn baseline_bytes(&self) -> u64 {
         self.terms.iter().map(|t| t.bytes).sum()
+    }
+
+    /// The slab pages left out of the peak: [`Self::untouched_workspace_bytes`] when the
+    /// training step is the largest moment (the other moments' heaps count no slab).
+    pub fn untouched_at_peak_bytes(&self) -> u64 {
+        if self.largest_moment == TRAINING_STEP {
+            self.untouched_workspace_bytes
+        } else {
+            0
+        }
     }
 }
 
@@ -197,13 +211,15 @@ pub(crate) fn evaluation_transient_bytes(d: &StepDims) -> u64 {
 }
 
 /// The process footprint of a CPU run: `resident` is the step's bytes that stay between steps
-/// (weights, master copy, moments), `step_peak` the step's predicted peak.
+/// (weights, master copy, moments), `step_peak` the step's predicted peak, of which
+/// `untouched_workspace_bytes` are never resident.
 pub(crate) fn footprint(
     inputs: &ProcessInputs,
     d: &StepDims,
     resident: u64,
     weights: u64,
     step_peak: u64,
+    untouched_workspace_bytes: u64,
 ) -> ProcessFootprint {
     let evaluation_bytes = if inputs.evaluation {
         resident + evaluation_transient_bytes(d)
@@ -216,7 +232,10 @@ pub(crate) fn footprint(
         0
     };
     let (largest_moment, heap) = [
-        (TRAINING_STEP, step_peak),
+        (
+            TRAINING_STEP,
+            step_peak.saturating_sub(untouched_workspace_bytes),
+        ),
         (EVALUATION, evaluation_bytes),
         (LOADING, loading_bytes),
     ]
@@ -278,6 +297,7 @@ pub(crate) fn footprint(
         training_tensors_bytes: step_peak,
         evaluation_bytes,
         loading_bytes,
+        untouched_workspace_bytes,
         terms,
         peak_bytes: 0,
     };
