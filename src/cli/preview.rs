@@ -18,8 +18,9 @@ use tunestudio::data::lints::blocking;
 use tunestudio::data::preference::{is_preference_data, PairLimits};
 use tunestudio::data::{
     open_data, preview_opened, DataConfig, DataPreview, Format, Lint, PreviewOptions, RowSelection,
-    RunConfigView, Severity, TokenClass, TokenSpan, TokenizerBundle,
+    Severity, TokenClass, TokenSpan, TokenizerBundle,
 };
+use tunestudio::train::RunConfig;
 // Terminals apply bidi themselves, so the text stays in logical order; only spaces between
 // tokens separate them.
 use tunestudio::text::visible_keep_spaces as visible;
@@ -51,7 +52,7 @@ pub struct PreviewArgs {
     #[arg(long)]
     pub row: Vec<usize>,
     /// Batch size for padding display and padding-waste stats (default:
-    /// `[training] micro_batch`, else 8).
+    /// `[training] micro_batch` of `--config`, else 8).
     #[arg(long)]
     pub batch_size: Option<usize>,
     /// Compute stats and lints from the shown rows only (for huge datasets).
@@ -78,10 +79,11 @@ pub struct PreviewArgs {
 
 /// Runs `tunestudio preview`.
 pub fn run(args: PreviewArgs) -> anyhow::Result<ExitCode> {
-    if let Some(config) = grpo_run(&args)? {
+    let run_config = args.config.as_deref().map(read_run_config).transpose()?;
+    if let Some(config) = grpo_run(&args, run_config.as_ref()) {
         return crate::cli::preview_rollouts::run(&config, args.rows, args.json, use_color(&args));
     }
-    let (model, cfg, micro_batch) = resolve(&args)?;
+    let (model, cfg, micro_batch) = resolve(&args, run_config.as_ref())?;
     let tok = TokenizerBundle::from_source(&model)
         .with_context(|| format!("cannot load the tokenizer of {model}"))?;
     let opts = PreviewOptions {
@@ -107,8 +109,8 @@ pub fn run(args: PreviewArgs) -> anyhow::Result<ExitCode> {
     }
     let mut preview = preview_opened(&cfg, &tok, &data, &opts)
         .with_context(|| format!("cannot preview {}", cfg.path))?;
-    if let Some(path) = &args.config {
-        preview.lints.extend(settings_lints(path, &model, &preview));
+    if let Some(run) = &run_config {
+        preview.lints.extend(settings_lints(run, &model, &preview));
     }
     let code = exit_code(&preview.lints, &cfg.allow);
     write_out(code, |out| {
@@ -120,18 +122,36 @@ pub fn run(args: PreviewArgs) -> anyhow::Result<ExitCode> {
     })
 }
 
-/// A GRPO run config (`[training] method = "grpo"`), with the flags applied: its preview
-/// samples completions and scores them (`preview_rollouts.rs`). `None` for any other run.
-fn grpo_run(args: &PreviewArgs) -> anyhow::Result<Option<tunestudio::train::RunConfig>> {
-    let Some(path) = &args.config else {
-        return Ok(None);
-    };
-    let Ok(mut config) = tunestudio::train::RunConfig::load(path) else {
-        // Not a full run config: the data preview reads what it can of it.
-        return Ok(None);
-    };
-    if !config.training.method.is_grpo() {
-        return Ok(None);
+/// The run config of `--config`, read by the one run.toml reader as `tunestudio plan` reads
+/// it (keys the preview does not use may be anything `train` would reject, and `train` names
+/// them); a `[data]` key that does not parse is an error, since the preview reads `[data]`.
+fn read_run_config(path: &std::path::Path) -> anyhow::Result<RunConfig> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the run config {}", path.display()))?;
+    let base = path.parent().unwrap_or(std::path::Path::new("."));
+    let origin = path.display().to_string();
+    let (config, problems) = tunestudio::train::read_run_config_leniently(&text, &origin, base)?;
+    let data_problems: Vec<String> = problems
+        .iter()
+        .filter(|p| p.field.starts_with("data."))
+        .map(|p| format!("  {}: {}", p.field, p.message))
+        .collect();
+    if !data_problems.is_empty() {
+        anyhow::bail!(
+            "{origin}: [data] has settings the preview cannot read:\n{}",
+            data_problems.join("\n")
+        );
+    }
+    Ok(config)
+}
+
+/// A GRPO run config (`[training] method = "grpo"`) that `train` would accept, with the flags
+/// applied: its preview samples completions and scores them (`preview_rollouts.rs`). `None`
+/// for any other run, and for a GRPO config with problems (its data is previewed instead).
+fn grpo_run(args: &PreviewArgs, run_config: Option<&RunConfig>) -> Option<RunConfig> {
+    let mut config = run_config.filter(|c| c.training.method.is_grpo())?.clone();
+    if !config.validate().is_empty() {
+        return None;
     }
     if let Some(m) = &args.model {
         config.model.source = m.clone();
@@ -150,17 +170,21 @@ fn grpo_run(args: &PreviewArgs) -> anyhow::Result<Option<tunestudio::train::RunC
             config.data.allow.push(lint.clone());
         }
     }
-    Ok(Some(config))
+    Some(config)
 }
 
 /// The model source and the data settings: the run config's, overridden by the flags (each
 /// `--allow-lint` added to `[data] allow`).
-fn resolve(args: &PreviewArgs) -> anyhow::Result<(String, DataConfig, Option<usize>)> {
-    let (model_source, mut cfg, micro_batch) = match &args.config {
-        Some(path) => {
-            let view = RunConfigView::from_file(path)?;
-            (view.model_source, view.data, view.micro_batch)
-        }
+fn resolve(
+    args: &PreviewArgs,
+    run_config: Option<&RunConfig>,
+) -> anyhow::Result<(String, DataConfig, Option<usize>)> {
+    let (model_source, mut cfg, micro_batch) = match run_config {
+        Some(run) => (
+            Some(run.model_source()).filter(|m| !m.is_empty()),
+            run.resolved_data(),
+            Some(run.training.micro_batch),
+        ),
         None => (None, DataConfig::default(), None),
     };
     if let Some(d) = &args.data {
@@ -225,22 +249,13 @@ pub(crate) fn write_out(
 
 /// The run config's settings lints (`train::settings_lints`), as `tunestudio train` would find
 /// them on this data: they stop a run like the data's, so the preview shows them beside those.
-/// A config the trainer could not read has none here (`train` names its problems).
+/// Keys the lenient reader could not read stay at their defaults (`train` names them).
 fn settings_lints(
-    path: &std::path::Path,
+    run: &RunConfig,
     model: &str,
     preview: &tunestudio::data::DataPreview,
 ) -> Vec<tunestudio::data::Lint> {
     use tunestudio::train::settings_lints::{settings_lints, SettingsContext};
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return Vec::new();
-    };
-    let base = path.parent().unwrap_or(std::path::Path::new("."));
-    let Ok((run, _)) =
-        tunestudio::train::read_run_config_leniently(&text, &path.display().to_string(), base)
-    else {
-        return Vec::new();
-    };
     // A local folder has weights when it holds safetensors; a hub id names a pretrained model.
     let folder = std::path::Path::new(model);
     let has_weights = !folder.is_dir()
@@ -250,12 +265,12 @@ fn settings_lints(
                 .any(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
         });
     let ctx = SettingsContext::new(
-        &run,
+        run,
         has_weights,
         preview.num_train_rows,
         preview.stats.max_length_seen,
     );
-    settings_lints(&run, &ctx)
+    settings_lints(run, &ctx)
         .into_iter()
         .filter(|l| !run.data.allow.iter().any(|a| a == l.kind.id()))
         .collect()

@@ -240,86 +240,12 @@ impl DataConfig {
     }
 }
 
-/// The parts of a run config (`run.toml`) the data preview needs: `[model]
-/// source`, `[data]` and `[training] micro_batch`. Other tables and fields
-/// are ignored (the trainer owns the full run config). Relative paths are
-/// resolved against the config file's folder when they exist there.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RunConfigView {
-    /// `[model] source`: a model folder or hub id.
-    pub model_source: Option<String>,
-    /// `[data]`.
-    pub data: DataConfig,
-    /// `[training] micro_batch`, if set.
-    pub micro_batch: Option<usize>,
-}
-
-impl RunConfigView {
-    /// Reads a run config file.
-    pub fn from_file(path: &std::path::Path) -> Result<Self, crate::data::DataError> {
-        let text =
-            std::fs::read_to_string(path).map_err(|e| crate::data::DataError::io(path, e))?;
-        let base = path.parent().unwrap_or(std::path::Path::new("."));
-        Self::from_toml_str(&text, base, &path.display().to_string())
-    }
-
-    /// Parses run-config TOML; `origin` names it in errors.
-    pub fn from_toml_str(
-        text: &str,
-        base_dir: &std::path::Path,
-        origin: &str,
-    ) -> Result<Self, crate::data::DataError> {
-        use crate::data::DataError;
-        let root: toml::Table = toml::from_str(text).map_err(|e| DataError::Config {
-            setting: origin.to_string(),
-            message: format!("invalid TOML: {e}"),
-        })?;
-        let resolve = |p: &str| -> String {
-            let cand = base_dir.join(p);
-            if !p.trim().is_empty() && std::path::Path::new(p).is_relative() && cand.exists() {
-                cand.display().to_string()
-            } else {
-                p.to_string()
-            }
-        };
-        let model_source = root
-            .get("model")
-            .and_then(|m| m.get("source"))
-            .and_then(|s| s.as_str())
-            .filter(|s| !s.trim().is_empty())
-            .map(resolve);
-        let mut data: DataConfig = match root.get("data") {
-            Some(v) => v
-                .clone()
-                .try_into()
-                .map_err(|e: toml::de::Error| DataError::Config {
-                    setting: format!("[data] in {origin}"),
-                    message: e.to_string(),
-                })?,
-            None => DataConfig::default(),
-        };
-        data.path = resolve(&data.path);
-        data.validation_path = data.validation_path.as_deref().map(resolve);
-        let micro_batch = root
-            .get("training")
-            .and_then(|t| t.get("micro_batch"))
-            .and_then(|b| b.as_integer())
-            .and_then(|b| usize::try_from(b).ok())
-            .filter(|&b| b > 0);
-        Ok(RunConfigView {
-            model_source,
-            data,
-            micro_batch,
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn toml_roundtrip_and_view() {
+    fn toml_roundtrip() {
         let mut cfg = DataConfig::new("data.jsonl");
         cfg.format = Format::ShareGpt;
         cfg.columns.prompt = Some("q".into());
@@ -327,19 +253,6 @@ mod tests {
         let text = toml::to_string(&cfg).unwrap();
         let back: DataConfig = toml::from_str(&text).unwrap();
         assert_eq!(back, cfg);
-        let run = format!(
-            "output_dir = \"x\"\n[model]\nsource = \"m\"\ndtype = \"auto\"\n[training]\nmicro_batch = 4\nlr = 1e-4\n[data]\n{text}"
-        );
-        let view =
-            RunConfigView::from_toml_str(&run, std::path::Path::new("."), "run.toml").unwrap();
-        assert_eq!(view.model_source.as_deref(), Some("m"));
-        assert_eq!(view.micro_batch, Some(4));
-        assert_eq!(view.data.format, Format::ShareGpt);
-        let bad = "[data]\npath = \"x\"\nmax_len = 3\n";
-        let err = RunConfigView::from_toml_str(bad, std::path::Path::new("."), "run.toml")
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("max_len"), "{err}");
         assert_eq!(
             "LlamaFactory-v1".parse::<Format>(),
             Ok(Format::LlamaFactoryV1)

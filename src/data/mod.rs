@@ -33,7 +33,7 @@ pub mod template;
 pub mod tokenizer;
 
 pub use collate::{batch_indices, collate, padded_len, Batch, CollateOptions};
-pub use config::{ColumnMapping, DataConfig, Format, RunConfigView, TxtSplit};
+pub use config::{ColumnMapping, DataConfig, Format, TxtSplit};
 pub use error::DataError;
 pub use formats::{detect_format, to_example, Example};
 pub use labels::{

@@ -305,6 +305,25 @@ fn preview_binary_exit_codes() {
         "{stdout}"
     );
 
+    // A `[data]` key the preview cannot read is an error naming it, read by the same reader
+    // as `train` and `plan`; another table's unknown key is left to `train`.
+    let typo = "output_dir = \"runs/x\"\n[training]\nlearning_rat = 1\n[data]\npath = \"alpaca.json\"\nmax_len = 3\n";
+    std::fs::write(dir.path().join("typo.toml"), typo).unwrap();
+    let out = Command::new(bin)
+        .args(["preview", "--no-color", "--rows", "1", "--model"])
+        .arg(tiny_llama_dir())
+        .arg("--config")
+        .arg(dir.path().join("typo.toml"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("typo.toml") && stderr.contains("data.max_len"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("learning_rat"), "{stderr}");
+
     // Unreadable data: exit 1 with the location.
     let bad = dir.path().join("bad.jsonl");
     std::fs::write(&bad, "{\"text\": \"a\"}\n{oops\n").unwrap();
