@@ -7,7 +7,9 @@
 //! That is the gradient of the mean token loss over the whole accumulated batch, so
 //! `micro_batch = 1, gradient_accumulation = 4` trains exactly like `micro_batch = 4`.
 //!
-//! Layout: this file holds the run's types and its read-only accessors; [`build`] builds a run
+//! Layout: this file holds the run's types and its read-only accessors; [`objective`] is what
+//! the run optimises (one `TrainObjective` each for SFT, preference pairs and GRPO, owning its
+//! training items); [`build`] builds a run
 //! (data, models on their devices, optimizer, data order); [`accumulate`] runs forward and
 //! backward over a step's micro-batches on every rank; [`run`] clips and applies the update,
 //! skips fp16 overflows, and evaluates; [`checkpoint_io`] resumes and writes checkpoints.
@@ -30,6 +32,7 @@ mod accumulate;
 mod accumulate_grpo;
 mod build;
 mod checkpoint_io;
+mod objective;
 mod run;
 
 pub use accumulate_grpo::{last_prompts, last_rollouts};
@@ -169,13 +172,12 @@ pub struct TrainingRun {
     optimizer: AdamW,
     /// Ranks 1.. under data parallel.
     replicas: Vec<Replica>,
+    /// The rows SFT trains on, and the data's lints and warnings under every objective (the
+    /// rows are empty for preference pairs and GRPO, whose objective owns its items).
     splits: Splits,
-    /// `[training] method = "dpo" | "orpo"`: the pairs, loss and reference (`splits` is then
-    /// empty but for its lints and warnings).
-    pairs: Option<super::preference::PairRun>,
-    /// `[training] method = "grpo"`: the prompts and reward functions (`splits` is then empty
-    /// but for its lints and warnings).
-    grpo: Option<super::grpo::GrpoRun>,
+    /// What the run optimises and its training items (`objective::TrainObjective`): SFT's
+    /// rows, DPO/ORPO's pairs, or GRPO's prompts and reward functions.
+    objective: Box<dyn objective::TrainObjective>,
     /// `reference = "copy"`: each rank's frozen reference, rank 0 first (empty otherwise).
     reference_copies: Vec<CausalLm>,
     loader: DataLoader,
@@ -273,20 +275,13 @@ impl TrainingRun {
 
     /// Rows in the training and validation splits.
     pub fn split_sizes(&self) -> (usize, usize) {
-        if let Some(g) = &self.grpo {
-            // GRPO has no evaluation loss: its prompts are all training prompts.
-            return (g.prompts.len(), 0);
-        }
-        match &self.pairs {
-            Some(p) => (p.splits.train.len(), p.splits.eval.len()),
-            None => (self.splits.train.len(), self.splits.eval.len()),
-        }
+        self.objective.split_sizes(self)
     }
 
     /// The training split's trained tokens and longest row, for the memory plan
     /// ([`crate::plan::PlanRequest::trained_tokens`]; `None` with packing).
     pub fn data_trained_tokens(&self) -> Option<crate::plan::TrainedTokens> {
-        if self.pairs.is_some() || self.grpo.is_some() {
+        if !self.objective.plans_data_trained_tokens() {
             // The plan counts every position of the pairs' (and rollouts') rows.
             return None;
         }
@@ -297,7 +292,7 @@ impl TrainingRun {
     /// dry run's plan of that step (`None` for preference pairs and with packing, as
     /// [`Self::data_trained_tokens`]).
     pub fn longest_step_trained_tokens(&self) -> Option<crate::plan::TrainedTokens> {
-        if self.pairs.is_some() || self.grpo.is_some() {
+        if !self.objective.plans_data_trained_tokens() {
             return None;
         }
         let accumulation = self.config.training.gradient_accumulation;

@@ -9,6 +9,7 @@ use super::super::error::{step_error, Phase, TrainError};
 use super::super::loader::derive_seed;
 use super::super::preference::{PairRun, PairStep};
 use super::super::samples::{self, Sample};
+use super::objective::SftRows;
 use super::{Accumulated, TrainingRun, DROPOUT_STREAM};
 
 impl TrainingRun {
@@ -29,14 +30,20 @@ impl TrainingRun {
         micro_batches: &[Vec<usize>],
         loss_scale: f64,
     ) -> Result<Accumulated, TrainError> {
-        if self.pairs.is_some() {
-            return self.accumulate_pairs(micro_batches, loss_scale);
-        }
-        if let Some(grpo) = self.grpo.take() {
-            let result = self.accumulate_grpo(&grpo, micro_batches, loss_scale);
-            self.grpo = Some(grpo);
-            return result;
-        }
+        // The objective is lent the run for the step (it needs the models, devices and
+        // counters mutably), then put back, whatever the step's outcome.
+        let objective = std::mem::replace(&mut self.objective, Box::new(SftRows));
+        let result = objective.accumulate(self, micro_batches, loss_scale);
+        self.objective = objective;
+        result
+    }
+
+    /// [`Self::accumulate`] for SFT ([`SftRows`]): the micro-batches index the training rows.
+    pub(super) fn accumulate_rows(
+        &mut self,
+        micro_batches: &[Vec<usize>],
+        loss_scale: f64,
+    ) -> Result<Accumulated, TrainError> {
         let step = self.step + 1;
         let settings = self.settings_summary();
         let ranks = self.placement.ranks();
@@ -150,8 +157,9 @@ impl TrainingRun {
     /// reference (its adapters switched off, or its frozen copy); the per-rank gradients of the
     /// loss sums are all-reduced once per step, as for SFT, so dividing by the step's pairs
     /// gives the one-device gradient. A layer split runs through the model's stages as SFT.
-    fn accumulate_pairs(
+    pub(super) fn accumulate_pairs(
         &mut self,
+        pairs: &PairRun,
         micro_batches: &[Vec<usize>],
         loss_scale: f64,
     ) -> Result<Accumulated, TrainError> {
@@ -161,9 +169,6 @@ impl TrainingRun {
         let step_pairs: usize = micro_batches.iter().map(Vec::len).sum();
         let mut acc = Accumulated::new(backward_factor(loss_scale, step_pairs));
         self.set_dropout_seed();
-        let Some(pairs) = self.pairs.as_ref() else {
-            return Err(TrainError::EmptyDataset("no preference pairs".into()));
-        };
         let mut per_rank: Vec<Gradients> = vec![Gradients::new(); ranks];
         for (i, rows) in micro_batches.iter().enumerate() {
             let shards = self

@@ -139,10 +139,10 @@ impl TrainingRun {
 
 /// The rollouts of the last step, for the front ends (`None` before the first GRPO step).
 pub fn last_rollouts(run: &TrainingRun) -> Option<StepRollouts> {
-    run.grpo.as_ref().and_then(GrpoRun::last_rollouts)
+    run.objective.last_rollouts()
 }
 
 /// The GRPO run's prompt rows (`None` for other methods), which `last_rollouts` index.
 pub fn last_prompts(run: &TrainingRun) -> Option<&[crate::data::prompts::PromptRow]> {
-    run.grpo.as_ref().map(|g| g.prompts.as_slice())
+    run.objective.prompts()
 }

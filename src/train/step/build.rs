@@ -367,8 +367,11 @@ impl TrainingRun {
             optimizer,
             replicas: models.replicas,
             splits: data.splits,
-            pairs: data.pairs,
-            grpo: data.grpo,
+            objective: match (data.pairs, data.grpo) {
+                (Some(pairs), _) => Box::new(pairs),
+                (None, Some(grpo)) => Box::new(grpo),
+                (None, None) => Box::new(super::objective::SftRows),
+            },
             reference_copies: models.reference_copies,
             loader,
             schedule,

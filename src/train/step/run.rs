@@ -11,6 +11,7 @@ use crate::model::Gradients;
 
 use super::super::error::{step_error, Phase, TrainError};
 use super::super::precision::Precision;
+use super::super::preference::PairRun;
 use super::super::samples::{self, Sample};
 use super::{
     Accumulated, EvalResult, StepGradients, StepOutcome, TrainingRun, MAX_CONSECUTIVE_SKIPS,
@@ -293,11 +294,7 @@ impl TrainingRun {
 
     fn evaluate_inner(&mut self) -> Result<EvalResult, TrainError> {
         let started = Instant::now();
-        let (loss, perplexity, tokens) = if self.pairs.is_some() {
-            self.evaluate_pairs()?
-        } else {
-            self.evaluate_samples()?
-        };
+        let (loss, perplexity, tokens) = self.objective.evaluate(self)?;
         self.last_eval_loss = Some(loss).filter(|l| l.is_finite());
         self.elapsed_secs += started.elapsed().as_secs_f64();
         Ok(EvalResult {
@@ -310,10 +307,7 @@ impl TrainingRun {
 
     /// The preference loss over the validation pairs, with no perplexity (it is not defined)
     /// and the pairs counted: `(loss, perplexity, pairs)`.
-    fn evaluate_pairs(&self) -> Result<(f64, f64, u64), TrainError> {
-        let Some(p) = &self.pairs else {
-            return Err(TrainError::EmptyDataset("no preference pairs".into()));
-        };
+    pub(super) fn evaluate_pairs(&self, p: &PairRun) -> Result<(f64, f64, u64), TrainError> {
         let mb = self.config.training.micro_batch.max(1);
         let metrics = p
             .evaluate(
@@ -332,7 +326,7 @@ impl TrainingRun {
 
     /// The mean token loss over the validation samples (at most `eval.max_batches`
     /// micro-batches): `(loss, perplexity, tokens)`.
-    fn evaluate_samples(&self) -> Result<(f64, f64, u64), TrainError> {
+    pub(super) fn evaluate_rows(&self) -> Result<(f64, f64, u64), TrainError> {
         let settings = self.settings_summary();
         let mb = self.config.training.micro_batch.max(1);
         let max_batches = match self.config.eval.max_batches {
