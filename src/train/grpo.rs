@@ -73,7 +73,26 @@ pub struct GrpoRun {
     pub reference: GrpoReference,
     /// The last step's completions, for the front ends.
     last: Mutex<Option<StepRollouts>>,
+    /// With `num_iterations > 1`: the rollouts sampled at the first step of the current block
+    /// of `num_iterations` steps, which the block's later steps train on again.
+    block: Mutex<Option<GrpoBlock>>,
 }
+
+/// The rollouts `num_iterations` optimizer steps train on (TRL's buffered generation): sampled
+/// at `first_step` from the prompts of `micro_batches`, each with the sampling policy's
+/// log-probabilities. Saved in a checkpoint taken inside the block, so a resume continues it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct GrpoBlock {
+    /// The step that sampled them.
+    pub first_step: u64,
+    /// That step's micro-batches (prompt indices), which the block's steps train on.
+    pub micro_batches: Vec<Vec<usize>>,
+    /// The rollouts, with their old log-probabilities.
+    pub rollouts: StepRollouts,
+}
+
+/// A checkpoint's GRPO block (`GrpoBlock`), present when it was taken inside one.
+pub const BLOCK_FILE: &str = "grpo_block.json";
 
 /// One rank's micro-step: the loss value, its completion tokens and the loss metrics.
 #[derive(Debug, Clone, Copy)]
@@ -132,7 +151,75 @@ impl GrpoRun {
             tokenizer,
             reference: GrpoReference::of(config),
             last: Mutex::new(None),
+            block: Mutex::new(None),
         })
+    }
+
+    /// The first step of the block of `num_iterations` steps that `step` (1-based) is in.
+    fn block_start(&self, step: u64) -> u64 {
+        let iterations = self.settings.num_iterations.max(1) as u64;
+        step - (step - 1) % iterations
+    }
+
+    /// The block `step` trains on again (`None` at a block's first step, which samples, and
+    /// with `num_iterations = 1`).
+    pub fn reused_block(&self, step: u64) -> Option<GrpoBlock> {
+        let start = self.block_start(step);
+        if start == step {
+            return None;
+        }
+        let block = self.block.lock().ok()?;
+        block.as_ref().filter(|b| b.first_step == start).cloned()
+    }
+
+    /// Keeps `block` for the later steps of its block (nothing with `num_iterations = 1`).
+    pub fn start_block(&self, block: GrpoBlock) {
+        if self.settings.num_iterations > 1 {
+            if let Ok(mut slot) = self.block.lock() {
+                *slot = Some(block);
+            }
+        }
+    }
+
+    /// Writes the block a checkpoint after `step` needs (one whose later steps are still to
+    /// come) into checkpoint folder `dir`.
+    pub fn write_block(&self, dir: &std::path::Path, step: u64) -> Result<(), TrainError> {
+        let Some(block) = self.reused_block(step + 1) else {
+            return Ok(());
+        };
+        let path = dir.join(BLOCK_FILE);
+        let text = serde_json::to_string(&block).map_err(|e| TrainError::Checkpoint {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        std::fs::write(&path, text).map_err(|cause| TrainError::Io { path, cause })
+    }
+
+    /// Reads the block a checkpoint holds, if any, so the resumed steps train on it.
+    pub fn read_block(&self, dir: &std::path::Path) -> Result<(), TrainError> {
+        let path = dir.join(BLOCK_FILE);
+        if !path.exists() {
+            return Ok(());
+        }
+        let text = std::fs::read_to_string(&path).map_err(|cause| TrainError::Io {
+            path: path.clone(),
+            cause,
+        })?;
+        let block: GrpoBlock = serde_json::from_str(&text).map_err(|e| TrainError::Checkpoint {
+            path: path.clone(),
+            message: format!("the GRPO block of rollouts: {e}"),
+        })?;
+        if let Ok(mut slot) = self.block.lock() {
+            *slot = Some(block);
+        }
+        Ok(())
+    }
+
+    /// Marks `rollouts` as the last step's, for the front ends.
+    pub fn set_last(&self, rollouts: &StepRollouts) {
+        if let Ok(mut last) = self.last.lock() {
+            *last = Some(rollouts.clone());
+        }
     }
 
     /// The prompts' lengths (the loader groups by them when asked).
@@ -202,7 +289,7 @@ impl GrpoRun {
         let policy = logps_of(model, true).map_err(forward)?;
         let loss = grpo_loss(
             &policy.logps,
-            None,
+            batch.old_logps.as_ref(),
             reference.as_ref().map(|r| &r.logps),
             &batch.advantages,
             &batch.completion_mask,

@@ -188,10 +188,10 @@ fn grpo_problems(config: &RunConfig, p: &mut Vec<ConfigProblem>) {
             "must be > 0 (DAPO uses 0.28); remove it to use epsilon".into(),
         );
     }
-    if g.num_iterations != 1 {
+    if g.num_iterations == 0 {
         bad(
             "grpo.num_iterations",
-            format!("{} is not supported yet: every optimizer step samples its own completions (num_iterations = 1, TRL's default)", g.num_iterations),
+            "0 trains on no sample: set 1 (TRL's default: every optimizer step samples its own completions) or more (each sampled block is trained on that many steps)".to_string(),
         );
     }
     if g.reward.is_empty() {

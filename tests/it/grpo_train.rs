@@ -311,6 +311,95 @@ fn a_seeded_grpo_run_is_reproducible_and_resumes_exactly() {
     }
 }
 
+/// `run_config` with `[grpo] num_iterations = n`.
+fn iterated_config(dir: &Path, steps: u64, n: usize) -> RunConfig {
+    let path = write_config(dir, steps, &format_reward());
+    let text = std::fs::read_to_string(&path).unwrap();
+    let iterated = text.replace(
+        "temperature = 1.0\n",
+        &format!("temperature = 1.0\nnum_iterations = {n}\n"),
+    );
+    assert_ne!(iterated, text);
+    std::fs::write(&path, iterated).unwrap();
+    RunConfig::load(&path).unwrap()
+}
+
+/// TRL's `num_iterations`: each block of sampled groups is trained on for that many optimizer
+/// steps, against the sampling policy's log-probabilities, and a checkpoint taken inside a
+/// block resumes into it.
+#[test]
+fn num_iterations_trains_each_sampled_block_again_and_resumes_inside_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let once = losses(&mut TrainingRun::new(run_config(&tmp.path().join("once"), 2)).unwrap());
+    let twice =
+        losses(&mut TrainingRun::new(iterated_config(&tmp.path().join("a"), 4, 2)).unwrap());
+    // The block's first step samples what num_iterations = 1 samples, and its ratio is 1.
+    assert!(
+        (twice[&1].0 - once[&1].0).abs() < 1e-5,
+        "{twice:?} {once:?}"
+    );
+    assert_eq!(
+        twice[&1].1, once[&1].1,
+        "the same rollouts, the same reward"
+    );
+    // The second step trains the same rollouts again (the same rewards) with the moved policy.
+    assert_eq!(twice[&2].1, twice[&1].1);
+    assert_ne!(twice[&2].0, twice[&1].0);
+    assert_eq!(twice[&3].1, twice[&4].1);
+    // The data order moves on only when a block is sampled: step 3 samples the prompts that
+    // step 2 samples with num_iterations = 1 (TRL repeats each batch of prompts as often).
+    let prompts_at = |config: RunConfig, step: u64| {
+        let mut run = TrainingRun::new(config).unwrap();
+        for _ in 0..step {
+            run.step().unwrap();
+        }
+        let rollouts = tunestudio::train::last_rollouts(&run).unwrap();
+        rollouts.rows.iter().map(|r| r.prompt).collect::<Vec<_>>()
+    };
+    assert_eq!(
+        prompts_at(iterated_config(&tmp.path().join("b"), 4, 2), 3),
+        prompts_at(run_config(&tmp.path().join("once2"), 2), 2)
+    );
+
+    let cfg = iterated_config(&tmp.path().join("c"), 4, 2);
+    let mut cut = TrainingRun::new(cfg.clone()).unwrap();
+    cut.step().unwrap();
+    let inside = cut.save_checkpoint().unwrap();
+    // Inside a block its rollouts are kept, each with the sampling policy's log-probability of
+    // every completion token.
+    let block: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(inside.join("grpo_block.json")).unwrap())
+            .unwrap();
+    let rows = block["rollouts"]["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2 * 2 * 8, "2 micro-batches of 2 prompts × 8");
+    for row in rows {
+        let ids = row["completion_ids"].as_array().unwrap().len();
+        let old: Vec<f64> = row["old_logps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        assert_eq!(old.len(), ids);
+        assert!(old.iter().all(|&l| l.is_finite() && l <= 0.0), "{old:?}");
+    }
+    cut.step().unwrap();
+    let boundary = cut.save_checkpoint().unwrap();
+    assert!(
+        !boundary.join("grpo_block.json").exists(),
+        "at a block's end nothing is kept"
+    );
+    drop(cut);
+    let after = losses(&mut TrainingRun::resume(cfg, &inside).unwrap());
+    assert_eq!(after.keys().copied().collect::<Vec<_>>(), vec![2, 3, 4]);
+    for (step, v) in &after {
+        assert_eq!(
+            v, &twice[step],
+            "step {step} after resuming inside the block"
+        );
+    }
+}
+
 /// Runs `tunestudio preview --config path` (plus `extra`): (exit code, stdout+stderr).
 fn preview(path: &Path, extra: &[&str]) -> (Option<i32>, String) {
     let mut args = vec![

@@ -19,6 +19,9 @@ pub struct GrpoBatch {
     pub completion_mask: Tensor,
     /// `[rows]` f32.
     pub advantages: Tensor,
+    /// `[rows, completion width]` f32: the sampling policy's log-probabilities, when every row
+    /// has them (`num_iterations > 1`), 0 on the padding.
+    pub old_logps: Option<Tensor>,
     /// Rows.
     pub rows: usize,
     /// Prompt width + completion width.
@@ -58,12 +61,23 @@ impl GrpoRun {
             completion_mask[c..c + r.mask.len()].copy_from_slice(&r.mask);
         }
         let advantages: Vec<f32> = rows.iter().map(|r| r.advantage).collect();
+        let old_logps = if !rows.is_empty() && rows.iter().all(|r| !r.old_logps.is_empty()) {
+            let mut old = vec![0f32; n * completion_w];
+            for (i, r) in rows.iter().enumerate() {
+                old[i * completion_w..i * completion_w + r.old_logps.len()]
+                    .copy_from_slice(&r.old_logps);
+            }
+            Some(Tensor::from_vec(old, (n, completion_w), device)?)
+        } else {
+            None
+        };
         Ok(GrpoBatch {
             prompt_ids: Tensor::from_vec(prompt_ids, (n, prompt_w), device)?,
             prompt_mask: Tensor::from_vec(prompt_mask, (n, prompt_w), device)?,
             completion_ids: Tensor::from_vec(completion_ids, (n, completion_w), device)?,
             completion_mask: Tensor::from_vec(completion_mask, (n, completion_w), device)?,
             advantages: Tensor::from_vec(advantages, n, device)?,
+            old_logps,
             rows: n,
             seq_len: prompt_w + completion_w,
         })

@@ -13,7 +13,7 @@ use super::GrpoRun;
 pub(crate) const ROLLOUT_STREAM: u64 = 5;
 
 /// One sampled completion with what was computed of it.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Rollout {
     /// Index into [`GrpoRun::prompts`].
     pub prompt: usize,
@@ -32,11 +32,16 @@ pub struct Rollout {
     pub reward: f32,
     /// Its advantage over its group.
     pub advantage: f32,
+    /// The sampling policy's per-token log-probabilities of the completion (under the
+    /// temperature, without dropout), when `num_iterations > 1` trains on it again after the
+    /// policy moved (TRL's `old_per_token_logps`); empty otherwise (the ratio is then 1).
+    #[serde(default)]
+    pub old_logps: Vec<f32>,
 }
 
 /// Every rollout of one step, grouped: the `num_generations` completions of a prompt follow
 /// each other, prompts in the step's order.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StepRollouts {
     /// The rollouts.
     pub rows: Vec<Rollout>,
@@ -57,7 +62,7 @@ impl StepRollouts {
 }
 
 /// Rewards, advantages and completion lengths of one step, under TRL's names.
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq, Default, serde::Serialize, serde::Deserialize)]
 pub struct RolloutMetrics {
     /// `rewards/<name>/mean` and `rewards/<name>/std`, `reward`, `reward_std`.
     pub rewards: Vec<(String, f64)>,
@@ -175,6 +180,7 @@ impl GrpoRun {
                     rewards: Vec::new(),
                     reward: 0.0,
                     advantage: 0.0,
+                    old_logps: Vec::new(),
                 });
             }
         }

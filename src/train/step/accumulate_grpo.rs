@@ -6,7 +6,7 @@ use crate::model::Gradients;
 
 use super::super::error::{step_error, Phase, TrainError};
 use super::super::grpo::rollouts::Rollout;
-use super::super::grpo::{GrpoMicroStep, GrpoRun, GrpoStepMetrics, StepRollouts};
+use super::super::grpo::{GrpoBlock, GrpoMicroStep, GrpoRun, GrpoStepMetrics, StepRollouts};
 use super::accumulate::{injected_failure, on_rank, run_rank_jobs, shard_rows};
 use super::{Accumulated, TrainingRun};
 
@@ -30,15 +30,13 @@ impl TrainingRun {
         let step = self.step + 1;
         let settings = self.settings_summary();
         let ranks = self.placement.ranks();
-        let prompts: Vec<usize> = micro_batches.iter().flatten().copied().collect();
-        let infer = crate::infer::InferModel::from_causal_lm(&self.model).map_err(|cause| {
-            TrainError::Rollout {
-                step,
-                context: "viewing the policy's weights for sampling".into(),
-                cause: Box::new(cause),
+        let rollouts = match grpo.reused_block(step) {
+            Some(block) => {
+                grpo.set_last(&block.rollouts);
+                block.rollouts
             }
-        })?;
-        let rollouts = grpo.rollouts(&infer, &prompts, self.config.training.seed, step)?;
+            None => self.sample_block(grpo, micro_batches, step, &settings)?,
+        };
         let loss_settings =
             grpo.loss_settings(rollouts.trained_tokens(), micro_batches.len() * ranks);
         // The count is 1, so the backward factor is the loss scale itself (1 without fp16).
@@ -100,6 +98,75 @@ impl TrainingRun {
         });
         self.reduce_step(per_rank, &mut acc, step, &settings)?;
         Ok(acc)
+    }
+
+    /// A block's rollouts, sampled at its first step with rank 0's weights (which every rank
+    /// shares); with `num_iterations > 1` each carries the sampling policy's log-probabilities
+    /// and the block is kept for its later steps.
+    fn sample_block(
+        &self,
+        grpo: &GrpoRun,
+        micro_batches: &[Vec<usize>],
+        step: u64,
+        settings: &str,
+    ) -> Result<StepRollouts, TrainError> {
+        let prompts: Vec<usize> = micro_batches.iter().flatten().copied().collect();
+        let infer = crate::infer::InferModel::from_causal_lm(&self.model).map_err(|cause| {
+            TrainError::Rollout {
+                step,
+                context: "viewing the policy's weights for sampling".into(),
+                cause: Box::new(cause),
+            }
+        })?;
+        let mut rollouts = grpo.rollouts(&infer, &prompts, self.config.training.seed, step)?;
+        drop(infer);
+        if grpo.settings.num_iterations > 1 {
+            self.fill_old_logps(grpo, micro_batches, &mut rollouts)
+                .map_err(|e| {
+                    step_error(Phase::Forward, step, (rollouts.rows.len(), 0), e, settings)
+                })?;
+            grpo.start_block(GrpoBlock {
+                first_step: step,
+                micro_batches: micro_batches.to_vec(),
+                rollouts: rollouts.clone(),
+            });
+        }
+        Ok(rollouts)
+    }
+
+    /// The sampling policy's per-token log-probabilities of every rollout (TRL's
+    /// `old_per_token_logps`): one forward without a graph or dropout per micro-batch of
+    /// rows, on rank 0, under the sampling temperature.
+    fn fill_old_logps(
+        &self,
+        grpo: &GrpoRun,
+        micro_batches: &[Vec<usize>],
+        rollouts: &mut StepRollouts,
+    ) -> Result<(), crate::model::ModelError> {
+        let generations = grpo.settings.num_generations;
+        let mut start = 0;
+        for prompts in micro_batches {
+            let end = start + prompts.len() * generations;
+            let picked: Vec<&Rollout> = rollouts.rows[start..end].iter().collect();
+            let batch = grpo.batch(&picked, self.pad_id, self.model.device())?;
+            let logps = crate::model::grpo::model_completion_logps(
+                &self.model,
+                &batch.prompt_ids,
+                &batch.prompt_mask,
+                &batch.completion_ids,
+                &batch.completion_mask,
+                grpo.settings.temperature,
+                false,
+            )?
+            .logps
+            .to_dtype(candle_core::DType::F32)?
+            .to_vec2::<f32>()?;
+            for (row, values) in rollouts.rows[start..end].iter_mut().zip(logps) {
+                row.old_logps = values[..row.completion_ids.len()].to_vec();
+            }
+            start = end;
+        }
+        Ok(())
     }
 
     /// One micro-step's rows (`prompts` groups of rollouts) cut into one shard of whole groups

@@ -314,6 +314,15 @@ fn data_loader(config: &RunConfig, lengths: Vec<usize>, ranks: usize) -> DataLoa
     )
 }
 
+/// Optimizer steps per sampled batch: GRPO's `num_iterations`, 1 for every other objective.
+fn objective_iterations(config: &RunConfig) -> u64 {
+    if config.training.method.is_grpo() {
+        config.grpo.num_iterations.max(1) as u64
+    } else {
+        1
+    }
+}
+
 /// The learning-rate schedule over the run's `total_steps`.
 fn lr_schedule(config: &RunConfig, total_steps: u64) -> LrSchedule {
     let t = &config.training;
@@ -351,7 +360,13 @@ impl TrainingRun {
         let loader = data_loader(&config, lengths, placement.ranks());
         let total_steps = match t.max_steps {
             Some(n) => n,
-            None => loader.steps_per_epoch(t.gradient_accumulation) * u64::from(t.epochs),
+            // GRPO trains each sampled block `num_iterations` times (TRL repeats the prompts
+            // as many times), so an epoch takes that many more optimizer steps.
+            None => {
+                loader.steps_per_epoch(t.gradient_accumulation)
+                    * u64::from(t.epochs)
+                    * objective_iterations(&config)
+            }
         };
         let schedule = lr_schedule(&config, total_steps);
         let optimizer = build_optimizer(&config, &models.model)?;

@@ -115,6 +115,7 @@ impl TrainingRun {
         self.step = state.step;
         let index = self.resume_index(dir, state)?;
         self.loader.set_position(state.epoch, index);
+        self.objective.read_checkpoint_state(dir)?;
         self.trained_tokens = state.trained_tokens;
         self.elapsed_secs = state.elapsed_secs;
         if self.scaler.is_some() {
@@ -251,6 +252,7 @@ impl TrainingRun {
         }
         std::fs::write(dir.join(checkpoint::CONFIG_FILE), config_text)
             .map_err(|e| ck_err(e.to_string()))?;
+        self.objective.write_checkpoint_state(dir, self.step)?;
         checkpoint::write_state(dir, state)
     }
 }

@@ -7,6 +7,8 @@
 //! (`train::plan_adapter::head_loss`), read from the run config before any run exists, so the
 //! plan and the run agree on the objective's unit (`TrainingMethod::micro_batch_unit`).
 
+use std::path::Path;
+
 use crate::data::prompts::PromptRow;
 
 use super::super::error::TrainError;
@@ -37,6 +39,23 @@ pub(super) trait TrainObjective: Send {
     /// builds (both sides of a pair, a rollout's completion).
     fn plans_data_trained_tokens(&self) -> bool {
         false
+    }
+
+    /// The micro-batches step `step` trains on again instead of the data order's next ones
+    /// (GRPO with `num_iterations > 1`: the later steps of a block of rollouts).
+    fn reused_micro_batches(&self, _step: u64) -> Option<Vec<Vec<usize>>> {
+        None
+    }
+
+    /// Writes what a resume after `step` needs beside the weights and the data position into
+    /// checkpoint folder `dir` (GRPO: the block of rollouts still being trained on).
+    fn write_checkpoint_state(&self, _dir: &Path, _step: u64) -> Result<(), TrainError> {
+        Ok(())
+    }
+
+    /// Reads what [`Self::write_checkpoint_state`] wrote.
+    fn read_checkpoint_state(&self, _dir: &Path) -> Result<(), TrainError> {
+        Ok(())
     }
 
     /// The last step's sampled groups (GRPO).
@@ -117,6 +136,18 @@ impl TrainObjective for GrpoRun {
 
     fn evaluate(&self, _run: &TrainingRun) -> Result<(f64, f64, u64), TrainError> {
         Ok((f64::NAN, f64::NAN, 0))
+    }
+
+    fn reused_micro_batches(&self, step: u64) -> Option<Vec<Vec<usize>>> {
+        self.reused_block(step).map(|b| b.micro_batches)
+    }
+
+    fn write_checkpoint_state(&self, dir: &Path, step: u64) -> Result<(), TrainError> {
+        self.write_block(dir, step)
+    }
+
+    fn read_checkpoint_state(&self, dir: &Path) -> Result<(), TrainError> {
+        self.read_block(dir)
     }
 
     fn last_rollouts(&self) -> Option<StepRollouts> {

@@ -71,9 +71,14 @@ impl TrainingRun {
     }
 
     fn try_step(&mut self) -> Result<StepOutcome, TrainError> {
-        let micro_batches = self
-            .loader
-            .next_step(self.config.training.gradient_accumulation);
+        // GRPO's later steps of a block of rollouts train on the block's prompts again; the
+        // data order moves on only when a step samples.
+        let micro_batches = match self.objective.reused_micro_batches(self.step + 1) {
+            Some(reused) => reused,
+            None => self
+                .loader
+                .next_step(self.config.training.gradient_accumulation),
+        };
         self.step_on(&micro_batches)
     }
 
