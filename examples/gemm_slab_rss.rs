@@ -1,8 +1,17 @@
 //! How much of gemm's per-thread L2 slab a product touches (resident pages), by shape.
+//!
+//! `cargo run --release --example gemm_slab_rss -- 800x64x49152 2048x576x1536` (one fresh process
+//! per shape gives each its own figure; `GemmGeometry::resident_workspace_bytes` cites them).
 fn rss_kib() -> u64 {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap();
-    let l = s.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-    l.split_whitespace().nth(1).unwrap().parse().unwrap()
+    let s = std::fs::read_to_string("/proc/self/status").expect("Linux's /proc/self/status");
+    let l = s
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .expect("a VmRSS line");
+    l.split_whitespace()
+        .nth(1)
+        .and_then(|kib| kib.parse().ok())
+        .expect("VmRSS in KiB")
 }
 fn main() {
     let slab = gemm_common::cache::CACHE_INFO[1].cache_bytes;
@@ -10,7 +19,10 @@ fn main() {
     let shapes: Vec<(usize, usize, usize)> = std::env::args()
         .skip(1)
         .map(|a| {
-            let v: Vec<usize> = a.split('x').map(|x| x.parse().unwrap()).collect();
+            let v: Vec<usize> = a
+                .split('x')
+                .map(|x| x.parse().expect("shapes as MxKxN, e.g. 800x64x49152"))
+                .collect();
             (v[0], v[1], v[2])
         })
         .collect();
