@@ -13,6 +13,7 @@ use eframe::egui;
 use tunestudio::plan::{Change, PlanRequest};
 use tunestudio::train::{self, Command, RunConfig};
 
+use super::action::Action;
 use super::jobs::{JobOutput, Jobs};
 use super::panels::Panels;
 use super::playground;
@@ -20,21 +21,21 @@ use super::reducer::apply_job;
 use super::session::{push_recent, Panel, Session, Settings};
 use super::shared::ExportKind;
 
-mod action;
 mod central;
 mod chrome;
 mod config_file;
 mod pick;
 mod schedule;
 mod screenshot;
+mod start_options;
 mod trainer;
 
 pub use super::session::demo_config_path;
-pub use action::{Action, StartOptions};
 pub use chrome::{Chrome, PickFor};
 pub use config_file::load_config;
 pub use schedule::plan_key;
 use screenshot::Screenshot;
+pub use start_options::StartOptions;
 
 /// Storage key of [`Settings`].
 const SETTINGS_KEY: &str = "tunestudio.settings";
@@ -323,9 +324,9 @@ impl StudioApp {
             Action::Export => self.export(),
             Action::RefreshHistory => self.refresh_history(),
             Action::Pick(target) => self.pick(target),
+            Action::PlaygroundPick(target) => self.pick_for_playground(target),
             Action::Playground(a) => {
-                let pg = &mut self.panels.playground;
-                playground::apply(pg, &self.session, &mut self.chrome, a, &self.jobs);
+                playground::apply(&mut self.panels.playground, &self.session, a, &self.jobs);
             }
             Action::Toast(text) => self.chrome.toast(text),
             Action::AddRunDir(dir) => {

@@ -4,7 +4,7 @@
 //! message shown). No threads, no I/O: the app runs the actions, so each report's effect is
 //! testable on bare panels, like [`crate::gui::run_state::RunState::apply`].
 
-use super::app::Action;
+use super::action::Action;
 use super::error::JobError;
 use super::jobs::{JobOutput, PickTarget, Previewed};
 use super::panels::Panels;

@@ -52,7 +52,7 @@ pub enum PickFor {
     /// A studio field.
     Studio(crate::gui::jobs::PickTarget),
     /// The Playground.
-    Playground(crate::gui::playground::PgPick),
+    Playground(crate::gui::action::PgPick),
 }
 
 impl Chrome {

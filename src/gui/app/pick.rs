@@ -6,6 +6,7 @@ use super::PickFor;
 use super::StudioApp;
 use crate::gui::file_picker::{PickKind, PickerOutcome};
 use crate::gui::jobs::{JobOutput, PickTarget};
+use crate::gui::playground::{self, PgPick};
 use crate::gui::session::dialog_dir;
 
 impl StudioApp {
@@ -31,6 +32,19 @@ impl StudioApp {
         }
     }
 
+    /// A file dialog for the Playground: as [`StudioApp::pick`], its start the run folder.
+    pub(super) fn pick_for_playground(&mut self, target: PgPick) {
+        let start = Some(self.session.output_dir()).filter(|p| p.is_dir());
+        if self.chrome.system_dialog.is_ok() {
+            playground::open_system_dialog(&self.jobs, target, start);
+        } else {
+            let (title, kind) = playground::pick_kind(target);
+            let who = PickFor::Playground(target);
+            self.chrome
+                .open_picker(&self.session, who, title, kind, start);
+        }
+    }
+
     /// Draws the in-app file picker when open; a choice goes where a system dialog's would.
     pub(super) fn show_picker(&mut self, ctx: &egui::Context) {
         let Some((who, picker)) = self.chrome.picker.as_mut() else {
@@ -42,7 +56,7 @@ impl StudioApp {
             PickerOutcome::Cancelled => {
                 self.chrome.picker = None;
                 if let PickFor::Playground(p) = who {
-                    if let Some(msg) = crate::gui::playground::picked(p, None) {
+                    if let Some(msg) = playground::picked(p, None) {
                         self.handle_job(JobOutput::Playground(msg));
                     }
                 }
@@ -52,7 +66,7 @@ impl StudioApp {
                 match who {
                     PickFor::Studio(target) => self.handle_job(JobOutput::Picked(target, path)),
                     PickFor::Playground(p) => {
-                        if let Some(msg) = crate::gui::playground::picked(p, Some(path)) {
+                        if let Some(msg) = playground::picked(p, Some(path)) {
                             self.handle_job(JobOutput::Playground(msg));
                         }
                     }

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 
 use eframe::egui::{self, RichText, Ui};
 
-use crate::gui::app::Action;
+use crate::gui::action::Action;
 use crate::gui::error::JobError;
 use crate::gui::jobs::PickTarget;
 use crate::gui::session::Session;
