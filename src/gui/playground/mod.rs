@@ -582,9 +582,9 @@ fn load(pg: &mut PlaygroundState, s: &Session, i: usize, jobs: &Jobs) {
 }
 
 /// Opens the system file dialog for `target` in a job (the app calls it when the session has
-/// one; else it opens the in-app picker). `start` is checked there, not on the UI thread.
-pub fn open_system_dialog(jobs: &Jobs, target: PgPick, start: Option<PathBuf>) {
-    worker::pick(jobs, target, start);
+/// one; else it opens the in-app picker). `starts` are checked there, not on the UI thread.
+pub fn open_system_dialog(jobs: &Jobs, target: PgPick, starts: Vec<PathBuf>) {
+    worker::pick(jobs, target, starts);
 }
 
 fn run_batch(pg: &mut PlaygroundState, jobs: &Jobs) {
