@@ -168,7 +168,7 @@ impl Session {
     }
 
     /// Replaces the config (loaded from a file or the demo). The panels that copy parts of
-    /// it into their fields are reset by the app (`StudioApp::set_config`).
+    /// it into their fields are reset with it by `gui::reducer::use_config`.
     pub fn set_config(&mut self, config: RunConfig, path: Option<PathBuf>) {
         self.config = config;
         self.config_path = path;
