@@ -13,28 +13,28 @@ use eframe::egui;
 use tunestudio::plan::{Change, PlanRequest};
 use tunestudio::train::{self, Command, RunConfig};
 
+use super::action::Action;
 use super::jobs::{JobOutput, Jobs};
 use super::panels::Panels;
 use super::playground;
-use super::reducer::apply_job;
+use super::reducer::{apply_job, sync_inputs_from_config};
 use super::session::{push_recent, Panel, Session, Settings};
-use super::shared::ExportKind;
 
-mod action;
 mod central;
 mod chrome;
 mod config_file;
 mod pick;
 mod schedule;
 mod screenshot;
+mod start_options;
 mod trainer;
 
+pub use super::jobs::load_config;
 pub use super::session::demo_config_path;
-pub use action::{Action, StartOptions};
 pub use chrome::{Chrome, PickFor};
-pub use config_file::load_config;
 pub use schedule::plan_key;
 use screenshot::Screenshot;
+pub use start_options::StartOptions;
 
 /// Storage key of [`Settings`].
 const SETTINGS_KEY: &str = "tunestudio.settings";
@@ -105,7 +105,7 @@ impl StudioApp {
                     (c, Some(demo_config_path()))
                 }
                 Err(e) => {
-                    problems = vec![e];
+                    problems = vec![e.to_string()];
                     (RunConfig::default(), None)
                 }
             },
@@ -149,7 +149,7 @@ impl StudioApp {
             inject_oom: opts.inject_oom,
             trainer: None,
         };
-        app.sync_inputs_from_config();
+        sync_inputs_from_config(&app.session, &mut app.panels);
         app.jobs.discover_devices(app.nvml_library.clone());
         app.panels.devices.loading = true;
         app.jobs.scan_hub_cache();
@@ -160,40 +160,13 @@ impl StudioApp {
 
     /// Routes a job's report to its panel (see [`apply_job`]) and queues what follows.
     fn handle_job(&mut self, out: JobOutput) {
+        // The in-app picker is the window's, not a panel's.
+        if let JobOutput::Folder(listing) = out {
+            self.listed(listing);
+            return;
+        }
         let follow = apply_job(&mut self.session, &mut self.panels, out);
         self.actions.extend(follow);
-    }
-
-    /// Replaces the config (loaded from a file or the demo): the panels' fields that copy
-    /// it follow, and what was fitted to the old one is dropped.
-    pub fn set_config(&mut self, config: RunConfig, path: Option<PathBuf>) {
-        self.session.set_config(config, path);
-        let plan = &mut self.panels.devices.plan;
-        plan.autofit = None;
-        plan.autofit_applied.clear();
-        plan.dry_run = None;
-        self.sync_inputs_from_config();
-    }
-
-    /// Copies the config's paths into the panels' text fields (after loading a config).
-    fn sync_inputs_from_config(&mut self) {
-        let (s, p) = (&self.session, &mut self.panels);
-        p.model.source_input = s.config.model.source.clone();
-        p.dataset.path_input = s.config.data.path.clone();
-        // Never offer to overwrite the bundled demo: its copy goes to <output>/run.toml.
-        p.export.config_path = match &s.config_path {
-            Some(path) if !s.is_demo() => path.display().to_string(),
-            _ => s.default_config_path().display().to_string(),
-        };
-        p.export.kind = if s.config.lora.enabled {
-            ExportKind::Adapter
-        } else {
-            ExportKind::Full
-        };
-        p.export.checkpoint.clear();
-        p.export.destination.clear();
-        p.preview.start_row = 0;
-        p.preview.highlight = None;
     }
 
     /// Applies a planner request's settings to the run config (the one edit,
@@ -323,9 +296,9 @@ impl StudioApp {
             Action::Export => self.export(),
             Action::RefreshHistory => self.refresh_history(),
             Action::Pick(target) => self.pick(target),
+            Action::PlaygroundPick(target) => self.pick_for_playground(target),
             Action::Playground(a) => {
-                let pg = &mut self.panels.playground;
-                playground::apply(pg, &self.session, &mut self.chrome, a, &self.jobs);
+                playground::apply(&mut self.panels.playground, &self.session, a, &self.jobs);
             }
             Action::Toast(text) => self.chrome.toast(text),
             Action::AddRunDir(dir) => {
@@ -454,6 +427,8 @@ impl eframe::App for StudioApp {
         }
         self.show_picker(ui.ctx());
         self.run_actions();
+        // A picker opened by an action lists its first folder now, not a frame later.
+        self.request_listing();
         let has_weights = self
             .panels
             .model

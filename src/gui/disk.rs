@@ -1,13 +1,12 @@
-//! The studio's file checks (is this a file, a folder, does it exist) go through here, so
-//! that a test can make a folder slow and count which thread looked
-//! (`gui::tests::slow_disk`). Not every look does yet: the in-app file picker
-//! (`gui/file_picker.rs`), the pickers' start folders (`gui/app/pick.rs`,
-//! `session::dialog_dir`) and opening or saving the run config (`gui/app/config_file.rs`)
-//! read the disk directly, on the UI thread.
+//! The studio's looks at the disk (is this a file, a folder, does it exist; a folder's
+//! listing; a file the library is about to read or write) go through here, so that a test can
+//! make a folder slow and count which thread looked (`gui::tests::slow_disk`).
 //!
-//! The UI thread never calls these while drawing a panel: what a frame needs from the disk
-//! (the model's resolved source, the dataset's resolved paths, the sizes the plan counts)
-//! comes from a job's result.
+//! The UI thread never calls these while drawing a panel or carrying out an action: what a
+//! frame needs from the disk (the model's resolved source, the dataset's resolved paths, the
+//! sizes the plan counts, a folder's listing for the in-app picker, the run config opened or
+//! saved) comes from a job's result. The looks that do not go through here yet are listed in
+//! `ARCHITECTURE.md` ("How the studio talks to the trainer").
 
 use std::path::Path;
 
@@ -27,6 +26,18 @@ pub fn is_dir(path: &Path) -> bool {
 pub fn exists(path: &Path) -> bool {
     hook::visit(path);
     path.exists()
+}
+
+/// The entries of folder `path`.
+pub fn read_dir(path: &Path) -> std::io::Result<std::fs::ReadDir> {
+    hook::visit(path);
+    std::fs::read_dir(path)
+}
+
+/// `path` is about to be read or written by the library (`RunConfig::load`,
+/// `RunConfig::save`): counted, and slowed in tests, as a look.
+pub fn will_touch(path: &Path) {
+    hook::visit(path);
 }
 
 #[cfg(not(test))]

@@ -2,11 +2,15 @@
 //! where there is one, and an in-app picker drawn with egui where there is none — an X11
 //! session without the portal (i3, XFCE, `ssh -X`, the Xvfb the tests use), where rfd returns
 //! nothing at all. Whether a portal is there is asked on the session bus, never guessed from
-//! an empty answer (that is a user's cancel).
+//! an empty answer (that is a user's cancel). The in-app picker lists folders through jobs
+//! ([`list_folder`] on a job's thread), never inside a frame.
 
 use std::path::{Path, PathBuf};
 
 use eframe::egui::{self, RichText};
+
+use crate::gui::disk;
+use crate::gui::error::{ErrorKind, JobError};
 
 /// Whether the system file dialog can open, and why not.
 pub fn system_dialog() -> Result<(), String> {
@@ -64,7 +68,10 @@ pub enum PickerOutcome {
     Cancelled,
 }
 
-/// The in-app picker: a folder listing, a path field and a few places.
+/// The in-app picker: a folder listing, a path field and a few places. It reads no folder
+/// itself: each listing is a job ([`FolderRequest`], taken by the app with
+/// [`FilePicker::take_request`]), its answer ([`FolderListing`]) given back through
+/// [`FilePicker::listed`] a few frames later; the last listing is kept meanwhile.
 #[derive(Debug, Clone)]
 pub struct FilePicker {
     title: String,
@@ -72,34 +79,122 @@ pub struct FilePicker {
     dir: PathBuf,
     path_text: String,
     entries: Vec<(String, bool)>,
+    /// The places offered; until the first listing says which exist, none are shown.
     places: Vec<(String, PathBuf)>,
+    places_checked: bool,
     error: Option<String>,
+    /// The latest listing asked for (older answers are dropped).
+    seq: u64,
+    /// A listing is in flight.
+    pending: bool,
+    /// A listing to hand to a job.
+    request: Option<FolderRequest>,
+}
+
+/// Why a folder is listed: what the picker does with the answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListFor {
+    /// Go there: the path field shows the folder; an error is shown.
+    Enter,
+    /// Follow the path field as it is typed: the field keeps the text; a path that is not a
+    /// folder lists its parent, and one that cannot be listed changes nothing.
+    Typed,
+}
+
+/// A folder listing for a job to make: the first of `dirs` that can be listed.
+#[derive(Debug, Clone)]
+pub struct FolderRequest {
+    /// The request's number.
+    pub seq: u64,
+    /// The folders to try, in order.
+    pub dirs: Vec<PathBuf>,
+    /// What to list besides folders.
+    pub kind: PickKind,
+    /// What the picker does with the answer.
+    pub purpose: ListFor,
+    /// Places to check for existence (the first request only).
+    pub places: Vec<PathBuf>,
+}
+
+/// A job's answer to a [`FolderRequest`].
+#[derive(Debug, Clone)]
+pub struct FolderListing {
+    /// The request's number.
+    pub seq: u64,
+    /// The folder listed (the first tried, when none could be).
+    pub dir: PathBuf,
+    /// Its entries (sub-folders, then the files the kind accepts), or why not.
+    pub result: Result<Vec<(String, bool)>, JobError>,
+    /// What the picker does with it.
+    pub purpose: ListFor,
+    /// The request's places that are folders.
+    pub places: Vec<PathBuf>,
+}
+
+/// Makes a listing (on a job's thread: every look goes through [`crate::gui::disk`]).
+pub fn list_folder(request: &FolderRequest) -> FolderListing {
+    let mut first_error = None;
+    let mut listed = None;
+    for dir in &request.dirs {
+        match list(dir, &request.kind) {
+            Ok(entries) => {
+                listed = Some((dir.clone(), Ok(entries)));
+                break;
+            }
+            Err(e) => {
+                first_error.get_or_insert_with(|| {
+                    let msg = format!("cannot list {}: {e}", dir.display());
+                    (dir.clone(), Err(JobError::of(ErrorKind::Io, msg)))
+                });
+            }
+        }
+    }
+    let (dir, result) = listed
+        .or(first_error)
+        .unwrap_or_else(|| (PathBuf::new(), Err(JobError::other("no folder to list"))));
+    let places = request
+        .places
+        .iter()
+        .filter(|p| disk::is_dir(p))
+        .cloned()
+        .collect();
+    FolderListing {
+        seq: request.seq,
+        dir,
+        result,
+        purpose: request.purpose,
+        places,
+    }
 }
 
 impl FilePicker {
-    /// A picker titled `title`, starting in `start` (else the home folder), with `places`
-    /// (name, folder) offered as shortcuts.
+    /// A picker titled `title`, starting in the first of `starts` that lists (else the home
+    /// folder, else `/`), with `places` (name, folder) offered as shortcuts. Its first
+    /// listing is a request ([`FilePicker::take_request`]).
     pub fn new(
         title: &str,
         kind: PickKind,
-        start: Option<PathBuf>,
+        starts: Vec<PathBuf>,
         places: Vec<(String, PathBuf)>,
     ) -> Self {
-        let home = std::env::var_os("HOME").map(PathBuf::from);
-        let dir = start
-            .filter(|d| d.is_dir())
-            .or(home)
-            .unwrap_or_else(|| PathBuf::from("/"));
+        let mut dirs = starts;
+        dirs.extend(std::env::var_os("HOME").map(PathBuf::from));
+        dirs.push(PathBuf::from("/"));
         let mut p = FilePicker {
             title: title.to_string(),
             kind,
             dir: PathBuf::new(),
             path_text: String::new(),
             entries: Vec::new(),
-            places: places.into_iter().filter(|(_, d)| d.is_dir()).collect(),
+            places,
+            places_checked: false,
             error: None,
+            seq: 0,
+            pending: false,
+            request: None,
         };
-        p.enter(dir);
+        let check: Vec<PathBuf> = p.places.iter().map(|(_, d)| d.clone()).collect();
+        p.ask(dirs, ListFor::Enter, check);
         p
     }
 
@@ -108,38 +203,74 @@ impl FilePicker {
         &self.dir
     }
 
-    /// Lists `dir` and goes there, the path field showing it.
-    fn enter(&mut self, dir: PathBuf) {
-        if self.list_dir(&dir) {
-            self.path_text = dir.display().to_string();
-        }
+    /// Whether a listing is in flight.
+    pub fn is_listing(&self) -> bool {
+        self.pending
     }
 
-    /// Lists `dir` and makes it the folder shown (the path field left alone); false, with the
-    /// error shown, when it cannot be read.
-    fn list_dir(&mut self, dir: &Path) -> bool {
-        match list(dir, &self.kind) {
-            Ok(entries) => {
+    /// The listing to hand to a job, once.
+    pub fn take_request(&mut self) -> Option<FolderRequest> {
+        self.request.take()
+    }
+
+    fn ask(&mut self, dirs: Vec<PathBuf>, purpose: ListFor, places: Vec<PathBuf>) {
+        self.seq += 1;
+        self.pending = true;
+        self.request = Some(FolderRequest {
+            seq: self.seq,
+            dirs,
+            kind: self.kind.clone(),
+            purpose,
+            places,
+        });
+    }
+
+    /// Goes to `dir` once a job has listed it, the path field then showing it.
+    fn enter(&mut self, dir: PathBuf) {
+        self.ask(vec![dir], ListFor::Enter, Vec::new());
+    }
+
+    /// Takes a job's listing (a stale one, answering an older request, is dropped).
+    pub fn listed(&mut self, listing: FolderListing) {
+        if listing.seq != self.seq {
+            return;
+        }
+        self.pending = false;
+        if !self.places_checked && listing.purpose == ListFor::Enter {
+            let present = &listing.places;
+            self.places.retain(|(_, d)| present.contains(d));
+            self.places_checked = true;
+        }
+        match (listing.result, listing.purpose) {
+            (Ok(entries), purpose) => {
                 self.entries = entries;
-                self.dir = dir.to_path_buf();
+                if purpose == ListFor::Enter {
+                    self.path_text = listing.dir.display().to_string();
+                }
+                self.dir = listing.dir;
                 self.error = None;
-                true
             }
-            Err(e) => {
-                self.error = Some(format!("cannot list {}: {e}", dir.display()));
-                false
-            }
+            (Err(e), ListFor::Enter) => self.error = Some(e.message),
+            (Err(_), ListFor::Typed) => {}
         }
     }
 
     /// Called when the path field's text changed: a folder other than the one shown is
-    /// listed as it is typed (one `read_dir`, only on a change), the text left as typed.
+    /// listed as it is typed (a job, only on a change; a file's or a new name's folder when
+    /// the path is not a folder), the text left as typed.
     fn follow_typed(&mut self) {
         let typed = PathBuf::from(self.path_text.trim());
-        if typed.as_os_str().is_empty() || typed == self.dir || !typed.is_dir() {
+        if typed.as_os_str().is_empty() || typed == self.dir {
             return;
         }
-        self.list_dir(&typed);
+        let mut dirs = vec![typed.clone()];
+        dirs.extend(
+            typed
+                .parent()
+                .filter(|p| *p != self.dir)
+                .map(Path::to_path_buf),
+        );
+        self.ask(dirs, ListFor::Typed, Vec::new());
     }
 
     /// Draws the picker as a modal dialog: while it is open nothing behind it takes clicks or
@@ -155,6 +286,12 @@ impl FilePicker {
             self.path_field(ui, &mut go);
             if let Some(e) = &self.error {
                 ui.colored_label(crate::gui::theme::ERROR, e);
+            }
+            if self.pending {
+                ui.horizontal(|ui| {
+                    ui.add(egui::Spinner::new().size(12.0));
+                    ui.label(RichText::new("listing…").weak());
+                });
             }
             self.listing(ui, &mut go);
             ui.separator();
@@ -217,7 +354,7 @@ impl FilePicker {
         }
         if field.lost_focus() && ui.input(|i| i.key_pressed(egui::Key::Enter)) {
             let typed = PathBuf::from(self.path_text.trim());
-            if typed.is_dir() {
+            if !typed.as_os_str().is_empty() {
                 *go = Some(typed);
             }
         }
@@ -249,23 +386,41 @@ impl FilePicker {
             });
     }
 
-    /// The path to return for the current field, or an error shown in the window.
+    /// The path to return for the current field, or an error shown in the window. Checked
+    /// against the last listing (no look at the disk): the folder shown or one of its
+    /// entries, a file of the kind in it, or a new name in it to save as.
     fn choice(&mut self) -> PickerOutcome {
         let path = PathBuf::from(self.path_text.trim());
-        let ok = match &self.kind {
-            PickKind::Folder => path.is_dir(),
-            PickKind::File(_) => path.is_file(),
-            PickKind::Save(_) => path.parent().is_some_and(Path::is_dir) && !path.is_dir(),
+        let in_listing = |is_dir: bool| {
+            path.parent() == Some(self.dir.as_path())
+                && path.file_name().is_some_and(|n| {
+                    let n = n.to_string_lossy();
+                    self.entries.iter().any(|(e, d)| *e == n && *d == is_dir)
+                })
         };
+        let ok = !self.pending
+            && match &self.kind {
+                PickKind::Folder => path == self.dir || in_listing(true),
+                PickKind::File(_) => in_listing(false),
+                PickKind::Save(_) => {
+                    path.parent() == Some(self.dir.as_path())
+                        && path.file_name().is_some()
+                        && !in_listing(true)
+                }
+            };
         if ok {
             PickerOutcome::Chosen(path)
         } else {
-            self.error = Some(match self.kind {
-                PickKind::Folder => format!("{} is not a folder", path.display()),
-                PickKind::File(_) => {
-                    format!("{} is not a file: pick one in the list", path.display())
+            self.error = Some(if self.pending {
+                "still listing the folder: choose again in a moment".to_string()
+            } else {
+                match self.kind {
+                    PickKind::Folder => format!("{} is not a folder", path.display()),
+                    PickKind::File(_) => {
+                        format!("{} is not a file: pick one in the list", path.display())
+                    }
+                    PickKind::Save(_) => format!("cannot save as {}", path.display()),
                 }
-                PickKind::Save(_) => format!("cannot save as {}", path.display()),
             });
             PickerOutcome::Open
         }
@@ -277,12 +432,17 @@ impl FilePicker {
 fn list(dir: &Path, kind: &PickKind) -> std::io::Result<Vec<(String, bool)>> {
     let mut dirs = Vec::new();
     let mut files = Vec::new();
-    for e in std::fs::read_dir(dir)?.flatten() {
+    for e in disk::read_dir(dir)?.flatten() {
         let name = e.file_name().to_string_lossy().to_string();
         if name.starts_with('.') {
             continue;
         }
-        let is_dir = e.path().is_dir();
+        // The entry's type comes with the listing; only a link is followed (one more look).
+        let is_dir = match e.file_type() {
+            Ok(t) if t.is_symlink() => disk::is_dir(&e.path()),
+            Ok(t) => t.is_dir(),
+            Err(_) => false,
+        };
         if is_dir {
             dirs.push(name);
         } else if let PickKind::File(ext) | PickKind::Save(ext) = kind {

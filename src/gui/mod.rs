@@ -11,6 +11,7 @@
 //! when the parts they depend on change (the keys in `app/schedule.rs`), and Export saves it
 //! as the TOML that `tunestudio train --config` runs headless.
 
+pub mod action;
 pub mod app;
 pub mod disk;
 pub mod error;

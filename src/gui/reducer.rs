@@ -4,12 +4,17 @@
 //! message shown). No threads, no I/O: the app runs the actions, so each report's effect is
 //! testable on bare panels, like [`crate::gui::run_state::RunState::apply`].
 
-use super::app::Action;
+use std::path::PathBuf;
+
+use tunestudio::train::RunConfig;
+
+use super::action::Action;
 use super::error::JobError;
-use super::jobs::{JobOutput, PickTarget, Previewed};
+use super::jobs::{JobOutput, OpenedConfig, PickTarget, Previewed};
 use super::panels::Panels;
 use super::playground;
 use super::session::{push_recent, Session};
+use super::shared::ExportKind;
 
 /// Stores a request's answer: the value and no error, or the error and no value.
 fn store<T>(result: Result<T, JobError>, value: &mut Option<T>, error: &mut Option<JobError>) {
@@ -100,6 +105,13 @@ pub fn apply_job(s: &mut Session, p: &mut Panels, out: JobOutput) -> Vec<Action>
                 .retain(|&i| i < p.run.history.runs.len());
             p.run.history.error = (!errors.is_empty()).then(|| errors.join("\n"));
         }
+        JobOutput::ConfigOpened { path, demo, result } => {
+            return config_opened(s, p, path, demo, result);
+        }
+        JobOutput::ConfigSaved { path, sent, result } => config_saved(s, p, path, &sent, result),
+        // The in-app picker is the app's window, not a panel: `StudioApp::handle_job` gives
+        // it its listings before they reach here.
+        JobOutput::Folder(_) => {}
         JobOutput::Playground(msg) => {
             return playground::on_message(&mut p.playground, msg)
                 .into_iter()
@@ -108,6 +120,94 @@ pub fn apply_job(s: &mut Session, p: &mut Panels, out: JobOutput) -> Vec<Action>
         }
     }
     Vec::new()
+}
+
+/// Replaces the run config (opened from a file or the demo): the panels' fields that copy
+/// it follow, and what was fitted to the old one is dropped.
+pub fn use_config(s: &mut Session, p: &mut Panels, config: RunConfig, path: Option<PathBuf>) {
+    s.set_config(config, path);
+    let plan = &mut p.devices.plan;
+    plan.autofit = None;
+    plan.autofit_applied.clear();
+    plan.dry_run = None;
+    sync_inputs_from_config(s, p);
+}
+
+/// Copies the config's paths into the panels' text fields (after loading a config).
+pub fn sync_inputs_from_config(s: &Session, p: &mut Panels) {
+    p.model.source_input = s.config.model.source.clone();
+    p.dataset.path_input = s.config.data.path.clone();
+    // Never offer to overwrite the bundled demo: its copy goes to <output>/run.toml.
+    p.export.config_path = match &s.config_path {
+        Some(path) if !s.is_demo() => path.display().to_string(),
+        _ => s.default_config_path().display().to_string(),
+    };
+    p.export.kind = if s.config.lora.enabled {
+        ExportKind::Adapter
+    } else {
+        ExportKind::Full
+    };
+    p.export.checkpoint.clear();
+    p.export.destination.clear();
+    p.preview.start_row = 0;
+    p.preview.highlight = None;
+}
+
+/// An opened run config (a file, or the demo project) replaces the current one, and its
+/// model is loaded; an error stays where the user asked (the Export panel, or the config's
+/// problems for the demo).
+fn config_opened(
+    s: &mut Session,
+    p: &mut Panels,
+    path: PathBuf,
+    demo: bool,
+    result: OpenedConfig,
+) -> Vec<Action> {
+    p.export.config_busy = None;
+    match result {
+        Ok((config, problems)) => {
+            use_config(s, p, config, Some(path.clone()));
+            s.config_problems = problems;
+            if demo {
+                s.settings.last_config = None;
+            } else {
+                push_recent(&mut s.settings.recent_configs, path.clone());
+                s.settings.last_config = Some(path.clone());
+                p.export.config_message = Some(Ok(format!("loaded {}", path.display())));
+            }
+        }
+        Err(e) if demo => s.config_problems = vec![e.to_string()],
+        Err(e) => {
+            p.export.config_message = Some(Err(e));
+            return Vec::new();
+        }
+    }
+    vec![Action::LoadModel]
+}
+
+/// The run config was written to `path`: it is the config's file from now on, and, unless
+/// the config was edited since Save was pressed (`sent`), the config as read back replaces it
+/// (its paths absolute, later relative edits resolving against the new place).
+fn config_saved(
+    s: &mut Session,
+    p: &mut Panels,
+    path: PathBuf,
+    sent: &RunConfig,
+    result: Result<Option<Box<RunConfig>>, JobError>,
+) {
+    p.export.config_busy = None;
+    match result {
+        Ok(saved) => {
+            p.export.config_message = Some(Ok(format!("saved {}", path.display())));
+            push_recent(&mut s.settings.recent_configs, path.clone());
+            s.settings.last_config = Some(path.clone());
+            if let Some(saved) = saved.filter(|_| s.config == *sent) {
+                s.config = *saved;
+            }
+            s.config_path = Some(path);
+        }
+        Err(e) => p.export.config_message = Some(Err(e)),
+    }
 }
 
 /// A preview's answer: SFT rows or preference pairs, and for a new dataset the proposed

@@ -122,19 +122,18 @@ pub fn push_recent<T: PartialEq + Clone>(list: &mut Vec<T>, item: T) {
     list.truncate(10);
 }
 
-/// The folder a path-like string points into, for file dialogs.
-pub fn dialog_dir(text: &str, base: &Path) -> Option<PathBuf> {
-    let p = Path::new(text);
+/// Where a file dialog for the field holding `text` may start, best first: the path itself,
+/// then its folder (relative paths against `base`). No look at the disk: the dialog's job or
+/// the in-app picker's listing takes the first that is a folder.
+pub fn dialog_dirs(text: &str, base: &Path) -> Vec<PathBuf> {
+    let p = Path::new(text.trim());
     let p = if p.is_absolute() {
         p.to_path_buf()
     } else {
         base.join(p)
     };
-    if p.is_dir() {
-        Some(p)
-    } else {
-        p.parent().filter(|d| d.is_dir()).map(Path::to_path_buf)
-    }
+    let parent = p.parent().map(Path::to_path_buf);
+    std::iter::once(p).chain(parent).collect()
 }
 
 /// The document the panels share.
@@ -169,7 +168,7 @@ impl Session {
     }
 
     /// Replaces the config (loaded from a file or the demo). The panels that copy parts of
-    /// it into their fields are reset by the app (`StudioApp::set_config`).
+    /// it into their fields are reset with it by `gui::reducer::use_config`.
     pub fn set_config(&mut self, config: RunConfig, path: Option<PathBuf>) {
         self.config = config;
         self.config_path = path;

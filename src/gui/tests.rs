@@ -476,6 +476,23 @@ fn playground_error(h: &Harness<'static, StudioApp>) -> String {
         .unwrap_or_default()
 }
 
+/// Steps until the run config's save (or open), a job, has answered.
+fn wait_saved(h: &mut Harness<'static, StudioApp>) {
+    wait_for(h, "the run config's job", Duration::from_secs(30), |a| {
+        a.panels.export.config_busy.is_none() && a.panels.export.config_message.is_some()
+    });
+}
+
+/// Steps until the open in-app picker's folder listing, a job, has answered.
+fn wait_listed(h: &mut Harness<'static, StudioApp>) {
+    wait_for(h, "the picker's listing", Duration::from_secs(30), |a| {
+        a.chrome
+            .picker
+            .as_ref()
+            .is_some_and(|(_, p)| !p.is_listing())
+    });
+}
+
 /// Replaces the text of the field labelled `label` with `text`.
 fn type_into(h: &mut Harness<'static, StudioApp>, label: &str, text: &str) {
     h.get_by_label(label).focus();
@@ -1264,8 +1281,7 @@ fn a_planned_machine_plans_like_the_cli_and_survives_a_reload() {
     h.state_mut().panels.export.config_path = saved.display().to_string();
     h.run_steps(2);
     h.get_by_label("Save config").click();
-    h.step();
-    h.step();
+    wait_saved(&mut h);
     let text = std::fs::read_to_string(&saved).expect("the saved config");
     assert!(
         text.contains("\"cuda:0=81559MiB\"") && text.contains("\"cuda:1=81559MiB\""),
@@ -1519,6 +1535,7 @@ fn browse_opens_the_in_app_picker_without_a_portal() {
         h.state().chrome.picker.is_some(),
         "the in-app picker opened"
     );
+    wait_listed(&mut h);
     assert!(h.query_by_label("Choose this folder").is_some());
     assert!(h
         .query_by_label_contains("using the built-in file picker")
@@ -1534,11 +1551,9 @@ fn browse_opens_the_in_app_picker_without_a_portal() {
         .type_text(&assets.display().to_string());
     h.step();
     h.key_press(egui::Key::Enter);
-    h.step();
-    h.step();
+    wait_listed(&mut h);
     h.get_by_label("demo-model/").click();
-    h.step();
-    h.step();
+    wait_listed(&mut h);
     let shown = h
         .state()
         .chrome
@@ -1765,6 +1780,7 @@ fn open_in_app_picker(out: &Path) -> Harness<'static, StudioApp> {
         h.state().chrome.picker.is_some(),
         "the in-app picker opened"
     );
+    wait_listed(&mut h);
     h
 }
 
@@ -1799,8 +1815,7 @@ fn the_in_app_picker_is_modal() {
 
     let before = picker_dir(&h).expect("open");
     h.get_by_label("⬆ Up").click();
-    h.step();
-    h.step();
+    wait_listed(&mut h);
     assert_eq!(picker_dir(&h).as_deref(), before.parent());
     h.get_by_label("Cancel").click();
     h.step();
@@ -1824,14 +1839,13 @@ fn a_typed_path_lists_its_folders_without_enter() {
     let mut h = open_in_app_picker(out.path());
     // The parent first: its listing shows the folder about to be typed.
     type_into(&mut h, "Path", &out.path().display().to_string());
-    h.step();
+    wait_listed(&mut h);
     assert!(
         h.query_by_label("pick-here/").is_some(),
         "the parent is listed"
     );
     h.get_by_label("Path").type_text("/pick-here");
-    h.step();
-    h.step();
+    wait_listed(&mut h);
     assert_eq!(picker_dir(&h).as_deref(), Some(typed.as_path()));
     assert!(h.query_by_label("alpha/").is_some(), "alpha/ is listed");
     assert!(h.query_by_label("beta/").is_some(), "beta/ is listed");
@@ -2101,12 +2115,11 @@ fn switching_the_method_to_dpo_changes_the_plan() {
     h.state_mut().panels.export.config_path = saved.display().to_string();
     h.run_steps(2);
     h.get_by_label("Save config").click();
-    h.step();
-    h.step();
+    wait_saved(&mut h);
     let text = std::fs::read_to_string(&saved).expect("the saved config");
     assert!(text.contains("method = \"dpo\""), "{text}");
     assert!(text.contains("loss = \"ipo\""), "{text}");
-    let (config, problems) = super::app::load_config(&saved).expect("reload");
+    let (config, problems) = super::jobs::load_config(&saved).expect("reload");
     assert!(problems.is_empty(), "{problems:?}");
     assert_eq!(
         config.training.method,

@@ -7,7 +7,7 @@ use eframe::egui::{self, RichText, Ui};
 
 use tunestudio::plan::Plan;
 
-use crate::gui::app::Action;
+use crate::gui::action::Action;
 use crate::gui::shared::PanelContext;
 use crate::gui::theme;
 

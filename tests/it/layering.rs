@@ -354,6 +354,51 @@ fn the_studio_jobs_import_no_panel() {
     );
 }
 
+/// The panels sit below the app (issue #56 item 4): what a panel asks for is an `Action`
+/// (`gui/action.rs`), and the window's own state (the file picker, toasts) is the app's, so
+/// no file of `src/gui/panels/`, `src/gui/playground/` or `src/gui/widgets.rs` names the app
+/// module and the import circle app → panels → app is gone.
+#[test]
+fn the_studio_panels_import_no_app() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/gui");
+    let mut files = rust_files(&root.join("panels"));
+    files.extend(rust_files(&root.join("playground")));
+    files.push(root.join("widgets.rs"));
+    assert!(files.len() > 10, "panel files found: {files:?}");
+    let mut bad = Vec::new();
+    for file in &files {
+        let text =
+            std::fs::read_to_string(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        for (n, line) in text.lines().enumerate() {
+            // Code and doc links alike: a doc link to the app is an import in disguise.
+            let names_app = ["gui::app", "super::app", "super::super::app"]
+                .iter()
+                .any(|needle| {
+                    line.match_indices(needle).any(|(at, _)| {
+                        let after = line[at + needle.len()..].chars().next();
+                        !after.is_some_and(|c| c.is_alphanumeric() || c == '_')
+                    })
+                });
+            let grouped = line.contains("gui::{")
+                && line.split("gui::{").nth(1).is_some_and(|g| {
+                    g.split('}')
+                        .next()
+                        .unwrap_or("")
+                        .split(',')
+                        .any(|w| w.trim() == "app" || w.trim().starts_with("app::"))
+                });
+            if names_app || grouped {
+                bad.push(format!("{}:{}: {}", file.display(), n + 1, line.trim()));
+            }
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "a panel names the app (queue an `Action` from src/gui/action.rs instead):\n{}",
+        bad.join("\n")
+    );
+}
+
 /// The studio has no god struct (issue #39): `gui/state.rs` and its `AppState` are gone, and
 /// a panel (a module of `src/gui/panels/` or the Playground) reaches the other panels' state
 /// only through the `PanelContext` the app lends it: no panel names the `Panels` container,

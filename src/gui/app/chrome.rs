@@ -52,7 +52,7 @@ pub enum PickFor {
     /// A studio field.
     Studio(crate::gui::jobs::PickTarget),
     /// The Playground.
-    Playground(crate::gui::playground::PgPick),
+    Playground(crate::gui::action::PgPick),
 }
 
 impl Chrome {
@@ -62,14 +62,15 @@ impl Chrome {
     }
 
     /// Opens the in-app picker for `who` (the system dialog is unavailable), saying once in
-    /// the status bar why. Its places start at the session's run folder and project.
+    /// the status bar why. It starts in the first of `starts` a job can list; its places
+    /// start at the session's run folder and project.
     pub fn open_picker(
         &mut self,
         session: &Session,
         who: PickFor,
         title: &str,
         kind: PickKind,
-        start: Option<PathBuf>,
+        starts: Vec<PathBuf>,
     ) {
         if !self.picker_noted {
             self.picker_noted = true;
@@ -85,7 +86,7 @@ impl Chrome {
             tunestudio::model::HubOptions::from_env().cache_dir,
         ));
         places.push(("Project".into(), session.config.base_dir.clone()));
-        self.picker = Some((who, FilePicker::new(title, kind, start, places)));
+        self.picker = Some((who, FilePicker::new(title, kind, starts, places)));
     }
 }
 

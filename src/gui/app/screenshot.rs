@@ -75,7 +75,9 @@ impl StudioApp {
                 return;
             }
         }
-        if let Some((_, p)) = &self.chrome.picker {
+        // Once its first listing (a job) has come back.
+        let listed = self.chrome.picker.as_ref().filter(|(_, p)| !p.is_listing());
+        if let Some((_, p)) = listed {
             if !self.chrome.picker_noted_on_stderr {
                 self.chrome.picker_noted_on_stderr = true;
                 let why = self.chrome.system_dialog.clone().err().unwrap_or_default();

@@ -1,6 +1,7 @@
 //! Background work: every slow call into the library (resolving and
 //! downloading models, reading datasets, tokenising the preview, planning,
-//! dry runs, exports, reading run history) runs on its own thread and reports
+//! dry runs, exports, reading run history, opening and saving the run config, the in-app
+//! file picker's folder listings) runs on its own thread and reports
 //! one [`JobOutput`] over a channel; the thread wakes the UI with
 //! `request_repaint`. The UI thread never waits on any of it.
 //!
@@ -84,6 +85,27 @@ pub enum JobOutput {
     Picked(PickTarget, PathBuf),
     /// A report of the Playground's work.
     Playground(super::playground::PgMsg),
+    /// A run config was read (for Open, or the demo project).
+    ConfigOpened {
+        /// The file.
+        path: PathBuf,
+        /// It is the bundled demo project.
+        demo: bool,
+        /// The config and its problems, or why it cannot be read.
+        result: OpenedConfig,
+    },
+    /// The run config was saved.
+    ConfigSaved {
+        /// The file.
+        path: PathBuf,
+        /// The config as it was when Save was pressed.
+        sent: Box<RunConfig>,
+        /// The config read back from the file (`None`: written, but not readable back), or
+        /// why it could not be written.
+        result: Result<Option<Box<RunConfig>>, JobError>,
+    },
+    /// A folder was listed for the in-app file picker.
+    Folder(crate::gui::file_picker::FolderListing),
 }
 
 /// What the preview job built: the rows as SFT trains them, or, when the data holds
@@ -399,10 +421,11 @@ impl Jobs {
 
     /// Opens a native file dialog on its own thread (the xdg portal does not need the
     /// main thread), so the studio keeps drawing while it is open.
-    pub fn pick(&self, target: PickTarget, start_dir: Option<PathBuf>) {
+    /// It starts in the first of `starts` that is a folder.
+    pub fn pick(&self, target: PickTarget, starts: Vec<PathBuf>) {
         self.spawn("dialog", move |_| {
             let mut d = rfd::FileDialog::new();
-            if let Some(dir) = start_dir {
+            if let Some(dir) = starts.into_iter().find(|d| crate::gui::disk::is_dir(d)) {
                 d = d.set_directory(dir);
             }
             let picked = match target {
@@ -442,7 +465,9 @@ pub fn looks_like_hub_id(s: &str) -> bool {
     data::hub::looks_like_hub_id(s)
 }
 
+mod files;
 mod work;
+pub use files::{load_config, OpenedConfig};
 pub use work::{
     dataset_summary, model_info, model_source, plan_request, read_history, ExportRequest,
 };

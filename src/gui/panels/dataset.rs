@@ -5,7 +5,7 @@ use eframe::egui::{self, RichText, Ui};
 
 use tunestudio::data::{Format, TxtSplit};
 
-use crate::gui::app::Action;
+use crate::gui::action::Action;
 use crate::gui::error::JobError;
 use crate::gui::jobs::PickTarget;
 use crate::gui::session::Session;

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 
 use eframe::egui::{self, RichText, Ui};
 
-use crate::gui::app::Action;
+use crate::gui::action::Action;
 use crate::gui::error::JobError;
 use crate::gui::jobs::PickTarget;
 use crate::gui::session::Session;
@@ -62,8 +62,10 @@ pub struct ExportPanel {
     pub result: Option<Result<PathBuf, JobError>>,
     /// Where the run config is saved.
     pub config_path: String,
-    /// The last save/load message.
-    pub config_message: Option<Result<String, String>>,
+    /// The last save/load message (an error keeps its kind and hint).
+    pub config_message: Option<Result<String, JobError>>,
+    /// A save or open of the run config in flight: what it is doing ("saving …").
+    pub config_busy: Option<String>,
 }
 
 impl Default for ExportPanel {
@@ -80,6 +82,7 @@ impl Default for ExportPanel {
             result: None,
             config_path: String::new(),
             config_message: None,
+            config_busy: None,
         }
     }
 }
@@ -309,11 +312,19 @@ fn run_config(ui: &mut Ui, ep: &mut ExportPanel, s: &mut Session, actions: &mut 
                 });
                 ui.end_row();
             });
-        if let Some(m) = &ep.config_message {
+        // The file is read or written by a job; its answer arrives a few frames later.
+        if let Some(busy) = &ep.config_busy {
+            ui.horizontal(|ui| {
+                ui.add(egui::Spinner::new().size(12.0));
+                ui.label(RichText::new(busy).weak());
+            });
+        } else if let Some(m) = &ep.config_message {
             match m {
-                Ok(t) => ui.label(RichText::new(t).color(theme::OK)),
-                Err(e) => ui.label(RichText::new(e).color(theme::ERROR)),
-            };
+                Ok(t) => {
+                    ui.label(RichText::new(t).color(theme::OK));
+                }
+                Err(e) => theme::job_error(ui, "The run config", e),
+            }
         }
         ui.add_space(6.0);
         let cmd = cli_command(&ep.config_path);
@@ -335,10 +346,12 @@ fn run_config(ui: &mut Ui, ep: &mut ExportPanel, s: &mut Session, actions: &mut 
                 ));
             }
         });
+        // The paths as written: making them absolute looks at the disk, which Save does in
+        // its job.
         egui::CollapsingHeader::new("TOML").show(ui, |ui| {
+            theme::note(ui, "paths as written; the saved file has them absolute");
             let text = s
                 .config
-                .with_absolute_paths()
                 .to_toml_string()
                 .unwrap_or_else(|e| format!("cannot write the config: {e}"));
             ui.add(egui::Label::new(RichText::new(text).monospace().small()).wrap());

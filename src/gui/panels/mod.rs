@@ -3,7 +3,7 @@
 //! view (`show`); each edits the shared run config
 //! ([`crate::gui::session::Session`]) in place, reads the other panels' results only through
 //! the [`crate::gui::shared::PanelContext`] the app lends it, and queues
-//! [`crate::gui::app::Action`]s for anything that needs the app (jobs, trainer). No panel
+//! [`crate::gui::action::Action`]s for anything that needs the app (jobs, trainer). No panel
 //! imports another (`tests/it/layering.rs`).
 
 pub mod dataset;

@@ -5,7 +5,7 @@ use eframe::egui::{self, RichText, Ui};
 use tunestudio::settings::Quantization;
 use tunestudio::train::{DpoLoss, Precision, ScheduleKind, TrainingMethod};
 
-use crate::gui::app::Action;
+use crate::gui::action::Action;
 use crate::gui::jobs::PickTarget;
 use crate::gui::session::Session;
 use crate::gui::shared::PanelContext;

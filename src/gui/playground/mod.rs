@@ -19,11 +19,11 @@ use tunestudio::infer::{
     GenEvent, GenerationRequest, Generator, Prompt, SamplingParams, StopReason,
 };
 
-use crate::gui::app::{Chrome, PickFor};
 use crate::gui::error::{ErrorKind, JobError};
 use crate::gui::jobs::Jobs;
 use crate::gui::session::Session;
 
+pub use crate::gui::action::{PgAction, PgPick};
 pub use worker::Generation;
 
 /// Where a side's model comes from.
@@ -258,46 +258,6 @@ impl PlaygroundState {
             Err(e) => self.error = Some(e),
         }
     }
-}
-
-/// What a file dialog of the playground chooses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PgPick {
-    /// A side's checkpoint folder.
-    Checkpoint(usize),
-    /// A side's model folder.
-    Folder(usize),
-    /// A side's adapter folder.
-    Adapter(usize),
-    /// A side's GGUF file.
-    Gguf(usize),
-    /// A prompt list (.txt / .jsonl).
-    Prompts,
-    /// Where to export the comparison.
-    Export,
-}
-
-/// What the playground asks the app to do.
-#[derive(Debug, Clone)]
-pub enum PgAction {
-    /// Load side 0 (left) or 1 (right).
-    Load(usize),
-    /// Answer the prompt on both sides.
-    Generate,
-    /// Stop both sides (and the batch).
-    Cancel,
-    /// Open a file dialog.
-    Pick(PgPick),
-    /// Take prompts from the run's validation split.
-    ValidationPrompts,
-    /// Read a prompt list file.
-    ReadPrompts(PathBuf),
-    /// Answer every prompt of the list on both sides.
-    RunBatch,
-    /// Write the comparison as JSONL.
-    Export,
-    /// List the checkpoints of this output folder again.
-    RefreshCheckpoints(PathBuf),
 }
 
 /// What the playground's jobs report (inside [`crate::gui::jobs::JobOutput::Playground`]).
@@ -540,14 +500,9 @@ fn comparison_rows(pg: &PlaygroundState) -> Result<Vec<BatchRow>, JobError> {
     }])
 }
 
-/// Carries out a playground action (called by the app after the frame).
-pub fn apply(
-    pg: &mut PlaygroundState,
-    s: &Session,
-    chrome: &mut Chrome,
-    action: PgAction,
-    jobs: &Jobs,
-) {
+/// Carries out a playground action (called by the app after the frame). File dialogs are
+/// the app's ([`crate::gui::action::Action::PlaygroundPick`]), as for every panel.
+pub fn apply(pg: &mut PlaygroundState, s: &Session, action: PgAction, jobs: &Jobs) {
     match action {
         PgAction::Load(i) => load(pg, s, i, jobs),
         PgAction::Generate => {
@@ -560,7 +515,6 @@ pub fn apply(
                 h.cancel();
             }
         }
-        PgAction::Pick(target) => pick(pg, s, chrome, target, jobs),
         PgAction::ValidationPrompts => {
             let n = pg.validation_count.max(1);
             pg.prompts_loading = true;
@@ -627,18 +581,10 @@ fn load(pg: &mut PlaygroundState, s: &Session, i: usize, jobs: &Jobs) {
     worker::load_side(jobs, i, sd.seq, spec);
 }
 
-/// Opens a file dialog (the system one in a job, else the in-app picker).
-fn pick(pg: &mut PlaygroundState, s: &Session, chrome: &mut Chrome, target: PgPick, jobs: &Jobs) {
-    let start = Some(s.output_dir()).filter(|p| p.is_dir());
-    if target == PgPick::Prompts {
-        pg.prompts_loading = true;
-    }
-    if chrome.system_dialog.is_err() {
-        let (title, kind) = pick_kind(target);
-        chrome.open_picker(s, PickFor::Playground(target), title, kind, start);
-        return;
-    }
-    worker::pick(jobs, target, start);
+/// Opens the system file dialog for `target` in a job (the app calls it when the session has
+/// one; else it opens the in-app picker). `starts` are checked there, not on the UI thread.
+pub fn open_system_dialog(jobs: &Jobs, target: PgPick, starts: Vec<PathBuf>) {
+    worker::pick(jobs, target, starts);
 }
 
 fn run_batch(pg: &mut PlaygroundState, jobs: &Jobs) {

@@ -5,7 +5,7 @@
 use eframe::egui::{self, RichText, Ui};
 
 use super::{PgAction, PgPick, PlaygroundSide, PlaygroundState, SideSource, SIDE_NAMES};
-use crate::gui::app::Action;
+use crate::gui::action::Action;
 use crate::gui::session::Session;
 use crate::gui::shared::PanelContext;
 use crate::gui::theme;
@@ -224,7 +224,9 @@ fn prompt_list(ui: &mut Ui, pg: &mut PlaygroundState, actions: &mut Vec<Action>)
             .on_hover_text(".txt: one prompt per line; .jsonl: `prompt` / `instruction` per line")
             .clicked()
         {
-            push(actions, PgAction::Pick(PgPick::Prompts));
+            // Until the chosen list is read (a cancelled dialog says so).
+            pg.prompts_loading = true;
+            actions.push(Action::PlaygroundPick(PgPick::Prompts));
         }
         let l = ui.label("Validation prompts");
         ui.add(egui::DragValue::new(&mut pg.validation_count).range(1..=1000))
@@ -272,7 +274,7 @@ fn export_row(ui: &mut Ui, pg: &mut PlaygroundState, actions: &mut Vec<Action>) 
             .on_hover_text("Choose the export file")
             .clicked()
         {
-            push(actions, PgAction::Pick(PgPick::Export));
+            actions.push(Action::PlaygroundPick(PgPick::Export));
         }
         if ui
             .button("Export comparison")
@@ -375,7 +377,7 @@ fn path_row(
             .on_hover_text(format!("Choose the {side} {what} folder"))
             .clicked()
         {
-            push(actions, PgAction::Pick(target));
+            actions.push(Action::PlaygroundPick(target));
         }
     });
     ui.end_row();
@@ -420,7 +422,7 @@ fn checkpoint_row(
             .on_hover_text(format!("Choose the {name} checkpoint folder"))
             .clicked()
         {
-            push(actions, PgAction::Pick(PgPick::Checkpoint(i)));
+            actions.push(Action::PlaygroundPick(PgPick::Checkpoint(i)));
         }
     });
     ui.end_row();

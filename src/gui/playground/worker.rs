@@ -93,11 +93,12 @@ pub(super) fn generate(
     Generation { seq, cancel }
 }
 
-/// Opens the system file dialog for `target` in a job.
-pub(super) fn pick(jobs: &Jobs, target: PgPick, start: Option<PathBuf>) {
+/// Opens the system file dialog for `target` in a job, in the first of `starts` that is a
+/// folder.
+pub(super) fn pick(jobs: &Jobs, target: PgPick, starts: Vec<PathBuf>) {
     jobs.spawn("playground-dialog", move |_| {
         let mut d = rfd::FileDialog::new();
-        if let Some(dir) = start {
+        if let Some(dir) = starts.into_iter().find(|d| crate::gui::disk::is_dir(d)) {
             d = d.set_directory(dir);
         }
         let picked = match target {

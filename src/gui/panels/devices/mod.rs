@@ -7,7 +7,7 @@ use eframe::egui::{self, Color32, RichText, Sense, Ui};
 use tunestudio::devices::{DeviceInventory, DeviceKind};
 use tunestudio::plan::{AutoFit, DevicePlan, DryRunReport, Plan, PlanRequest, Verdict};
 
-use crate::gui::app::Action;
+use crate::gui::action::Action;
 use crate::gui::error::JobError;
 use crate::gui::session::Session;
 use crate::gui::shared::{PanelContext, PlanKey};
@@ -29,7 +29,7 @@ pub struct PlanState {
     pub loading: bool,
     /// Request sequence number.
     pub seq: u64,
-    /// What the last request was made for ([`crate::gui::app::plan_key`]); `None` before the first.
+    /// What the last request was made for (`plan_key`, in `gui/app/schedule.rs`); `None` before the first.
     pub key: Option<PlanKey>,
     /// The last auto-fit, with the settings it started from.
     pub autofit: Option<AutoFit>,

@@ -7,7 +7,7 @@ use egui_plot::{Bar, BarChart, Plot, VLine};
 
 use tunestudio::data::{DataPreview, Lint, RowPreview, Severity, SplitName, TokenClass};
 
-use crate::gui::app::Action;
+use crate::gui::action::Action;
 use crate::gui::error::JobError;
 use crate::gui::session::Session;
 use crate::gui::shared::PanelContext;

@@ -16,7 +16,7 @@ use tunestudio::data::{RowPreview, SplitName};
 use tunestudio::train::{RunConfig, TrainingMethod};
 
 use super::{lint_list, MAX_CHIPS_PER_ROW};
-use crate::gui::app::Action;
+use crate::gui::action::Action;
 use crate::gui::session::Panel;
 use crate::gui::text;
 use crate::gui::theme;

@@ -13,7 +13,7 @@ use tunestudio::train::rollout_preview::{PreviewCompletion, PreviewGroup, Rollou
 use tunestudio::train::RunConfig;
 
 use super::{lint_list, MAX_CHIPS_PER_ROW};
-use crate::gui::app::Action;
+use crate::gui::action::Action;
 use crate::gui::text;
 use crate::gui::theme;
 

@@ -6,7 +6,7 @@ use eframe::egui::{self, RichText, Ui};
 use tunestudio::train::FinishReason;
 
 use super::RunPanel;
-use crate::gui::app::Action;
+use crate::gui::action::Action;
 use crate::gui::jobs::PickTarget;
 use crate::gui::theme;
 

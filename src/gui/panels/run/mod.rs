@@ -6,7 +6,7 @@ use eframe::egui::{self, RichText, Ui};
 
 use tunestudio::train::FinishReason;
 
-use crate::gui::app::Action;
+use crate::gui::action::Action;
 use crate::gui::run_state::{LogLevel, RunPhase, RunState};
 use crate::gui::session::Session;
 use crate::gui::shared::PanelContext;

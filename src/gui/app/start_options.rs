@@ -1,71 +1,9 @@
-//! What a panel asks the app to do ([`Action`]), and how the app is started
-//! ([`StartOptions`]: the command line's and the tests' options).
+//! How the app is started ([`StartOptions`]: the command line's and the tests' options).
 
 use std::path::PathBuf;
 
-use tunestudio::plan::Change;
-
 use crate::gui::jobs::PickTarget;
 use crate::gui::session::Panel;
-
-/// Something a panel asks the app to do.
-#[derive(Debug, Clone)]
-pub enum Action {
-    /// Resolve the model in the Model panel's text field.
-    LoadModel,
-    /// Re-open the dataset.
-    ScanDataset,
-    /// Start training.
-    Start,
-    /// Start by resuming the run already in the output folder (its newest checkpoint).
-    StartResumingLatest,
-    /// Start in a fresh output folder (the current one holds another run).
-    StartInNewFolder,
-    /// After an out-of-memory stop: apply the fitted settings and resume from the checkpoint.
-    ApplyOomRefitAndResume,
-    /// Dismiss the "this folder holds a run" question.
-    CancelStart,
-    /// Pause the trainer.
-    Pause,
-    /// Resume it.
-    Resume,
-    /// Stop it.
-    Stop,
-    /// Save a checkpoint now.
-    SaveNow,
-    /// Apply a planner change to the settings.
-    ApplyChange(Change),
-    /// Search settings that fit.
-    AutoFit,
-    /// Apply the last auto-fit.
-    ApplyAutoFit,
-    /// Run one measured step.
-    DryRun,
-    /// Re-discover devices.
-    RefreshDevices,
-    /// Open the panel.
-    Goto(Panel),
-    /// Show preview rows starting here (and highlight it).
-    JumpToRow(usize),
-    /// Save the run config to this path.
-    SaveConfig(PathBuf),
-    /// Load a run config.
-    LoadConfig(PathBuf),
-    /// Load the bundled demo project.
-    LoadDemo,
-    /// Export a checkpoint.
-    Export,
-    /// Re-read the run history.
-    RefreshHistory,
-    /// Add a folder to the run history.
-    AddRunDir(PathBuf),
-    /// Open a file dialog.
-    Pick(PickTarget),
-    /// Something for the Playground panel.
-    Playground(crate::gui::playground::PgAction),
-    /// Show a transient message in the status bar.
-    Toast(String),
-}
 
 /// Options for the app that the command line or tests set.
 #[derive(Debug, Clone, Default)]
