@@ -158,8 +158,8 @@ pub struct StepDims {
     pub native_embedding: bool,
     /// AdamW updates parameters (and their f32 master copies) in their own storage (CPU).
     pub in_place_optimizer: bool,
-    /// bf16 weights are multiplied on the CPU's bf16 dot-product instruction
-    /// (`model::ops::bf16_gemm`: native kernels, bf16 weights, AVX512-BF16): packing buffers
+    /// bf16 weights are multiplied on one of the CPU's bf16 kernels (`model::ops::bf16_gemm`:
+    /// native kernels, bf16 weights, AVX512-BF16 dot products or AMX tiles): packing buffers
     /// instead of each weight's f32 copy, and no f32 cast of the lm head.
     pub bf16_products: bool,
     /// The device-generic ops run (`model::ops::generic`: any GPU, or `TUNESTUDIO_OPS=generic`):

@@ -665,12 +665,11 @@ fn the_plan_request_scanner_catches_literals_only() {
 }
 
 /// Source files outside tests that may be over [`MAX_FILE_LINES`]: the CPU kernels, where one
-/// file holds one kernel's packing, tiles and dispatch that read together (issue #39 allows
-/// five). A sixth fails; so does a file on this list that has come under the limit (take it off).
-const LONG_FILES_ALLOWED: [&str; 5] = [
+/// file holds one kernel's packing, tiles and dispatch that read together (issue #39 allowed
+/// five; the two bf16 kernels became one driver and two tiles under the limit, issue #56). A
+/// fourth fails; so does a file on this list that has come under the limit (take it off).
+const LONG_FILES_ALLOWED: [&str; 3] = [
     "src/model/native_layer.rs",
-    "src/model/ops/bf16_gemm.rs",
-    "src/model/ops/amx_gemm.rs",
     "src/model/ops/cross_entropy.rs",
     "src/gui/playground/mod.rs",
 ];
@@ -683,7 +682,7 @@ fn is_test_source(rel: &str) -> bool {
 }
 
 #[test]
-fn at_most_five_source_files_are_over_600_lines() {
+fn at_most_three_source_files_are_over_600_lines() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut long = Vec::new();
     for p in rust_files(&root.join("src")) {

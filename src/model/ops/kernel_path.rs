@@ -3,8 +3,9 @@
 //! Three paths can run the products of a bf16 weight (and the fused head of a bf16 lm head):
 //! - `f32`: widen the bf16 operand and multiply in f32 with gemm's kernels (exact products of
 //!   the unrounded activations);
-//! - `avx512-bf16`: the bf16 dot-product instruction ([`super::bf16_gemm`]);
-//! - `amx`: the AMX tile unit ([`super::amx_gemm`]).
+//! - `avx512-bf16`: the bf16 dot-product instruction ([`super::bf16_gemm`]'s
+//!   [`Avx512Tile`] kernel);
+//! - `amx`: the AMX tile unit ([`super::bf16_gemm`]'s [`AmxTile`] kernel).
 //!
 //! Having an instruction does not make it faster: on a 2-core Sapphire Rapids the dot-product
 //! path ran a bf16-mixed step at 0.65× of fp32 (issue #42), where on Zen 4 it was 1.1–1.4×. So
@@ -24,8 +25,7 @@
 //! names another file, or `off`), written through a temporary file and a rename.
 //! `TUNESTUDIO_BF16_KERNEL=f32|avx512-bf16|amx` forces a path (tests, users).
 
-use super::amx_gemm;
-use super::bf16_gemm::{self, PackElem};
+use super::bf16_gemm::{self, AmxTile, Avx512Tile, PackElem, TileKernel};
 use super::matmul::{sgemm, sgemm_new, MatRef};
 use candle_core::Result;
 use half::bf16;
@@ -77,8 +77,8 @@ impl Bf16Kernel {
     pub fn available(self) -> bool {
         match self {
             Self::F32 => true,
-            Self::Avx512Bf16 => bf16_gemm::available(),
-            Self::Amx => amx_gemm::available(),
+            Self::Avx512Bf16 => Avx512Tile::available(),
+            Self::Amx => AmxTile::available(),
         }
     }
 
@@ -90,8 +90,8 @@ impl Bf16Kernel {
         rhs: MatRef<'_, B>,
     ) -> Result<Vec<f32>> {
         match self {
-            Self::Amx => amx_gemm::amx_gemm_new(lhs, rhs),
-            Self::Avx512Bf16 => bf16_gemm::bf16_gemm_new(lhs, rhs),
+            Self::Amx => bf16_gemm::gemm_new::<AmxTile, _, _>(lhs, rhs),
+            Self::Avx512Bf16 => bf16_gemm::gemm_new::<Avx512Tile, _, _>(lhs, rhs),
             Self::F32 => {
                 let (a, b) = (A::as_f32(lhs.data), B::as_f32(rhs.data));
                 sgemm_new(
@@ -118,8 +118,8 @@ impl Bf16Kernel {
         rhs: MatRef<'_, B>,
     ) -> Result<()> {
         match self {
-            Self::Amx => amx_gemm::amx_gemm(dst, ldc, accumulate, lhs, rhs),
-            Self::Avx512Bf16 => bf16_gemm::bf16_gemm(dst, ldc, accumulate, lhs, rhs),
+            Self::Amx => bf16_gemm::gemm::<AmxTile, _, _>(dst, ldc, accumulate, lhs, rhs),
+            Self::Avx512Bf16 => bf16_gemm::gemm::<Avx512Tile, _, _>(dst, ldc, accumulate, lhs, rhs),
             Self::F32 => {
                 let (a, b) = (A::as_f32(lhs.data), B::as_f32(rhs.data));
                 let (lhs, rhs) = (as_f32_view(lhs), as_f32_view(rhs));
@@ -140,8 +140,8 @@ impl Bf16Kernel {
     /// right operand (the bf16 weight, in every product that has one).
     pub fn product_pack_bytes(self, m: usize, k: usize, n: usize) -> usize {
         match self {
-            Self::Amx => amx_gemm::product_pack_bytes(m, k, n),
-            Self::Avx512Bf16 => bf16_gemm::product_pack_bytes(m, k, n),
+            Self::Amx => bf16_gemm::product_pack_bytes::<AmxTile>(m, k, n),
+            Self::Avx512Bf16 => bf16_gemm::product_pack_bytes::<Avx512Tile>(m, k, n),
             Self::F32 => k * n * 4,
         }
     }

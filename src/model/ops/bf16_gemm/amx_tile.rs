@@ -1,7 +1,5 @@
-//! Products of bf16 operands on the AMX tile unit (`tdpbf16ps`, AMX-BF16), accumulated in f32:
-//! the same interface and numerics as [`super::bf16_gemm`] (each operand rounded to bf16, exact
-//! products summed in f32, subnormals treated as zero), on the CPUs that have tiles (Intel
-//! Sapphire Rapids and later).
+//! The AMX tile kernel: a 32 × 32 block of the product on the AMX tile unit (`tdpbf16ps`,
+//! AMX-BF16), on the CPUs that have tiles (Intel Sapphire Rapids and later).
 //!
 //! One `tdpbf16ps` multiplies a 16 × 32 bf16 tile by a 32 × 16 one into a 16 × 16 f32 tile:
 //! 16,384 FLOP, against 64 for a 512-bit FMA. The kernel keeps a 32 × 32 block of the
@@ -11,9 +9,10 @@
 //! with `asm!`.
 //!
 //! Packing (the tile unit is so fast that packing is a large part of the time):
-//! - the right operand into the dot-product kernel's panels of [`NR`] = 32 columns of bf16
-//!   pairs ([`super::bf16_gemm::pack_rhs`]); 16 pairs of rows of 16 columns are one
-//!   16-row × 64-byte tile (row stride 128 bytes), padded with zero pairs to whole tiles;
+//! - the right operand into the driver's shared panels of [`NR`] = 32 columns of bf16 pairs
+//!   ([`super::pack::pack_rhs`]); 16 pairs of rows of 16 columns are one 16-row × 64-byte
+//!   tile (row stride 128 bytes), padded with zero pairs to whole tiles (the inner block is a
+//!   multiple of [`KT`]); a transposed bf16 weight packs by 16 × 16 transposes of pairs;
 //! - the left operand into panels of [`MR`] = 32 rows, stored tile by tile: for each 32 values
 //!   of the inner dimension, 32 rows of 32 bf16 (two 16 × 64-byte tiles, row stride 64 bytes).
 //!   Row-major `f32` rows convert 32 values at a time; column-contiguous `f32` (the transposed
@@ -22,26 +21,82 @@
 //!
 //! Linux hands out the tile state only on request: [`available`] asks once per process
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`); each thread loads the tile
-//! configuration before its block of a product and releases the tiles after it.
+//! configuration before its block of a product and releases the tiles after it
+//! ([`TileKernel::begin`], [`TileKernel::end`]).
 
-use super::bf16_gemm::{pack_rhs, PackElem, NR};
-use super::matmul::{check_dims, for_each_thread_block, MatRef, SendPtr, ThreadBlock};
-use candle_core::{bail, Result};
+use super::driver::TileKernel;
+use super::pack::{pack_rhs, NR};
+use super::PackElem;
+use crate::model::ops::matmul::MatRef;
 
 /// Rows of the kernel's block (two tiles of 16 rows).
 const MR: usize = 32;
-/// Inner-dimension values per tile row (64 bytes of bf16).
+/// Inner-dimension values per tile row (64 bytes of bf16); the driver's inner block
+/// (`KC` = 256) is a multiple of it, so the kernel's two panels are `KC · 64` bytes each
+/// (16 KiB), together in the 48 KiB L1.
 const KT: usize = 32;
-/// Inner-dimension length of one packed block (a multiple of [`KT`]): the kernel's two panels
-/// are `KC · 64` bytes each (16 KiB), together in the 48 KiB L1.
-const KC: usize = 256;
 /// Rows of the left operand packed at once (`MC · KC · 2` = 128 KiB, in L2).
 const MC: usize = 8 * MR;
-/// Columns of the right operand packed at once (`KC · NC · 2` = 512 KiB, in L2).
-const NC: usize = 1024;
+
+/// The AMX tile kernel.
+pub(crate) struct AmxTile;
+
+impl TileKernel for AmxTile {
+    const NAME: &'static str = "amx gemm";
+    const MISSING: &'static str = "this CPU or OS gives no AMX-BF16 tiles";
+    const MR: usize = MR;
+    const MC: usize = MC;
+    const K_STEP: usize = KT;
+
+    fn available() -> bool {
+        available()
+    }
+
+    #[inline(always)]
+    unsafe fn pack_lhs<A: PackElem>(
+        packed: &mut [u32],
+        lhs: MatRef<'_, A>,
+        rows: (usize, usize),
+        inner: (usize, usize),
+    ) {
+        pack_lhs::pack(packed, lhs, rows, inner);
+    }
+
+    #[inline(always)]
+    unsafe fn pack_rhs<B: PackElem>(
+        packed: &mut [u32],
+        rhs: MatRef<'_, B>,
+        inner: (usize, usize),
+        panel_pairs: usize,
+    ) {
+        pack_right(packed, rhs, inner, panel_pairs);
+    }
+
+    #[inline(always)]
+    unsafe fn tile(
+        kp: usize,
+        a: *const u32,
+        b: *const u32,
+        c: (*mut f32, usize),
+        size: (usize, usize),
+        overwrite: bool,
+    ) {
+        tiles::block(kp / KT, a.cast(), b, c, size, overwrite);
+    }
+
+    #[inline(always)]
+    unsafe fn begin() {
+        tiles::configure();
+    }
+
+    #[inline(always)]
+    unsafe fn end() {
+        tiles::release();
+    }
+}
 
 /// Whether this CPU has AMX-BF16 and the kernel lets this process use the tiles (asked once).
-pub(crate) fn available() -> bool {
+fn available() -> bool {
     static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *AVAILABLE.get_or_init(|| cpu_has_amx_bf16() && request_tile_state())
 }
@@ -86,179 +141,6 @@ fn request_tile_state() -> bool {
     {
         false
     }
-}
-
-/// `lhs @ rhs` as a new row-major `lhs.rows × rhs.cols` buffer, operands rounded to bf16
-/// (multithreaded). An error when the CPU (or the OS) gives no AMX tiles (check [`available`]).
-pub(crate) fn amx_gemm_new<A: PackElem, B: PackElem>(
-    lhs: MatRef<'_, A>,
-    rhs: MatRef<'_, B>,
-) -> Result<Vec<f32>> {
-    let (m, n) = (lhs.rows, rhs.cols);
-    check(lhs, rhs)?;
-    let len = m * n;
-    let mut out: Vec<f32> = Vec::with_capacity(len);
-    // Test builds poison the buffer, so an element the kernel failed to write shows up as NaN.
-    #[cfg(debug_assertions)]
-    out.resize(len, f32::NAN);
-    // SAFETY: checked views and tiles; `out` has room for the row-major `m × n` destination and
-    // does not alias the inputs. Without `accumulate` every element is written (each block
-    // stores its rows and columns whole, `k = 0` stores zeros) and none is read.
-    unsafe {
-        product(out.as_mut_ptr(), n, false, lhs, rhs);
-        out.set_len(len);
-    }
-    Ok(out)
-}
-
-/// `dst = lhs @ rhs` (or `dst += lhs @ rhs` when `accumulate`), `dst` row-major with
-/// `dst_row_stride` elements between rows; operands rounded to bf16, sums in f32, split across
-/// rayon's threads. An error without AMX tiles.
-pub(crate) fn amx_gemm<A: PackElem, B: PackElem>(
-    dst: &mut [f32],
-    dst_row_stride: usize,
-    accumulate: bool,
-    lhs: MatRef<'_, A>,
-    rhs: MatRef<'_, B>,
-) -> Result<()> {
-    check(lhs, rhs)?;
-    let (m, n) = (lhs.rows, rhs.cols);
-    if m == 0 || n == 0 {
-        return Ok(());
-    }
-    if dst_row_stride < n || dst.len() < (m - 1) * dst_row_stride + n {
-        bail!("amx gemm: the destination does not hold a {m}x{n} matrix with row stride {dst_row_stride}");
-    }
-    // SAFETY: checked views, a checked destination (a unique borrow), and tiles (`check`).
-    unsafe { product(dst.as_mut_ptr(), dst_row_stride, accumulate, lhs, rhs) };
-    Ok(())
-}
-
-/// An error unless the process may use AMX tiles and the views agree and lie in their buffers.
-fn check<A, B>(lhs: MatRef<'_, A>, rhs: MatRef<'_, B>) -> Result<()> {
-    if !available() {
-        bail!(
-            "amx gemm: this CPU or OS gives no AMX-BF16 tiles (internal error: check `available`)"
-        );
-    }
-    check_dims(lhs, rhs)
-}
-
-/// The product into `dst`, split across rayon's threads when it is large enough.
-///
-/// # Safety
-/// The views passed [`check`]; `dst` is valid for writes (and reads when `accumulate`) over
-/// `lhs.rows` rows of `rhs.cols` elements, `ldc` apart, and overlaps neither input.
-unsafe fn product<A: PackElem, B: PackElem>(
-    dst: *mut f32,
-    ldc: usize,
-    accumulate: bool,
-    lhs: MatRef<'_, A>,
-    rhs: MatRef<'_, B>,
-) {
-    let (m, n) = (lhs.rows, rhs.cols);
-    if m == 0 || n == 0 {
-        return;
-    }
-    let dst = SendPtr(dst);
-    let threads = rayon::current_num_threads();
-    let block = |b: ThreadBlock| {
-        let (lhs, rhs, offset) = b.views(lhs, rhs, ldc, 1);
-        // SAFETY: the block lies inside the destination, and blocks of different threads do
-        // not overlap.
-        unsafe { gemm_block(dst.get().add(offset), ldc, accumulate, lhs, rhs) }
-    };
-    if splits(m, lhs.cols, n, threads) {
-        for_each_thread_block(m, n, threads, MR.max(NR), block);
-    } else {
-        block(ThreadBlock::whole(m, n));
-    }
-}
-
-/// Whether an `m × k × n` product is split across `threads`.
-fn splits(m: usize, k: usize, n: usize, threads: usize) -> bool {
-    threads > 1 && m * n * k >= 48 * 48 * 256 && m.max(n) >= MR.max(NR) * threads
-}
-
-/// The packed operands' buffers for one thread's `m × k × n` product: the left block in bf16
-/// (`u16`), the right one in bf16 pairs (`u32`).
-fn pack_buffers(m: usize, k: usize, n: usize) -> (Vec<u16>, Vec<u32>) {
-    let kp = KC.min(k).next_multiple_of(KT);
-    let a = MC.min(m).next_multiple_of(MR) * kp;
-    let b = NC.min(n).next_multiple_of(NR) * kp / 2;
-    (vec![0u16; a], vec![0u32; b])
-}
-
-/// Bytes of [`pack_buffers`] for an `m × k × n` product on one thread.
-fn pack_bytes(m: usize, k: usize, n: usize) -> usize {
-    let kp = KC.min(k).next_multiple_of(KT);
-    (MC.min(m).next_multiple_of(MR) + NC.min(n).next_multiple_of(NR)) * kp * 2
-}
-
-/// Bytes of packing buffers an `m × k × n` product holds at once, over all of rayon's threads
-/// (what the planner counts for it on this path).
-pub(crate) fn product_pack_bytes(m: usize, k: usize, n: usize) -> usize {
-    let threads = rayon::current_num_threads();
-    if !splits(m, k, n, threads) {
-        return pack_bytes(m, k, n);
-    }
-    let (part_m, part_n) = if n >= m {
-        (m, n.div_ceil(threads))
-    } else {
-        (m.div_ceil(threads), n)
-    };
-    threads * pack_bytes(part_m, k, part_n)
-}
-
-/// One thread's product into `dst` (row-major, `ldc` between rows), between loading the tile
-/// configuration and releasing the tiles.
-///
-/// # Safety
-/// [`available`]; `lhs` and `rhs` are checked views with matching inner dimensions; `dst` is
-/// valid for reads and writes over `lhs.rows` rows of `rhs.cols` elements, `ldc` apart.
-#[cfg_attr(
-    target_arch = "x86_64",
-    target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")
-)]
-unsafe fn gemm_block<A: PackElem, B: PackElem>(
-    dst: *mut f32,
-    ldc: usize,
-    accumulate: bool,
-    lhs: MatRef<'_, A>,
-    rhs: MatRef<'_, B>,
-) {
-    let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
-    if k == 0 {
-        if !accumulate {
-            for i in 0..m {
-                std::ptr::write_bytes(dst.add(i * ldc), 0, n);
-            }
-        }
-        return;
-    }
-    let (mut packed_a, mut packed_b) = pack_buffers(m, k, n);
-    tiles::configure();
-    for n0 in (0..n).step_by(NC) {
-        let nc = NC.min(n - n0);
-        let rhs_block = MatRef {
-            data: &rhs.data[n0 * rhs.col_stride..],
-            cols: nc,
-            ..rhs
-        };
-        for k0 in (0..k).step_by(KC) {
-            let kc = KC.min(k - k0);
-            let steps = kc.div_ceil(KT);
-            pack_right(&mut packed_b, rhs_block, (k0, kc), steps * KT / 2);
-            let overwrite = k0 == 0 && !accumulate;
-            for m0 in (0..m).step_by(MC) {
-                let mc = MC.min(m - m0);
-                pack_lhs::pack(&mut packed_a, lhs, (m0, mc), (k0, kc));
-                let c = dst.add(m0 * ldc + n0);
-                blocks(&packed_a, &packed_b, (mc, steps, nc), c, ldc, overwrite);
-            }
-        }
-    }
-    tiles::release();
 }
 
 /// Packs rows `k0 .. k0 + kc` of `rhs` as [`pack_rhs`] does; a bf16 operand whose columns are
@@ -310,34 +192,10 @@ unsafe fn pack_right<B: PackElem>(
     }
 }
 
-/// Every 32 × 32 block of one packed `mc × (steps · 32)` by `(steps · 32) × nc` product into `c`.
-///
-/// # Safety
-/// As [`tiles::block`], for every block.
-#[inline(always)]
-unsafe fn blocks(
-    packed_a: &[u16],
-    packed_b: &[u32],
-    (mc, steps, nc): (usize, usize, usize),
-    c: *mut f32,
-    ldc: usize,
-    overwrite: bool,
-) {
-    for jp in 0..nc.div_ceil(NR) {
-        let b = packed_b.as_ptr().add(jp * steps * KT / 2 * NR);
-        let cols = NR.min(nc - jp * NR);
-        for ip in 0..mc.div_ceil(MR) {
-            let a = packed_a.as_ptr().add(ip * steps * KT * MR);
-            let rows = MR.min(mc - ip * MR);
-            let c = c.add(ip * MR * ldc + jp * NR);
-            tiles::block(steps, a, b, (c, ldc), (rows, cols), overwrite);
-        }
-    }
-}
-
 /// Packing of the left operand: panel `ip` (rows `ip·32 ..`), step `s` (inner values
-/// `s·32 ..`) is 32 rows of 32 bf16 at `(ip · steps + s) · 1024`; values past the inner
-/// dimension are zero (rows past `mc` are left as they are: they only reach discarded rows).
+/// `s·32 ..`) is 32 rows of 32 bf16 at bf16 offset `(ip · steps + s) · 1024` of the driver's
+/// `u32` buffer; values past the inner dimension are zero (rows past `mc` are left as they
+/// are: they only reach discarded rows).
 mod pack_lhs {
     use super::{PackElem, KT, MR};
     use crate::model::ops::matmul::MatRef;
@@ -349,7 +207,7 @@ mod pack_lhs {
     /// every panel; AVX512-BF16 and BW (inlined into the caller's target features).
     #[inline(always)]
     pub(super) unsafe fn pack<A: PackElem>(
-        packed: &mut [u16],
+        packed: &mut [u32],
         lhs: MatRef<'_, A>,
         (m0, mc): (usize, usize),
         (k0, kc): (usize, usize),
@@ -360,7 +218,7 @@ mod pack_lhs {
             if A::IS_F32 && lhs.row_stride == 1 && i + 16 <= mc {
                 for s in 0..steps {
                     let (ks, len) = (k0 + s * KT, KT.min(kc - s * KT));
-                    let dst = packed.as_mut_ptr().add(slot(i, s, steps));
+                    let dst = packed.as_mut_ptr().cast::<u16>().add(slot(i, s, steps));
                     if len == KT {
                         let col = lhs.data.as_ptr().add(m0 + i + ks * lhs.col_stride);
                         super::simd::columns16(dst, col.cast(), lhs.col_stride);
@@ -375,7 +233,7 @@ mod pack_lhs {
             }
             for s in 0..steps {
                 let (ks, len) = (k0 + s * KT, KT.min(kc - s * KT));
-                let dst = packed.as_mut_ptr().add(slot(i, s, steps));
+                let dst = packed.as_mut_ptr().cast::<u16>().add(slot(i, s, steps));
                 if A::IS_F32 && lhs.col_stride == 1 {
                     let row = lhs.data.as_ptr().add((m0 + i) * lhs.row_stride + ks);
                     super::simd::row32(dst, row.cast(), len);
@@ -419,7 +277,7 @@ mod pack_lhs {
 /// AVX-512 packing of the left operand's `f32` layouts.
 #[cfg(target_arch = "x86_64")]
 mod simd {
-    use super::super::bf16_gemm::simd_pack::transpose16;
+    use super::super::pack::simd::transpose16;
     use super::KT;
     use std::arch::x86_64::*;
 
@@ -661,42 +519,5 @@ mod tiles {
         _: bool,
     ) {
         unreachable!("amx gemm off x86-64")
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::model::ops::kernel_path::{tests::check_products, Bf16Kernel};
-
-    /// Every layout of the products a layer and the fused head run (row-major and transposed
-    /// `f32` left operands, row-major and transposed bf16 or `f32` right ones), ragged edges
-    /// (m, k, n off multiples of 16 and 32, several inner and column blocks) and accumulation,
-    /// against the f64 product of the rounded operands. On a CPU without AMX the path the
-    /// products run on instead is checked, and the test says so.
-    #[test]
-    fn amx_products_of_rounded_operands_match_a_reference() {
-        let kernel = if available() {
-            eprintln!("checked path: amx (AMX-BF16 tiles)");
-            Bf16Kernel::Amx
-        } else {
-            let instead = crate::model::ops::kernel_path::choice().kernel;
-            eprintln!(
-                "this CPU (or OS) has no AMX-BF16: checked the {} path instead",
-                instead.name()
-            );
-            instead
-        };
-        check_products(kernel, &[(64, 600, 1100), (33, 700, 70), (48, 64, 2100)]);
-    }
-
-    #[test]
-    fn amx_mismatched_views_are_errors() {
-        let a = vec![1f32; 6];
-        let bad = amx_gemm_new(MatRef::row_major(&a, 2, 3), MatRef::row_major(&a, 2, 3));
-        assert!(bad.is_err());
-        let mut small = vec![0f32; 3];
-        let lhs = MatRef::row_major(&a, 2, 3);
-        assert!(amx_gemm(&mut small, 2, false, lhs, MatRef::row_major(&a, 3, 2)).is_err());
     }
 }
