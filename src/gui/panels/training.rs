@@ -343,6 +343,7 @@ fn grpo_settings(ui: &mut Ui, g: &mut tunestudio::train::GrpoSection) {
             theme::drag_row(ui, "Max completion length", "Most tokens sampled per completion. The memory plan is sized by it: a completion this long will come.", &mut g.max_completion_length, 1..=131072, 4.0, " tokens");
             theme::drag_row(ui, "Temperature", "Sampling temperature; every log-probability divides the logits by it too (TRL's default 1.0).", &mut g.temperature, 0.05..=2.0, 0.01, "");
             theme::drag_row(ui, "Beta (KL)", "The KL coefficient against the reference (0: no reference model, TRL's default; with LoRA the reference is the base with the adapter off).", &mut g.beta, 0.0..=1.0, 0.001, "");
+            theme::drag_row(ui, "Iterations per sample", "Optimizer steps trained on each sampled block (TRL's num_iterations, default 1: every step samples anew). Above 1 the later steps reuse the completions, with the ratio to the sampling policy clipped by epsilon, and an epoch takes that many times the steps.", &mut g.num_iterations, 1..=16, 0.05, "");
             theme::combo_row(ui, "grpo-loss", "Loss", "How per-token losses are aggregated (TRL's loss_type): dapo divides by the step's completion tokens (TRL's default), grpo averages each completion first, dr_grpo divides by rows × max completion length, bnpo by the micro-batch's tokens.", &mut g.loss_type, &[(GrpoLossType::Dapo, "dapo"), (GrpoLossType::Grpo, "grpo"), (GrpoLossType::DrGrpo, "dr_grpo"), (GrpoLossType::Bnpo, "bnpo")]);
         });
     if g.reward.is_empty() {

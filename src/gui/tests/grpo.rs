@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use eframe::egui;
 use egui_kittest::kittest::Queryable;
 use egui_kittest::Harness;
 
@@ -237,4 +238,31 @@ fn a_grpo_preview_shows_each_prompts_group_with_its_rewards_and_the_zero_advanta
         h.query_by_label_contains("prompts per step").is_some(),
         "the effective batch is in prompts"
     );
+}
+
+/// The Training panel's GRPO card sets `[grpo] num_iterations`, which the trainer now runs.
+#[test]
+fn the_training_panel_sets_grpos_iterations_per_sample() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let opts = StartOptions {
+        fresh: true,
+        panel: Some(Panel::Training),
+        output_dir: Some(dir.path().join("out")),
+        config: Some(grpo_run(dir.path())),
+        ..StartOptions::default()
+    };
+    let mut h = app_harness(opts, 3000.0);
+    wait_for(&mut h, "the GRPO run", Duration::from_secs(90), |a| {
+        a.jobs.in_flight() == 0 && a.session.config.training.method.is_grpo()
+    });
+    assert_eq!(h.state().session.config.grpo.num_iterations, 1);
+    h.get_by_label("Iterations per sample").focus();
+    h.step();
+    h.key_press_modifiers(egui::Modifiers::COMMAND, egui::Key::A);
+    h.step();
+    h.get_by_label("Iterations per sample").type_text("3");
+    h.step();
+    h.key_press(egui::Key::Enter);
+    h.run();
+    assert_eq!(h.state().session.config.grpo.num_iterations, 3);
 }
