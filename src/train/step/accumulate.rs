@@ -31,11 +31,15 @@ impl TrainingRun {
         loss_scale: f64,
     ) -> Result<Accumulated, TrainError> {
         // The objective is lent the run for the step (it needs the models, devices and
-        // counters mutably), then put back, whatever the step's outcome.
+        // counters mutably), then put back whatever the step's outcome, a panic included (the
+        // trainer reports a panic as the step's error and may still write a checkpoint, which
+        // holds the objective's state).
         let objective = std::mem::replace(&mut self.objective, Box::new(SftRows));
-        let result = objective.accumulate(self, micro_batches, loss_scale);
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            objective.accumulate(self, micro_batches, loss_scale)
+        }));
         self.objective = objective;
-        result
+        result.unwrap_or_else(|payload| std::panic::resume_unwind(payload))
     }
 
     /// [`Self::accumulate`] for SFT ([`SftRows`]): the micro-batches index the training rows.
