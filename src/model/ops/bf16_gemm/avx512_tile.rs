@@ -10,7 +10,7 @@
 //! ([`super::pack::pack_rhs`]).
 
 use super::driver::TileKernel;
-use super::pack::{bits_at, pack_rhs, pair, NR};
+use super::pack::{bits_at, pair, NR};
 use super::PackElem;
 use crate::model::ops::matmul::MatRef;
 
@@ -41,16 +41,6 @@ impl TileKernel for Avx512Tile {
         inner: (usize, usize),
     ) {
         pack_lhs(packed, lhs, rows, inner);
-    }
-
-    #[inline(always)]
-    unsafe fn pack_rhs<B: PackElem>(
-        packed: &mut [u32],
-        rhs: MatRef<'_, B>,
-        inner: (usize, usize),
-        panel_pairs: usize,
-    ) {
-        pack_rhs(packed, rhs, inner, panel_pairs);
     }
 
     #[inline(always)]
@@ -95,7 +85,7 @@ unsafe fn col_pair<T: PackElem>(m: &MatRef<'_, T>, r: usize, c0: usize, end: usi
 
 /// Packs rows `m0 .. m0 + mc`, columns `k0 .. k0 + kc` of `lhs` into panels of [`MR`] rows:
 /// panel `ip`, pair `p`, row `i` holds `(lhs[m0 + ip·MR + i][k0 + 2p], … [k0 + 2p + 1])`, zero
-/// past the matrix; along the view's contiguous direction, like [`pack_rhs`].
+/// past the matrix; along the view's contiguous direction, like [`super::pack::pack_rhs`].
 ///
 /// # Safety
 /// `lhs` passed [`MatRef::check`], `m0 + mc ≤ lhs.rows` and `k0 + kc ≤ lhs.cols`; `packed`
