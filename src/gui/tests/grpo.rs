@@ -263,6 +263,9 @@ fn the_training_panel_sets_grpos_iterations_per_sample() {
     h.get_by_label("Iterations per sample").type_text("3");
     h.step();
     h.key_press(egui::Key::Enter);
-    h.run();
-    assert_eq!(h.state().session.config.grpo.num_iterations, 3);
+    // The new setting replans on a job (a spinner repaints meanwhile), so wait rather than
+    // `run()`: on a slow CI machine the plan outlasts `run()`'s frame budget (stop 61).
+    wait_for(&mut h, "the setting and its plan", Duration::from_secs(90), |a| {
+        a.jobs.in_flight() == 0 && a.session.config.grpo.num_iterations == 3
+    });
 }
