@@ -7,10 +7,12 @@
 //! gradients in a side table that [`super::CausalLm::backward`] merges, and returns the
 //! input gradient to candle's backward pass.
 
-use super::decoder::{lock, Ctx, Layer};
+use super::decoder::Ctx;
 use super::error::ModelError;
 use super::kernels::cpu_storage_of;
-use super::native_layer::add_side_grad;
+use super::layer_weights::Layer;
+use super::ops::lock;
+use super::side_grads::add_side_grad;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, Var};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

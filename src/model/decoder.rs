@@ -13,8 +13,9 @@ use super::config::ModelConfig;
 use super::error::ModelError;
 use super::gradients::NamedParam;
 use super::kernels;
+use super::layer_weights::Layer;
 use super::lora::LoraConfig;
-use super::native_layer::{self, NativeCtx};
+use super::native_layer::{self, PassTables};
 use super::ops_mode::OpsMode;
 use super::placed::Home;
 use crate::settings::Quantization;
@@ -30,7 +31,6 @@ mod layer;
 mod load;
 
 pub use layer::rope_inv_freq;
-pub(crate) use layer::{dropout_mask, lora_dropout_seed};
 
 /// The HF name of the token embeddings (also the tied lm-head).
 const EMBED_NAME: &str = "model.embed_tokens.weight";
@@ -61,35 +61,6 @@ impl LossOutput {
     }
 }
 
-/// The LoRA factors attached to one linear layer.
-#[derive(Clone)]
-pub(crate) struct LoraFactors {
-    /// `[r, in]`.
-    pub a: Tensor,
-    /// `[out, r]`.
-    pub b: Tensor,
-    /// `alpha / r`.
-    pub scale: f64,
-    /// Dropout probability on the adapter's input.
-    pub dropout: f64,
-}
-
-/// A linear layer `y = x W^T (+ b) (+ LoRA)` as the forward pass sees it.
-#[derive(Clone)]
-pub(crate) struct Linear {
-    /// `[out, in]`: the Var's tensor when trainable, a detached view when frozen.
-    pub w: Tensor,
-    pub b: Option<Tensor>,
-    /// Frozen weights go through a matmul whose backward computes only the input gradient.
-    pub frozen: bool,
-    /// The quantized base weight (QLoRA, see [`super::quant`]); `w` is then an empty
-    /// placeholder and the layer never runs as a native layer op.
-    pub quant: Option<Arc<QTensor>>,
-    pub lora: Option<LoraFactors>,
-    /// Distinguishes dropout masks of different layers.
-    pub key: u64,
-}
-
 /// What every layer of one forward pass shares.
 pub(crate) struct Ctx {
     /// `[t, head_dim]`, model dtype.
@@ -108,34 +79,7 @@ pub(crate) struct Ctx {
     /// Which implementation runs each building block.
     pub ops: kernels::OpsKind,
     /// The tables native layers read, built by the first one.
-    pub native: OnceLock<Arc<NativeCtx>>,
-}
-
-/// One decoder layer's weights.
-pub(crate) struct Layer {
-    pub q: Linear,
-    pub k: Linear,
-    pub v: Linear,
-    pub o: Linear,
-    pub gate: Linear,
-    pub up: Linear,
-    pub down: Linear,
-    pub input_norm: Tensor,
-    pub post_norm: Tensor,
-    pub eps: f64,
-    /// Whether this layer uses the sliding-window mask.
-    pub sliding: bool,
-    pub num_heads: usize,
-    pub num_kv_heads: usize,
-    pub head_dim: usize,
-    /// `(name, var tensor)` of the layer's trainable parameters (for checkpointed backward).
-    pub trainable: Vec<(String, Tensor)>,
-    pub device: Device,
-    /// The logical device (stage) that owns it ([`Placed`]).
-    pub owner: usize,
-    /// A zero Var that makes checkpointed layers part of the graph even when their input
-    /// carries no gradient (frozen embeddings under LoRA).
-    pub anchor: Var,
+    pub native_tables: OnceLock<Arc<PassTables>>,
 }
 
 /// The views of the parameters the forward pass uses.
@@ -396,11 +340,6 @@ impl CausalLm {
         self.place_quantized()?;
         self.rebuild()
     }
-}
-
-/// Locks a mutex, recovering the data if another thread panicked while holding it.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The decoder layer index of an HF parameter name.

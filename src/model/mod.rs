@@ -4,7 +4,9 @@
 //!
 //! Layout: [`config`] parses `config.json`; [`hub`] finds model files (local or HF cache) and
 //! [`locate`] a model's folder without reading its weights;
-//! [`weights`] memory-maps safetensors; [`decoder`] is the model; [`loss`] the chunked
+//! [`weights`] memory-maps safetensors; [`decoder`] is the model, `layer_weights` the weights of
+//! one of its layers, `native_layer` a layer as one CPU op with a hand-written backward and
+//! `side_grads` the gradients such ops produce outside the graph; [`loss`] the chunked
 //! causal-LM loss; [`checkpoint`] activation checkpointing; [`lora`] PEFT adapters;
 //! [`preference`] the DPO / IPO / ORPO losses on sequence log-probabilities; [`grpo`] GRPO's
 //! advantages, completion log-probabilities and clipped-surrogate loss;
@@ -22,6 +24,7 @@ pub mod gradients;
 pub mod grpo;
 pub mod hub;
 mod kernels;
+mod layer_weights;
 pub mod locate;
 pub mod lora;
 pub mod loss;
@@ -34,6 +37,7 @@ pub mod preference;
 pub mod quant;
 pub mod reference_ops;
 pub mod save;
+mod side_grads;
 pub mod weights;
 
 pub use adamw::{AdamW, AdamWConfig, OptimizerOffload, StatePlacement, StateSource};

@@ -11,8 +11,8 @@
 //! rounds after each row, the sum with the head's gradient once more), so both paths give
 //! the same bits; in f32 a repeated id is added straight into the head's gradient.
 
-use super::native_layer::SideGrads;
-use super::ops::{contiguous_slice, fused_dtype, Elem};
+use super::ops::{contiguous_slice, fused_dtype, lock, Elem};
+use super::side_grads::SideGrads;
 use candle_core::{bail, CpuStorage, CustomOp1, InplaceOp1, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -93,7 +93,7 @@ impl CustomOp1 for Embedding {
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let (vocab, h) = arg.dims2()?;
         let g = grad.to_dtype(arg.dtype())?.contiguous()?;
-        let mut side = super::decoder::lock(&self.side);
+        let mut side = lock(&self.side);
         let scatter = ScatterAddRows {
             ids: &self.ids,
             skip: self.padding_idx,

@@ -4,9 +4,10 @@
 use super::super::error::ModelError;
 use super::super::gradients::{Gradients, NamedParam};
 use super::super::native_embedding;
-use super::super::native_layer::{self};
-use super::super::ops;
+use super::super::native_layer::{self, PassTables};
+use super::super::ops::{self, lock};
 use super::super::placed::{Home, Placed};
+use super::super::side_grads::add_side_grad;
 use super::super::{checkpoint, kernels};
 use super::layer::{as_u32, build_attention_mask, rope_tables};
 use super::*;
@@ -131,18 +132,10 @@ impl CausalLm {
         x: &Tensor,
         train: bool,
     ) -> Result<Tensor, ModelError> {
-        if self.native_layers && self.native_kernels() && native_layer::applies(layer, ctx, x) {
-            let nc = match ctx.native.get() {
-                Some(nc) => nc.clone(),
-                None => {
-                    let nc = native_layer::native_ctx(ctx)?;
-                    let _ = ctx.native.set(nc.clone());
-                    nc
-                }
-            };
-            Ok(native_layer::native_layer(
+        if self.native_layers && self.native_kernels() && native_layer::applies(layer, ctx.ops, x) {
+            Ok(native_layer::run(
                 layer,
-                &nc,
+                &ctx.pass_tables()?,
                 x,
                 &self.side_grads,
                 train && !self.checkpointing,
@@ -203,7 +196,7 @@ impl CausalLm {
         let side = self.side_grads.clone();
         let name = name.to_string();
         Some(Box::new(move |g: Tensor| {
-            native_layer::add_side_grad(&mut lock(&side), &name, g)
+            add_side_grad(&mut lock(&side), &name, g)
         }))
     }
 
@@ -473,7 +466,26 @@ impl<'m> StageCtxs<'m> {
             dropout_seed: self.dropout_seed,
             adapters: !lm.adapters_disabled.load(Ordering::Relaxed),
             ops: lm.ops,
-            native: OnceLock::new(),
+            native_tables: OnceLock::new(),
         }))
+    }
+}
+
+impl Ctx {
+    /// The tables the native layers of this pass read ([`PassTables`]), built by the first one
+    /// that asks.
+    fn pass_tables(&self) -> candle_core::Result<Arc<PassTables>> {
+        if let Some(tables) = self.native_tables.get() {
+            return Ok(tables.clone());
+        }
+        let tables = Arc::new(PassTables::new(
+            &self.cos,
+            &self.sin,
+            &self.mask,
+            self.sliding_mask.as_ref(),
+            self.adapters,
+        )?);
+        let _ = self.native_tables.set(tables.clone());
+        Ok(tables)
     }
 }

@@ -4,9 +4,9 @@
 use super::super::config::ModelConfig;
 use super::super::error::ModelError;
 use super::super::kernels;
+use super::super::layer_weights::{dropout_mask, lora_dropout_seed, Linear};
 use super::*;
 use candle_core::{DType, Device, Tensor};
-use rand::{Rng, SeedableRng};
 
 /// RoPE inverse frequencies as transformers computes them (in f32), with the llama3
 /// adjustment when configured.
@@ -98,29 +98,6 @@ pub(super) fn build_attention_mask(
         }
     }
     Ok(Tensor::from_vec(m, (rows, 1, 1, t, t), device)?)
-}
-
-/// The dropout mask of `n` elements drawn from `seed`: `1 / (1 - p)` where an element is kept,
-/// 0 where it is dropped. The graph path and the native layer op both draw it here, so the
-/// same seed drops the same elements on either path (and again when a layer is recomputed).
-pub(crate) fn dropout_mask(n: usize, p: f64, seed: u64) -> Vec<f32> {
-    let keep = 1.0 - p;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    (0..n)
-        .map(|_| {
-            if rng.gen::<f64>() < keep {
-                (1.0 / keep) as f32
-            } else {
-                0.0
-            }
-        })
-        .collect()
-}
-
-/// The seed of one linear layer's adapter-dropout mask in the forward pass seeded `pass_seed`
-/// (`key` tells the linear layers apart).
-pub(crate) fn lora_dropout_seed(pass_seed: u64, key: u64) -> u64 {
-    pass_seed ^ key.wrapping_mul(0xA24B_AED4_963E_E407)
 }
 
 /// Dropout with a mask drawn from `seed` (so recomputation reproduces it).

@@ -7,6 +7,7 @@ use super::super::error::ModelError;
 use super::super::gradients::NamedParam;
 use super::super::hub::ModelFiles;
 use super::super::kernels;
+use super::super::layer_weights::{Linear, LoraFactors};
 use super::super::ops_mode::OpsMode;
 use super::super::weights::Checkpoint;
 use super::*;

@@ -15,7 +15,7 @@
 //! logits. A node with its own backward does none of that.
 
 use super::super::reference_ops as r;
-use crate::model::decoder::lock;
+use super::lock;
 use candle_core::Var;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use std::sync::Mutex;

@@ -40,6 +40,11 @@ use candle_core::{bail, CpuStorage, DType, Layout, Result, Shape, Storage, Tenso
 use half::{bf16, f16};
 use std::borrow::Cow;
 
+/// Locks a mutex, recovering the data if another thread panicked while holding it.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Below this many elements per rayon task, splitting costs more than it saves (waking a rayon
 /// worker takes tens of microseconds; 64k elements of a vectorised loop take about that long).
 const PAR_MIN_ELEMS: usize = 64 * 1024;

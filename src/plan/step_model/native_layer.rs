@@ -103,10 +103,11 @@ fn native_weight_transient_bytes(d: &StepDims, backward: bool) -> u64 {
         }
 }
 
-/// Bytes a native layer keeps for its backward (`Saved` in `model::native_layer`): the
-/// input-norm output, rotated q and k, v, the attention probabilities, the attention
-/// output, the residual after attention and its norm, gate and up; under LoRA also each
-/// adapter's scaled down-projection `[n, r]` (dropout masks are drawn again, not kept).
+/// Bytes a native layer keeps for its backward (`SavedActivations` in
+/// `model/native_layer/layer_pass.rs`): the input-norm output, rotated q and k, v, the
+/// attention probabilities, the attention output, the residual after attention and its norm,
+/// gate and up; under LoRA also each adapter's scaled down-projection `[n, r]` (dropout masks
+/// are drawn again, not kept).
 fn native_saved(d: &StepDims) -> u64 {
     let (h, q, kv, i) = (d.hidden, d.q_dim, d.kv_dim, d.intermediate);
     let adapters: u64 = d
@@ -184,10 +185,10 @@ pub(super) fn native_layer_terms(d: &StepDims, params: &BlockParams) -> BlockTer
     }
 }
 
-/// The tables one forward pass shares with its native layers (`NativeCtx` in
-/// `model::native_layer`), kept by every layer op until the loss is dropped: the additive
-/// attention mask as f32 `[rows, t, t]` — rows = micro-batch, since the trainer always passes
-/// the padding mask (`train/step.rs`) — a second one for a sliding window shorter than the
+/// The tables one forward pass shares with its native layers (`PassTables` in
+/// `model/native_layer/pass_tables.rs`), kept by every layer op until the loss is dropped: the
+/// additive attention mask as f32 `[rows, t, t]` — rows = micro-batch, since the trainer always
+/// passes the padding mask (`train/step.rs`) — a second one for a sliding window shorter than the
 /// sequence, and the rope cos/sin tables `[t, head_dim]` as f32 (0 without native layers).
 /// Measured on tiny-llama at seq 3072 (tests/plan_heldout.rs): the activations were 37 MiB
 /// (one 3072² f32 mask) above the plan without it; at seq ≤ 256 it is ≤ 1 MiB, hidden in
