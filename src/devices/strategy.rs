@@ -205,6 +205,8 @@ pub enum Assignment {
     DataParallel {
         /// The devices, one per rank.
         devices: Vec<LogicalDevice>,
+        /// The training state divided over the ranks ([`Strategy::Sharded`]).
+        sharded: bool,
     },
 }
 
@@ -222,7 +224,14 @@ impl Assignment {
         };
         Ok(match strategy {
             Strategy::Single => Assignment::Single { device: first },
-            Strategy::DataParallel => Assignment::DataParallel { devices },
+            Strategy::DataParallel => Assignment::DataParallel {
+                devices,
+                sharded: false,
+            },
+            Strategy::Sharded => Assignment::DataParallel {
+                devices,
+                sharded: true,
+            },
             Strategy::LayerSplit => {
                 let capacities: Vec<u64> = devices.iter().map(|d| d.capacity_bytes).collect();
                 let split = balance_layers(costs, &capacities)?;
@@ -236,7 +245,8 @@ impl Assignment {
         match self {
             Assignment::Single { .. } => Strategy::Single,
             Assignment::LayerSplit { .. } => Strategy::LayerSplit,
-            Assignment::DataParallel { .. } => Strategy::DataParallel,
+            Assignment::DataParallel { sharded: false, .. } => Strategy::DataParallel,
+            Assignment::DataParallel { sharded: true, .. } => Strategy::Sharded,
         }
     }
 
@@ -244,7 +254,7 @@ impl Assignment {
     pub fn devices(&self) -> Vec<&LogicalDevice> {
         match self {
             Assignment::Single { device } => vec![device],
-            Assignment::LayerSplit { devices, .. } | Assignment::DataParallel { devices } => {
+            Assignment::LayerSplit { devices, .. } | Assignment::DataParallel { devices, .. } => {
                 devices.iter().collect()
             }
         }
@@ -270,7 +280,7 @@ impl Assignment {
         use crate::model::Home;
         match self {
             Assignment::Single { device } => vec![Home::single(&device.candle); num_layers],
-            Assignment::DataParallel { devices } => {
+            Assignment::DataParallel { devices, .. } => {
                 let d = devices
                     .first()
                     .map(|d| d.candle.clone())
@@ -307,7 +317,7 @@ impl Assignment {
         master_weights: bool,
     ) -> Result<Vec<PlacedBytes>, DevicesError> {
         match self {
-            Assignment::DataParallel { devices } => {
+            Assignment::DataParallel { devices, .. } => {
                 // Every rank holds a full replica.
                 let one = placed_bytes(params, 1, master_weights, |_| 0)?;
                 Ok(vec![one[0]; devices.len()])
@@ -328,7 +338,7 @@ impl Assignment {
                     format_bytes(device.capacity_bytes)
                 )]
             }
-            Assignment::DataParallel { devices } => devices
+            Assignment::DataParallel { devices, .. } => devices
                 .iter()
                 .enumerate()
                 .map(|(rank, d)| format!("{}: replica, rank {rank} of {}", d.label, devices.len()))

@@ -90,6 +90,15 @@ impl Change {
                     r.gradient_accumulation
                 )
             }
+            Change::Strategy(Strategy::Sharded) => {
+                let r = self.apply(req);
+                format!(
+                    "sharded data parallel on {} devices (accumulation {} → {})",
+                    req.devices.len(),
+                    req.gradient_accumulation,
+                    r.gradient_accumulation
+                )
+            }
             Change::Strategy(Strategy::Single) => "train on a single device".into(),
             Change::Precision(p) => match p {
                 Precision::Bf16Mixed => "bf16 mixed precision".into(),

@@ -244,7 +244,7 @@ pub fn layer_ranges(req: &PlanRequest) -> Result<Vec<Range<usize>>, PlanError> {
 fn placement(costs: &LayerCosts, req: &PlanRequest) -> Vec<(Range<usize>, Vec<usize>)> {
     let n_blocks = costs.blocks.len();
     match req.strategy {
-        Strategy::Single | Strategy::DataParallel => {
+        Strategy::Single | Strategy::DataParallel | Strategy::Sharded => {
             let n = if req.strategy == Strategy::Single {
                 1
             } else {
@@ -320,7 +320,7 @@ fn process_scope(req: &PlanRequest, placed: &[(Range<usize>, Vec<usize>)]) -> Pr
                 .collect(),
             replicas: 1,
         },
-        Strategy::DataParallel => ProcessScope {
+        Strategy::DataParallel | Strategy::Sharded => ProcessScope {
             blocks: placed[first].1.clone(),
             replicas: cpus.len() as u64,
         },

@@ -18,25 +18,31 @@ pub enum Strategy {
     /// A full replica per device, each on its own micro-batch, gradients all-reduced.
     #[serde(rename = "data-parallel")]
     DataParallel,
+    /// Data parallel with the training state divided over the ranks (DeepSpeed ZeRO, FSDP):
+    /// what each rank keeps whole and what it keeps a shard of is [`ShardMode`].
+    #[serde(rename = "sharded")]
+    Sharded,
 }
 
 impl Strategy {
     /// The run-config spellings, in the order the UI lists them.
-    pub const NAMES: &'static [&'static str] = &["single", "layer-split", "data-parallel"];
+    pub const NAMES: &'static [&'static str] =
+        &["single", "layer-split", "data-parallel", "sharded"];
 
     /// Every strategy, in the order of [`Strategy::NAMES`].
-    pub const ALL: [Strategy; 3] = [
+    pub const ALL: [Strategy; 4] = [
         Strategy::Single,
         Strategy::LayerSplit,
         Strategy::DataParallel,
+        Strategy::Sharded,
     ];
 
     /// Replicas that each take a micro-batch over `devices` devices: every device under data
-    /// parallel, one otherwise. The one place this rule is written (the trainer's placement,
+    /// parallel (sharded or not), one otherwise. The one place this rule is written (the trainer's placement,
     /// the planner, the run config's effective batch).
     pub fn ranks(self, devices: usize) -> usize {
         match self {
-            Strategy::DataParallel => devices.max(1),
+            Strategy::DataParallel | Strategy::Sharded => devices.max(1),
             Strategy::Single | Strategy::LayerSplit => 1,
         }
     }
@@ -47,6 +53,7 @@ impl Strategy {
             Strategy::Single => "single",
             Strategy::LayerSplit => "layer-split",
             Strategy::DataParallel => "data-parallel",
+            Strategy::Sharded => "sharded",
         }
     }
 }
@@ -57,21 +64,64 @@ impl fmt::Display for Strategy {
     }
 }
 
+/// What a [`Strategy::Sharded`] run divides over its ranks (`[devices] shard`).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize,
+)]
+pub enum ShardMode {
+    /// ZeRO-2: each rank keeps a shard of every trainable tensor's gradient and AdamW state
+    /// (and fp32 master weights); the weights stay whole on every rank.
+    #[default]
+    #[serde(rename = "gradients-and-optimizer")]
+    GradientsAndOptimizer,
+    /// ZeRO-3 / FSDP full shard: the weights too, gathered a layer at a time.
+    #[serde(rename = "everything")]
+    Everything,
+}
+
+impl ShardMode {
+    /// The run-config spellings, in the order the UI lists them.
+    pub const NAMES: &'static [&'static str] = &["gradients-and-optimizer", "everything"];
+
+    /// The run-config spelling.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            ShardMode::GradientsAndOptimizer => "gradients-and-optimizer",
+            ShardMode::Everything => "everything",
+        }
+    }
+
+    /// DeepSpeed's name for it, for users who know that one.
+    pub fn zero_stage(&self) -> &'static str {
+        match self {
+            ShardMode::GradientsAndOptimizer => "ZeRO-2",
+            ShardMode::Everything => "ZeRO-3",
+        }
+    }
+}
+
+impl fmt::Display for ShardMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// A strategy name that is none of [`Strategy::NAMES`] (nor an accepted alias).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown strategy `{0}`: use single, layer-split or data-parallel")]
+#[error("unknown strategy `{0}`: use single, layer-split, data-parallel or sharded")]
 pub struct UnknownStrategy(pub String);
 
 impl FromStr for Strategy {
     type Err = UnknownStrategy;
 
     /// Parses the config spelling and the aliases a command line may use (`split`,
-    /// `pipeline`, `dp`, `ddp`, underscores for dashes, any case).
+    /// `pipeline`, `dp`, `ddp`, `zero`, `fsdp`, underscores for dashes, any case).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.trim().to_ascii_lowercase().replace('_', "-").as_str() {
             "single" => Ok(Strategy::Single),
             "layer-split" | "split" | "pipeline" => Ok(Strategy::LayerSplit),
             "data-parallel" | "dp" | "ddp" => Ok(Strategy::DataParallel),
+            "sharded" | "zero" | "fsdp" => Ok(Strategy::Sharded),
             _ => Err(UnknownStrategy(s.to_string())),
         }
     }
@@ -90,6 +140,11 @@ mod tests {
             assert_eq!(s.as_str(), *name);
         }
         assert_eq!("DDP".parse::<Strategy>().unwrap(), Strategy::DataParallel);
+        assert_eq!("ZeRO".parse::<Strategy>().unwrap(), Strategy::Sharded);
+        for name in ShardMode::NAMES {
+            let parsed: ShardMode = serde_json::from_str(&format!("\"{name}\"")).unwrap();
+            assert_eq!(parsed.as_str(), *name);
+        }
         let err = "ring".parse::<Strategy>().unwrap_err().to_string();
         assert!(err.contains("ring") && err.contains("layer-split"), "{err}");
     }

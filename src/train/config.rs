@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use super::error::{ConfigError, ConfigProblem};
 use super::precision::Precision;
 use super::schedule::ScheduleKind;
-use crate::settings::{Quantization, Strategy};
+use crate::settings::{Quantization, ShardMode, Strategy};
 
 mod grpo;
 mod method;
@@ -339,8 +339,11 @@ impl Default for CheckpointSection {
 pub struct DevicesSection {
     /// Devices to train on: `cpu`, `cuda:0`, `cuda:1`, ...
     pub devices: Vec<String>,
-    /// `single`, `layer-split` (pipeline: layers spread over the devices) or `data-parallel`.
+    /// `single`, `layer-split` (pipeline: layers spread over the devices), `data-parallel` or
+    /// `sharded` (data parallel with the training state divided over the ranks).
     pub strategy: Strategy,
+    /// Under `sharded`: `gradients-and-optimizer` (ZeRO-2) or `everything` (ZeRO-3).
+    pub shard: ShardMode,
 }
 
 impl Default for DevicesSection {
@@ -348,6 +351,7 @@ impl Default for DevicesSection {
         DevicesSection {
             devices: vec!["cpu".to_string()],
             strategy: Strategy::Single,
+            shard: ShardMode::default(),
         }
     }
 }

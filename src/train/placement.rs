@@ -115,7 +115,7 @@ impl RunPlacement {
         };
         match self.strategy {
             Strategy::Single => vec![entry(&self.devices[0], 0..num_layers)],
-            Strategy::DataParallel => self
+            Strategy::DataParallel | Strategy::Sharded => self
                 .devices
                 .iter()
                 .map(|d| entry(d, 0..num_layers))

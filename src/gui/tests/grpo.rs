@@ -265,7 +265,10 @@ fn the_training_panel_sets_grpos_iterations_per_sample() {
     h.key_press(egui::Key::Enter);
     // The new setting replans on a job (a spinner repaints meanwhile), so wait rather than
     // `run()`: on a slow CI machine the plan outlasts `run()`'s frame budget (stop 61).
-    wait_for(&mut h, "the setting and its plan", Duration::from_secs(90), |a| {
-        a.jobs.in_flight() == 0 && a.session.config.grpo.num_iterations == 3
-    });
+    wait_for(
+        &mut h,
+        "the setting and its plan",
+        Duration::from_secs(90),
+        |a| a.jobs.in_flight() == 0 && a.session.config.grpo.num_iterations == 3,
+    );
 }

@@ -78,7 +78,7 @@ pub fn relative_throughput(req: &PlanRequest) -> f64 {
                 1.0
             }
         }
-        Strategy::DataParallel => {
+        Strategy::DataParallel | Strategy::Sharded => {
             let r = req.devices.len().max(1) as f64;
             if r > 1.0 {
                 r * 0.9
