@@ -385,6 +385,7 @@ pub fn data_parallel_step<M: ShardModel + Sync>(
 
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod shards;
 
 #[cfg(test)]
 mod tests;

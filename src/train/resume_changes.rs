@@ -1,8 +1,10 @@
 //! What a resume changes: the run config a checkpoint was made with (its `run.toml`) against
 //! the one it resumes with. Each changed setting is named with what it does to the run; a
 //! change that breaks the exact continuation (another model, other data or data order,
-//! another precision, LoRA shape or device strategy) is refused unless allowed
-//! (`tunestudio train --allow-config-change`).
+//! another precision or LoRA shape) is refused unless allowed
+//! (`tunestudio train --allow-config-change`). Another device strategy or device count is
+//! not: every strategy computes the same step, and a checkpoint holds the optimizer state
+//! whole whatever strategy wrote it.
 
 use std::collections::BTreeMap;
 
@@ -49,7 +51,6 @@ const BREAKING: &[(&str, &str)] = &[
     ("training.precision", "another precision"),
     ("training.seed", "other random draws (data order, dropout)"),
     ("lora.", "another adapter shape"),
-    ("devices.strategy", "another placement of the model"),
     ("training.method", "another training objective"),
     (
         "preference.max_",
@@ -97,6 +98,9 @@ fn effect_of(key: &str, before: &RunConfig, after: &RunConfig) -> String {
                     if a < b { "fewer" } else { "more" }
                 )
             }
+        }
+        "devices.strategy" | "devices.shard" => {
+            "the same step on another placement (single, layer split, data parallel and sharded compute one update; the checkpoint holds the optimizer state whole, so it is divided afresh)".into()
         }
         "training.max_steps" | "training.epochs" => {
             "the run's length changes, and with it the learning-rate schedule's decay".into()
@@ -179,6 +183,28 @@ mod tests {
         assert!(changes
             .iter()
             .any(|c| c.setting == "preference.beta" && !c.breaks_resume));
+    }
+
+    /// A sharded run's checkpoint resumes on one device, or on a layer split: the same step.
+    #[test]
+    fn another_strategy_or_device_count_continues_the_run() {
+        use crate::settings::Strategy;
+        let mut before = RunConfig::default();
+        before.devices.devices = vec!["cpu:0".into(), "cpu:1".into()];
+        before.devices.strategy = Strategy::Sharded;
+        before.training.micro_batch = 2;
+        for strategy in [
+            Strategy::Single,
+            Strategy::LayerSplit,
+            Strategy::DataParallel,
+        ] {
+            let mut after = before.clone();
+            after.devices.strategy = strategy;
+            let changes = config_changes(&before, &after);
+            assert_eq!(changes.len(), 1, "{changes:?}");
+            assert!(!changes[0].breaks_resume, "{}", changes[0]);
+            assert!(changes[0].effect.contains("same step"), "{}", changes[0]);
+        }
     }
 
     #[test]

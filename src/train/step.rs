@@ -34,6 +34,7 @@ mod build;
 mod checkpoint_io;
 mod objective;
 mod run;
+mod sharded;
 
 pub use accumulate_grpo::{last_prompts, last_rollouts};
 pub use build::build_model;
@@ -169,7 +170,12 @@ pub struct TrainingRun {
     placement: super::placement::RunPlacement,
     /// Rank 0 (the only rank unless the strategy is data parallel).
     model: CausalLm,
+    /// Rank 0's optimizer; over no parameter under sharded data parallel, whose optimizer is
+    /// `sharded`.
     optimizer: AdamW,
+    /// `[devices] strategy = "sharded"`: every rank's AdamW over its ranges of the trainable
+    /// tensors (ZeRO-2).
+    sharded: Option<sharded::ShardedOptimizer>,
     /// Ranks 1.. under data parallel.
     replicas: Vec<Replica>,
     /// The rows SFT trains on, and the data's lints and warnings under every objective (the
@@ -407,7 +413,10 @@ impl TrainingRun {
     pub fn tensor_bytes(&self) -> crate::plan::TensorBytes {
         crate::plan::TensorBytes {
             weights_bytes: self.model.weights_bytes(),
-            optimizer_bytes: self.optimizer.state_bytes(),
+            optimizer_bytes: match &self.sharded {
+                Some(s) => s.rank_state_bytes(0),
+                None => self.optimizer.state_bytes(),
+            },
             gradients_bytes: self.last_gradient_bytes,
         }
     }
@@ -417,9 +426,13 @@ impl TrainingRun {
     pub fn replica_tensor_bytes(&self) -> Vec<crate::plan::TensorBytes> {
         self.replicas
             .iter()
-            .map(|r| crate::plan::TensorBytes {
+            .enumerate()
+            .map(|(i, r)| crate::plan::TensorBytes {
                 weights_bytes: r.model.weights_bytes(),
-                optimizer_bytes: r.optimizer.state_bytes(),
+                optimizer_bytes: match &self.sharded {
+                    Some(s) => s.rank_state_bytes(i + 1),
+                    None => r.optimizer.state_bytes(),
+                },
                 gradients_bytes: None,
             })
             .collect()

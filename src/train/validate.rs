@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use super::config::{InitMode, ModelDtype, RunConfig};
 use super::error::{ConfigError, ConfigProblem};
 use super::precision::Precision;
-use crate::settings::Strategy;
+use crate::settings::{ShardMode, Strategy};
 
 impl RunConfig {
     /// Reads, parses and validates a run config; relative paths in it resolve
@@ -433,6 +433,14 @@ fn devices_problems(config: &RunConfig, p: &mut Vec<ConfigProblem>) {
                 "is `single` but {} devices are listed; use `layer-split` or `data-parallel`, or list one device",
                 d.devices.len()
             ),
+        );
+    }
+    // ZeRO-3 is planned (`tunestudio plan` shows its figures) but the trainer does not gather
+    // weights layer by layer yet: refused by name rather than run as something else.
+    if d.strategy == Strategy::Sharded && d.shard == ShardMode::Everything {
+        bad(
+            "devices.shard",
+            "`everything` (ZeRO-3: the weights sharded too) is planned but not trained yet; use `gradients-and-optimizer` (ZeRO-2), or `layer-split` when the weights do not fit one device".into(),
         );
     }
 }

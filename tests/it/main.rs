@@ -58,4 +58,5 @@ mod train_loop;
 mod train_lora;
 mod train_multi_device;
 mod train_resume;
+mod train_sharded;
 mod train_thread;

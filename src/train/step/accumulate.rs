@@ -89,6 +89,7 @@ impl TrainingRun {
                 per_rank.push(grads);
             }
             injected_failure(step, Phase::Backward, shape, &settings)?;
+            self.fold_micro_step(&mut per_rank, &mut acc)?;
         }
         self.reduce_step(per_rank, &mut acc, step, &settings)?;
         Ok(acc)
@@ -131,6 +132,33 @@ impl TrainingRun {
             r.model.dropout_seed_base = seed_base;
         }
         seed_base
+    }
+
+    /// Sharded data parallel: reduce-scatters a micro-step's whole gradients (`per_rank`,
+    /// emptied for the next micro-step) into the step's gradient ranges (`acc.grads`, one set
+    /// per rank), so no rank holds a whole gradient beyond its own micro-step's. Any other
+    /// strategy keeps summing whole gradients per rank until [`Self::reduce_step`].
+    ///
+    /// Candle's backward returns a micro-step's gradients all at once, so the scatter follows
+    /// the backward rather than overlapping it layer by layer as DeepSpeed's buckets do.
+    pub(super) fn fold_micro_step(
+        &self,
+        per_rank: &mut Vec<Gradients>,
+        acc: &mut Accumulated,
+    ) -> Result<(), TrainError> {
+        let Some(sharded) = &self.sharded else {
+            return Ok(());
+        };
+        if per_rank.iter().all(Gradients::is_empty) {
+            return Ok(());
+        }
+        let ranks = per_rank.len();
+        let devices: Vec<Device> = self.placement.devices[..ranks]
+            .iter()
+            .map(|d| d.candle.clone())
+            .collect();
+        let whole = std::mem::replace(per_rank, vec![Gradients::new(); ranks]);
+        sharded.reduce_scatter_into(whole, &mut acc.grads, &devices)
     }
 
     /// Sums the ranks' gradients of the step into `acc` (all-reduced, one copy per rank),
@@ -198,6 +226,7 @@ impl TrainingRun {
                     acc.add_pairs(out);
                 }
             }
+            self.fold_micro_step(&mut per_rank, &mut acc)?;
         }
         self.reduce_step(per_rank, &mut acc, step, &settings)?;
         Ok(acc)

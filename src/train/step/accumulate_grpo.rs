@@ -90,6 +90,7 @@ impl TrainingRun {
                 }
             }
             injected_failure(step, Phase::Backward, shape, &settings)?;
+            self.fold_micro_step(&mut per_rank, &mut acc)?;
         }
         acc.tokens = 1;
         acc.grpo = Some(GrpoStepMetrics {

@@ -6,9 +6,10 @@ use std::path::PathBuf;
 use candle_core::Device;
 
 use crate::model::{
-    AdamW, AdamWConfig, CausalLm, ModelError, ModelLocation, OpsMode, OptimizerOffload,
+    AdamW, AdamWConfig, CausalLm, ModelError, ModelLocation, NamedParam, OpsMode, OptimizerOffload,
     StatePlacement,
 };
+use crate::settings::Strategy;
 
 use super::super::config::{InitMode, RunConfig};
 use super::super::error::{ConfigError, TrainError};
@@ -194,6 +195,22 @@ fn initial_weights(
 /// offloading keeps it in host RAM; the generic path (the GPU's code) keeps it as
 /// device tensors updated with tensor ops; otherwise where the parameter lives.
 fn build_optimizer(config: &RunConfig, model: &CausalLm) -> Result<AdamW, TrainError> {
+    // Sharded data parallel: the ranks' optimizers hold ranges of the parameters instead
+    // (`step::sharded`), so a rank's own optimizer holds nothing.
+    let params = if config.devices.strategy == Strategy::Sharded {
+        &[][..]
+    } else {
+        model.params()
+    };
+    optimizer_over(config, params, model.ops_mode())
+}
+
+/// AdamW over `params` with the run's settings, its state where the run keeps it.
+fn optimizer_over(
+    config: &RunConfig,
+    params: &[NamedParam],
+    ops_mode: OpsMode,
+) -> Result<AdamW, TrainError> {
     let t = &config.training;
     let adam_cfg = AdamWConfig {
         lr: t.learning_rate,
@@ -203,9 +220,9 @@ fn build_optimizer(config: &RunConfig, model: &CausalLm) -> Result<AdamW, TrainE
         weight_decay: t.weight_decay,
         decay_norms_and_biases: t.decay_norms_and_biases,
     };
-    let mut optimizer = AdamW::new(model.params(), adam_cfg, t.precision.master_weights())
+    let mut optimizer = AdamW::new(params, adam_cfg, t.precision.master_weights())
         .map_err(model_err("cannot create the optimizer".into()))?;
-    let placement = match (t.optimizer_offload, model.ops_mode()) {
+    let placement = match (t.optimizer_offload, ops_mode) {
         (OptimizerOffload::Host, _) => Some(StatePlacement::Host),
         (OptimizerOffload::None, OpsMode::Generic) => Some(StatePlacement::Device),
         _ => None,
@@ -216,6 +233,20 @@ fn build_optimizer(config: &RunConfig, model: &CausalLm) -> Result<AdamW, TrainE
             .map_err(model_err("cannot place the optimizer state".into()))?;
     }
     Ok(optimizer)
+}
+
+/// Sharded data parallel's optimizer over every rank's model (`None` for any other
+/// strategy).
+fn build_sharded(
+    config: &RunConfig,
+    models: &[&CausalLm],
+) -> Result<Option<super::sharded::ShardedOptimizer>, TrainError> {
+    if config.devices.strategy != Strategy::Sharded {
+        return Ok(None);
+    }
+    let ops_mode = models.first().map_or(OpsMode::Generic, |m| m.ops_mode());
+    super::sharded::ShardedOptimizer::new(models, |params| optimizer_over(config, params, ops_mode))
+        .map(Some)
 }
 
 /// Refuses a run config with problems (every one of them, by field).
@@ -380,6 +411,7 @@ impl TrainingRun {
             placement,
             model: models.model,
             optimizer,
+            sharded: None,
             replicas: models.replicas,
             splits: data.splits,
             objective: match (data.pairs, data.grpo) {
@@ -411,6 +443,7 @@ impl TrainingRun {
             run.nccl = run.open_nccl()?;
         }
         run.sync_replicas()?;
+        run.sharded = build_sharded(&run.config, &run.rank_models())?;
         Ok(run)
     }
 

@@ -11,6 +11,7 @@ use super::super::checkpoint::{self, TrainerState};
 use super::super::config::RunConfig;
 use super::super::error::TrainError;
 use super::TrainingRun;
+use crate::model::CausalLm;
 
 impl TrainingRun {
     /// Prepares a run that continues from `checkpoint` (a `checkpoint-<step>` folder): the
@@ -110,8 +111,10 @@ impl TrainingRun {
     fn load_checkpoint(&mut self, dir: &Path, state: &TrainerState) -> Result<(), TrainError> {
         self.check_resumable(dir, state)?;
         self.load_trainable(dir)?;
-        self.load_optimizer_states(dir, state)?;
+        // Every rank has the checkpoint's weights before its optimizer state is read (a master
+        // copy the file lacks, and a sharded rank's ranges, come from them).
         self.sync_replicas()?;
+        self.load_optimizer_states(dir, state)?;
         self.step = state.step;
         let index = self.resume_index(dir, state)?;
         self.loader.set_position(state.epoch, index);
@@ -157,6 +160,17 @@ impl TrainingRun {
         state: &TrainerState,
     ) -> Result<(), TrainError> {
         let opt = checkpoint::TensorFile::open(&dir.join(checkpoint::OPTIMIZER_FILE))?;
+        // Sharded: the file holds the state whole (whatever device count wrote it); every rank
+        // reads its ranges of it, after taking its weight ranges from the loaded weights.
+        if let Some(sharded) = &mut self.sharded {
+            let models: Vec<&CausalLm> = std::iter::once(&self.model)
+                .chain(self.replicas.iter().map(|r| &r.model))
+                .collect();
+            sharded.refresh_from(&models)?;
+            return sharded
+                .load_state_from(&opt, state.optimizer_steps)
+                .map_err(|e| checkpoint_error(dir, format!("optimizer state: {e}")));
+        }
         let optimizers = std::iter::once(&mut self.optimizer)
             .chain(self.replicas.iter_mut().map(|r| &mut r.optimizer));
         for optimizer in optimizers {
@@ -190,7 +204,10 @@ impl TrainingRun {
         TrainerState {
             format_version: checkpoint::FORMAT_VERSION,
             step: self.step,
-            optimizer_steps: self.optimizer.steps_taken(),
+            optimizer_steps: match &self.sharded {
+                Some(s) => s.steps_taken(),
+                None => self.optimizer.steps_taken(),
+            },
             epoch,
             index_in_epoch,
             trained_tokens: self.trained_tokens,
@@ -242,9 +259,13 @@ impl TrainingRun {
             .map(|p| (p.name.clone(), p.var.as_tensor().clone()))
             .collect();
         checkpoint::save_tensors(&dir.join(checkpoint::TRAINABLE_FILE), &trainable)?;
-        self.optimizer
-            .save_state(&dir.join(checkpoint::OPTIMIZER_FILE))
-            .map_err(|e| ck_err(format!("optimizer state: {e}")))?;
+        match &self.sharded {
+            Some(sharded) => sharded.save_state(&dir.join(checkpoint::OPTIMIZER_FILE))?,
+            None => self
+                .optimizer
+                .save_state(&dir.join(checkpoint::OPTIMIZER_FILE))
+                .map_err(|e| ck_err(format!("optimizer state: {e}")))?,
+        }
         if self.config.lora.enabled {
             self.model
                 .save_adapter(&dir.join(checkpoint::ADAPTER_DIR))

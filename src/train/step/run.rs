@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use candle_core::DType;
 
-use crate::model::Gradients;
+use crate::model::{CausalLm, Gradients};
 
 use super::super::error::{step_error, Phase, TrainError};
 use super::super::precision::Precision;
@@ -147,9 +147,12 @@ impl TrainingRun {
         };
         let shape = acc.last_shape();
         let settings = self.settings_summary();
-        let raw_norm = grads
-            .global_norm()
-            .map_err(|e| step_error(Phase::Optimizer, step, shape, e, &settings))?;
+        // Sharded: each rank holds its ranges of the gradient; the norm is over all of them.
+        let raw_norm = match &self.sharded {
+            Some(_) => super::sharded::ShardedOptimizer::global_norm(&acc.grads),
+            None => grads.global_norm(),
+        }
+        .map_err(|e| step_error(Phase::Optimizer, step, shape, e, &settings))?;
         // grads = backward_factor × ∇(summed loss); the mean-loss gradient is ∇sum / tokens.
         let denominator = acc.tokens as f64 * acc.backward_factor;
         let grad_norm = raw_norm / denominator;
@@ -220,6 +223,16 @@ impl TrainingRun {
         if let Some(message) = super::super::oom::injected_failure(step, Phase::Optimizer) {
             return Err(step_error(Phase::Optimizer, step, shape, message, settings));
         }
+        // Sharded: each rank steps its ranges, then the ranges are all-gathered into every
+        // rank's weights.
+        if let Some(sharded) = &mut self.sharded {
+            let models: Vec<&CausalLm> = std::iter::once(&self.model)
+                .chain(self.replicas.iter().map(|r| &r.model))
+                .collect();
+            return sharded
+                .step(grads, lr, multiplier, &models)
+                .map_err(|e| step_error(Phase::Optimizer, step, shape, e, settings));
+        }
         // Every rank steps its own optimizer on the same all-reduced gradients (as DDP does):
         // no weights travel after the step, and each rank's AdamW state stays with its
         // replica, where the planner counts it.
@@ -266,7 +279,20 @@ impl TrainingRun {
         let acc = self.accumulate(&micro_batches, 1.0)?;
         let n = acc.tokens.max(1) as f64 * acc.backward_factor;
         let mut grads = HashMap::new();
-        if let Some(g) = acc.grads.into_iter().next() {
+        let whole = match &self.sharded {
+            Some(sharded) => {
+                Some(
+                    sharded
+                        .gather_gradients(&acc.grads)
+                        .map_err(|e| TrainError::Data {
+                            context: "preview gradients".into(),
+                            message: e.to_string(),
+                        })?,
+                )
+            }
+            None => acc.grads.into_iter().next(),
+        };
+        if let Some(g) = whole {
             for (name, t) in g.iter() {
                 let t = t
                     .to_dtype(DType::F32)

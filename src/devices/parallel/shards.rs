@@ -1,0 +1,230 @@
+//! Sharded data parallel's collectives (DeepSpeed ZeRO, FSDP): every trainable tensor is
+//! divided over the ranks as contiguous ranges of its flattened elements, a micro-step's
+//! gradients are reduce-scattered (rank r receives the sum of every rank's gradient on its
+//! range only) and the ranks' updated ranges are all-gathered back into whole weights.
+//!
+//! These are the host implementations, staged through each receiving rank's device with
+//! [`Placed::to`] (so the placement rule checks them on logical CPU devices too). They sum
+//! the ranks in rank order, as [`super::HostReducer`]'s all-reduce does, so a sharded step's
+//! gradient is the data-parallel one bit for bit.
+
+use std::ops::Range;
+
+use candle_core::{Device, Tensor};
+
+use super::DevicesError;
+use crate::model::{Gradients, Home, Placed};
+
+/// The range of a tensor of `elems` elements that `rank` of `ranks` owns: contiguous, in
+/// rank order, as even as possible (earlier ranks take the one extra element), as
+/// `torch.chunk`-style partitions do. Rank 0 is the fullest.
+pub fn shard_range(elems: usize, ranks: usize, rank: usize) -> Range<usize> {
+    let ranks = ranks.max(1);
+    let base = elems / ranks;
+    let extra = elems % ranks;
+    let start = rank * base + rank.min(extra);
+    let len = base + usize::from(rank < extra);
+    start..start + len
+}
+
+/// One trainable tensor's division over the ranks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorShards {
+    /// The parameter's name (the gradients' and the optimizer state's key).
+    pub name: String,
+    /// Its shape, whole.
+    pub dims: Vec<usize>,
+    /// Each rank's range of its flattened elements (possibly empty for a tensor with fewer
+    /// elements than ranks).
+    pub ranges: Vec<Range<usize>>,
+}
+
+/// How every trainable tensor of a model is divided over `ranks` ranks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardLayout {
+    ranks: usize,
+    tensors: Vec<TensorShards>,
+}
+
+impl ShardLayout {
+    /// The layout of `tensors` (name, shape), in model order, over `ranks` ranks.
+    pub fn new<'a>(
+        tensors: impl IntoIterator<Item = (&'a str, &'a [usize])>,
+        ranks: usize,
+    ) -> Self {
+        let ranks = ranks.max(1);
+        let tensors = tensors
+            .into_iter()
+            .map(|(name, dims)| {
+                let elems = dims.iter().product();
+                TensorShards {
+                    name: name.to_string(),
+                    dims: dims.to_vec(),
+                    ranges: (0..ranks).map(|r| shard_range(elems, ranks, r)).collect(),
+                }
+            })
+            .collect();
+        ShardLayout { ranks, tensors }
+    }
+
+    /// The number of ranks.
+    pub fn ranks(&self) -> usize {
+        self.ranks
+    }
+
+    /// Every tensor's division, in model order.
+    pub fn tensors(&self) -> &[TensorShards] {
+        &self.tensors
+    }
+
+    /// `rank`'s range of the tensor `name`.
+    pub fn range(&self, name: &str, rank: usize) -> Option<Range<usize>> {
+        self.tensors
+            .iter()
+            .find(|t| t.name == name)
+            .and_then(|t| t.ranges.get(rank).cloned())
+    }
+
+    /// Elements `rank` owns over every tensor.
+    pub fn rank_elems(&self, rank: usize) -> usize {
+        self.tensors
+            .iter()
+            .filter_map(|t| t.ranges.get(rank))
+            .map(|r| r.len())
+            .sum()
+    }
+}
+
+/// The homes of `devices`, by rank.
+fn homes(devices: &[Device]) -> Vec<Home> {
+    devices
+        .iter()
+        .enumerate()
+        .map(|(index, device)| Home {
+            index,
+            device: device.clone(),
+        })
+        .collect()
+}
+
+/// Reduce-scatter (sum) on the host: `per_rank[k]` holds rank k's whole gradients (on its
+/// device); rank r receives, on `outputs[r]`, the flat sum over k of rank k's gradient on
+/// r's range of each tensor. Each rank's whole gradient of a tensor is freed as soon as
+/// every rank has its range, so no rank ever holds another whole gradient. A tensor no rank
+/// computed a gradient for is left out, as an all-reduce leaves it out.
+pub fn host_reduce_scatter(
+    mut per_rank: Vec<Gradients>,
+    layout: &ShardLayout,
+    outputs: &[Device],
+) -> Result<Vec<Gradients>, DevicesError> {
+    if per_rank.len() != layout.ranks() || outputs.len() != layout.ranks() {
+        return Err(DevicesError::Input(format!(
+            "a reduce-scatter over {} ranks got gradients of {} ranks and {} devices",
+            layout.ranks(),
+            per_rank.len(),
+            outputs.len()
+        )));
+    }
+    let homes = homes(outputs);
+    let mut out = vec![Gradients::new(); layout.ranks()];
+    for t in layout.tensors() {
+        let whole: Vec<Option<Placed>> = per_rank
+            .iter_mut()
+            .enumerate()
+            .map(|(k, g)| g.remove(&t.name).map(|g| Placed::new(g, k)))
+            .collect();
+        if whole.iter().all(Option::is_none) {
+            continue;
+        }
+        for (r, home) in homes.iter().enumerate() {
+            let range = &t.ranges[r];
+            if range.is_empty() {
+                continue;
+            }
+            let mut sum: Option<Placed> = None;
+            for g in whole.iter().flatten() {
+                let part = Placed::new(
+                    g.tensor()
+                        .flatten_all()?
+                        .narrow(0, range.start, range.len())?,
+                    g.owner(),
+                )
+                .to(home)?;
+                sum = Some(match sum {
+                    Some(s) => s.add(&part, "the sharded gradient sum")?,
+                    // A copy, so the range holds no view into a whole gradient (it is freed).
+                    None => Placed::new(part.tensor().copy()?, r),
+                });
+            }
+            if let Some(sum) = sum {
+                out[r].insert(&t.name, sum.into_tensor());
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// All-gather on the host: the ranks' ranges of one tensor (`parts[k]` flat, owned by rank
+/// k; empty ranges are `None`) joined into the whole tensor of shape `dims` on `home`.
+pub fn host_all_gather(
+    parts: &[Option<&Tensor>],
+    dims: &[usize],
+    home: &Home,
+) -> Result<Tensor, DevicesError> {
+    let moved: Vec<Tensor> = parts
+        .iter()
+        .enumerate()
+        .filter_map(|(k, p)| p.map(|p| (k, p)))
+        .map(|(k, p)| Ok(Placed::new(p.clone(), k).to(home)?.into_tensor()))
+        .collect::<Result<_, DevicesError>>()?;
+    let whole = Tensor::cat(&moved, 0)?;
+    Ok(whole.reshape(dims)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_cover_every_element_once_with_the_extra_on_the_first_ranks() {
+        for elems in [0usize, 1, 2, 5, 7, 64, 1001] {
+            for ranks in 1..=4 {
+                let ranges: Vec<_> = (0..ranks).map(|r| shard_range(elems, ranks, r)).collect();
+                assert_eq!(ranges[0].start, 0);
+                assert_eq!(ranges[ranks - 1].end, elems);
+                for w in ranges.windows(2) {
+                    assert_eq!(w[0].end, w[1].start);
+                    assert!(w[0].len() >= w[1].len());
+                    assert!(w[0].len() - w[1].len() <= 1);
+                }
+            }
+        }
+        assert_eq!(shard_range(7, 3, 0), 0..3);
+        assert_eq!(shard_range(7, 3, 2), 5..7);
+    }
+
+    /// Reduce-scatter then all-gather is the all-reduce: the sum of every rank's gradient.
+    #[test]
+    fn reduce_scatter_then_all_gather_is_the_sum() {
+        let device = Device::Cpu;
+        let dims = [3usize, 5];
+        let layout = ShardLayout::new([("w", &dims[..])], 2);
+        let per_rank: Vec<Gradients> = (0..2)
+            .map(|k| {
+                let values: Vec<f32> = (0..15).map(|i| (i * (k + 1)) as f32).collect();
+                let mut g = Gradients::new();
+                g.insert("w", Tensor::from_vec(values, &dims[..], &device).unwrap());
+                g
+            })
+            .collect();
+        let shards = host_reduce_scatter(per_rank, &layout, &[device.clone(), device.clone()])
+            .expect("reduce-scatter");
+        assert_eq!(shards[0].get("w").unwrap().dims(), &[8]);
+        assert_eq!(shards[1].get("w").unwrap().dims(), &[7]);
+        let parts = [shards[0].get("w"), shards[1].get("w")];
+        let whole = host_all_gather(&parts, &dims, &Home::single(&device)).expect("all-gather");
+        let got: Vec<f32> = whole.flatten_all().unwrap().to_vec1().unwrap();
+        let want: Vec<f32> = (0..15).map(|i| (3 * i) as f32).collect();
+        assert_eq!(got, want);
+    }
+}

@@ -1,0 +1,352 @@
+//! Sharded data parallel's optimizer (`[devices] strategy = "sharded"`, ZeRO-2): every rank
+//! keeps its range of each trainable tensor (`devices::parallel::shards`) with AdamW's
+//! moments and fp32 master weights for that range only, steps it with its range of the
+//! reduce-scattered gradient, and the updated ranges are all-gathered into every rank's
+//! whole weights.
+//!
+//! AdamW is elementwise, so stepping the ranges is stepping the whole: the run equals data
+//! parallel's (and one device's) step for step. Checkpoints hold the optimizer state whole,
+//! under the names one device writes, so a run resumes on any number of devices.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{Device, Tensor, Var};
+
+use crate::devices::parallel::shards::{host_all_gather, host_reduce_scatter, ShardLayout};
+use crate::model::{AdamW, CausalLm, Gradients, Home, ModelError, NamedParam, StateSource};
+
+use super::super::checkpoint;
+use super::super::error::TrainError;
+
+/// Every rank's optimizer over its ranges of the trainable tensors.
+pub(super) struct ShardedOptimizer {
+    layout: ShardLayout,
+    ranks: Vec<RankShard>,
+}
+
+/// One rank's share of the training state.
+struct RankShard {
+    /// AdamW over `ranges` (its moments and master weights are the range's only).
+    optimizer: AdamW,
+    /// The rank's range of each trainable tensor, flat, in the parameter's dtype, on the
+    /// rank's device: what its optimizer updates and the all-gather reads. Keyed by the
+    /// parameter's name (the optimizer state's key too, so a checkpoint names it as one
+    /// device does).
+    ranges: HashMap<String, Var>,
+}
+
+/// The optimizer-state keys of a parameter, as `AdamW` writes them.
+const STATE_PREFIXES: [&str; 3] = ["exp_avg.", "exp_avg_sq.", "master."];
+
+/// Rank `rank`'s range of `whole`, flat, copied (so it holds no view of the whole tensor).
+fn range_of(whole: &Tensor, range: &std::ops::Range<usize>) -> Result<Tensor, ModelError> {
+    Ok(whole
+        .flatten_all()?
+        .narrow(0, range.start, range.len())?
+        .copy()?)
+}
+
+/// The trainable parameters of `model` by name.
+fn trainable_vars(model: &CausalLm) -> HashMap<&str, &NamedParam> {
+    model
+        .params()
+        .iter()
+        .filter(|p| p.trainable)
+        .map(|p| (p.name.as_str(), p))
+        .collect()
+}
+
+impl ShardedOptimizer {
+    /// Divides the trainable tensors of `models` (one per rank, rank 0 first) over the
+    /// ranks; `optimizer` builds a rank's AdamW over its ranges (the run's settings and
+    /// state placement).
+    pub(super) fn new(
+        models: &[&CausalLm],
+        optimizer: impl Fn(&[NamedParam]) -> Result<AdamW, TrainError>,
+    ) -> Result<Self, TrainError> {
+        let Some(first) = models.first() else {
+            return Err(TrainError::Data {
+                context: "sharded data parallel".into(),
+                message: "no rank to shard over: choose devices in `[devices] devices`".into(),
+            });
+        };
+        let layout = ShardLayout::new(
+            first
+                .params()
+                .iter()
+                .filter(|p| p.trainable)
+                .map(|p| (p.name.as_str(), p.var.dims())),
+            models.len(),
+        );
+        let mut ranks = Vec::with_capacity(models.len());
+        for (rank, model) in models.iter().enumerate() {
+            let params = trainable_vars(model);
+            let mut named = Vec::new();
+            let mut ranges = HashMap::new();
+            for t in layout.tensors() {
+                let range = &t.ranges[rank];
+                let param = params.get(t.name.as_str()).ok_or_else(|| {
+                    shard_error(format!("rank {rank}'s model has no trainable `{}`", t.name))
+                })?;
+                if range.is_empty() {
+                    continue;
+                }
+                let var =
+                    Var::from_tensor(&range_of(param.var.as_tensor(), range).map_err(|cause| {
+                        model_error(
+                            format!("cannot take rank {rank}'s range of `{}`", t.name),
+                            cause,
+                        )
+                    })?)
+                    .map_err(|cause| {
+                        model_error(format!("rank {rank}'s range of `{}`", t.name), cause.into())
+                    })?;
+                named.push(NamedParam {
+                    name: t.name.clone(),
+                    var: var.clone(),
+                    trainable: true,
+                    weight_decay: param.weight_decay,
+                });
+                ranges.insert(t.name.clone(), var);
+            }
+            ranks.push(RankShard {
+                optimizer: optimizer(&named)?,
+                ranges,
+            });
+        }
+        Ok(ShardedOptimizer { layout, ranks })
+    }
+
+    /// Reduce-scatters one micro-step's whole gradients (`per_rank[k]`, rank k's) into the
+    /// ranks' running sums `acc` (each rank's ranges, on its device), dropping each whole
+    /// gradient as soon as every rank has its range.
+    pub(super) fn reduce_scatter_into(
+        &self,
+        per_rank: Vec<Gradients>,
+        acc: &mut Vec<Gradients>,
+        devices: &[Device],
+    ) -> Result<(), TrainError> {
+        let parts = host_reduce_scatter(per_rank, &self.layout, devices)
+            .map_err(|e| shard_error(format!("reduce-scatter: {e}")))?;
+        if acc.is_empty() {
+            *acc = parts;
+            return Ok(());
+        }
+        for (sum, part) in acc.iter_mut().zip(parts) {
+            sum.accumulate(part).map_err(|cause| {
+                model_error("cannot add a micro-step's gradient ranges".into(), cause)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The L2 norm of the whole gradient from its ranges (`shards[r]`, rank r's).
+    pub(super) fn global_norm(shards: &[Gradients]) -> Result<f64, ModelError> {
+        let mut sum_sq = 0.0;
+        for g in shards {
+            let n = g.global_norm()?;
+            sum_sq += n * n;
+        }
+        Ok(sum_sq.sqrt())
+    }
+
+    /// One AdamW step on every rank's ranges with its gradient ranges (`shards[r]`), then the
+    /// updated ranges all-gathered into every rank's whole weights (`models`, rank 0 first).
+    pub(super) fn step(
+        &mut self,
+        shards: &[Gradients],
+        lr: f64,
+        grad_multiplier: f64,
+        models: &[&CausalLm],
+    ) -> Result<(), ModelError> {
+        for (rank, grads) in self.ranks.iter_mut().zip(shards) {
+            rank.optimizer.step(grads, lr, grad_multiplier)?;
+        }
+        self.gather_into(models)
+    }
+
+    /// The whole gradient, on the host, from its ranges (`shards[r]`, rank r's): for tests
+    /// and diagnostics.
+    pub(super) fn gather_gradients(&self, shards: &[Gradients]) -> Result<Gradients, ModelError> {
+        let host = Home::single(&Device::Cpu);
+        let mut whole = Gradients::new();
+        for t in self.layout.tensors() {
+            let parts: Vec<Option<&Tensor>> = shards.iter().map(|g| g.get(&t.name)).collect();
+            if parts.iter().all(Option::is_none) {
+                continue;
+            }
+            let joined = host_all_gather(&parts, &t.dims, &host)
+                .map_err(|e| ModelError::Optimizer(format!("all-gather of `{}`: {e}", t.name)))?;
+            whole.insert(&t.name, joined);
+        }
+        Ok(whole)
+    }
+
+    /// Every rank's whole trainable weights from the ranks' ranges (the all-gather).
+    fn gather_into(&self, models: &[&CausalLm]) -> Result<(), ModelError> {
+        let params: Vec<_> = models.iter().map(|m| trainable_vars(m)).collect();
+        for t in self.layout.tensors() {
+            let parts: Vec<Option<&Tensor>> = self
+                .ranks
+                .iter()
+                .map(|r| r.ranges.get(&t.name).map(Var::as_tensor))
+                .collect();
+            for (index, params) in params.iter().enumerate() {
+                let Some(param) = params.get(t.name.as_str()) else {
+                    continue;
+                };
+                let home = Home {
+                    index,
+                    device: param.var.device().clone(),
+                };
+                let whole = host_all_gather(&parts, &t.dims, &home).map_err(|e| {
+                    ModelError::Optimizer(format!("all-gather of `{}`: {e}", t.name))
+                })?;
+                param.var.set(&whole)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes every rank's ranges from its model again (after a checkpoint's weights were
+    /// loaded into the models).
+    pub(super) fn refresh_from(&self, models: &[&CausalLm]) -> Result<(), TrainError> {
+        for (rank, (shard, model)) in self.ranks.iter().zip(models).enumerate() {
+            let params = trainable_vars(model);
+            for t in self.layout.tensors() {
+                let (Some(var), Some(param)) =
+                    (shard.ranges.get(&t.name), params.get(t.name.as_str()))
+                else {
+                    continue;
+                };
+                range_of(param.var.as_tensor(), &t.ranges[rank])
+                    .and_then(|part| Ok(var.set(&part)?))
+                    .map_err(|cause| {
+                        model_error(
+                            format!("cannot refresh rank {rank}'s range of `{}`", t.name),
+                            cause,
+                        )
+                    })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Optimizer steps taken (every rank steps together).
+    pub(super) fn steps_taken(&self) -> u64 {
+        self.ranks.first().map_or(0, |r| r.optimizer.steps_taken())
+    }
+
+    /// Bytes `rank` holds for its share: AdamW's moments and master weights of its ranges,
+    /// and the ranges themselves.
+    pub(super) fn rank_state_bytes(&self, rank: usize) -> u64 {
+        self.ranks.get(rank).map_or(0, |r| {
+            let ranges: u64 = r
+                .ranges
+                .values()
+                .map(|v| (v.elem_count() * v.dtype().size_in_bytes()) as u64)
+                .sum();
+            r.optimizer.state_bytes() + ranges
+        })
+    }
+
+    /// Writes the optimizer state whole, under one device's names and shapes (the ranks'
+    /// ranges joined), so any number of devices can resume from it. Costs a host copy of the
+    /// state while the file is written.
+    pub(super) fn save_state(&self, path: &Path) -> Result<(), TrainError> {
+        let per_rank = self
+            .ranks
+            .iter()
+            .map(|r| r.optimizer.state_tensors())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|cause| {
+                model_error("cannot read the sharded optimizer state".into(), cause)
+            })?;
+        let host = Home::single(&Device::Cpu);
+        let mut whole = HashMap::new();
+        for t in self.layout.tensors() {
+            for prefix in STATE_PREFIXES {
+                let key = format!("{prefix}{}", t.name);
+                let parts: Vec<Option<&Tensor>> = per_rank.iter().map(|s| s.get(&key)).collect();
+                if parts.iter().all(Option::is_none) {
+                    continue;
+                }
+                let joined = host_all_gather(&parts, &t.dims, &host)
+                    .map_err(|e| shard_error(format!("cannot join `{key}`: {e}")))?;
+                whole.insert(key, joined);
+            }
+        }
+        checkpoint::save_tensors(path, &whole)
+    }
+
+    /// Reads a whole optimizer state (any device count wrote it) into every rank's ranges.
+    pub(super) fn load_state_from(
+        &mut self,
+        source: &dyn StateSource,
+        steps_taken: u64,
+    ) -> Result<(), ModelError> {
+        for (rank, shard) in self.ranks.iter_mut().enumerate() {
+            let ranged = RankSource {
+                source,
+                layout: &self.layout,
+                rank,
+            };
+            shard.optimizer.load_state_from(&ranged, steps_taken)?;
+        }
+        Ok(())
+    }
+}
+
+/// A whole saved optimizer state seen through one rank's ranges.
+struct RankSource<'a> {
+    source: &'a dyn StateSource,
+    layout: &'a ShardLayout,
+    rank: usize,
+}
+
+impl RankSource<'_> {
+    /// The range of `key`'s parameter, when the saved tensor has the parameter's shape.
+    fn range(&self, key: &str) -> Option<std::ops::Range<usize>> {
+        let name = STATE_PREFIXES.iter().find_map(|p| key.strip_prefix(p))?;
+        let t = self.layout.tensors().iter().find(|t| t.name == name)?;
+        (self.source.dims(key)? == t.dims).then(|| t.ranges[self.rank].clone())
+    }
+}
+
+impl StateSource for RankSource<'_> {
+    fn dims(&self, key: &str) -> Option<Vec<usize>> {
+        match self.range(key) {
+            Some(range) => Some(vec![range.len()]),
+            // Absent, or saved with another shape: the optimizer reports it by key.
+            None => self.source.dims(key),
+        }
+    }
+
+    fn load_f32(&self, key: &str) -> Result<Vec<f32>, ModelError> {
+        let range = self
+            .range(key)
+            .ok_or_else(|| ModelError::Optimizer(format!("the optimizer state has no `{key}`")))?;
+        let whole = self.source.load_f32(key)?;
+        whole
+            .get(range.clone())
+            .map(<[f32]>::to_vec)
+            .ok_or_else(|| {
+                ModelError::Optimizer(format!(
+                    "optimizer state `{key}` has {} values, fewer than its shape says",
+                    whole.len()
+                ))
+            })
+    }
+}
+
+fn shard_error(message: String) -> TrainError {
+    TrainError::Data {
+        context: "sharded data parallel".into(),
+        message,
+    }
+}
+
+fn model_error(context: String, cause: ModelError) -> TrainError {
+    TrainError::Model { context, cause }
+}
