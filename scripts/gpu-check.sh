@@ -12,6 +12,7 @@
 #   layer-split            the founding case scaled down: layers split over 2 streams of the GPU, micro-batch 1 ×
 #                          accumulation 4, against one device (losses within 1e-5)
 #   data-parallel          2 ranks on 2 streams of the GPU (the host reducer) against one device on the whole batch
+#   sharded                ZeRO-2 over 2 streams of the GPU (host reduce-scatter and all-gather) against one device
 #   nccl-one-rank          NCCL communicator of one rank + all-reduce (GPU only)
 #   resume                 4 steps, checkpoint at 2, resumed: the losses of the uninterrupted run (1e-6)
 #   optimizer-offload      `optimizer_offload = "host"` trains as the state on the device does (1e-5)
@@ -34,7 +35,7 @@ RUN_TORCH=1
 ONLY=""
 BUDGET=""
 KEEP_WORK=0
-ALL_STEPS=(parity-fp32 parity-bf16 memory-plan layer-split data-parallel nccl-one-rank resume
+ALL_STEPS=(parity-fp32 parity-bf16 memory-plan layer-split data-parallel sharded nccl-one-rank resume
            optimizer-offload out-of-memory qlora throughput-vs-pytorch)
 
 usage() {
@@ -437,6 +438,18 @@ step_data_parallel() {
     "data-parallel=$dir/out/metrics.jsonl:$WORK/ref/out/metrics.jsonl"
 }
 
+# Sharded data parallel (ZeRO-2) over the same two logical devices: each rank steps its ranges
+# of the trainable tensors, the gradients reduce-scattered and the ranges all-gathered on the
+# device (host collectives); against one device on the whole batch.
+step_sharded() {
+  ensure_ref || return
+  local dir="$WORK/sharded"
+  rm -rf "$dir"; cfg_reset; C_MB=2; C_DEVICES="$TWO"; C_STRATEGY=sharded; cfg_write "$dir"
+  train "$dir" || { fail_train "$dir" "the sharded run"; return; }
+  gc_py compare --tol "$DP_TOL" --steps 4 --ranks 2 \
+    "sharded=$dir/out/metrics.jsonl:$WORK/ref/out/metrics.jsonl"
+}
+
 step_nccl_one_rank() {
   if [[ $MODE == cpu ]]; then
     gc_py verdict skipped "NCCL needs a GPU (CPU logical devices use the host reducer)"; return
@@ -562,6 +575,7 @@ run_step parity-bf16 25 step_parity_bf16
 run_step memory-plan 90 step_memory_plan
 run_step layer-split 35 step_layer_split
 run_step data-parallel 30 step_data_parallel
+run_step sharded 20 step_sharded
 run_step nccl-one-rank 15 step_nccl_one_rank
 run_step resume 20 step_resume
 run_step optimizer-offload 25 step_optimizer_offload

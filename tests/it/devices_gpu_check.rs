@@ -6,12 +6,13 @@
 use std::process::Command;
 
 /// The steps of the GPU check, in order (docs/gpu-check.md).
-const STEPS: [&str; 11] = [
+const STEPS: [&str; 12] = [
     "parity-fp32",
     "parity-bf16",
     "memory-plan",
     "layer-split",
     "data-parallel",
+    "sharded",
     "nccl-one-rank",
     "resume",
     "optimizer-offload",
@@ -66,6 +67,7 @@ fn gpu_check_script_passes_in_cpu_mode() {
         "memory-plan",
         "layer-split",
         "data-parallel",
+        "sharded",
         "resume",
         "optimizer-offload",
         "out-of-memory",
@@ -108,10 +110,9 @@ fn gpu_check_script_passes_in_cpu_mode() {
     let split = &step("layer-split")["figures"]["layer-split"];
     assert_eq!(split["placement"].as_array().unwrap().len(), 2, "{split}");
     assert!(split["worst_abs_loss_diff"].as_f64().unwrap() <= 1e-5);
-    assert_eq!(
-        step("data-parallel")["figures"]["data-parallel"]["ranks"],
-        2
-    );
+    for strategy in ["data-parallel", "sharded"] {
+        assert_eq!(step(strategy)["figures"][strategy]["ranks"], 2, "{strategy}");
+    }
     let resume = &step("resume")["figures"]["resume"];
     assert_eq!(resume["start_step"], 2, "{resume}");
     assert_eq!(resume["steps"], serde_json::json!([3, 4]));
