@@ -90,6 +90,7 @@ fn dry_run_measures_one_step_and_refuses_a_predicted_oom() {
         optimizer_offload: false,
         lora: None,
         strategy: Strategy::Single,
+        shard: Default::default(),
         devices: vec![DeviceSpec::cpu(1 << 34)],
         ops: tunestudio::model::OpsMode::Auto,
         process: None,

@@ -59,9 +59,14 @@ pub struct PlanArgs {
     /// or `[lora] enabled` in --config).
     #[arg(long)]
     pub quantize: Option<String>,
-    /// single, layer-split or data-parallel.
+    /// single, layer-split, data-parallel or sharded.
     #[arg(long)]
     pub strategy: Option<String>,
+    /// What sharded data parallel divides over the ranks: gradients-and-optimizer (ZeRO-2, the
+    /// default) or everything (ZeRO-3: planned only, the trainer does not run it yet).
+    /// Implies --strategy sharded.
+    #[arg(long)]
+    pub shard: Option<String>,
     /// Keep AdamW's state (and fp32 master weights) in host RAM instead of on the GPUs.
     #[arg(long)]
     pub optimizer_offload: bool,
@@ -151,6 +156,7 @@ fn plan_only_flags(args: &PlanArgs) -> Vec<&'static str> {
         ("--lora-targets", args.lora_targets.is_some()),
         ("--quantize", args.quantize.is_some()),
         ("--strategy", args.strategy.is_some()),
+        ("--shard", args.shard.is_some()),
         ("--optimizer-offload", args.optimizer_offload),
         ("--ops", args.ops.is_some()),
         ("--auto-fit", args.auto_fit),
@@ -332,6 +338,7 @@ fn request_json(req: &PlanRequest) -> serde_json::Value {
         "optimizer_offload": req.optimizer_offload,
         "lora": req.lora,
         "strategy": req.strategy,
+        "shard": req.shard,
         "devices": req.devices,
         "effective_batch": req.effective_batch(),
         "loss_rows": req.loss_rows(),
@@ -363,7 +370,7 @@ fn gib(b: u64) -> String {
 fn print_plan(req: &PlanRequest, p: &Plan, per_layer: bool) {
     let header = [
         "device", "layers", "weights", "master", "grads", "optim", "activ", "logits", "temp",
-        "overhead", "peak", "at", "capacity", "status",
+        "collect", "overhead", "peak", "at", "capacity", "status",
     ];
     let mut rows: Vec<Vec<String>> = vec![header.iter().map(|s| s.to_string()).collect()];
     for d in &p.per_device {
@@ -371,7 +378,7 @@ fn print_plan(req: &PlanRequest, p: &Plan, per_layer: bool) {
     }
     for idle in req.devices.iter().skip(p.per_device.len()) {
         let mut r = vec![idle.name.clone(), "idle".into()];
-        r.extend(std::iter::repeat_n(String::new(), 10));
+        r.extend(std::iter::repeat_n(String::new(), 11));
         r.push(format_bytes(idle.capacity_bytes));
         r.push("unused".into());
         rows.push(r);
@@ -452,6 +459,7 @@ fn device_row(d: &DevicePlan) -> Vec<String> {
         gib(d.activations_bytes),
         gib(d.logits_and_loss_bytes),
         gib(d.temporaries_bytes),
+        gib(d.collective_bytes),
         gib(d.overhead_bytes),
         format_bytes(d.peak_bytes),
         d.peak_moment().to_string(),

@@ -20,6 +20,7 @@ use tunestudio::train::FinishReason;
 mod fixes;
 mod grpo;
 mod runs;
+mod sharded;
 mod slow_disk;
 
 /// The app on the demo project, output going to `out`.

@@ -38,6 +38,9 @@ pub const MEM_ACTIVATIONS: Color32 = Color32::from_rgb(240, 136, 62);
 pub const MEM_LOGITS: Color32 = Color32::from_rgb(219, 171, 9);
 /// Short-lived buffers.
 pub const MEM_TEMPORARIES: Color32 = Color32::from_rgb(139, 148, 158);
+/// The collectives' buffers (data parallel's all-reduce, sharding's reduce-scatter and
+/// all-gather).
+pub const MEM_COLLECTIVE: Color32 = Color32::from_rgb(86, 211, 196);
 /// Runtime overhead (CUDA context).
 pub const MEM_OVERHEAD: Color32 = Color32::from_rgb(110, 118, 129);
 

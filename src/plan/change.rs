@@ -6,8 +6,12 @@ use super::*;
 /// One change of settings.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub enum Change {
-    /// Switch the device strategy.
+    /// Switch the device strategy (to `Sharded`: with the request's shard mode).
     Strategy(Strategy),
+    /// Sharded data parallel dividing this much over the ranks (`[devices] strategy =
+    /// "sharded"` and `shard`): what auto-fit and the fixes propose, for the modes the trainer
+    /// runs ([`ShardMode::trainer_runs`]).
+    Shard(ShardMode),
     /// Switch the precision.
     Precision(Precision),
     /// Turn activation checkpointing on.
@@ -39,13 +43,10 @@ impl Change {
     pub fn apply(&self, req: &PlanRequest) -> PlanRequest {
         let mut r = req.clone();
         match self {
-            Change::Strategy(s) => {
-                let effective = req.effective_batch();
-                r.strategy = *s;
-                let ranks = r.data_parallel_ranks();
-                if effective.is_multiple_of(ranks * r.micro_batch) {
-                    r.gradient_accumulation = effective / (ranks * r.micro_batch);
-                }
+            Change::Strategy(s) => set_strategy(&mut r, req, *s),
+            Change::Shard(mode) => {
+                set_strategy(&mut r, req, Strategy::Sharded);
+                r.shard = *mode;
             }
             Change::Precision(p) => r.precision = *p,
             Change::ActivationCheckpointing => r.activation_checkpointing = true,
@@ -75,30 +76,40 @@ impl Change {
         r
     }
 
-    /// The change in words ("bf16 mixed precision", "layer split over 2 GPUs").
+    /// The change in words ("bf16 mixed precision", "layer split over 2 GPUs"), with the
+    /// reason a strategy is as fast as auto-fit's throughput model says.
     pub fn describe(&self, req: &PlanRequest) -> String {
         match self {
             Change::Strategy(Strategy::LayerSplit) => {
-                format!("split the layers over the {} devices", req.devices.len())
+                format!(
+                    "split the layers over the {} devices (one computes at a time)",
+                    req.devices.len()
+                )
+            }
+            Change::Shard(mode) => {
+                let r = self.apply(req);
+                format!(
+                    "sharded data parallel, {} ({}): {} compute, each on its own micro-batch, and each keeps {} of the {} (accumulation {} → {}); the reduce-scatter and all-gather cost a little of data parallel's speed",
+                    mode.zero_stage(),
+                    mode,
+                    all_devices(req),
+                    share_of(req.devices.len()),
+                    sharded_state(*mode, req),
+                    req.gradient_accumulation,
+                    r.gradient_accumulation
+                )
             }
             Change::Strategy(Strategy::DataParallel) => {
                 let r = self.apply(req);
                 format!(
-                    "data parallel on {} devices (accumulation {} → {})",
+                    "data parallel on {} devices: {} compute, each on its own micro-batch with a whole copy of the training state (accumulation {} → {})",
                     req.devices.len(),
+                    all_devices(req),
                     req.gradient_accumulation,
                     r.gradient_accumulation
                 )
             }
-            Change::Strategy(Strategy::Sharded) => {
-                let r = self.apply(req);
-                format!(
-                    "sharded data parallel on {} devices (accumulation {} → {})",
-                    req.devices.len(),
-                    req.gradient_accumulation,
-                    r.gradient_accumulation
-                )
-            }
+            Change::Strategy(Strategy::Sharded) => Change::Shard(req.shard).describe(req),
             Change::Strategy(Strategy::Single) => "train on a single device".into(),
             Change::Precision(p) => match p {
                 Precision::Bf16Mixed => "bf16 mixed precision".into(),
@@ -145,6 +156,52 @@ impl Change {
             }
             Change::Reference(reference) => reference.describe_change(),
         }
+    }
+}
+
+/// `r` switched from `req` to strategy `s`, with the accumulation re-split so the effective
+/// batch stays the same when it divides.
+fn set_strategy(r: &mut PlanRequest, req: &PlanRequest, s: Strategy) {
+    let effective = req.effective_batch();
+    r.strategy = s;
+    let ranks = r.data_parallel_ranks();
+    if effective.is_multiple_of(ranks * r.micro_batch) {
+        r.gradient_accumulation = effective / (ranks * r.micro_batch);
+    }
+}
+
+/// The request's devices as the subject of "compute": "both GPUs", "all 4 GPUs", "both
+/// devices".
+fn all_devices(req: &PlanRequest) -> String {
+    let gpus = req.devices.iter().all(|d| d.kind == DeviceKind::Cuda);
+    let noun = if gpus { "GPUs" } else { "devices" };
+    match req.devices.len() {
+        2 => format!("both {noun}"),
+        n => format!("all {n} {noun}"),
+    }
+}
+
+/// "half", "a third", "1/5".
+fn share_of(ranks: usize) -> String {
+    match ranks {
+        2 => "half".into(),
+        3 => "a third".into(),
+        4 => "a quarter".into(),
+        n => format!("1/{n}"),
+    }
+}
+
+/// What a shard mode divides, in words, for this request (master weights in mixed precision).
+fn sharded_state(mode: ShardMode, req: &PlanRequest) -> &'static str {
+    match (mode, req.precision.master_weights()) {
+        (ShardMode::GradientsAndOptimizer, true) => {
+            "accumulated gradients, fp32 master weights and AdamW state"
+        }
+        (ShardMode::GradientsAndOptimizer, false) => "accumulated gradients and AdamW state",
+        (ShardMode::Everything, true) => {
+            "weights, accumulated gradients, fp32 master weights and AdamW state"
+        }
+        (ShardMode::Everything, false) => "weights, accumulated gradients and AdamW state",
     }
 }
 

@@ -8,8 +8,13 @@ use super::{
 };
 use std::ops::Range;
 
+mod resume;
+mod sharded;
 mod timeline;
 
+use resume::resume_moment;
+pub use sharded::shard_elems;
+pub(crate) use sharded::RankShare;
 use timeline::{device_timeline, Timeline};
 
 /// Headroom below which a fitting plan is called tight (allocator fragmentation,
@@ -24,6 +29,8 @@ pub(crate) struct Block {
     pub terms: BlockTerms,
     /// Largest single trainable tensor (optimizer scratch is per tensor).
     pub largest_trainable_elems: u64,
+    /// Its parameters tensor by tensor (what a sharded run slices).
+    pub tensors: Vec<step_model::TensorSize>,
 }
 
 /// The model's blocks in forward order, each with its memory and step terms,
@@ -162,6 +169,7 @@ pub fn layer_costs(req: &PlanRequest) -> LayerCosts {
             memory,
             terms,
             largest_trainable_elems: params.largest_trainable,
+            tensors: step_model::block_tensors(&dims, kind),
         });
     }
     LayerCosts {
@@ -382,7 +390,15 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
     let scope = process_scope(req, &placed);
     for (d, (layers, blocks)) in placed.into_iter().enumerate() {
         let device = req.devices[d].clone();
-        let dp = device_timeline(&costs, &dims, req, &blocks, d == n_used - 1 && tied_split);
+        let share = RankShare::of(req, d);
+        let dp = device_timeline(
+            &costs,
+            &dims,
+            req,
+            &blocks,
+            d == n_used - 1 && tied_split,
+            share,
+        );
         let overhead = device.overhead_bytes();
         let workspace = gemm_workspace_on(req, n_used, d);
         let tensors_peak = dp.peak + overhead + workspace;
@@ -391,7 +407,7 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
                 let rank_peak = if scope.blocks == blocks {
                     tensors_peak
                 } else {
-                    device_timeline(&costs, &dims, req, &scope.blocks, false).peak
+                    device_timeline(&costs, &dims, req, &scope.blocks, false, share).peak
                         + overhead
                         + workspace
                 };
@@ -434,6 +450,7 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
             logits_and_loss_bytes: dp.parts.logits,
             // gemm's per-thread workspace is a temporary that never goes away.
             temporaries_bytes: dp.parts.temporaries + workspace,
+            collective_bytes: dp.parts.collective,
             overhead_bytes: overhead,
             peak_bytes: peak,
             training_tensors_bytes: tensors_peak,
@@ -482,39 +499,6 @@ fn finish_plan(
         effective_batch: req.effective_batch(),
         settings: req.settings_summary(),
         host_offload_bytes: costs.trainable_parameters * dims.host_state_bytes,
-    }
-}
-
-/// A device's memory at the resume from a checkpoint (or an out-of-memory refit's).
-struct ResumeMoment {
-    peak_bytes: u64,
-    transient_bytes: u64,
-}
-
-/// What exists when `TrainingRun::resume` loads a checkpoint onto a device: the runtime
-/// overhead, the weights (a tied head's copy included) and the optimizer's own state (AdamW
-/// allocates its moments and master copy before the load), plus one trainable tensor on its
-/// way in (`checkpoint::TensorFile` reads one at a time; on a GPU it is placed, then copied
-/// into its parameter). The moments need nothing more: each parameter's old state is freed
-/// before its saved one is read (`AdamW::load_state_from`). No gradients, activations or
-/// gemm workspace exist yet.
-fn resume_moment(
-    costs: &LayerCosts,
-    dims: &StepDims,
-    held: &[usize],
-    dp: &Timeline,
-    overhead: u64,
-) -> ResumeMoment {
-    let largest_trainable = held
-        .iter()
-        .map(|&i| costs.blocks[i].largest_trainable_elems)
-        .max()
-        .unwrap_or(0);
-    let transient_bytes = largest_trainable * dims.weight_bytes;
-    let steady = dp.components.weights_bytes + dp.components.optimizer_bytes;
-    ResumeMoment {
-        peak_bytes: overhead + steady + transient_bytes,
-        transient_bytes,
     }
 }
 

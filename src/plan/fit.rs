@@ -1,7 +1,8 @@
 //! Fixes for plans that do not fit, and the auto-fit search.
 //!
 //! Auto-fit keeps the effective batch (micro-batch × accumulation × data-parallel
-//! ranks) and searches strategy × precision × checkpointing × micro-batch × LoRA
+//! ranks) and searches strategy (sharded data parallel in the shard modes the trainer runs,
+//! [`ShardMode::trainer_runs`]) × precision × checkpointing × micro-batch × LoRA
 //! for the settings that fit every device with ≥ 5 % headroom and have the
 //! highest estimated throughput. Changes that alter what is learned rank behind
 //! those that do not: pure bf16 (no f32 master weights) only when mixed precision
@@ -10,7 +11,7 @@
 use super::estimate::{plan_without_fixes, TIGHT_HEADROOM};
 use super::{
     format_bytes, Change, DeviceKind, Fix, LoraSpec, Plan, PlanError, PlanRequest, Precision,
-    Quantization, ReferencePlan, Strategy,
+    Quantization, ReferencePlan, ShardMode, Strategy,
 };
 
 /// LoRA rank auto-fit proposes when nothing else fits.
@@ -117,6 +118,11 @@ fn candidate_changes(req: &PlanRequest) -> Vec<Change> {
         for s in [Strategy::LayerSplit, Strategy::DataParallel] {
             if s != req.strategy {
                 out.push(Change::Strategy(s));
+            }
+        }
+        for mode in proposed_shard_modes() {
+            if req.strategy != Strategy::Sharded || req.shard != mode {
+                out.push(Change::Shard(mode));
             }
         }
     }
@@ -254,7 +260,7 @@ fn search_space(req: &PlanRequest) -> Vec<PlanRequest> {
     let effective = req.effective_batch();
     let rows = rows_per_sample(req);
     let mut out = Vec::new();
-    for strategy in strategy_options(req) {
+    for (strategy, shard) in strategy_options(req) {
         let ranks = strategy.ranks(req.devices.len());
         if !effective.is_multiple_of(ranks * rows) {
             continue;
@@ -267,6 +273,7 @@ fn search_space(req: &PlanRequest) -> Vec<PlanRequest> {
                         for samples in divisors(per_rank / rows) {
                             let mut r = req.clone();
                             r.strategy = strategy;
+                            r.shard = shard;
                             r.precision = precision;
                             r.activation_checkpointing = ckpt;
                             r.lora = lora.clone();
@@ -283,16 +290,34 @@ fn search_space(req: &PlanRequest) -> Vec<PlanRequest> {
     out
 }
 
-fn strategy_options(req: &PlanRequest) -> Vec<Strategy> {
-    let mut strategies = vec![req.strategy];
+/// The shard modes auto-fit and the fixes may propose: those the trainer runs. A mode it does
+/// not run yet (ZeRO-3) is planned when asked for, never proposed.
+fn proposed_shard_modes() -> impl Iterator<Item = ShardMode> {
+    ShardMode::ALL.into_iter().filter(|m| m.trainer_runs())
+}
+
+/// The strategies (with their shard mode) the search tries: the request's, then on several
+/// devices the layer split, data parallel and sharded data parallel. A requested shard mode
+/// the trainer does not run is replaced by those it runs.
+fn strategy_options(req: &PlanRequest) -> Vec<(Strategy, ShardMode)> {
+    let mut options: Vec<(Strategy, ShardMode)> = Vec::new();
+    let mut add = |o: (Strategy, ShardMode)| {
+        if !options.contains(&o) {
+            options.push(o);
+        }
+    };
+    if req.strategy == Strategy::Sharded && !req.shard.trainer_runs() {
+        proposed_shard_modes().for_each(|m| add((Strategy::Sharded, m)));
+    } else {
+        add((req.strategy, req.shard));
+    }
     if req.devices.len() > 1 {
         for s in [Strategy::LayerSplit, Strategy::DataParallel] {
-            if !strategies.contains(&s) {
-                strategies.push(s);
-            }
+            add((s, req.shard));
         }
+        proposed_shard_modes().for_each(|m| add((Strategy::Sharded, m)));
     }
-    strategies
+    options
 }
 
 fn precision_options(req: &PlanRequest) -> Vec<Precision> {
@@ -432,8 +457,14 @@ impl Search {
     }
 }
 
+/// Whether `to` shards differently from `from` (the shard mode counts under sharded only).
+fn shard_changed(from: &PlanRequest, to: &PlanRequest) -> bool {
+    to.strategy == Strategy::Sharded
+        && (from.strategy != Strategy::Sharded || from.shard != to.shard)
+}
+
 fn count_changes(a: &PlanRequest, b: &PlanRequest) -> usize {
-    usize::from(a.strategy != b.strategy)
+    usize::from(a.strategy != b.strategy || shard_changed(a, b))
         + usize::from(a.precision != b.precision)
         + usize::from(a.activation_checkpointing != b.activation_checkpointing)
         + usize::from(a.micro_batch != b.micro_batch)
@@ -445,7 +476,9 @@ fn count_changes(a: &PlanRequest, b: &PlanRequest) -> usize {
 /// The changes from `from` to `to`, in the order of preference (the micro-batch split last).
 fn steps_between(from: &PlanRequest, to: &PlanRequest) -> Vec<Change> {
     let mut steps: Vec<Change> = Vec::new();
-    if from.strategy != to.strategy {
+    if shard_changed(from, to) {
+        steps.push(Change::Shard(to.shard));
+    } else if from.strategy != to.strategy {
         steps.push(Change::Strategy(to.strategy));
     }
     if from.precision != to.precision {

@@ -45,7 +45,7 @@ pub use device::{
     GemmGeometry, MachineMemory,
 };
 pub use dry_run::{DryRunOutcome, DryRunReport, MeasureMethod, StepMeasured, StepMeasurement};
-pub use estimate::{balance_layers, layer_costs, layer_ranges, plan, LayerCosts};
+pub use estimate::{balance_layers, layer_costs, layer_ranges, plan, shard_elems, LayerCosts};
 pub use fit::{auto_fit, relative_throughput, AutoFit};
 pub use gpu_catalog::{find_gpu_model, gpu_model_by_size_text, GpuModel, GPU_CATALOG};
 pub use outcome::{DevicePlan, LayerMemory, PeakMoment, PhaseBytes, Plan, StepPhase, Verdict};
@@ -116,7 +116,7 @@ pub enum PlanError {
 
 /// Numeric precision and device strategy: the run config's own types, shared through
 /// [`crate::settings`] (the planner imports nothing from the trainer).
-pub use crate::settings::{Precision, Quantization, Strategy};
+pub use crate::settings::{Precision, Quantization, ShardMode, Strategy};
 
 impl From<crate::settings::UnknownPrecision> for PlanError {
     fn from(e: crate::settings::UnknownPrecision) -> Self {
@@ -128,12 +128,22 @@ impl From<crate::settings::UnknownPrecision> for PlanError {
     }
 }
 
+impl From<crate::settings::UnknownShardMode> for PlanError {
+    fn from(e: crate::settings::UnknownShardMode) -> Self {
+        PlanError::InvalidSetting {
+            setting: "devices.shard",
+            value: e.0,
+            fix: "use gradients-and-optimizer (ZeRO-2) or everything (ZeRO-3)".into(),
+        }
+    }
+}
+
 impl From<crate::settings::UnknownStrategy> for PlanError {
     fn from(e: crate::settings::UnknownStrategy) -> Self {
         PlanError::InvalidSetting {
             setting: "devices.strategy",
             value: e.0,
-            fix: "use single, layer-split or data-parallel".into(),
+            fix: "use single, layer-split, data-parallel or sharded".into(),
         }
     }
 }

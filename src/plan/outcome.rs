@@ -73,13 +73,17 @@ pub struct DevicePlan {
     pub holds_embeddings: bool,
     /// Whether the final norm, `lm_head` and the loss live here (last device).
     pub holds_head: bool,
-    /// Compute copy of the weights (trainable and frozen).
+    /// Compute copy of the weights (trainable and frozen). Sharded: ZeRO-2 adds the
+    /// optimizer's copy of this rank's slice of the trainable ones; under ZeRO-3 it is the
+    /// rank's slice of every weight and the two layers gathered whole.
     pub weights_bytes: u64,
-    /// f32 master copy of the trainable weights (mixed precision only).
+    /// f32 master copy of the trainable weights (mixed precision only; sharded, of this
+    /// rank's slice).
     pub master_weights_bytes: u64,
-    /// Gradients alive at the peak (incl. the accumulation buffer).
+    /// Gradients alive at the peak (incl. the accumulation buffer; sharded, this rank's slice
+    /// accumulator and, in the backward, the micro-step's whole gradient).
     pub gradients_bytes: u64,
-    /// AdamW first and second moments (f32).
+    /// AdamW first and second moments (f32; sharded, of this rank's slice).
     pub optimizer_states_bytes: u64,
     /// Forward tensors kept by the autograd graph for backward.
     pub activations_bytes: u64,
@@ -87,6 +91,10 @@ pub struct DevicePlan {
     pub logits_and_loss_bytes: u64,
     /// Short-lived buffers at the peak (backward's zero-then-add, copies, optimizer scratch).
     pub temporaries_bytes: u64,
+    /// The collectives' buffers at the peak, one tensor at a time: data parallel's all-reduce
+    /// staging; a sharded run's reduce-scatter staging (another rank's slice) and all-gather
+    /// of the updated weights.
+    pub collective_bytes: u64,
     /// Runtime overhead (≈ 612 MiB CUDA context and workspace per CUDA device; 0 on CPU).
     pub overhead_bytes: u64,
     /// The predicted high-water mark (on the first CPU device of a request with

@@ -58,6 +58,9 @@ pub struct PlanRequest {
     pub lora: Option<LoraSpec>,
     /// How the model is spread over `devices`.
     pub strategy: Strategy,
+    /// What a [`Strategy::Sharded`] run divides over its ranks (`[devices] shard`); the
+    /// default, and not read, under the other strategies.
+    pub shard: ShardMode,
     /// The devices, in order (layer split puts the embeddings on the first).
     pub devices: Vec<DeviceSpec>,
     /// The training-ops path the trainer will run (`TUNESTUDIO_OPS`): under `Generic` a CPU
@@ -310,6 +313,12 @@ impl PlanRequest {
             self.seq_len,
             self.strategy
         );
+        if self.strategy == Strategy::Sharded {
+            s.push_str(&format!(" {} ({})", self.shard, self.shard.zero_stage()));
+            if !self.shard.trainer_runs() {
+                s.push_str(", planned only: the trainer does not run it yet");
+            }
+        }
         if self.planned_for_the_data() {
             s.push_str(&format!(
                 ", planned for the longest batch of this data: {} × {} tokens",

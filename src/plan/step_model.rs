@@ -53,12 +53,14 @@ use std::fmt;
 mod graph_layer;
 mod head;
 mod native_layer;
+mod tensors;
 mod transients;
 
 pub(crate) use head::f32_head_pack_bytes;
 pub use head::full_logits_bytes;
 pub(crate) use head::full_logits_tensors;
 pub use native_layer::native_ctx_bytes;
+pub use tensors::{block_tensors, TensorSize};
 pub use transients::{
     accumulated_head_transient, accumulated_sum_temporaries, gemm_workspace_bytes,
     gradient_tap_transient_bytes, host_gemm_workspace_bytes, optimizer_transient_bytes,

@@ -12,4 +12,4 @@ mod strategy;
 
 pub use precision::{Precision, UnknownPrecision};
 pub use quantize::{QuantFormat, Quantization, UnknownQuantization};
-pub use strategy::{ShardMode, Strategy, UnknownStrategy};
+pub use strategy::{ShardMode, Strategy, UnknownShardMode, UnknownStrategy};

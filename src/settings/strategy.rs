@@ -83,6 +83,20 @@ impl ShardMode {
     /// The run-config spellings, in the order the UI lists them.
     pub const NAMES: &'static [&'static str] = &["gradients-and-optimizer", "everything"];
 
+    /// Every shard mode, in the order of [`ShardMode::NAMES`].
+    pub const ALL: [ShardMode; 2] = [ShardMode::GradientsAndOptimizer, ShardMode::Everything];
+
+    /// Whether the trainer runs this mode today: the one switch the planner's auto-fit and
+    /// fixes consult before proposing it (a mode it does not run is planned, and shown as
+    /// planned only, but never proposed). ZeRO-3 is refused by the trainer this round
+    /// (issue #57): turning it on is this line.
+    pub fn trainer_runs(self) -> bool {
+        match self {
+            ShardMode::GradientsAndOptimizer => true,
+            ShardMode::Everything => false,
+        }
+    }
+
     /// The run-config spelling.
     pub fn as_str(&self) -> &'static str {
         match self {
@@ -103,6 +117,27 @@ impl ShardMode {
 impl fmt::Display for ShardMode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
+    }
+}
+
+/// A shard mode that is none of [`ShardMode::NAMES`] (nor an accepted alias).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown shard mode `{0}`: use gradients-and-optimizer (ZeRO-2) or everything (ZeRO-3)")]
+pub struct UnknownShardMode(pub String);
+
+impl FromStr for ShardMode {
+    type Err = UnknownShardMode;
+
+    /// Parses the config spelling and DeepSpeed's and FSDP's names (`zero2`, `zero-3`,
+    /// `shard-grad-op`, `full-shard`), underscores for dashes, any case.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().replace('_', "-").as_str() {
+            "gradients-and-optimizer" | "zero2" | "zero-2" | "shard-grad-op" => {
+                Ok(ShardMode::GradientsAndOptimizer)
+            }
+            "everything" | "zero3" | "zero-3" | "full-shard" => Ok(ShardMode::Everything),
+            _ => Err(UnknownShardMode(s.to_string())),
+        }
     }
 }
 
@@ -141,10 +176,18 @@ mod tests {
         }
         assert_eq!("DDP".parse::<Strategy>().unwrap(), Strategy::DataParallel);
         assert_eq!("ZeRO".parse::<Strategy>().unwrap(), Strategy::Sharded);
-        for name in ShardMode::NAMES {
+        for (name, m) in ShardMode::NAMES.iter().zip(ShardMode::ALL) {
             let parsed: ShardMode = serde_json::from_str(&format!("\"{name}\"")).unwrap();
-            assert_eq!(parsed.as_str(), *name);
+            assert_eq!(parsed, m);
+            assert_eq!(name.parse::<ShardMode>().unwrap(), m);
+            assert_eq!(m.as_str(), *name);
         }
+        assert_eq!(
+            "ZeRO_3".parse::<ShardMode>().unwrap(),
+            ShardMode::Everything
+        );
+        let err = "zero1".parse::<ShardMode>().unwrap_err().to_string();
+        assert!(err.contains("zero1") && err.contains("everything"), "{err}");
         let err = "ring".parse::<Strategy>().unwrap_err().to_string();
         assert!(err.contains("ring") && err.contains("layer-split"), "{err}");
     }

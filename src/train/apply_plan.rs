@@ -23,8 +23,8 @@ use super::plan_adapter::{plan_reference, planned_seq_len, rows_per_sample};
 
 /// Writes the settings `req` plans into `config`, so that [`super::plan_request`] of the
 /// edited config gives back the same settings (precision, micro-batch and accumulation,
-/// sequence length, checkpointing, optimizer offload, LoRA and its quantized base, strategy,
-/// a DPO run's reference). What the request only describes (the model, the devices, the ops
+/// sequence length, checkpointing, optimizer offload, LoRA and its quantized base, strategy and
+/// shard mode, a DPO run's reference). What the request only describes (the model, the devices, the ops
 /// path, the process and the data) is left as it is.
 pub fn apply_plan_request(config: &mut RunConfig, req: &PlanRequest) {
     let PlanRequest {
@@ -44,6 +44,7 @@ pub fn apply_plan_request(config: &mut RunConfig, req: &PlanRequest) {
         optimizer_offload,
         lora,
         strategy,
+        shard,
         reference,
     } = req;
     write_precision(config, *precision);
@@ -58,6 +59,10 @@ pub fn apply_plan_request(config: &mut RunConfig, req: &PlanRequest) {
     set_seq_len(config, *seq_len);
     write_lora(config, lora.as_ref());
     config.devices.strategy = *strategy;
+    // The adapter reads `shard` under `sharded` only: another strategy keeps the config's.
+    if *strategy == crate::settings::Strategy::Sharded {
+        config.devices.shard = *shard;
+    }
     write_reference(config, *reference);
 }
 

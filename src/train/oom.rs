@@ -139,7 +139,11 @@ pub fn refit_after_oom(config: &RunConfig) -> Result<OomRefit, String> {
 /// starting weights before the checkpoint is loaded: the same numbers).
 fn resumes_into(change: &Change) -> bool {
     match change {
+        // Sharded as any other layout of the step. This assumes the sharded trainer (issue #57)
+        // writes and reads checkpoints of the whole state, as data parallel does; if it cannot
+        // resume another layout's checkpoint, `Change::Shard` belongs below.
         Change::Strategy(_)
+        | Change::Shard(_)
         | Change::ActivationCheckpointing
         | Change::MicroBatch { .. }
         | Change::OptimizerOffload

@@ -25,7 +25,7 @@
 //! and `method` (a preference step runs 2 × `micro_batch` rows cut at `[preference]
 //! max_prompt_length + max_completion_length`, and its loss takes their full logits:
 //! [`crate::plan::HeadLoss::FullLogits`]); `[data] max_length`; `[lora] enabled`, and when it is on `r`,
-//! `target_modules` and `[model] quantize` (QLoRA: a quantized base exists only under LoRA); `[devices] devices` (see [`plan_devices`]) and `strategy`; and the
+//! `target_modules` and `[model] quantize` (QLoRA: a quantized base exists only under LoRA); `[devices] devices` (see [`plan_devices`]), `strategy` and, under `sharded`, `shard`; and the
 //! training-ops path (`TUNESTUDIO_OPS`). For the process's own terms ([`process_inputs`]): the
 //! sizes on disk of the tokenizer, the dataset (`[data] path`, `validation_path`) and the
 //! mapped weights (none under `[model] init = "random"`), and whether the run evaluates
@@ -86,6 +86,13 @@ pub fn plan_request(
         optimizer_offload: t.optimizer_offload == OptimizerOffload::Host,
         lora,
         strategy: config.devices.strategy,
+        // Read under `sharded` only: another strategy divides nothing, so its plan (and the
+        // studio's stale-plan key) does not follow the key.
+        shard: if config.devices.strategy == crate::settings::Strategy::Sharded {
+            config.devices.shard
+        } else {
+            crate::settings::ShardMode::default()
+        },
         devices,
         ops: OpsMode::from_env().unwrap_or_default(),
         process: Some(process_inputs(config)),

@@ -382,6 +382,7 @@ fn planner_state_terms_are_bytes_per_trainable_parameter() {
         optimizer_offload: false,
         lora: None,
         strategy: tunestudio::plan::Strategy::Single,
+        shard: Default::default(),
         devices: tunestudio::plan::parse_devices("1x80GiB").unwrap(),
         ops: tunestudio::model::OpsMode::Auto,
         process: None,

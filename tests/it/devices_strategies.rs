@@ -190,6 +190,7 @@ fn bytes_placed_per_logical_device_equal_the_planners() {
             optimizer_offload: false,
             lora: None,
             strategy: plan::Strategy::LayerSplit,
+            shard: Default::default(),
             devices: vec![DeviceSpec::cpu(1 << 30), DeviceSpec::cpu(1 << 30)],
             ops: tunestudio::model::OpsMode::Auto,
             process: None,

@@ -45,6 +45,7 @@ mod ops_grad;
 mod plan_dry_run;
 mod plan_request;
 mod plan_rss;
+mod plan_sharded;
 mod plan_verdicts;
 mod preference_data;
 mod preference_loss;

@@ -40,6 +40,8 @@ enum Reads {
     WhenDpo,
     /// Only with `[training] method = "grpo"` (the group size, lengths and reference).
     WhenGrpo,
+    /// Only with `[devices] strategy = "sharded"` (what the ranks divide).
+    WhenSharded,
     /// Never: a change must leave the request equal.
     No,
 }
@@ -438,6 +440,13 @@ fn keys() -> Vec<Key> {
             reads: Yes,
             change: |c| c.devices.strategy = next(&DeviceStrategy::ALL, c.devices.strategy),
         },
+        Key {
+            name: "devices.shard",
+            reads: WhenSharded,
+            change: |c| {
+                c.devices.shard = next(&tunestudio::settings::ShardMode::ALL, c.devices.shard)
+            },
+        },
         // A preference step runs each pair's two rows in one batch, cut at the pair's lengths.
         Key {
             name: "training.method",
@@ -738,6 +747,7 @@ fn changing_a_key_the_planner_reads_changes_the_request_and_no_other_does() {
                     Reads::WhenPreference => config.training.method.is_preference(),
                     Reads::WhenDpo => config.training.method == TrainingMethod::Dpo,
                     Reads::WhenGrpo => config.training.method.is_grpo(),
+                    Reads::WhenSharded => config.devices.strategy == DeviceStrategy::Sharded,
                     Reads::ForProcess => {
                         train::process_inputs(&changed) != train::process_inputs(&config)
                     }
@@ -850,6 +860,7 @@ fn every_change(
         .iter()
         .map(|s| Change::Strategy(*s))
         .collect();
+    out.extend(tunestudio::settings::ShardMode::ALL.map(Change::Shard));
     out.extend(Precision::ALL.iter().map(|p| Change::Precision(*p)));
     out.push(Change::ActivationCheckpointing);
     out.push(Change::MicroBatch {
@@ -871,9 +882,9 @@ fn every_change(
     }
     let kinds: BTreeSet<usize> = out.iter().map(kind).collect();
     let expected = if config.training.method == TrainingMethod::Dpo {
-        9
+        10
     } else {
-        8
+        9
     };
     assert_eq!(kinds.len(), expected, "every kind of fix is listed");
     out
@@ -891,6 +902,7 @@ fn kind(c: &tunestudio::plan::Change) -> usize {
         Change::OptimizerOffload => 6,
         Change::Quantize(_) => 7,
         Change::Reference(_) => 8,
+        Change::Shard(_) => 9,
     }
 }
 

@@ -32,6 +32,7 @@ fn dictalm_request() -> PlanRequest {
         optimizer_offload: false,
         lora: None,
         strategy: Strategy::Single,
+        shard: Default::default(),
         devices: parse_devices("2x80GiB").unwrap(),
         ops: tunestudio::model::OpsMode::Auto,
         process: None,
@@ -561,6 +562,7 @@ fn the_verdict_names_the_largest_moment_of_the_process() {
         optimizer_offload: false,
         lora: Some(LoraSpec::all_linear(8)),
         strategy: Strategy::Single,
+        shard: Default::default(),
         devices: vec![DeviceSpec::cpu(64 << 30)],
         ops: tunestudio::model::OpsMode::Auto,
         process: Some(ProcessInputs {

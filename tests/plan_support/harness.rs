@@ -133,6 +133,7 @@ pub fn request(cfg: &ModelConfig, c: &Case) -> PlanRequest {
             quantize: Default::default(),
         }),
         strategy: Strategy::Single,
+        shard: Default::default(),
         devices: vec![DeviceSpec::cpu(1 << 40)],
         // The models below read TUNESTUDIO_OPS too, so the plan follows the same path.
         ops: tunestudio::model::OpsMode::from_env().expect("TUNESTUDIO_OPS"),

@@ -100,7 +100,26 @@ fn apply_flags(config: &mut RunConfig, args: &PlanArgs) -> anyhow::Result<()> {
     if let Some(s) = &args.strategy {
         config.devices.strategy = s.parse()?;
     }
+    apply_shard_flag(config, args)?;
     apply_lora_flags(config, args)
+}
+
+/// `--shard`: what sharded data parallel divides; it implies `--strategy sharded`, and another
+/// `--strategy` with it is a mistake.
+fn apply_shard_flag(config: &mut RunConfig, args: &PlanArgs) -> anyhow::Result<()> {
+    let Some(mode) = &args.shard else {
+        return Ok(());
+    };
+    let sharded = tunestudio::settings::Strategy::Sharded;
+    if args.strategy.is_some() && config.devices.strategy != sharded {
+        anyhow::bail!(
+            "--shard {mode} divides the training state of sharded data parallel, but --strategy is {}: use --strategy sharded, or leave --shard out",
+            config.devices.strategy
+        );
+    }
+    config.devices.shard = mode.parse().map_err(plan::PlanError::from)?;
+    config.devices.strategy = sharded;
+    Ok(())
 }
 
 /// `--lora-r`, `--lora-targets` (every linear layer by default) and `--quantize` (QLoRA: only

@@ -64,7 +64,7 @@ fn studio(config: &RunConfig, dir: &std::path::Path) -> Harness<'static, StudioA
 /// The kind of a fix, by name (the match makes a new kind fail to compile here).
 fn kind(c: &Change) -> &'static str {
     match c {
-        Change::Strategy(_) => "strategy",
+        Change::Strategy(_) | Change::Shard(_) => "strategy",
         Change::Precision(_) => "precision",
         Change::ActivationCheckpointing => "checkpointing",
         Change::MicroBatch { .. } => "micro-batch",

@@ -13,6 +13,7 @@ pub(super) struct Parts {
     pub(super) activations: u64,
     pub(super) logits: u64,
     pub(super) temporaries: u64,
+    pub(super) collective: u64,
 }
 
 impl Parts {
@@ -24,6 +25,7 @@ impl Parts {
             + self.activations
             + self.logits
             + self.temporaries
+            + self.collective
     }
 }
 
@@ -56,8 +58,10 @@ struct Held<'a> {
     kept_total: u64,
     /// The largest trainable tensor's elements (per-tensor scratch).
     largest_trainable: u64,
-    /// Whether gradients are summed into an existing buffer (accumulation > 1).
+    /// Whether gradients are summed into an existing buffer (accumulation > 1, not sharded).
     accumulating: bool,
+    /// The device's rank in a sharded run (`None`: it holds the whole state).
+    share: Option<RankShare>,
 }
 
 /// The blocks `held` and what stays in memory through the step.
@@ -67,6 +71,7 @@ fn held_blocks<'a>(
     req: &PlanRequest,
     held: &[usize],
     tied_head_copy: bool,
+    share: Option<RankShare>,
 ) -> Held<'a> {
     let blocks: Vec<&Block> = held.iter().map(|&i| &costs.blocks[i]).collect();
     let mut weights: u64 = blocks.iter().map(|b| b.memory.weights_bytes).sum();
@@ -76,13 +81,28 @@ fn held_blocks<'a>(
         weights += dims.vocab * dims.hidden * dims.weight_bytes;
     }
     let fresh_total: u64 = blocks.iter().map(|b| b.terms.backward_grad_bytes).sum();
-    let accumulating = req.gradient_accumulation > 1;
-    let base = Parts {
-        weights,
-        master: blocks.iter().map(|b| b.memory.master_weights_bytes).sum(),
-        optimizer: blocks.iter().map(|b| b.memory.optimizer_states_bytes).sum(),
-        gradients: if accumulating { fresh_total } else { 0 },
-        ..Parts::default()
+    // A sharded rank's backward makes each micro-step's gradient afresh (it is then
+    // reduce-scattered into the slice accumulators), so nothing is summed into a whole buffer.
+    let accumulating = req.gradient_accumulation > 1 && share.is_none();
+    let base = match share {
+        None => Parts {
+            weights,
+            master: blocks.iter().map(|b| b.memory.master_weights_bytes).sum(),
+            optimizer: blocks.iter().map(|b| b.memory.optimizer_states_bytes).sum(),
+            gradients: if accumulating { fresh_total } else { 0 },
+            ..Parts::default()
+        },
+        Some(s) => {
+            let slice = s.trainable_elems(&blocks);
+            Parts {
+                weights: s.weight_bytes(&blocks, dims, weights),
+                master: slice * dims.master_bytes,
+                optimizer: slice * dims.optimizer_bytes,
+                // The persistent accumulator of the rank's slices.
+                gradients: slice * dims.grad_bytes,
+                ..Parts::default()
+            }
+        }
     };
     Held {
         kept_total: blocks.iter().map(|b| b.terms.kept_bytes).sum(),
@@ -95,6 +115,7 @@ fn held_blocks<'a>(
         base,
         fresh_total,
         accumulating,
+        share,
     }
 }
 
@@ -106,8 +127,9 @@ pub(super) fn device_timeline(
     req: &PlanRequest,
     held: &[usize],
     tied_head_copy: bool,
+    share: Option<RankShare>,
 ) -> Timeline {
-    let h = held_blocks(costs, dims, req, held, tied_head_copy);
+    let h = held_blocks(costs, dims, req, held, tied_head_copy, share);
     let moments = [
         (StepPhase::Forward, forward_peak(&h, dims, req)),
         (StepPhase::Backward, backward_peak(&h, dims)),
@@ -200,6 +222,11 @@ fn backward_peak(h: &Held<'_>, dims: &StepDims) -> Parts {
         end.activations = end.activations.saturating_sub(b.terms.freed_kept_bytes);
     }
     end.temporaries = residue;
+    if let Some(s) = h.share {
+        // Right after the backward the whole gradient is reduce-scattered into the slice
+        // accumulators: another rank's slice of one tensor at a time arrives.
+        end.collective = s.reduce_scatter_bytes(dims, h.largest_trainable);
+    }
     best_of(best, end)
 }
 
@@ -232,11 +259,19 @@ fn summed_into_buffer(h: &Held<'_>, dims: &StepDims, b: &Block, p: &mut Parts) {
 /// the update's per-tensor scratch.
 fn optimizer_peak(h: &Held<'_>, dims: &StepDims, req: &PlanRequest) -> Parts {
     let mut opt = h.base;
+    if let Some(s) = h.share {
+        // The whole gradient is gone: the update reads the slice accumulators (in the base),
+        // its scratch is per slice, and the all-gather of the updated slices follows it.
+        opt.temporaries = step_model::optimizer_transient_bytes(dims, s.slice(h.largest_trainable));
+        let mut gather = h.base;
+        gather.collective = s.all_gather_bytes(dims, h.largest_trainable);
+        return best_of(opt, gather);
+    }
     opt.gradients = h.fresh_total;
     opt.temporaries = step_model::optimizer_transient_bytes(dims, h.largest_trainable);
     if req.strategy == Strategy::DataParallel && req.devices.len() > 1 {
         // The all-reduce stages one gradient tensor at a time.
-        opt.temporaries += h.largest_trainable * dims.grad_bytes;
+        opt.collective = h.largest_trainable * dims.grad_bytes;
     }
     opt
 }
@@ -257,10 +292,16 @@ fn step_components(h: &Held<'_>, dims: &StepDims) -> crate::plan::StepComponents
     } else {
         0
     };
+    // A sharded rank's whole gradient and its slice accumulators coexist after the backward.
+    let accumulators = if h.share.is_some() {
+        h.base.gradients
+    } else {
+        0
+    };
     crate::plan::StepComponents {
         weights_bytes: h.base.weights,
         optimizer_bytes: h.base.master + h.base.optimizer,
-        gradients_bytes: h.fresh_total,
+        gradients_bytes: h.fresh_total + accumulators,
         activations_bytes: kept_by(false) + norm_out,
         logits_and_loss_bytes: kept_by(true).saturating_sub(norm_out),
         accumulating: h.accumulating,

@@ -1,6 +1,6 @@
 //! The coarse throughput model auto-fit ranks settings by.
 
-use crate::plan::{DeviceKind, PlanRequest, Precision, ReferencePlan, Strategy};
+use crate::plan::{DeviceKind, PlanRequest, Precision, ReferencePlan, ShardMode, Strategy};
 
 /// Estimated training throughput in arbitrary units (tokens per unit time).
 ///
@@ -9,7 +9,8 @@ use crate::plan::{DeviceKind, PlanRequest, Precision, ReferencePlan, Strategy};
 /// attention), device speed by precision (tensor cores make half precision ≈ 3×
 /// faster on CUDA; on CPU bf16 is slower than f32), efficiency falling for small
 /// micro-batches, and the strategy (data parallel scales with ranks minus the
-/// all-reduce; a layer split runs one device at a time).
+/// all-reduce; sharded data parallel a little below it; a layer split runs one device at a
+/// time).
 pub fn relative_throughput(req: &PlanRequest) -> f64 {
     let m = &req.model;
     let n_params = m.num_parameters() as f64;
@@ -81,7 +82,7 @@ pub fn relative_throughput(req: &PlanRequest) -> f64 {
         Strategy::DataParallel | Strategy::Sharded => {
             let r = req.devices.len().max(1) as f64;
             if r > 1.0 {
-                r * 0.9
+                r * 0.9 * sharding_cost(req)
             } else {
                 1.0
             }
@@ -96,4 +97,19 @@ pub fn relative_throughput(req: &PlanRequest) -> f64 {
         1.0
     };
     1e12 * speed * efficiency * parallel * offload / flops_per_token
+}
+
+/// Sharded data parallel's speed relative to data parallel's on the same ranks (an assumed
+/// figure, not measured: the trainer's sharded step has not run on GPUs yet). A ring
+/// all-reduce is a reduce-scatter then an all-gather, so ZeRO-2 moves the same gradient bytes
+/// as data parallel; what it adds here is the host collectives' own round trips, one tensor
+/// at a time, and an all-gather of the weights that waits for the optimizer step instead of
+/// overlapping the backward: 0.9. ZeRO-3 gathers every layer's weights again in the forward
+/// and the backward (1.5 × data parallel's traffic, as DeepSpeed documents): 0.8.
+fn sharding_cost(req: &PlanRequest) -> f64 {
+    match (req.strategy, req.shard) {
+        (Strategy::Sharded, ShardMode::GradientsAndOptimizer) => 0.9,
+        (Strategy::Sharded, ShardMode::Everything) => 0.8,
+        _ => 1.0,
+    }
 }

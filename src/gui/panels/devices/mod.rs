@@ -14,7 +14,9 @@ use crate::gui::shared::{PanelContext, PlanKey};
 use crate::gui::theme;
 
 mod machine;
+mod strategy;
 use machine::{planned_machine, which_machine_question};
+use strategy::strategy_row;
 
 /// The memory plan for the current settings.
 #[derive(Default)]
@@ -414,37 +416,6 @@ fn logical_cpu_devices(ui: &mut Ui, s: &mut Session) {
     }
 }
 
-/// The strategy choice, for this machine's devices and a planned machine alike.
-fn strategy_row(ui: &mut Ui, s: &mut Session) {
-    ui.add_space(4.0);
-    egui::Grid::new("strategy").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
-        let mut strat = s.config.devices.strategy;
-        let choices: [(tunestudio::settings::Strategy, &str); 3] = [
-            (tunestudio::settings::Strategy::Single, "single device"),
-            (tunestudio::settings::Strategy::LayerSplit, "layer split (pipeline)"),
-            (tunestudio::settings::Strategy::DataParallel, "data parallel"),
-        ];
-        let l = ui.label("Strategy").on_hover_text(
-            "single: everything on the first device. layer split: consecutive layers on each device (fits bigger models, \
-             one device busy at a time). data parallel: a full copy per device, each on its own micro-batch (faster, \
-             needs the model to fit on each).",
-        );
-        egui::ComboBox::from_id_salt("strategy-combo")
-            .selected_text(choices.iter().find(|c| c.0 == strat).map_or(strat.as_str(), |c| c.1).to_string())
-            .show_ui(ui, |ui| {
-                for (v, name) in choices {
-                    ui.selectable_value(&mut strat, v, name);
-                }
-            })
-            .response
-            .labelled_by(l.id);
-        ui.end_row();
-        if strat != s.config.devices.strategy {
-            s.config.devices.strategy = strat;
-        }
-    });
-}
-
 fn verdict(ui: &mut Ui, plan: &Plan) {
     let (color, word) = match plan.verdict {
         Verdict::Fits => (theme::OK, "Fits"),
@@ -464,7 +435,7 @@ fn verdict(ui: &mut Ui, plan: &Plan) {
 }
 
 /// Memory components in stacking order: (name, colour, bytes).
-fn components(d: &DevicePlan) -> [(&'static str, Color32, u64); 8] {
+fn components(d: &DevicePlan) -> [(&'static str, Color32, u64); 9] {
     [
         ("weights", theme::MEM_WEIGHTS, d.weights_bytes),
         ("master weights", theme::MEM_MASTER, d.master_weights_bytes),
@@ -473,6 +444,11 @@ fn components(d: &DevicePlan) -> [(&'static str, Color32, u64); 8] {
         ("activations", theme::MEM_ACTIVATIONS, d.activations_bytes),
         ("logits & loss", theme::MEM_LOGITS, d.logits_and_loss_bytes),
         ("temporaries", theme::MEM_TEMPORARIES, d.temporaries_bytes),
+        (
+            "collective buffers",
+            theme::MEM_COLLECTIVE,
+            d.collective_bytes,
+        ),
         ("overhead", theme::MEM_OVERHEAD, d.overhead_bytes),
     ]
 }
@@ -567,6 +543,7 @@ fn legend(ui: &mut Ui) {
             ("activations", theme::MEM_ACTIVATIONS),
             ("logits & loss", theme::MEM_LOGITS),
             ("temporaries", theme::MEM_TEMPORARIES),
+            ("collective buffers", theme::MEM_COLLECTIVE),
             ("overhead", theme::MEM_OVERHEAD),
         ] {
             theme::legend_item(ui, c, n);

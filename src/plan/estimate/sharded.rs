@@ -1,0 +1,138 @@
+//! What one rank of a sharded data-parallel run holds (`[devices] strategy = "sharded"`,
+//! issue #57): the terms of data parallel, each divided over the ranks as the trainer divides
+//! it.
+//!
+//! The trainer slices every trainable tensor on its own: the flattened tensor is cut into
+//! contiguous ranges, rank r of R taking `n / R` elements and the first `n % R` ranks one
+//! more ([`shard_elems`]), so rank 0 is the fullest and the plan of each rank is its own sum
+//! over the tensors. Under `gradients-and-optimizer` (ZeRO-2) a rank keeps, per trainable
+//! tensor:
+//! - the whole weights, as data parallel (every rank runs the whole forward and backward);
+//! - the optimizer's copy of its slice in the parameter dtype (a flat `Var` AdamW updates),
+//!   counted with the weights: it is a copy of weights, in their dtype;
+//! - the fp32 master of its slice (mixed precision) and AdamW's m and v of its slice;
+//! - a persistent gradient accumulator of its slice: candle's backward still produces the
+//!   whole gradient of a micro-step at once, which is reduce-scattered into the accumulators
+//!   right after each backward and dropped, so the backward's moments hold the whole gradient
+//!   *and* the accumulator, and the optimizer step the accumulator only;
+//! - the host collective's buffers: during the reduce-scatter one other rank's slice of one
+//!   tensor at a time, and after the update the all-gather of the updated slices into the
+//!   whole weights, one tensor at a time.
+//!
+//! Under `everything` (ZeRO-3, FSDP's full shard) the weights are sliced too, every tensor
+//! (a LoRA run's frozen base included, as FSDP does), and the layer being computed and the
+//! next one, prefetched, are gathered whole; no separate copy of the slice exists (the sliced
+//! weights are what AdamW updates) and nothing is gathered after the update. The trainer does
+//! not run it yet ([`ShardMode::trainer_runs`]): it is planned, never proposed.
+
+use super::{Block, StepDims};
+use crate::plan::{PlanRequest, ShardMode, Strategy};
+
+/// Elements of an `n`-element tensor that rank `rank` of `ranks` keeps: `n / ranks`, and one
+/// more for the first `n % ranks` ranks (contiguous slices of the flattened tensor, earlier
+/// ranks the longer). The trainer's slicing and the plan's, one rule.
+pub fn shard_elems(n: u64, rank: u64, ranks: u64) -> u64 {
+    let ranks = ranks.max(1);
+    n / ranks + u64::from(rank < n % ranks)
+}
+
+/// The rank a device is in a sharded run, and what the run divides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RankShare {
+    /// This device's rank.
+    pub rank: u64,
+    /// Ranks in the run (every device).
+    pub ranks: u64,
+    /// What is divided.
+    pub mode: ShardMode,
+}
+
+impl RankShare {
+    /// Device `d`'s share under `req` (`None` unless the strategy is sharded).
+    pub fn of(req: &PlanRequest, d: usize) -> Option<RankShare> {
+        (req.strategy == Strategy::Sharded).then(|| RankShare {
+            rank: d as u64,
+            ranks: req.devices.len().max(1) as u64,
+            mode: req.shard,
+        })
+    }
+
+    /// This rank's elements of an `n`-element tensor.
+    pub fn slice(&self, n: u64) -> u64 {
+        shard_elems(n, self.rank, self.ranks)
+    }
+
+    /// This rank's elements of every trainable tensor of `blocks`.
+    pub fn trainable_elems(&self, blocks: &[&Block]) -> u64 {
+        blocks
+            .iter()
+            .flat_map(|b| b.tensors.iter())
+            .filter(|t| t.trainable)
+            .map(|t| self.slice(t.elems))
+            .sum()
+    }
+
+    /// The weights this rank holds through the step: ZeRO-2, the whole weights
+    /// (`whole_bytes`) and the optimizer's copy of its slice of the trainable ones; ZeRO-3,
+    /// its slice of every tensor (a quantized base's blocks pro rata, rounded up), what the
+    /// blocks hold besides their parameters (a DPO reference copy, kept whole), and the two
+    /// largest blocks' weights whole: the layer being computed and the next one, prefetched.
+    pub fn weight_bytes(&self, blocks: &[&Block], dims: &StepDims, whole_bytes: u64) -> u64 {
+        match self.mode {
+            ShardMode::GradientsAndOptimizer => {
+                whole_bytes + self.trainable_elems(blocks) * dims.weight_bytes
+            }
+            ShardMode::Everything => {
+                let params = |b: &Block| b.tensors.iter().map(|t| t.bytes).sum::<u64>();
+                let sliced: u64 = blocks
+                    .iter()
+                    .flat_map(|b| b.tensors.iter())
+                    .filter(|t| t.elems > 0)
+                    .map(|t| (t.bytes * self.slice(t.elems)).div_ceil(t.elems))
+                    .sum();
+                let besides: u64 = blocks
+                    .iter()
+                    .map(|b| b.memory.weights_bytes.saturating_sub(params(b)))
+                    .sum();
+                let mut per_block: Vec<u64> = blocks.iter().map(|b| params(b)).collect();
+                per_block.sort_unstable_by(|a, b| b.cmp(a));
+                let gathered: u64 = per_block.iter().take(2).sum();
+                sliced + besides + gathered
+            }
+        }
+    }
+
+    /// The reduce-scatter's staging: one other rank's slice of one tensor at a time, at most
+    /// the fullest rank's slice (rank 0's) of the largest trainable tensor, in the gradients'
+    /// dtype.
+    pub fn reduce_scatter_bytes(&self, dims: &StepDims, largest_trainable: u64) -> u64 {
+        shard_elems(largest_trainable, 0, self.ranks) * dims.grad_bytes
+    }
+
+    /// The all-gather after the update: ZeRO-2 gathers the updated slices into the whole
+    /// weights one tensor at a time (the largest trainable tensor, in the weights' dtype);
+    /// ZeRO-3 gathers nothing then (the weights stay sliced).
+    pub fn all_gather_bytes(&self, dims: &StepDims, largest_trainable: u64) -> u64 {
+        match self.mode {
+            ShardMode::GradientsAndOptimizer => largest_trainable * dims.weight_bytes,
+            ShardMode::Everything => 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slices_cover_the_tensor_and_earlier_ranks_take_the_extra_elements() {
+        for (n, ranks) in [(0u64, 2u64), (1, 2), (7, 2), (10, 3), (11, 4), (4096, 8)] {
+            let lens: Vec<u64> = (0..ranks).map(|r| shard_elems(n, r, ranks)).collect();
+            assert_eq!(lens.iter().sum::<u64>(), n, "{n} over {ranks}");
+            assert!(lens.windows(2).all(|w| w[0] >= w[1] && w[0] - w[1] <= 1));
+            assert_eq!(lens[0], n.div_ceil(ranks), "rank 0 is the fullest");
+        }
+        assert_eq!(shard_elems(7, 0, 2), 4);
+        assert_eq!(shard_elems(7, 1, 2), 3);
+    }
+}
