@@ -1,4 +1,4 @@
-//! Command-line front end: `tunestudio [gui] | train | plan | preview | devices | bench | generate | export`.
+//! Command-line front end: `tunestudio [gui] | train | plan | preview | devices | bench | generate | export | launch`.
 //!
 //! Each subcommand lives in its own file and renders what the library returns;
 //! the library itself never prints.
@@ -11,6 +11,7 @@ pub mod devices;
 pub mod export;
 pub mod generate;
 pub mod hub_progress;
+pub mod launch;
 pub mod plan;
 pub mod preview;
 pub mod preview_pairs;
@@ -43,6 +44,8 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// Write a run checkpoint as a PEFT adapter, a merged model or a full model folder.
     Export(export::ExportArgs),
+    /// Check a torchrun or Slurm launch: join the rendezvous and print each rank's place.
+    Launch(launch::LaunchArgs),
 }
 
 /// Runs the parsed command line.
@@ -63,6 +66,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Some(Command::Bench(args)) => bench::run(args),
         Some(Command::Generate(args)) => generate::run(args),
         Some(Command::Export(args)) => export::run(args),
+        Some(Command::Launch(args)) => launch::run(args),
     }
 }
 

@@ -69,8 +69,54 @@ struct Outcome {
     out_of_memory_with_checkpoint: bool,
 }
 
-/// Runs `tunestudio train`.
+/// Runs `tunestudio train`: alone, or as one rank of a torchrun or Slurm launch, which
+/// first meets the other ranks at the rendezvous (docs/multi-node.md).
 pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
+    let Some(rendezvous) = super::launch::join_from_env()? else {
+        return train_alone(args);
+    };
+    if let Err(message) = trainable_world(rendezvous.spec()) {
+        // Every rank reaches the same verdict, but the abort makes sure none waits on a rank
+        // that already stopped.
+        rendezvous.abort(&message);
+        anyhow::bail!(message);
+    }
+    // Another rank's failure, or its disappearance, ends this process: a rank blocked in a
+    // collective waits for the missing rank forever otherwise.
+    rendezvous.watch(|reason| {
+        eprintln!("error: {reason}");
+        std::process::exit(1);
+    })?;
+    let result = train_alone(args);
+    match &result {
+        Ok(code) if *code == ExitCode::SUCCESS => rendezvous.finish(),
+        Ok(_) => rendezvous.abort("its training run failed (see its log)"),
+        Err(e) => rendezvous.abort(&format!("{e:#}")),
+    }
+    result
+}
+
+/// Whether this build trains the launched world. A world of one rank is the ordinary run (it
+/// writes every output, as rank 0). More ranks need NCCL, and the trainer does not drive a
+/// communicator across processes yet (docs/multi-node.md, "What remains").
+fn trainable_world(spec: &tunestudio::devices::launch::WorldSpec) -> Result<(), String> {
+    if spec.world_size == 1 {
+        return Ok(());
+    }
+    if !cfg!(feature = "nccl") {
+        return Err(format!(
+            "a run over {} ranks needs NCCL, and this build has no `nccl` feature: build              tunestudio with `--features cuda,nccl` (scripts/build-cuda.sh) for the GPU machines,              or launch a world of one rank",
+            spec.world_size
+        ));
+    }
+    Err(format!(
+        "a run over {} ranks is not wired into the trainer yet: `tunestudio launch check`          checks the launch, and one process can train on every GPU of one machine          (strategy = \"data-parallel\")",
+        spec.world_size
+    ))
+}
+
+/// Runs `tunestudio train` in this process.
+fn train_alone(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let mut config = RunConfig::load(&args.config)?;
     if let Some(n) = args.max_steps {
         config.training.max_steps = Some(n);

@@ -14,6 +14,8 @@
 //! * [`parse`] — a `[devices]` entry (`cpu`, `cuda:1`) opened as a candle device.
 //! * [`sampler`] — a background thread sampling every used device's memory at
 //!   2–5 Hz for the live memory chart.
+//! * [`launch`] — one rank of a run started by torchrun or Slurm: the launcher's
+//!   environment, and the TCP rendezvous that hands every rank the NCCL id.
 //! * [`check`] — the device checks `tunestudio devices --check` runs (on a GPU
 //!   machine through `scripts/gpu-check.sh`, or on the CPU with `--cpu`).
 //!
@@ -24,6 +26,7 @@ pub mod check;
 pub mod cuda_pool;
 pub mod discovery;
 mod dry_run;
+pub mod launch;
 pub mod nvml;
 pub mod parallel;
 pub mod parse;

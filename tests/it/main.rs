@@ -32,6 +32,7 @@ mod gui_window;
 mod headless;
 mod hub_download;
 mod infer_generate;
+mod launch;
 mod layering;
 mod model_generic;
 mod model_io;
