@@ -111,7 +111,11 @@ fn gpu_check_script_passes_in_cpu_mode() {
     assert_eq!(split["placement"].as_array().unwrap().len(), 2, "{split}");
     assert!(split["worst_abs_loss_diff"].as_f64().unwrap() <= 1e-5);
     for strategy in ["data-parallel", "sharded"] {
-        assert_eq!(step(strategy)["figures"][strategy]["ranks"], 2, "{strategy}");
+        assert_eq!(
+            step(strategy)["figures"][strategy]["ranks"],
+            2,
+            "{strategy}"
+        );
     }
     let resume = &step("resume")["figures"]["resume"];
     assert_eq!(resume["start_step"], 2, "{resume}");

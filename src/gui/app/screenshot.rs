@@ -55,8 +55,16 @@ impl StudioApp {
         // Start the demo once the background jobs are done and the plan is of the current
         // settings, so the memory chart has the predicted peak a user sees (with the Preview
         // scan's trained tokens, not the every-position bound planned before the scan ends).
+        // A loaded config's Preview scan starts a frame after the config arrives, so "no job in
+        // flight" alone can fall between the two (seen under load: the run started on the
+        // every-position plan, +24 % over its peak); an SFT or preference plan waits for the
+        // scan's trained tokens, for 20 s at most (packing never has them).
+        let scanned = super::plan_key(&self.session, &self.panels)
+            .is_some_and(|k| k.trained_tokens.is_some() || k.config.training.method.is_grpo())
+            || elapsed > Duration::from_secs(20);
         if shot.train_steps.is_some()
             && self.panels.run.live.phase == RunPhase::Idle
+            && scanned
             && self.jobs.in_flight() == 0
             && !self.panels.devices.plan.loading
             && self.panels.devices.plan.plan.is_some()
