@@ -55,13 +55,7 @@ impl StudioApp {
         // Start the demo once the background jobs are done and the plan is of the current
         // settings, so the memory chart has the predicted peak a user sees (with the Preview
         // scan's trained tokens, not the every-position bound planned before the scan ends).
-        // A loaded config's Preview scan starts a frame after the config arrives, so "no job in
-        // flight" alone can fall between the two (seen under load: the run started on the
-        // every-position plan, +24 % over its peak); an SFT or preference plan waits for the
-        // scan's trained tokens, for 20 s at most (packing never has them).
-        let scanned = super::plan_key(&self.session, &self.panels)
-            .is_some_and(|k| k.trained_tokens.is_some() || k.config.training.method.is_grpo())
-            || elapsed > Duration::from_secs(20);
+        let scanned = plan_has_the_scan(&self.session, &self.panels, elapsed);
         if shot.train_steps.is_some()
             && self.panels.run.live.phase == RunPhase::Idle
             && scanned
@@ -159,4 +153,19 @@ pub fn save_png(path: &Path, img: &egui::ColorImage) -> Result<(), String> {
     }
     image::save_buffer(path, &raw, w as u32, h as u32, image::ColorType::Rgba8)
         .map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// Whether the plan is the one a user sees once the Preview has scanned the data: a
+/// loaded config's scan starts a frame after the config arrives, so "no job in flight"
+/// alone can fall between the two (seen under load: the demo run started on the
+/// every-position plan, +24 % over its peak). An SFT or preference plan waits for the
+/// scan's trained tokens, 20 s at most (packing never has them).
+fn plan_has_the_scan(
+    session: &crate::gui::session::Session,
+    panels: &crate::gui::panels::Panels,
+    elapsed: Duration,
+) -> bool {
+    super::plan_key(session, panels)
+        .is_some_and(|k| k.trained_tokens.is_some() || k.config.training.method.is_grpo())
+        || elapsed > Duration::from_secs(20)
 }
