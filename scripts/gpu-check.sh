@@ -14,6 +14,8 @@
 #   data-parallel          2 ranks on 2 streams of the GPU (the host reducer) against one device on the whole batch
 #   sharded                ZeRO-2 over 2 streams of the GPU (host reduce-scatter and all-gather) against one device
 #   nccl-one-rank          NCCL communicator of one rank + all-reduce (GPU only)
+#   launcher               `train` as rank 0 of a world of one under torchrun's environment (the rendezvous
+#                          with itself) against the one-device reference
 #   resume                 4 steps, checkpoint at 2, resumed: the losses of the uninterrupted run (1e-6)
 #   optimizer-offload      `optimizer_offload = "host"` trains as the state on the device does (1e-5)
 #   out-of-memory          a real out-of-memory (a random-init run the plan puts above the card) ends in a
@@ -35,7 +37,7 @@ RUN_TORCH=1
 ONLY=""
 BUDGET=""
 KEEP_WORK=0
-ALL_STEPS=(parity-fp32 parity-bf16 memory-plan layer-split data-parallel sharded nccl-one-rank resume
+ALL_STEPS=(parity-fp32 parity-bf16 memory-plan layer-split data-parallel sharded nccl-one-rank launcher resume
            optimizer-offload out-of-memory qlora throughput-vs-pytorch)
 
 usage() {
@@ -459,6 +461,20 @@ step_nccl_one_rank() {
 
 # Resume on the device: the reference's checkpoint of step 2 (a copy of its folder), resumed to
 # step 4, against the uninterrupted steps 3 and 4.
+# `tunestudio train` started as torchrun starts a rank (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+# MASTER_PORT): a world of one joins the rendezvous with itself and trains as rank 0, writing
+# every output; its losses are the one-device reference's. (A world of more ranks needs the
+# trainer's cross-process NCCL path, not built yet: docs/multi-node.md.)
+step_launcher() {
+  ensure_ref || return
+  local dir="$WORK/launcher"
+  rm -rf "$dir"; cfg_reset; C_SAVE_EVERY=2; cfg_write "$dir"
+  RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 train "$dir" ||
+    { fail_train "$dir" "the run as rank 0 of a world of one"; return; }
+  gc_py compare --tol 1e-6 --steps 4 \
+    "launcher=$dir/out/metrics.jsonl:$WORK/ref/out/metrics.jsonl"
+}
+
 step_resume() {
   ensure_ref || return
   local dir="$WORK/resume"
@@ -577,6 +593,7 @@ run_step layer-split 35 step_layer_split
 run_step data-parallel 30 step_data_parallel
 run_step sharded 20 step_sharded
 run_step nccl-one-rank 15 step_nccl_one_rank
+run_step launcher 15 step_launcher
 run_step resume 20 step_resume
 run_step optimizer-offload 25 step_optimizer_offload
 run_step out-of-memory 60 step_out_of_memory

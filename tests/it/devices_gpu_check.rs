@@ -6,7 +6,7 @@
 use std::process::Command;
 
 /// The steps of the GPU check, in order (docs/gpu-check.md).
-const STEPS: [&str; 12] = [
+const STEPS: [&str; 13] = [
     "parity-fp32",
     "parity-bf16",
     "memory-plan",
@@ -14,6 +14,7 @@ const STEPS: [&str; 12] = [
     "data-parallel",
     "sharded",
     "nccl-one-rank",
+    "launcher",
     "resume",
     "optimizer-offload",
     "out-of-memory",
@@ -68,6 +69,7 @@ fn gpu_check_script_passes_in_cpu_mode() {
         "layer-split",
         "data-parallel",
         "sharded",
+        "launcher",
         "resume",
         "optimizer-offload",
         "out-of-memory",
