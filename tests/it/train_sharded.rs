@@ -206,6 +206,42 @@ fn each_sharded_rank_holds_half_of_data_parallels_optimizer_state() {
     );
 }
 
+/// The plan's weights, master weights and AdamW state of each sharded rank are what the
+/// trainer's tensors hold on that rank (counted from the tensors themselves), within 3 %: the
+/// whole weights, the range each rank updates and its moments.
+#[test]
+fn each_sharded_ranks_state_is_the_planned_state() {
+    let tmp = tempfile::tempdir().unwrap();
+    for devices in [&["cpu:0", "cpu:1"][..], &["cpu:0", "cpu:1", "cpu:2"][..]] {
+        let c = config(
+            &tmp.path().join(format!("ranks-{}", devices.len())),
+            6,
+            devices,
+            false,
+        );
+        let plan = tunestudio::plan::plan(&tunestudio::train::local_plan_request(&c).unwrap())
+            .unwrap();
+        let run = TrainingRun::new(c).unwrap();
+        let held: Vec<u64> = std::iter::once(run.tensor_bytes())
+            .chain(run.replica_tensor_bytes())
+            .map(|b| b.weights_bytes + b.optimizer_bytes)
+            .collect();
+        assert_eq!(held.len(), devices.len());
+        for (rank, (held, planned)) in held.iter().zip(&plan.per_device).enumerate() {
+            let planned = planned.weights_bytes
+                + planned.master_weights_bytes
+                + planned.optimizer_states_bytes;
+            let err = (planned as f64 - *held as f64) / *held as f64;
+            println!(
+                "{} ranks, rank {rank}: {held} B held, {planned} B planned ({:+.2} %)",
+                devices.len(),
+                100.0 * err
+            );
+            assert!(err.abs() <= 0.03, "rank {rank}: {held} vs planned {planned}");
+        }
+    }
+}
+
 /// `shard = "everything"` (ZeRO-3) is planned but not trained yet: `tunestudio train` refuses
 /// it by its setting, with the setting that works, before loading anything.
 #[test]
