@@ -219,8 +219,8 @@ fn each_sharded_ranks_state_is_the_planned_state() {
             devices,
             false,
         );
-        let plan = tunestudio::plan::plan(&tunestudio::train::local_plan_request(&c).unwrap())
-            .unwrap();
+        let plan =
+            tunestudio::plan::plan(&tunestudio::train::local_plan_request(&c).unwrap()).unwrap();
         let run = TrainingRun::new(c).unwrap();
         let held: Vec<u64> = std::iter::once(run.tensor_bytes())
             .chain(run.replica_tensor_bytes())
@@ -237,7 +237,10 @@ fn each_sharded_ranks_state_is_the_planned_state() {
                 devices.len(),
                 100.0 * err
             );
-            assert!(err.abs() <= 0.03, "rank {rank}: {held} vs planned {planned}");
+            assert!(
+                err.abs() <= 0.03,
+                "rank {rank}: {held} vs planned {planned}"
+            );
         }
     }
 }
