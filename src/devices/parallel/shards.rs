@@ -143,17 +143,20 @@ pub fn host_reduce_scatter(
             }
             let mut sum: Option<Placed> = None;
             for g in whole.iter().flatten() {
-                let part = Placed::new(
+                let range_of_g = Placed::new(
                     g.tensor()
                         .flatten_all()?
                         .narrow(0, range.start, range.len())?,
                     g.owner(),
-                )
-                .to(home)?;
+                );
+                let shares = range_of_g.transfer_shares_storage(home);
+                let part = range_of_g.to(home)?;
                 sum = Some(match sum {
                     Some(s) => s.add(&part, "the sharded gradient sum")?,
-                    // A copy, so the range holds no view into a whole gradient (it is freed).
-                    None => Placed::new(part.tensor().copy()?, r),
+                    // A view would keep the whole gradient alive: copy it (a transfer has
+                    // already made one).
+                    None if shares => Placed::new(part.tensor().copy()?, r),
+                    None => part,
                 });
             }
             if let Some(sum) = sum {
