@@ -100,7 +100,8 @@ pub enum HeadLoss {
     /// [`PlanRequest::trained_tokens`] (counts of SFT samples) does not apply.
     FullLogits,
     /// GRPO: every prompt runs as `generations` rows (its sampled completions), whose
-    /// log-probabilities come from the full logits as for [`HeadLoss::FullLogits`].
+    /// log-probabilities come from the head on the completion positions only, a chunk of
+    /// rows at a time (`model::grpo::model_completion_logps`).
     Completions {
         /// Completions per prompt (`[grpo] num_generations`).
         generations: usize,
@@ -111,9 +112,10 @@ pub enum HeadLoss {
 }
 
 impl HeadLoss {
-    /// Whether the f32 logits of every position exist at once (preference and GRPO).
+    /// Whether the f32 logits of every position exist at once (preference pairs; GRPO's head
+    /// runs chunk by chunk, as SFT's loss does).
     pub fn is_full_logits(self) -> bool {
-        !matches!(self, HeadLoss::Chunked)
+        matches!(self, HeadLoss::FullLogits)
     }
 
     /// Positions of a `seq_len`-token row whose f32 logits the loss holds (full-logits heads):
@@ -247,6 +249,11 @@ impl PlanRequest {
             // Every position of every row, the last one included.
             return self.micro_batch * self.planned_seq_len();
         }
+        if let HeadLoss::Completions { .. } = self.head_loss {
+            // GRPO: every completion position of every row (full-length completions: the
+            // upper bound a sampled step can reach).
+            return self.micro_batch * self.head_loss.logit_positions(self.planned_seq_len());
+        }
         let rows = self.micro_batch * self.planned_seq_len().saturating_sub(1);
         self.trained_tokens
             .as_ref()
@@ -332,7 +339,7 @@ impl PlanRequest {
             HeadLoss::Completions {
                 completion_tokens, ..
             } => s.push_str(&format!(
-                ", loss on the full logits of {completion_tokens} completion positions (GRPO)"
+                ", loss on {completion_tokens} completion positions, chunked (GRPO)"
             )),
         }
         match self.reference {

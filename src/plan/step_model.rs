@@ -67,7 +67,7 @@ pub use transients::{
 };
 
 use graph_layer::{layer_backward_peak, layer_kept_full, layer_residue};
-use head::{full_logits_head_terms, fused_head_terms, generic_head_terms};
+use head::{completions_head_terms, full_logits_head_terms, fused_head_terms, generic_head_terms};
 use native_layer::{bf16_pack_bytes, native_layer_terms};
 
 /// A block of the model, in forward order.
@@ -174,8 +174,8 @@ pub struct StepDims {
     /// every token for preference pairs, the completions' for GRPO.
     pub logit_positions: u64,
     /// GRPO's head ([`super::HeadLoss::Completions`]): the completion positions' hidden rows
-    /// are cut out (a copy) and the logits divided by the temperature (one more logits-sized
-    /// tensor in the graph, and its gradient).
+    /// are cut out (a copy), divided by the temperature, and go through the loss's chunked
+    /// op (see `head::completions_head_terms`).
     pub sampled_logits: bool,
 }
 
@@ -469,6 +469,7 @@ pub fn block_terms(d: &StepDims, kind: BlockKind) -> BlockTerms {
                 }
             }
         }
+        BlockKind::Head if d.sampled_logits => completions_head_terms(d),
         BlockKind::Head if d.full_logits => full_logits_head_terms(d),
         BlockKind::Head if d.generic_ops => generic_head_terms(d),
         BlockKind::Head => fused_head_terms(d),

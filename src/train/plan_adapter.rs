@@ -73,8 +73,8 @@ pub fn plan_request(
     // cut at the pair's prompt + completion lengths, and its loss holds the full logits of
     // every row (`model::preference::model_sequence_logps`), not the chunked SFT loss.
     // A GRPO micro-step runs `num_generations` rows per prompt, cut at the prompt + completion
-    // lengths; its log-probabilities hold the logits of the completion positions at once
-    // (`model::grpo::model_completion_logps`), planned as full logits (an upper bound).
+    // lengths; its log-probabilities go through the SFT loss's chunked head op on the
+    // completion positions (`model::grpo::model_completion_logps`), planned at full length.
     let head_loss = head_loss(config);
     PlanRequest {
         model,

@@ -6,12 +6,13 @@ use super::matmul::{sgemm, sgemm_new, MatRef};
 use super::simd::narrow_par;
 use super::{
     composite, contiguous_slice, cpu_storage_to_tensor, dispatch_float, exp_shift_sum,
-    exp_shift_sum_in_place, fast_exp, min_rows_per_task, row_max, use_fused, with_cpu, Elem,
+    exp_shift_sum_dot, exp_shift_sum_in_place, fast_exp, min_rows_per_task, row_max, use_fused,
+    with_cpu, Elem,
 };
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
 use rayon::prelude::*;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// Label value whose row is ignored (no loss, no gradient), as in PyTorch / transformers.
 /// The crate's one definition: the loss gives it its meaning; `model::IGNORE_INDEX` and
@@ -223,6 +224,24 @@ pub(crate) fn linear_cross_entropy_with_sink(
     chunk_rows: usize,
     sink: Option<WeightGradSink>,
 ) -> Result<(Tensor, Tensor)> {
+    linear_cross_entropy_fused(hidden, weight, labels, chunk_rows, sink, None)
+}
+
+/// Where the fused op writes each row's entropy of `softmax(hidden @ weightᵀ)` (0 for an
+/// ignored row), computed in the forward's pass over the logits: GRPO's `entropy` metric,
+/// without a second pass over the head.
+pub(crate) type EntropySink = Arc<Mutex<Option<Vec<f32>>>>;
+
+/// [`linear_cross_entropy_with_sink`], also writing each row's entropy to `entropies` when
+/// the fused kernel runs (the composite fallback leaves it `None`).
+pub(crate) fn linear_cross_entropy_fused(
+    hidden: &Tensor,
+    weight: &Tensor,
+    labels: &[i64],
+    chunk_rows: usize,
+    sink: Option<WeightGradSink>,
+    entropies: Option<EntropySink>,
+) -> Result<(Tensor, Tensor)> {
     let (n, h) = hidden.dims2().map_err(|_| {
         candle_core::Error::Msg(format!(
             "linear_cross_entropy: hidden must be [rows, hidden_size], got shape {:?}; flatten batch and time first",
@@ -293,6 +312,7 @@ pub(crate) fn linear_cross_entropy_with_sink(
             saved: Mutex::new(None),
             sink,
             weight_dtype,
+            entropies,
         },
     )?;
     let sum = per_row.sum_all()?;
@@ -318,6 +338,8 @@ struct LinearCrossEntropy {
     /// The dtype of the weight the caller passed (the op computes on its f32 cast, or on the
     /// bf16 weight itself on a bf16 kernel's path).
     weight_dtype: DType,
+    /// Where the forward writes each row's entropy, when asked.
+    entropies: Option<EntropySink>,
 }
 
 /// The `[v, h]` weight as a strided view (contiguous or transposed-contiguous storage).
@@ -449,6 +471,12 @@ impl CustomOp2 for LinearCrossEntropy {
         let v = w.vocab();
         let mut loss = vec![0f32; n];
         let mut lse = vec![0f32; n];
+        let want_entropy = self.entropies.is_some();
+        let mut entropy = if want_entropy {
+            vec![0f32; n]
+        } else {
+            Vec::new()
+        };
         let mut last_chunk = None;
         if !self.active.is_empty() && v > 0 {
             let c_max = self.chunk_rows.min(self.active.len());
@@ -460,7 +488,7 @@ impl CustomOp2 for LinearCrossEntropy {
                 let mut logits = w.logits(hc, c, h)?;
                 let keep = ci + 1 == n_chunks;
                 // Per row: lse, loss; for the kept chunk turn the logits into probabilities.
-                let results: Vec<(f32, f32)> = logits[..c * v]
+                let results: Vec<(f32, f32, f32)> = logits[..c * v]
                     .par_chunks_mut(v)
                     .with_min_len(min_rows_per_task(v))
                     .zip(rows.par_iter())
@@ -468,27 +496,38 @@ impl CustomOp2 for LinearCrossEntropy {
                         let label = self.labels[r] as usize;
                         let target = row[label];
                         let max = row_max(row);
-                        let sum = if keep {
-                            let sum = exp_shift_sum_in_place(row, max);
+                        let (sum, dot) = if want_entropy {
+                            exp_shift_sum_dot(row, max, keep)
+                        } else if keep {
+                            (exp_shift_sum_in_place(row, max), 0.0)
+                        } else {
+                            (exp_shift_sum(row, max), 0.0)
+                        };
+                        if keep {
                             let inv = 1.0 / sum;
                             for x in row.iter_mut() {
                                 *x *= inv;
                             }
-                            sum
-                        } else {
-                            exp_shift_sum(row, max)
-                        };
+                        }
                         let l = max + sum.ln();
-                        (l, l - target)
+                        (l, l - target, sum.ln() - dot / sum)
                     })
                     .collect();
-                for (&r, (l, lo)) in rows.iter().zip(results) {
+                for (&r, (l, lo, h)) in rows.iter().zip(results) {
                     lse[r] = l;
                     loss[r] = lo;
+                    if want_entropy {
+                        entropy[r] = h;
+                    }
                 }
                 if keep {
                     last_chunk = Some((ci * c_max, logits));
                 }
+            }
+        }
+        if let Some(sink) = &self.entropies {
+            if let Ok(mut out) = sink.lock() {
+                *out = Some(entropy);
             }
         }
         if let Ok(mut saved) = self.saved.lock() {

@@ -354,10 +354,15 @@ pub(crate) fn frozen_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 struct LinearCrossEntropy {
     labels: Tensor,
     chunk: usize,
+    /// Each row's loss `[n]` instead of their sum (GRPO weighs every token by its own
+    /// gradient, which the backward then takes row by row).
+    per_row: bool,
     /// Whether `w` gets a gradient (false for a LoRA-frozen head).
     w_grad: bool,
     /// Per-row log-sum-exp, written by the forward.
     lse: Mutex<Option<Tensor>>,
+    /// Where the forward writes each row's entropy `[n]`, when asked (GRPO's metric).
+    entropies: Option<std::sync::Arc<Mutex<Option<Tensor>>>>,
 }
 
 impl LinearCrossEntropy {
@@ -382,17 +387,36 @@ impl TensorOp for LinearCrossEntropy {
     fn forward(&self, xs: &[Tensor]) -> Result<Tensor> {
         let (rows, w) = (&xs[0], &xs[1]);
         let mut lses = Vec::new();
+        let mut losses = Vec::new();
+        let mut entropies = Vec::new();
         let mut total = Tensor::zeros((), DType::F32, rows.device())?;
         for (start, len) in self.chunks(rows.dim(0)?) {
             let z = Self::logits(rows, w, start, len)?;
             let lse = r::logsumexp_rows(&z)?;
+            if self.entropies.is_some() {
+                // H = lse − Σ softmax(z)·z.
+                let p = z.broadcast_sub(&lse.unsqueeze(1)?)?.exp()?;
+                entropies.push((&lse - p.mul(&z)?.sum(1)?)?);
+            }
             let labels = self.labels.narrow(0, start, len)?.unsqueeze(1)?;
             let picked = z.gather(&labels.contiguous()?, 1)?.squeeze(1)?;
-            total = (total + (&lse - picked)?.sum_all()?)?;
+            let loss = (&lse - picked)?;
+            if self.per_row {
+                losses.push(loss);
+            } else {
+                total = (total + loss.sum_all()?)?;
+            }
             lses.push(lse);
         }
         *lock(&self.lse) = Some(Tensor::cat(&lses, 0)?);
-        Ok(total)
+        if let Some(out) = &self.entropies {
+            *lock(out) = Some(Tensor::cat(&entropies, 0)?);
+        }
+        if self.per_row {
+            Tensor::cat(&losses, 0)
+        } else {
+            Ok(total)
+        }
     }
 
     fn backward(&self, xs: &[Tensor], _out: &Tensor, grad: &Tensor) -> Result<Vec<Option<Tensor>>> {
@@ -414,7 +438,11 @@ impl TensorOp for LinearCrossEntropy {
             let minus_one = Tensor::full(-1f32, (len, 1), rows.device())?;
             let dz = p.scatter_add(&labels.contiguous()?, &minus_one, 1)?;
             drop(p);
-            let scaled = dz.broadcast_mul(&grad)?;
+            let scaled = if self.per_row {
+                dz.broadcast_mul(&grad.narrow(0, start, len)?.unsqueeze(1)?)?
+            } else {
+                dz.broadcast_mul(&grad)?
+            };
             drop(dz);
             let dz = scaled.to_dtype(w.dtype())?;
             drop(scaled);
@@ -451,8 +479,38 @@ pub(crate) fn linear_cross_entropy(
     let op = LinearCrossEntropy {
         labels: labels.detach(),
         chunk,
+        per_row: false,
         w_grad: w_trainable,
         lse: Mutex::new(None),
+        entropies: None,
+    };
+    apply2(op, &rows.contiguous()?, w)
+}
+
+/// [`linear_cross_entropy`] row by row: `[n]` f32, each row differentiable on its own; with
+/// `entropies`, the forward also writes each row's entropy `[n]` there (detached).
+pub(crate) fn linear_cross_entropy_rows(
+    rows: &Tensor,
+    w: &Tensor,
+    labels: &Tensor,
+    chunk: usize,
+    w_trainable: bool,
+    entropies: Option<std::sync::Arc<Mutex<Option<Tensor>>>>,
+) -> Result<Tensor> {
+    if rows.dim(0)? != labels.dim(0)? {
+        bail!(
+            "linear cross-entropy: {} rows but {} labels",
+            rows.dim(0)?,
+            labels.dim(0)?
+        )
+    }
+    let op = LinearCrossEntropy {
+        labels: labels.detach(),
+        chunk,
+        per_row: true,
+        w_grad: w_trainable,
+        lse: Mutex::new(None),
+        entropies,
     };
     apply2(op, &rows.contiguous()?, w)
 }

@@ -29,7 +29,9 @@ mod softmax;
 
 pub(crate) use cast::to_f32;
 pub use cross_entropy::{cross_entropy_rows, linear_cross_entropy, IGNORE_INDEX};
-pub(crate) use cross_entropy::{linear_cross_entropy_with_sink, WeightGradSink};
+pub(crate) use cross_entropy::{
+    linear_cross_entropy_fused, linear_cross_entropy_with_sink, EntropySink, WeightGradSink,
+};
 pub use frozen_linear::frozen_linear;
 pub use rms_norm::rms_norm;
 pub use rope::rope;
@@ -379,6 +381,37 @@ pub(crate) fn exp_shift_sum_in_place_body(row: &mut [f32], shift: f32) -> f32 {
         s += e;
     }
     s
+}
+
+/// `(Σ e, Σ e·d)` over `row` with `d = v − shift` and `e = exp(d)`; with `write` each `v`
+/// becomes its `e`. The two sums give a row's entropy without another pass over its logits:
+/// `H = −Σ p log p = ln Σe − (Σ e·d) / Σe`, as `log p = d − ln Σe`.
+#[inline]
+pub(crate) fn exp_shift_sum_dot(row: &mut [f32], shift: f32, write: bool) -> (f32, f32) {
+    let (mut sums, mut dots) = ([0f32; 8], [0f32; 8]);
+    let mut chunks = row.chunks_exact_mut(8);
+    for c in &mut chunks {
+        for ((s, t), v) in sums.iter_mut().zip(dots.iter_mut()).zip(c.iter_mut()) {
+            let d = *v - shift;
+            let e = fast_exp(d);
+            *s += e;
+            *t += e * d;
+            if write {
+                *v = e;
+            }
+        }
+    }
+    let (mut sum, mut dot): (f32, f32) = (sums.iter().sum(), dots.iter().sum());
+    for v in chunks.into_remainder() {
+        let d = *v - shift;
+        let e = fast_exp(d);
+        sum += e;
+        dot += e * d;
+        if write {
+            *v = e;
+        }
+    }
+    (sum, dot)
 }
 
 /// `sum(exp(v - shift))` over `row` without writing (8 lanes, vectorises).

@@ -76,6 +76,37 @@ pub(super) fn full_logits_head_terms(d: &StepDims) -> BlockTerms {
     }
 }
 
+/// GRPO's head (`model::grpo::model_completion_logps`): the completion positions' hidden rows
+/// `[P, h]` (P = [`StepDims::logit_positions`]) are cut out of the final norm's output (a copy
+/// the graph keeps) and divided by the temperature (another; none at 1, counted anyway: a
+/// few MB), then go through the SFT head's loss op, each row's loss on its own (fused on the
+/// CPU, generic elsewhere), which also gives each row's entropy: the SFT head's terms with the
+/// P rows as its rows, all of them trained (the plan takes full-length completions). The
+/// reference's and the old policy's passes run the same op without a graph, before it.
+///
+/// Before the chunked head (2026-12-05) the whole batch's f32 logits existed at once, about
+/// eleven logits-sized tensors: the G 16 × 512-token demo step planned 18.1 GiB.
+pub(super) fn completions_head_terms(d: &StepDims) -> BlockTerms {
+    let positions = d.logit_positions;
+    // The op sees the P cut rows as one row of P + 1 positions (so no `hidden[:, :-1]` copy:
+    // the cut is its own copy, counted below).
+    let rows = StepDims {
+        micro_batch: 1,
+        seq_len: positions + 1,
+        loss_rows: positions,
+        full_logits: false,
+        ..d.clone()
+    };
+    let mut terms = if d.generic_ops {
+        generic_head_terms(&rows)
+    } else {
+        fused_head_terms(&rows)
+    };
+    // The cut and scaled rows; per position the log-probability, entropy, mask and label.
+    terms.kept_bytes += 2 * positions * d.hidden * d.act_bytes + positions * 4 * 4;
+    terms
+}
+
 /// Logits-sized f32 tensors of a full-logits head: (kept by the graph after the forward, added
 /// at the backward's peak). GRPO's temperature scaling adds one of each.
 pub(crate) fn full_logits_tensors(d: &StepDims) -> (u64, u64) {
