@@ -105,6 +105,7 @@ impl StepComponents {
         let resident = self.weights_bytes + self.optimizer_bytes;
         let forward = self.activations_bytes + self.logits_and_loss_bytes;
         match phase {
+            StepPhase::Generation => resident,
             StepPhase::Forward => {
                 resident
                     + forward
@@ -163,10 +164,11 @@ impl ComponentSet {
             deficit -= taken;
             bytes - taken
         };
-        let forward = self.peak_phase != StepPhase::OptimizerStep;
+        let sampling = self.peak_phase == StepPhase::Generation;
+        let forward = self.peak_phase != StepPhase::OptimizerStep && !sampling;
         let gradients = take(
             s.gradients_bytes,
-            self.peak_phase != StepPhase::Forward || s.accumulating,
+            !sampling && (self.peak_phase != StepPhase::Forward || s.accumulating),
         );
         let activations = take(s.activations_bytes, forward);
         let logits = take(s.logits_and_loss_bytes, forward);

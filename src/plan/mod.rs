@@ -27,6 +27,7 @@ mod device;
 mod dry_run;
 mod estimate;
 mod fit;
+mod generation;
 mod gpu_catalog;
 mod outcome;
 pub mod placement;

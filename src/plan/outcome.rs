@@ -8,6 +8,9 @@ use super::*;
 /// `train/error.rs`.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
 pub enum StepPhase {
+    /// GRPO's rollouts, before the forward: the policy's weights, a group's KV cache and a
+    /// decode step's logits, no graph (`plan/generation.rs`).
+    Generation,
     /// The forward pass and the loss (the autograd graph grows).
     Forward,
     /// The backward pass (graph alive, gradients being produced).
@@ -19,6 +22,7 @@ pub enum StepPhase {
 impl fmt::Display for StepPhase {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
+            StepPhase::Generation => "generation",
             StepPhase::Forward => "forward",
             StepPhase::Backward => "backward",
             StepPhase::OptimizerStep => "optimizer step",

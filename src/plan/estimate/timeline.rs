@@ -130,11 +130,14 @@ pub(super) fn device_timeline(
     share: Option<RankShare>,
 ) -> Timeline {
     let h = held_blocks(costs, dims, req, held, tied_head_copy, share);
-    let moments = [
+    let mut moments = vec![
         (StepPhase::Forward, forward_peak(&h, dims, req)),
         (StepPhase::Backward, backward_peak(&h, dims)),
         (StepPhase::OptimizerStep, optimizer_peak(&h, dims, req)),
     ];
+    if let Some(generation) = generation_peak(&h, dims, req) {
+        moments.insert(0, (StepPhase::Generation, generation));
+    }
     let phases = moments.iter().map(|(s, p)| (*s, p.total())).collect();
     let (peak_phase, parts) =
         moments
@@ -153,6 +156,24 @@ pub(super) fn device_timeline(
         parts,
         components: step_components(&h, dims),
     }
+}
+
+/// GRPO's generation before the step (`plan/generation.rs`): what stays resident (no
+/// gradient yet: the last step's were freed after its update) and the sampling's bytes on the
+/// layers and head this device holds. `None` for a run that samples nothing.
+fn generation_peak(h: &Held<'_>, dims: &StepDims, req: &PlanRequest) -> Option<Parts> {
+    let layers = h
+        .blocks
+        .iter()
+        .filter(|b| matches!(b.kind, BlockKind::Layer(_)))
+        .count() as u64;
+    let head = h.blocks.iter().any(|b| matches!(b.kind, BlockKind::Head));
+    let bytes = crate::plan::generation::generation_bytes(req, dims, layers, head);
+    (bytes > 0).then(|| Parts {
+        gradients: 0,
+        temporaries: bytes,
+        ..h.base
+    })
 }
 
 /// The forward's high-water mark: kept activations grow block by block, each block with a
