@@ -88,9 +88,9 @@ fn describe(p: &Plan) -> String {
         .join("; ")
 }
 
-/// A user with two 80 GiB GPUs asks for DictaLM in bf16: data parallel does not fit (a whole
-/// replica and its AdamW state on each), ZeRO-2 does, and each rank's master and AdamW terms
-/// are its slices exactly: half of data parallel's.
+/// A user with two 80 GiB GPUs asks for DictaLM in bf16 or bf16-mixed: data parallel does not
+/// fit (a whole replica and its AdamW state on each), ZeRO-2 does, and each rank's master and
+/// AdamW terms are its slices exactly: half of data parallel's.
 #[test]
 fn sharding_fits_the_founding_case_where_data_parallel_does_not() {
     let model = dictalm();
@@ -121,18 +121,26 @@ fn sharding_fits_the_founding_case_where_data_parallel_does_not() {
                 d.master_weights_bytes,
                 "rank {rank}"
             );
-            // The whole weights, and the optimizer's bf16 copy of the rank's slice.
-            assert_eq!(s.weights_bytes, d.weights_bytes + slice * 2, "rank {rank}");
+            // The whole weights, and in pure bf16 the optimizer's bf16 copy of the rank's
+            // slice; in bf16-mixed the slice it updates is the fp32 master, and no bf16 copy
+            // of it exists.
+            let copy = if precision == Precision::Bf16Mixed {
+                0
+            } else {
+                slice * 2
+            };
+            assert_eq!(s.weights_bytes, d.weights_bytes + copy, "rank {rank}");
             assert!(s.peak_bytes < d.peak_bytes, "rank {rank}");
         }
+        // bf16-mixed fitted only without the bf16 copy of the slice: 82.2 GiB a rank with it,
+        // 75.5 GiB without (2026-12-05).
+        assert_eq!(
+            zero2.verdict,
+            Verdict::Fits,
+            "{precision}: {}",
+            zero2.summary
+        );
     }
-    let zero2 = plan::plan(&founding_case(
-        Precision::Bf16,
-        Strategy::Sharded,
-        "2x80GiB",
-    ))
-    .unwrap();
-    assert_eq!(zero2.verdict, Verdict::Fits, "{}", zero2.summary);
 }
 
 /// Three ranks: DictaLM's tensors do not divide by 3, so rank 0 takes one element more of each
@@ -232,7 +240,13 @@ fn everything_is_planned_but_never_proposed() {
     ))
     .unwrap();
     for (z3, z2) in p.per_device.iter().zip(&zero2.per_device) {
-        assert!(z3.weights_bytes < z2.weights_bytes / 2, "{}", describe(&p));
+        // ZeRO-2 holds the whole bf16 weights (its slices are the fp32 masters); ZeRO-3 half
+        // of them and two blocks whole: 7.6 of 13.5 GiB.
+        assert!(
+            z3.weights_bytes < z2.weights_bytes * 6 / 10,
+            "{}",
+            describe(&p)
+        );
         assert_eq!(z3.optimizer_states_bytes, z2.optimizer_states_bytes);
     }
     // Asked for ZeRO-3, or for anything else on these GPUs, auto-fit proposes none.

@@ -1,7 +1,8 @@
 //! Sharded data parallel (`[devices] strategy = "sharded"`, ZeRO-2) through `tunestudio train`
 //! on logical CPU devices that copy as GPUs do: it trains as one device does (full fine-tuning
-//! and LoRA, native and generic ops, accumulation 4), each rank holds half of data parallel's
-//! optimizer state, and a two-rank checkpoint resumes on one and on three devices.
+//! and LoRA, native and generic ops, accumulation 4), in bf16-mixed as data parallel does bit
+//! for bit, each rank holds half of data parallel's optimizer state, and a two-rank checkpoint
+//! resumes on one and on three devices.
 
 use crate::train_common;
 
@@ -10,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use train_common::*;
 use tunestudio::settings::{ShardMode, Strategy};
-use tunestudio::train::{read_metrics, Event, RunConfig, TrainingRun};
+use tunestudio::train::{read_metrics, Event, Precision, RunConfig, TrainingRun};
 
 /// 8 steps over the first 48 Alpaca rows (lengths vary, so ranks pad differently),
 /// accumulation 4, on `devices`.
@@ -122,13 +123,96 @@ fn sharded_over_two_devices_trains_like_one_device() {
     }
 }
 
+/// bf16-mixed: a sharded rank keeps its range only as the fp32 master, which AdamW updates and
+/// the all-gather rounds into every rank's bf16 weights. Two sharded ranks train exactly as two
+/// data-parallel ranks (each with its whole master, AdamW writing the rounded weights), full
+/// fine-tuning and LoRA on both ops paths: the same rows per rank, the same gradient sums in
+/// rank order, the same rounding. Accumulation 1 and no clipping, as the two strategies sum
+/// otherwise in other orders: over micro-steps then ranks against ranks then micro-steps
+/// (bf16 gradients: 1.1e-5 apart after 8 steps at accumulation 4), and the gradient norm over
+/// the ranges against the whole. (One device differs from both by the ranks' other padding:
+/// printed, not asserted.)
+#[test]
+fn bf16_mixed_sharded_trains_as_data_parallel_bit_for_bit() {
+    let tmp = tempfile::tempdir().unwrap();
+    for ops in ["native", "generic"] {
+        for lora in [false, true] {
+            let case = format!("{ops}-{}", if lora { "lora" } else { "full" });
+            let run = |strategy: Strategy, devices: &[&str]| {
+                let out = tmp
+                    .path()
+                    .join(format!("{strategy}-{}-{case}", devices.len()));
+                let mut c = config(&out, 4, devices, lora);
+                c.devices.strategy = strategy;
+                c.training.precision = Precision::Bf16Mixed;
+                c.training.gradient_accumulation = 1;
+                c.training.max_grad_norm = 0.0;
+                train(&c, ops, &[]).unwrap();
+                losses(&c.output_dir)
+            };
+            let dp = run(Strategy::DataParallel, &["cpu:0", "cpu:1"]);
+            assert_eq!(dp.len(), 8, "{dp:?}");
+            let sharded = run(Strategy::Sharded, &["cpu:0", "cpu:1"]);
+            let one = run(Strategy::Single, &["cpu"]);
+            println!(
+                "bf16-mixed {case}: sharded vs data parallel {:.3e}, vs one device {:.3e}",
+                worst_relative(&dp, &sharded),
+                worst_relative(&one, &sharded)
+            );
+            assert_eq!(sharded, dp, "{case}: sharded vs data parallel");
+        }
+    }
+}
+
 /// A checkpoint two sharded ranks wrote (the optimizer state whole, under one device's names)
 /// resumes on one device and on three sharded ranks (the same rows per micro-step: 6 as
 /// 6 × 1, 3 × 2 and 2 × 3) and continues the uninterrupted two-rank run.
 #[test]
 fn a_sharded_checkpoint_resumes_on_one_and_on_three_devices() {
+    let resumes = [
+        (Strategy::Single, &["cpu"][..], 1e-6),
+        (Strategy::Sharded, &["cpu:0", "cpu:1", "cpu:2"][..], 1e-6),
+    ];
+    resumes_from_two_sharded_ranks(Precision::Fp32, &resumes);
+}
+
+/// In bf16-mixed the checkpoint holds each rank's fp32 range as `master.<name>`, whole: two
+/// sharded ranks and two data-parallel ranks (AdamW's masters read from it) continue the
+/// uninterrupted run bit for bit (accumulation 1, no clipping: see
+/// `bf16_mixed_sharded_trains_as_data_parallel_bit_for_bit`); one device and three ranks,
+/// whose rows are padded and summed otherwise, within 1e-5.
+#[test]
+fn a_bf16_mixed_sharded_checkpoint_resumes_from_its_masters() {
+    let resumes = [
+        (Strategy::Sharded, &["cpu:0", "cpu:1"][..], 0.0),
+        (Strategy::DataParallel, &["cpu:0", "cpu:1"][..], 0.0),
+        (Strategy::Single, &["cpu"][..], 1e-5),
+        (Strategy::Sharded, &["cpu:0", "cpu:1", "cpu:2"][..], 1e-5),
+    ];
+    resumes_from_two_sharded_ranks(Precision::Bf16Mixed, &resumes);
+}
+
+/// Trains 8 steps on two sharded ranks in `precision` with a checkpoint at step 4, checks the
+/// checkpoint holds every trained tensor's state whole (and a master beside its moments in
+/// mixed precision), and resumes it under each `(strategy, devices, relative tolerance)`.
+fn resumes_from_two_sharded_ranks(precision: Precision, resumes: &[(Strategy, &[&str], f64)]) {
     let tmp = tempfile::tempdir().unwrap();
-    let mut two = config(&tmp.path().join("two"), 6, &["cpu:0", "cpu:1"], false);
+    let mixed = precision == Precision::Bf16Mixed;
+    let setup = |out: &Path, devices: &[&str], strategy: Strategy| {
+        let mut c = config(out, 6, devices, false);
+        c.devices.strategy = strategy;
+        c.training.precision = precision;
+        if mixed {
+            c.training.gradient_accumulation = 1;
+            c.training.max_grad_norm = 0.0;
+        }
+        c
+    };
+    let mut two = setup(
+        &tmp.path().join("two"),
+        &["cpu:0", "cpu:1"],
+        Strategy::Sharded,
+    );
     two.checkpoint.save_every = 4;
     two.checkpoint.keep_last = 0;
     train(&two, "native", &[]).unwrap();
@@ -138,34 +222,45 @@ fn a_sharded_checkpoint_resumes_on_one_and_on_three_devices() {
         .find(|(s, _)| *s == 4)
         .expect("a checkpoint at step 4")
         .1;
-    let names = std::fs::read_dir(&ckpt)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect::<Vec<_>>();
-    assert!(
-        names.iter().any(|n| n == "optimizer.safetensors"),
-        "{names:?}"
-    );
+    let state = candle_core::safetensors::load(
+        ckpt.join("optimizer.safetensors"),
+        &candle_core::Device::Cpu,
+    )
+    .unwrap();
+    assert!(!state.is_empty());
+    for (key, m) in &state {
+        let Some(name) = key.strip_prefix("exp_avg.") else {
+            continue;
+        };
+        let master = state.get(&format!("master.{name}"));
+        assert_eq!(
+            master.map(|t| t.dims()),
+            mixed.then(|| m.dims()),
+            "{precision}: `{name}`'s master"
+        );
+    }
 
-    for devices in [&["cpu"][..], &["cpu:0", "cpu:1", "cpu:2"][..]] {
-        let out = tmp.path().join(format!("resumed-{}", devices.len()));
-        let mut c = config(&out, 6, devices, false);
+    for &(strategy, devices, tolerance) in resumes {
+        let case = format!("{precision}, {strategy} on {} devices", devices.len());
+        let out = tmp
+            .path()
+            .join(format!("resumed-{strategy}-{}", devices.len()));
+        let mut c = setup(&out, devices, strategy);
         c.checkpoint.save_every = 0;
         train(&c, "native", &["--resume", &ckpt.display().to_string()]).unwrap();
         let resumed = losses(&out);
         assert_eq!(
             resumed.keys().copied().collect::<Vec<_>>(),
             vec![5, 6, 7, 8],
-            "the resumed run starts after step 4"
+            "{case}: the resumed run starts after step 4"
         );
-        for (step, loss) in &resumed {
-            let u = uninterrupted[step];
-            assert!(
-                (u - loss).abs() <= 1e-6 * u.abs(),
-                "{} devices, step {step}: resumed {loss} vs {u}",
-                devices.len()
-            );
-        }
+        let reference = resumed.keys().map(|s| (*s, uninterrupted[s])).collect();
+        let worst = worst_relative(&reference, &resumed);
+        println!("{case}: worst relative difference from the uninterrupted run {worst:.3e}");
+        assert!(
+            worst <= tolerance,
+            "{case}: resumed {resumed:?} vs {uninterrupted:?}"
+        );
     }
 }
 
@@ -207,41 +302,44 @@ fn each_sharded_rank_holds_half_of_data_parallels_optimizer_state() {
 }
 
 /// The plan's weights, master weights and AdamW state of each sharded rank are what the
-/// trainer's tensors hold on that rank (counted from the tensors themselves), within 3 %: the
-/// whole weights, the range each rank updates and its moments.
+/// trainer's tensors hold on that rank (counted from the tensors themselves), to the byte: the
+/// whole weights, the range each rank updates (in fp32 its weights' copy, in bf16-mixed the
+/// fp32 master and no bf16 copy) and its moments.
 #[test]
 fn each_sharded_ranks_state_is_the_planned_state() {
     let tmp = tempfile::tempdir().unwrap();
-    for devices in [&["cpu:0", "cpu:1"][..], &["cpu:0", "cpu:1", "cpu:2"][..]] {
-        let c = config(
-            &tmp.path().join(format!("ranks-{}", devices.len())),
-            6,
-            devices,
-            false,
-        );
-        let plan =
-            tunestudio::plan::plan(&tunestudio::train::local_plan_request(&c).unwrap()).unwrap();
-        let run = TrainingRun::new(c).unwrap();
-        let held: Vec<u64> = std::iter::once(run.tensor_bytes())
-            .chain(run.replica_tensor_bytes())
-            .map(|b| b.weights_bytes + b.optimizer_bytes)
-            .collect();
-        assert_eq!(held.len(), devices.len());
-        for (rank, (held, planned)) in held.iter().zip(&plan.per_device).enumerate() {
-            let planned = planned.weights_bytes
-                + planned.master_weights_bytes
-                + planned.optimizer_states_bytes;
-            let err = (planned as f64 - *held as f64) / *held as f64;
-            println!(
-                "{} ranks, rank {rank}: {held} B held, {planned} B planned ({:+.2} %)",
-                devices.len(),
-                100.0 * err
-            );
-            assert!(
-                err.abs() <= 0.03,
-                "rank {rank}: {held} vs planned {planned}"
-            );
+    for precision in [Precision::Fp32, Precision::Bf16Mixed] {
+        for devices in [&["cpu:0", "cpu:1"][..], &["cpu:0", "cpu:1", "cpu:2"][..]] {
+            planned_state_case(tmp.path(), precision, devices);
         }
+    }
+}
+
+fn planned_state_case(tmp: &Path, precision: Precision, devices: &[&str]) {
+    let mut c = config(
+        &tmp.join(format!("ranks-{precision}-{}", devices.len())),
+        6,
+        devices,
+        false,
+    );
+    c.training.precision = precision;
+    let plan = tunestudio::plan::plan(&tunestudio::train::local_plan_request(&c).unwrap()).unwrap();
+    let run = TrainingRun::new(c).unwrap();
+    let held: Vec<u64> = std::iter::once(run.tensor_bytes())
+        .chain(run.replica_tensor_bytes())
+        .map(|b| b.weights_bytes + b.optimizer_bytes)
+        .collect();
+    assert_eq!(held.len(), devices.len());
+    for (rank, (held, planned)) in held.iter().zip(&plan.per_device).enumerate() {
+        let planned =
+            planned.weights_bytes + planned.master_weights_bytes + planned.optimizer_states_bytes;
+        let err = (planned as f64 - *held as f64) / *held as f64;
+        println!(
+            "{precision}, {} ranks, rank {rank}: {held} B held, {planned} B planned ({:+.2} %)",
+            devices.len(),
+            100.0 * err
+        );
+        assert_eq!(*held, planned, "{precision}, rank {rank}");
     }
 }
 

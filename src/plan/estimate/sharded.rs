@@ -8,9 +8,11 @@
 //! over the tensors. Under `gradients-and-optimizer` (ZeRO-2) a rank keeps, per trainable
 //! tensor:
 //! - the whole weights, as data parallel (every rank runs the whole forward and backward);
-//! - the optimizer's copy of its slice in the parameter dtype (a flat `Var` AdamW updates),
-//!   counted with the weights: it is a copy of weights, in their dtype;
-//! - the fp32 master of its slice (mixed precision) and AdamW's m and v of its slice;
+//! - the optimizer's copy of its slice (a flat `Var` AdamW updates): under mixed precision it
+//!   is the fp32 master of the slice, counted as master weights, and no copy in the weights'
+//!   dtype exists (the all-gather rounds the master); else it is in the parameter dtype,
+//!   counted with the weights (a copy of weights, in their dtype);
+//! - AdamW's m and v of its slice;
 //! - a persistent gradient accumulator of its slice: candle's backward still produces the
 //!   whole gradient of a micro-step at once, which is reduce-scattered into the accumulators
 //!   right after each backward and dropped, so the backward's moments hold the whole gradient
@@ -73,12 +75,14 @@ impl RankShare {
     }
 
     /// The weights this rank holds through the step: ZeRO-2, the whole weights
-    /// (`whole_bytes`) and the optimizer's copy of its slice of the trainable ones; ZeRO-3,
+    /// (`whole_bytes`) and, without master weights, the optimizer's copy of its slice of the
+    /// trainable ones (with them the slice is the master, counted as such); ZeRO-3,
     /// its slice of every tensor (a quantized base's blocks pro rata, rounded up), what the
     /// blocks hold besides their parameters (a DPO reference copy, kept whole), and the two
     /// largest blocks' weights whole: the layer being computed and the next one, prefetched.
     pub fn weight_bytes(&self, blocks: &[&Block], dims: &StepDims, whole_bytes: u64) -> u64 {
         match self.mode {
+            ShardMode::GradientsAndOptimizer if dims.precision.master_weights() => whole_bytes,
             ShardMode::GradientsAndOptimizer => {
                 whole_bytes + self.trainable_elems(blocks) * dims.weight_bytes
             }
@@ -110,11 +114,20 @@ impl RankShare {
     }
 
     /// The all-gather after the update: ZeRO-2 gathers the updated slices into the whole
-    /// weights one tensor at a time (the largest trainable tensor, in the weights' dtype);
-    /// ZeRO-3 gathers nothing then (the weights stay sliced).
+    /// weights one tensor at a time (the largest trainable tensor, in the weights' dtype),
+    /// with, under mixed precision, the rank's master slice of it rounded to the weights'
+    /// dtype first (on the device unless the master is offloaded to host RAM); ZeRO-3 gathers
+    /// nothing then (the weights stay sliced).
     pub fn all_gather_bytes(&self, dims: &StepDims, largest_trainable: u64) -> u64 {
         match self.mode {
-            ShardMode::GradientsAndOptimizer => largest_trainable * dims.weight_bytes,
+            ShardMode::GradientsAndOptimizer => {
+                let rounded = if dims.master_bytes > 0 {
+                    self.slice(largest_trainable) * dims.weight_bytes
+                } else {
+                    0
+                };
+                largest_trainable * dims.weight_bytes + rounded
+            }
             ShardMode::Everything => 0,
         }
     }

@@ -244,9 +244,21 @@ fn build_sharded(
     if config.devices.strategy != Strategy::Sharded {
         return Ok(None);
     }
+    use super::sharded::{MasterRanges, ShardedOptimizer};
     let ops_mode = models.first().map_or(OpsMode::Generic, |m| m.ops_mode());
-    super::sharded::ShardedOptimizer::new(models, |params| optimizer_over(config, params, ops_mode))
-        .map(Some)
+    // Each rank's master ranges live where AdamW would keep its masters.
+    let masters = match (
+        config.training.precision.master_weights(),
+        config.training.optimizer_offload,
+    ) {
+        (false, _) => MasterRanges::None,
+        (true, OptimizerOffload::None) => MasterRanges::OnRank,
+        (true, OptimizerOffload::Host) => MasterRanges::InHostRam,
+    };
+    ShardedOptimizer::new(models, masters, |params| {
+        optimizer_over(config, params, ops_mode)
+    })
+    .map(Some)
 }
 
 /// Refuses a run config with problems (every one of them, by field).

@@ -1,17 +1,23 @@
 //! Sharded data parallel's optimizer (`[devices] strategy = "sharded"`, ZeRO-2): every rank
 //! keeps its range of each trainable tensor (`devices::parallel::shards`) with AdamW's
-//! moments and fp32 master weights for that range only, steps it with its range of the
-//! reduce-scattered gradient, and the updated ranges are all-gathered into every rank's
-//! whole weights.
+//! moments for that range only, steps it with its range of the reduce-scattered gradient, and
+//! the updated ranges are all-gathered into every rank's whole weights.
+//!
+//! Under mixed precision the range a rank keeps *is* its fp32 master: AdamW updates it as an
+//! fp32 parameter (the arithmetic of its master path, value for value) and the all-gather
+//! rounds it to the weights' dtype as AdamW's own master→weight write does (round to nearest
+//! even). A second copy of the range in the weights' dtype would be a copy of the master's
+//! rounding: 2 bytes a trained parameter over the rank's share (6.75 GiB a rank for DictaLM 7B
+//! on two GPUs, issue #57's founding case).
 //!
 //! AdamW is elementwise, so stepping the ranges is stepping the whole: the run equals data
 //! parallel's (and one device's) step for step. Checkpoints hold the optimizer state whole,
 //! under the names one device writes, so a run resumes on any number of devices.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
-use candle_core::{Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
 
 use crate::devices::parallel::shards::{host_all_gather, host_reduce_scatter, ShardLayout};
 use crate::model::{AdamW, CausalLm, Gradients, Home, ModelError, NamedParam, StateSource};
@@ -23,21 +29,39 @@ use super::super::error::TrainError;
 pub(super) struct ShardedOptimizer {
     layout: ShardLayout,
     ranks: Vec<RankShard>,
+    /// The tensors whose ranges are fp32 masters of half-precision weights: the all-gather
+    /// rounds them to the weights' dtype and a checkpoint names them `master.<name>`.
+    masters: HashSet<String>,
+}
+
+/// Where a rank keeps its ranges of half-precision weights under mixed precision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum MasterRanges {
+    /// No master weights: every range in its parameter's dtype, on the rank's device.
+    None,
+    /// The fp32 master of each half-precision range on the rank's device.
+    OnRank,
+    /// The fp32 master of each half-precision range in host RAM (`optimizer_offload =
+    /// "host"`, where AdamW keeps a master it offloads).
+    InHostRam,
 }
 
 /// One rank's share of the training state.
 struct RankShard {
-    /// AdamW over `ranges` (its moments and master weights are the range's only).
+    /// AdamW over `ranges` (its moments are the range's only).
     optimizer: AdamW,
-    /// The rank's range of each trainable tensor, flat, in the parameter's dtype, on the
-    /// rank's device: what its optimizer updates and the all-gather reads. Keyed by the
-    /// parameter's name (the optimizer state's key too, so a checkpoint names it as one
+    /// The rank's range of each trainable tensor, flat: what its optimizer updates and the
+    /// all-gather reads. In the parameter's dtype on the rank's device, or, for a tensor of
+    /// `ShardedOptimizer::masters`, the fp32 master (where [`MasterRanges`] says). Keyed by
+    /// the parameter's name (the optimizer state's key too, so a checkpoint names it as one
     /// device does).
     ranges: HashMap<String, Var>,
 }
 
 /// The optimizer-state keys of a parameter, as `AdamW` writes them.
-const STATE_PREFIXES: [&str; 3] = ["exp_avg.", "exp_avg_sq.", "master."];
+const STATE_PREFIXES: [&str; 3] = ["exp_avg.", "exp_avg_sq.", MASTER_PREFIX];
+/// The key prefix of a parameter's fp32 master weights.
+const MASTER_PREFIX: &str = "master.";
 
 /// Rank `rank`'s range of `whole`, flat, copied (so it holds no view of the whole tensor).
 fn range_of(whole: &Tensor, range: &std::ops::Range<usize>) -> Result<Tensor, ModelError> {
@@ -59,10 +83,12 @@ fn trainable_vars(model: &CausalLm) -> HashMap<&str, &NamedParam> {
 
 impl ShardedOptimizer {
     /// Divides the trainable tensors of `models` (one per rank, rank 0 first) over the
-    /// ranks; `optimizer` builds a rank's AdamW over its ranges (the run's settings and
-    /// state placement).
+    /// ranks, keeping half-precision ranges as fp32 masters where `masters` says;
+    /// `optimizer` builds a rank's AdamW over its ranges (the run's settings and state
+    /// placement).
     pub(super) fn new(
         models: &[&CausalLm],
+        masters: MasterRanges,
         optimizer: impl Fn(&[NamedParam]) -> Result<AdamW, TrainError>,
     ) -> Result<Self, TrainError> {
         let Some(first) = models.first() else {
@@ -71,14 +97,19 @@ impl ShardedOptimizer {
                 message: "no rank to shard over: choose devices in `[devices] devices`".into(),
             });
         };
+        let trainable = || first.params().iter().filter(|p| p.trainable);
         let layout = ShardLayout::new(
-            first
-                .params()
-                .iter()
-                .filter(|p| p.trainable)
-                .map(|p| (p.name.as_str(), p.var.dims())),
+            trainable().map(|p| (p.name.as_str(), p.var.dims())),
             models.len(),
         );
+        // As AdamW: an fp32 parameter needs no master.
+        let master_names: HashSet<String> = match masters {
+            MasterRanges::None => HashSet::new(),
+            MasterRanges::OnRank | MasterRanges::InHostRam => trainable()
+                .filter(|p| p.var.dtype() != DType::F32)
+                .map(|p| p.name.clone())
+                .collect(),
+        };
         let mut ranks = Vec::with_capacity(models.len());
         for (rank, model) in models.iter().enumerate() {
             let params = trainable_vars(model);
@@ -92,30 +123,40 @@ impl ShardedOptimizer {
                 if range.is_empty() {
                     continue;
                 }
-                let var =
-                    Var::from_tensor(&range_of(param.var.as_tensor(), range).map_err(|cause| {
+                let master = master_names.contains(&t.name);
+                let kept = range_of(param.var.as_tensor(), range)
+                    .and_then(|r| match (master, masters) {
+                        (true, MasterRanges::InHostRam) => {
+                            Ok(r.to_dtype(DType::F32)?.to_device(&Device::Cpu)?)
+                        }
+                        (true, _) => Ok(r.to_dtype(DType::F32)?),
+                        (false, _) => Ok(r),
+                    })
+                    .and_then(|r| Ok(Var::from_tensor(&r)?))
+                    .map_err(|cause| {
                         model_error(
                             format!("cannot take rank {rank}'s range of `{}`", t.name),
                             cause,
                         )
-                    })?)
-                    .map_err(|cause| {
-                        model_error(format!("rank {rank}'s range of `{}`", t.name), cause.into())
                     })?;
                 named.push(NamedParam {
                     name: t.name.clone(),
-                    var: var.clone(),
+                    var: kept.clone(),
                     trainable: true,
                     weight_decay: param.weight_decay,
                 });
-                ranges.insert(t.name.clone(), var);
+                ranges.insert(t.name.clone(), kept);
             }
             ranks.push(RankShard {
                 optimizer: optimizer(&named)?,
                 ranges,
             });
         }
-        Ok(ShardedOptimizer { layout, ranks })
+        Ok(ShardedOptimizer {
+            layout,
+            ranks,
+            masters: master_names,
+        })
     }
 
     /// Reduce-scatters one micro-step's whole gradients (`per_rank[k]`, rank k's) into the
@@ -183,14 +224,35 @@ impl ShardedOptimizer {
         Ok(whole)
     }
 
-    /// Every rank's whole trainable weights from the ranks' ranges (the all-gather).
+    /// Every rank's whole trainable weights from the ranks' ranges (the all-gather). A master
+    /// range is rounded to the weights' dtype first, where it lives (candle's cast rounds to
+    /// nearest even, as AdamW's master→weight write does), once for every home.
     fn gather_into(&self, models: &[&CausalLm]) -> Result<(), ModelError> {
         let params: Vec<_> = models.iter().map(|m| trainable_vars(m)).collect();
         for t in self.layout.tensors() {
+            let dtype = params
+                .iter()
+                .find_map(|p| p.get(t.name.as_str()))
+                .map(|p| p.var.dtype());
+            let rounded: Vec<Option<Tensor>> = self
+                .ranks
+                .iter()
+                .map(|r| match (r.ranges.get(&t.name), dtype) {
+                    (Some(range), Some(dtype)) if range.dtype() != dtype => {
+                        range.as_tensor().to_dtype(dtype).map(Some)
+                    }
+                    _ => Ok(None),
+                })
+                .collect::<Result<_, _>>()?;
             let parts: Vec<Option<&Tensor>> = self
                 .ranks
                 .iter()
-                .map(|r| r.ranges.get(&t.name).map(Var::as_tensor))
+                .zip(&rounded)
+                .map(|(r, rounded)| {
+                    rounded
+                        .as_ref()
+                        .or_else(|| r.ranges.get(&t.name).map(Var::as_tensor))
+                })
                 .collect();
             for (index, params) in params.iter().enumerate() {
                 let Some(param) = params.get(t.name.as_str()) else {
@@ -210,7 +272,8 @@ impl ShardedOptimizer {
     }
 
     /// Takes every rank's ranges from its model again (after a checkpoint's weights were
-    /// loaded into the models).
+    /// loaded into the models); a master range becomes the weights' values in fp32, until a
+    /// saved master replaces it (`load_state_from`).
     pub(super) fn refresh_from(&self, models: &[&CausalLm]) -> Result<(), TrainError> {
         for (rank, (shard, model)) in self.ranks.iter().zip(models).enumerate() {
             let params = trainable_vars(model);
@@ -221,7 +284,10 @@ impl ShardedOptimizer {
                     continue;
                 };
                 range_of(param.var.as_tensor(), &t.ranges[rank])
-                    .and_then(|part| Ok(var.set(&part)?))
+                    .and_then(|part| {
+                        let part = part.to_dtype(var.dtype())?.to_device(var.device())?;
+                        Ok(var.set(&part)?)
+                    })
                     .map_err(|cause| {
                         model_error(
                             format!("cannot refresh rank {rank}'s range of `{}`", t.name),
@@ -238,8 +304,8 @@ impl ShardedOptimizer {
         self.ranks.first().map_or(0, |r| r.optimizer.steps_taken())
     }
 
-    /// Bytes `rank` holds for its share: AdamW's moments and master weights of its ranges,
-    /// and the ranges themselves.
+    /// Bytes `rank` holds for its share: AdamW's moments of its ranges and the ranges
+    /// themselves (the fp32 masters under mixed precision).
     pub(super) fn rank_state_bytes(&self, rank: usize) -> u64 {
         self.ranks.get(rank).map_or(0, |r| {
             let ranges: u64 = r
@@ -268,7 +334,16 @@ impl ShardedOptimizer {
         for t in self.layout.tensors() {
             for prefix in STATE_PREFIXES {
                 let key = format!("{prefix}{}", t.name);
-                let parts: Vec<Option<&Tensor>> = per_rank.iter().map(|s| s.get(&key)).collect();
+                // A master range is the rank's range itself (AdamW holds no master of it).
+                let parts: Vec<Option<&Tensor>> =
+                    if prefix == MASTER_PREFIX && self.masters.contains(&t.name) {
+                        self.ranks
+                            .iter()
+                            .map(|r| r.ranges.get(&t.name).map(Var::as_tensor))
+                            .collect()
+                    } else {
+                        per_rank.iter().map(|s| s.get(&key)).collect()
+                    };
                 if parts.iter().all(Option::is_none) {
                     continue;
                 }
@@ -280,12 +355,27 @@ impl ShardedOptimizer {
         checkpoint::save_tensors(path, &whole)
     }
 
-    /// Reads a whole optimizer state (any device count wrote it) into every rank's ranges.
+    /// Reads a whole optimizer state (any device count wrote it) into every rank's ranges:
+    /// AdamW's moments, and a saved master into each master range (a state without one, as
+    /// AdamW does, keeps the weights' values `refresh_from` took).
     pub(super) fn load_state_from(
         &mut self,
         source: &dyn StateSource,
         steps_taken: u64,
     ) -> Result<(), ModelError> {
+        // Checked before anything changes, as AdamW checks its own keys.
+        for t in self.layout.tensors() {
+            let key = format!("{MASTER_PREFIX}{}", t.name);
+            match source.dims(&key) {
+                Some(found) if self.masters.contains(&t.name) && found != t.dims => {
+                    return Err(ModelError::Optimizer(format!(
+                        "optimizer state `{key}` has shape {found:?}, the parameter {:?}",
+                        t.dims
+                    )));
+                }
+                _ => {}
+            }
+        }
         for (rank, shard) in self.ranks.iter_mut().enumerate() {
             let ranged = RankSource {
                 source,
@@ -293,6 +383,15 @@ impl ShardedOptimizer {
                 rank,
             };
             shard.optimizer.load_state_from(&ranged, steps_taken)?;
+            for (name, range) in &shard.ranges {
+                let key = format!("{MASTER_PREFIX}{name}");
+                if !self.masters.contains(name) || source.dims(&key).is_none() {
+                    continue;
+                }
+                let values = ranged.load_f32(&key)?;
+                let len = values.len();
+                range.set(&Tensor::from_vec(values, len, range.device())?)?;
+            }
         }
         Ok(())
     }
