@@ -330,6 +330,10 @@ fn per_component_report_on_one_config() {
             .iter()
             .filter(|&&c| c != Component::Baseline)
             .filter(|&&c| match set.peak_phase {
+                StepPhase::Generation => !matches!(
+                    c,
+                    Component::Gradients | Component::Activations | Component::LogitsAndLoss
+                ),
                 StepPhase::Forward => c != Component::Gradients || set.step.accumulating,
                 StepPhase::Backward => true,
                 StepPhase::OptimizerStep => {

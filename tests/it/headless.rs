@@ -88,6 +88,39 @@ fn the_library_is_the_same_code_with_or_without_the_gui_feature() {
     );
 }
 
+/// Why CI type-checks the `cuda`/`nccl` code in the headless build only (`scripts/build-cuda.sh
+/// check`, every target without the studio): no studio file (`src/gui`) names either feature,
+/// and no line anywhere gates on `gui` together with one of them. Such a line would be checked
+/// by no build; check the studio with CUDA too (the script's `--gui` build) before adding one.
+#[test]
+fn no_cuda_line_is_studio_only() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut hits = Vec::new();
+    for dir in ["src", "tests", "examples", "benches"] {
+        let dir = root.join(dir);
+        if !dir.is_dir() {
+            continue;
+        }
+        for file in rust_files(&dir) {
+            let in_studio = file.starts_with(root.join("src/gui"));
+            let text = std::fs::read_to_string(&file).unwrap();
+            for (i, line) in text.lines().enumerate() {
+                let squeezed: String = line.chars().filter(|c| !c.is_whitespace()).collect();
+                let gpu =
+                    squeezed.contains("feature=\"cuda\"") || squeezed.contains("feature=\"nccl\"");
+                if gpu && (in_studio || squeezed.contains("feature=\"gui\"")) {
+                    hits.push(format!("{}:{}: {}", file.display(), i + 1, line.trim()));
+                }
+            }
+        }
+    }
+    assert!(
+        hits.is_empty(),
+        "cuda/nccl code only the studio build compiles (CI type-checks the headless one):\n{}",
+        hits.join("\n")
+    );
+}
+
 /// A dependency's spec as a table (`"1"` is `{ version = "1" }`), without `optional`.
 fn dependency_spec(spec: &toml::Value) -> toml::value::Table {
     let mut table = match spec {

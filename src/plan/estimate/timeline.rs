@@ -169,7 +169,7 @@ fn generation_peak(h: &Held<'_>, dims: &StepDims, req: &PlanRequest) -> Option<P
         .count() as u64;
     let head = h.blocks.iter().any(|b| matches!(b.kind, BlockKind::Head));
     let bytes = crate::plan::generation::generation_bytes(req, dims, layers, head);
-    (bytes > 0).then(|| Parts {
+    (bytes > 0).then_some(Parts {
         gradients: 0,
         temporaries: bytes,
         ..h.base
