@@ -25,7 +25,8 @@ pub enum Change {
     },
     /// Train LoRA adapters instead of every weight.
     Lora(LoraSpec),
-    /// Shorter sequences (changes what is trained: never chosen by auto-fit).
+    /// Shorter sequences (changes what is trained: never chosen by auto-fit). For GRPO the
+    /// completion is what gets shorter (`[grpo] max_completion_length`), a ranked fix.
     SeqLen(usize),
     /// Keep the optimizer's state in host RAM (GPU runs).
     OptimizerOffload,
@@ -61,7 +62,25 @@ impl Change {
                 r.lora = Some(l.clone());
                 r.reference = r.reference.with_lora();
             }
-            Change::SeqLen(t) => r.seq_len = *t,
+            Change::SeqLen(t) => {
+                if let HeadLoss::Completions {
+                    generations,
+                    completion_tokens,
+                } = req.head_loss
+                {
+                    // A GRPO row is prompt + completion: the completion takes what the prompt
+                    // leaves, as the run config's write-back does (`train::set_seq_len`).
+                    let mut prompt = req.seq_len.saturating_sub(completion_tokens);
+                    if *t <= prompt {
+                        prompt = t / 2;
+                    }
+                    r.head_loss = HeadLoss::Completions {
+                        generations,
+                        completion_tokens: t - prompt,
+                    };
+                }
+                r.seq_len = *t;
+            }
             Change::OptimizerOffload => r.optimizer_offload = true,
             Change::Quantize(q) => {
                 let lora = r
@@ -150,7 +169,20 @@ impl Change {
                     ),
                 }
             }
-            Change::SeqLen(t) => format!("sequence length {} (was {})", t, req.seq_len),
+            Change::SeqLen(t) => match (req.head_loss, self.apply(req).head_loss) {
+                (
+                    HeadLoss::Completions {
+                        completion_tokens: was,
+                        ..
+                    },
+                    HeadLoss::Completions {
+                        completion_tokens, ..
+                    },
+                ) => format!(
+                    "completions of at most {completion_tokens} tokens (`[grpo] max_completion_length`, was {was}): a longer answer is cut, which changes what the run learns"
+                ),
+                _ => format!("sequence length {} (was {})", t, req.seq_len),
+            },
             Change::OptimizerOffload => {
                 "optimizer state in host RAM (training.optimizer_offload = \"host\")".into()
             }

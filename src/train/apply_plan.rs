@@ -34,7 +34,8 @@ pub fn apply_plan_request(config: &mut RunConfig, req: &PlanRequest) {
         ops: _,
         process: _,
         trained_tokens: _,
-        // Follows `[training] method`, which no fix changes.
+        // Follows `[training] method`, which no fix changes, and for GRPO the completion
+        // length, which `set_seq_len` writes with the sequence length.
         head_loss: _,
         precision,
         micro_batch,

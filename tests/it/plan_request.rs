@@ -913,7 +913,7 @@ fn kind(c: &tunestudio::plan::Change) -> usize {
 /// precision).
 #[test]
 fn every_fix_written_into_the_run_config_plans_as_the_fix() {
-    let methods = (0..4usize, any::<bool>(), any::<bool>());
+    let methods = (0..5usize, any::<bool>(), any::<bool>());
     let mut runner = TestRunner::new(Config {
         cases: 32,
         ..Config::default()
@@ -922,11 +922,14 @@ fn every_fix_written_into_the_run_config_plans_as_the_fix() {
         .run(
             &(arb_config(), methods),
             |(mut config, (method, q8, f32_dtype))| {
+                // GRPO's shorter-completion fix writes `[grpo] max_completion_length`.
                 config.training.method = [
                     TrainingMethod::Sft,
                     TrainingMethod::Dpo,
                     TrainingMethod::Orpo,
-                ][method % 3];
+                    TrainingMethod::Sft,
+                    TrainingMethod::Grpo,
+                ][method];
                 config.preference.reference = match (method, config.lora.enabled) {
                     (3, _) => ReferenceMode::Auto,
                     (_, true) => ReferenceMode::AdapterDisabled,
