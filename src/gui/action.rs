@@ -6,6 +6,7 @@
 use std::path::PathBuf;
 
 use tunestudio::plan::Change;
+use tunestudio::train::RunConfig;
 
 use crate::gui::jobs::PickTarget;
 use crate::gui::session::Panel;
@@ -23,6 +24,14 @@ pub enum Action {
     StartResumingLatest,
     /// Start in a fresh output folder (the current one holds another run).
     StartInNewFolder,
+    /// Start the run whose output folder was checked (no other run there): the config as it
+    /// was when Start was pressed. Follows the check's job, never a panel.
+    StartChecked {
+        /// The config to train.
+        config: Box<RunConfig>,
+        /// Its output folder, absolute.
+        output_dir: PathBuf,
+    },
     /// After an out-of-memory stop: apply the fitted settings and resume from the checkpoint.
     ApplyOomRefitAndResume,
     /// Dismiss the "this folder holds a run" question.

@@ -14,7 +14,7 @@ use tunestudio::plan::{Change, PlanRequest};
 use tunestudio::train::{self, Command, RunConfig};
 
 use super::action::Action;
-use super::jobs::{JobOutput, Jobs};
+use super::jobs::{FolderProposal, JobOutput, Jobs};
 use super::panels::Panels;
 use super::playground;
 use super::reducer::{apply_job, sync_inputs_from_config};
@@ -189,7 +189,8 @@ impl StudioApp {
 
     /// A new model or dataset is a new project: it gets a fresh output folder beside the
     /// current one (`runs/<model>-<data>`, numbered when taken) instead of writing into the
-    /// previous run's.
+    /// previous run's. A job looks for a free name (`JobOutput::OutputProposed`); the answer
+    /// is written only while the config is still of this project.
     fn propose_output_dir(&mut self) {
         let c = &self.session.config;
         let stem = |s: &str| {
@@ -198,12 +199,7 @@ impl StudioApp {
                 .map(|n| n.to_string_lossy().to_string())
                 .unwrap_or_default()
         };
-        let name = format!(
-            "{}-{}",
-            stem(&c.model.source),
-            stem(&self.panels.dataset.path_input)
-        )
-        .replace(
+        let name = format!("{}-{}", stem(&c.model.source), stem(&c.data.path)).replace(
             |ch: char| !ch.is_alphanumeric() && ch != '-' && ch != '_',
             "-",
         );
@@ -212,34 +208,18 @@ impl StudioApp {
             .parent()
             .map(Path::to_path_buf)
             .unwrap_or_else(|| PathBuf::from("runs"));
-        let base = c.base_dir.join(&parent);
-        let fresh = (1..)
-            .map(|n| {
-                if n == 1 {
-                    name.clone()
-                } else {
-                    format!("{name}-{n}")
-                }
-            })
-            .find(|n| !super::disk::exists(&base.join(n)))
-            .unwrap_or(name);
-        let proposed = parent.join(fresh);
-        if proposed != self.session.config.output_dir {
-            let old_default = self.session.default_config_path().display().to_string();
-            self.session.config.output_dir = proposed.clone();
-            // The project owns its run config too: a path the user did not choose (the old
-            // folder's default, or the demo's) moves beside the new output folder.
-            let demo = self.session.is_demo();
-            if demo || self.panels.export.config_path == old_default {
-                self.panels.export.config_path =
-                    self.session.default_config_path().display().to_string();
-            }
-            if demo {
-                self.session.config_path = None;
-            }
-            self.chrome
-                .toast(format!("new project: output folder {}", proposed.display()));
-        }
+        let pending = &mut self.panels.run.pending;
+        pending.proposal_seq += 1;
+        pending.proposing = true;
+        self.jobs.propose_output_dir(FolderProposal {
+            seq: pending.proposal_seq,
+            model: c.model.source.clone(),
+            data: c.data.path.clone(),
+            from: c.output_dir.clone(),
+            parent,
+            base: c.base_dir.clone(),
+            name,
+        });
     }
 
     fn run_actions(&mut self) {
@@ -257,8 +237,11 @@ impl StudioApp {
             Action::StartResumingLatest => self.start_training(true),
             Action::StartInNewFolder => {
                 self.panels.run.live.existing_run = None;
+                self.panels.run.pending.start_after_proposal = true;
                 self.propose_output_dir();
-                self.start_training(false);
+            }
+            Action::StartChecked { config, output_dir } => {
+                self.start_checked(*config, output_dir);
             }
             Action::CancelStart => self.panels.run.live.existing_run = None,
             Action::ApplyOomRefitAndResume => self.refit_and_resume(),
@@ -324,11 +307,14 @@ impl StudioApp {
 
     fn scan_dataset(&mut self) {
         let path = self.panels.dataset.path_input.trim().to_string();
-        if path != self.session.config.data.path {
+        let new = path != self.session.config.data.path;
+        if new {
             self.new_dataset_settings();
-            self.propose_output_dir();
         }
         self.session.config.data.path = path;
+        if new {
+            self.propose_output_dir();
+        }
         self.panels.dataset.key.clear();
         self.panels.preview.key.clear();
         self.panels.preview.start_row = 0;

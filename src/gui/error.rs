@@ -10,6 +10,7 @@ use tunestudio::data::DataError;
 use tunestudio::infer::InferError;
 use tunestudio::model::ModelError;
 use tunestudio::plan::PlanError;
+use tunestudio::train::oom::RefitError;
 use tunestudio::train::{ConfigError, TrainError};
 
 /// What kind of problem an error is.
@@ -149,6 +150,17 @@ impl From<PlanError> for JobError {
     fn from(e: PlanError) -> Self {
         match e {
             PlanError::Model(m) => m.into(),
+            other => JobError::new(ErrorKind::Config, other.to_string(), None),
+        }
+    }
+}
+
+impl From<RefitError> for JobError {
+    fn from(e: RefitError) -> Self {
+        match e {
+            RefitError::Plan(p) => p.into(),
+            // What the device held fits no resumable settings: a setting to change (the
+            // message names it).
             other => JobError::new(ErrorKind::Config, other.to_string(), None),
         }
     }

@@ -10,10 +10,10 @@ use tunestudio::train::RunConfig;
 
 use super::action::Action;
 use super::error::JobError;
-use super::jobs::{JobOutput, OpenedConfig, PickTarget, Previewed};
+use super::jobs::{FolderProposal, JobOutput, OpenedConfig, PickTarget, Previewed};
 use super::panels::Panels;
 use super::playground;
-use super::session::{push_recent, Session};
+use super::session::{push_recent, Panel, Session};
 use super::shared::ExportKind;
 
 /// Stores a request's answer: the value and no error, or the error and no value.
@@ -112,6 +112,16 @@ pub fn apply_job(s: &mut Session, p: &mut Panels, out: JobOutput) -> Vec<Action>
         // The in-app picker is the app's window, not a panel: `StudioApp::handle_job` gives
         // it its listings before they reach here.
         JobOutput::Folder(_) => {}
+        JobOutput::OutputChecked {
+            seq,
+            config,
+            output_dir,
+            existing,
+        } => return output_checked(s, p, seq, (config, output_dir), existing),
+        JobOutput::OutputProposed { request, proposed } => {
+            return output_proposed(s, p, &request, proposed);
+        }
+        JobOutput::Refitted { seq, result } => return refitted(s, p, seq, result),
         JobOutput::Playground(msg) => {
             return playground::on_message(&mut p.playground, msg)
                 .into_iter()
@@ -207,6 +217,98 @@ fn config_saved(
             s.config_path = Some(path);
         }
         Err(e) => p.export.config_message = Some(Err(e)),
+    }
+}
+
+/// Start's check of the output folder: another run there is asked about (the Run panel offers
+/// resuming it or a new folder, as the CLI refuses); with none, the run starts with the config
+/// as it was when Start was pressed.
+fn output_checked(
+    s: &mut Session,
+    p: &mut Panels,
+    seq: u64,
+    (config, output_dir): (Box<RunConfig>, PathBuf),
+    existing: Option<String>,
+) -> Vec<Action> {
+    let pending = &mut p.run.pending;
+    if seq != pending.check_seq || !pending.checking {
+        return Vec::new();
+    }
+    pending.checking = false;
+    s.panel = Panel::Run;
+    match existing {
+        Some(existing) => {
+            p.run.live.existing_run = Some(existing);
+            Vec::new()
+        }
+        None => vec![Action::StartChecked { config, output_dir }],
+    }
+}
+
+/// A new project's fresh output folder: written into the config only while the config is
+/// still of the project it was found for (the same model, dataset and output folder), with
+/// the run config's path when the user did not choose one (the old folder's default, or the
+/// demo's); then Start, when "Train in a new folder" asked for it.
+fn output_proposed(
+    s: &mut Session,
+    p: &mut Panels,
+    request: &FolderProposal,
+    proposed: PathBuf,
+) -> Vec<Action> {
+    let pending = &mut p.run.pending;
+    if request.seq != pending.proposal_seq || !pending.proposing {
+        return Vec::new();
+    }
+    pending.proposing = false;
+    let start = std::mem::take(&mut pending.start_after_proposal);
+    let c = &s.config;
+    let same_project = c.model.source == request.model
+        && c.data.path == request.data
+        && c.output_dir == request.from;
+    let mut follow = Vec::new();
+    if same_project && proposed != c.output_dir {
+        let old_default = s.default_config_path().display().to_string();
+        s.config.output_dir = proposed.clone();
+        let demo = s.is_demo();
+        if demo || p.export.config_path == old_default {
+            p.export.config_path = s.default_config_path().display().to_string();
+        }
+        if demo {
+            s.config_path = None;
+        }
+        follow.push(Action::Toast(format!(
+            "new project: output folder {}",
+            proposed.display()
+        )));
+    }
+    if start {
+        follow.push(Action::Start);
+    }
+    follow
+}
+
+/// The out-of-memory refit: its settings replace the config's and the run resumes from its
+/// checkpoint; or the status bar says why none resumes it.
+fn refitted(
+    s: &mut Session,
+    p: &mut Panels,
+    seq: u64,
+    result: Result<(Box<RunConfig>, Vec<String>), JobError>,
+) -> Vec<Action> {
+    let pending = &mut p.run.pending;
+    if seq != pending.refit_seq || !pending.refitting {
+        return Vec::new();
+    }
+    pending.refitting = false;
+    match result {
+        Ok((config, changes)) => {
+            s.config = *config;
+            vec![
+                Action::Toast(format!("resuming with: {}", changes.join("; "))),
+                Action::StartResumingLatest,
+            ]
+        }
+        Err(e) => vec![Action::Toast(e.to_string())],
     }
 }
 
@@ -364,5 +466,88 @@ mod tests {
             [Action::Playground(playground::PgAction::ReadPrompts(_))]
         ));
         assert!(p.playground.prompts_loading);
+    }
+
+    fn proposal(seq: u64, s: &Session) -> FolderProposal {
+        FolderProposal {
+            seq,
+            model: s.config.model.source.clone(),
+            data: s.config.data.path.clone(),
+            from: s.config.output_dir.clone(),
+            parent: "runs".into(),
+            base: "/project".into(),
+            name: "m-d".into(),
+        }
+    }
+
+    #[test]
+    fn a_proposed_folder_is_written_only_for_the_project_it_was_found_for() {
+        let (mut s, mut p) = state();
+        s.config.data.path = "old.json".into();
+        p.run.pending.proposal_seq = 1;
+        p.run.pending.proposing = true;
+        let asked = proposal(1, &s);
+        // The dataset changed while the folder was looked for: the answer is dropped.
+        s.config.data.path = "other.json".into();
+        let before = s.config.output_dir.clone();
+        let out = JobOutput::OutputProposed {
+            request: asked,
+            proposed: "runs/m-d".into(),
+        };
+        assert!(apply_job(&mut s, &mut p, out).is_empty());
+        assert_eq!(s.config.output_dir, before);
+        assert!(!p.run.pending.proposing);
+        // An older request's answer is dropped too; the latest one is written, then Start.
+        p.run.pending.proposal_seq = 3;
+        p.run.pending.proposing = true;
+        p.run.pending.start_after_proposal = true;
+        let stale = JobOutput::OutputProposed {
+            request: proposal(2, &s),
+            proposed: "runs/m-d-2".into(),
+        };
+        assert!(apply_job(&mut s, &mut p, stale).is_empty());
+        assert!(p.run.pending.proposing);
+        let fresh = JobOutput::OutputProposed {
+            request: proposal(3, &s),
+            proposed: "runs/m-d-3".into(),
+        };
+        let follow = apply_job(&mut s, &mut p, fresh);
+        assert_eq!(s.config.output_dir, PathBuf::from("runs/m-d-3"));
+        assert!(
+            matches!(follow.as_slice(), [Action::Toast(_), Action::Start]),
+            "{follow:?}"
+        );
+        assert!(!p.run.pending.busy());
+    }
+
+    #[test]
+    fn a_checked_output_folder_starts_the_run_or_asks() {
+        let (mut s, mut p) = state();
+        p.run.pending.check_seq = 1;
+        p.run.pending.checking = true;
+        let config = Box::new(s.config.clone());
+        let asked = JobOutput::OutputChecked {
+            seq: 1,
+            config: config.clone(),
+            output_dir: "/out".into(),
+            existing: Some("`/out` already holds a run".into()),
+        };
+        assert!(apply_job(&mut s, &mut p, asked).is_empty());
+        assert!(p.run.live.existing_run.is_some());
+        assert_eq!(s.panel, Panel::Run);
+        p.run.pending.check_seq = 2;
+        p.run.pending.checking = true;
+        let free = JobOutput::OutputChecked {
+            seq: 2,
+            config,
+            output_dir: "/out".into(),
+            existing: None,
+        };
+        let follow = apply_job(&mut s, &mut p, free);
+        assert!(
+            matches!(follow.as_slice(), [Action::StartChecked { .. }]),
+            "{follow:?}"
+        );
+        assert!(!p.run.pending.busy());
     }
 }

@@ -95,22 +95,41 @@ pub struct OomRefit {
     pub changes: Vec<String>,
 }
 
+/// Why no settings resume the run after an out-of-memory stop.
+#[derive(Debug, thiserror::Error)]
+pub enum RefitError {
+    /// The run could not be planned (its model's config, a setting, the devices).
+    #[error(transparent)]
+    Plan(#[from] crate::plan::PlanError),
+    /// No settings with the same effective batch fit what the device held.
+    #[error("no settings with the same effective batch fit what the device held; lower data.max_length or train LoRA")]
+    NoFit,
+    /// Only changes a checkpoint cannot resume into would fit.
+    #[error("only a change a checkpoint cannot resume into would fit ({refused}); start a new run with those settings ({changes})")]
+    NotResumable {
+        /// The refused changes, in words.
+        refused: String,
+        /// Every change the fit makes, in words.
+        changes: String,
+    },
+}
+
 /// Fits `config` to a device that ran out at the plan's predicted peak: every device is
 /// planned with at most [`REFIT_CAPACITY_FRACTION`] of that peak, and auto-fit searches
 /// settings that keep the effective batch, written into the config by the one edit
 /// ([`super::apply_plan_request`]). Changes a checkpoint could not resume into (precision,
 /// LoRA, QLoRA) are refused with the reason.
-pub fn refit_after_oom(config: &RunConfig) -> Result<OomRefit, String> {
-    let req = super::plan_adapter::local_plan_request(config).map_err(|e| e.to_string())?;
-    let plan = crate::plan::plan(&req).map_err(|e| e.to_string())?;
+pub fn refit_after_oom(config: &RunConfig) -> Result<OomRefit, RefitError> {
+    let req = super::plan_adapter::local_plan_request(config)?;
+    let plan = crate::plan::plan(&req)?;
     let mut squeezed = req.clone();
     for (spec, d) in squeezed.devices.iter_mut().zip(&plan.per_device) {
         let held = (d.peak_bytes as f64 * REFIT_CAPACITY_FRACTION) as u64;
         spec.capacity_bytes = spec.capacity_bytes.min(held.max(1));
     }
-    let fit = crate::plan::auto_fit(&squeezed).map_err(|e| e.to_string())?;
+    let fit = crate::plan::auto_fit(&squeezed)?;
     if !fit.found {
-        return Err("no settings with the same effective batch fit what the device held; lower data.max_length or train LoRA".into());
+        return Err(RefitError::NoFit);
     }
     let refused: Vec<String> = fit
         .steps
@@ -119,11 +138,10 @@ pub fn refit_after_oom(config: &RunConfig) -> Result<OomRefit, String> {
         .map(|c| c.describe(&req))
         .collect();
     if !refused.is_empty() {
-        return Err(format!(
-            "only a change a checkpoint cannot resume into would fit ({}); start a new run with those settings ({})",
-            refused.join("; "),
-            fit.changes.join("; ")
-        ));
+        return Err(RefitError::NotResumable {
+            refused: refused.join("; "),
+            changes: fit.changes.join("; "),
+        });
     }
     let mut fitted = config.clone();
     super::apply_plan::apply_plan_request(&mut fitted, &fit.request);

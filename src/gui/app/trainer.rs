@@ -1,10 +1,12 @@
 //! The trainer side of the app: starting a run on its own thread (the app holds the
-//! handle; the run state only folds its events), commands to it, and draining its events.
+//! handle; the run state only folds its events) once a job has checked its output folder,
+//! commands to it, draining its events, and asking a job for the out-of-memory refit.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tunestudio::train::{self, Command, Trainer};
+use tunestudio::train::{self, Command, RunConfig, Trainer};
 
 use super::{Action, StudioApp};
 use crate::gui::run_state::{RunPhase, RunState};
@@ -28,8 +30,11 @@ impl StudioApp {
         }
     }
 
+    /// Start: a resumed run starts at once; a new one after a job has looked for another
+    /// run in its output folder (`JobOutput::OutputChecked`: the Run panel asks about one,
+    /// else [`Action::StartChecked`] starts it). Start shows busy meanwhile.
     pub(super) fn start_training(&mut self, resume_latest: bool) {
-        if self.panels.run.live.is_active() {
+        if self.panels.run.live.is_active() || self.panels.run.pending.busy() {
             return;
         }
         // A planned machine's GPUs are not here: the trainer would fail to open them.
@@ -48,15 +53,28 @@ impl StudioApp {
         }
         let out = config.output_path();
         let abs_out = std::path::absolute(&out).unwrap_or(out);
-        // Never into another run's folder unannounced: ask (the Run panel offers resuming it
-        // or a new folder), as the CLI refuses.
-        if !resume_latest {
-            if let Some(existing) = train::existing_run(&abs_out) {
-                self.panels.run.live.existing_run = Some(existing);
-                self.session.panel = Panel::Run;
-                return;
-            }
+        if resume_latest {
+            self.spawn_trainer(config, abs_out, true);
+            return;
         }
+        // Never into another run's folder unannounced (the CLI refuses): a job looks.
+        let pending = &mut self.panels.run.pending;
+        pending.check_seq += 1;
+        pending.checking = true;
+        self.panels.run.live.existing_run = None;
+        self.jobs
+            .check_output_dir(pending.check_seq, config, abs_out);
+    }
+
+    /// Starts the run whose output folder was checked, unless one started meanwhile.
+    pub(super) fn start_checked(&mut self, config: RunConfig, output_dir: PathBuf) {
+        if !self.panels.run.live.is_active() {
+            self.spawn_trainer(config, output_dir, false);
+        }
+    }
+
+    /// Starts the trainer thread on `config`, writing to `abs_out`.
+    fn spawn_trainer(&mut self, config: RunConfig, abs_out: PathBuf, resume_latest: bool) {
         push_recent(&mut self.session.settings.run_dirs, abs_out.clone());
         let mut run = RunState {
             phase: RunPhase::Loading,
@@ -93,16 +111,16 @@ impl StudioApp {
         }
     }
 
-    /// After an out-of-memory stop: the fitted settings, then resume from the checkpoint.
+    /// After an out-of-memory stop: a job fits the settings (`JobOutput::Refitted`: they are
+    /// applied and the run resumes from its checkpoint, or the error is shown).
     pub(super) fn refit_and_resume(&mut self) {
-        match train::oom::refit_after_oom(&self.session.config) {
-            Ok(refit) => {
-                self.session.config = refit.config;
-                self.chrome
-                    .toast(format!("resuming with: {}", refit.changes.join("; ")));
-                self.start_training(true);
-            }
-            Err(e) => self.chrome.toast(e),
+        let pending = &mut self.panels.run.pending;
+        if pending.refitting {
+            return;
         }
+        pending.refit_seq += 1;
+        pending.refitting = true;
+        self.jobs
+            .refit_after_oom(pending.refit_seq, self.session.config.clone());
     }
 }

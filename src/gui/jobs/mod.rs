@@ -1,7 +1,8 @@
 //! Background work: every slow call into the library (resolving and
 //! downloading models, reading datasets, tokenising the preview, planning,
 //! dry runs, exports, reading run history, opening and saving the run config, the in-app
-//! file picker's folder listings) runs on its own thread and reports
+//! file picker's folder listings, Start's look for another run in the output folder, a new
+//! project's output folder, the out-of-memory refit) runs on its own thread and reports
 //! one [`JobOutput`] over a channel; the thread wakes the UI with
 //! `request_repaint`. The UI thread never waits on any of it.
 //!
@@ -106,6 +107,31 @@ pub enum JobOutput {
     },
     /// A folder was listed for the in-app file picker.
     Folder(crate::gui::file_picker::FolderListing),
+    /// Start's check of the output folder for another run.
+    OutputChecked {
+        /// Request number.
+        seq: u64,
+        /// The config as it was when Start was pressed (the run trains it).
+        config: Box<RunConfig>,
+        /// The output folder, absolute.
+        output_dir: PathBuf,
+        /// What another run left there (`train::existing_run`), if any.
+        existing: Option<String>,
+    },
+    /// A fresh output folder for a new project.
+    OutputProposed {
+        /// What was asked, for which project.
+        request: FolderProposal,
+        /// The folder, as the config writes it.
+        proposed: PathBuf,
+    },
+    /// The out-of-memory refit.
+    Refitted {
+        /// Request number.
+        seq: u64,
+        /// The fitted config and its changes in words, or why none resumes the run.
+        result: Result<(Box<RunConfig>, Vec<String>), JobError>,
+    },
 }
 
 /// What the preview job built: the rows as SFT trains them, or, when the data holds
@@ -466,8 +492,10 @@ pub fn looks_like_hub_id(s: &str) -> bool {
 }
 
 mod files;
+mod start;
 mod work;
 pub use files::{load_config, OpenedConfig};
+pub use start::FolderProposal;
 pub use work::{
     dataset_summary, model_info, model_source, plan_request, read_history, ExportRequest,
 };

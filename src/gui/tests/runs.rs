@@ -94,11 +94,19 @@ fn studio(
     h
 }
 
-/// Presses Start on the Run panel.
+/// Presses Start on the Run panel, and waits for the output folder's check.
 fn start(h: &mut Harness<'static, StudioApp>) {
     click_nav(h, Panel::Run);
     h.get_by_label("Start").click();
     h.run_steps(2);
+    wait_start_jobs(h);
+}
+
+/// Waits for the jobs Start waits on (the output folder's check, a new folder, the refit).
+fn wait_start_jobs(h: &mut Harness<'static, StudioApp>) {
+    wait_for(h, "Start's jobs", Duration::from_secs(60), |a| {
+        !a.panels.run.pending.busy()
+    });
 }
 
 /// Waits for the run to end; returns how.
@@ -251,6 +259,7 @@ fn exports_of_each_kind_load_back_with_the_trained_logits() {
     start(&mut h);
     h.get_by_label("Train in a new folder").click();
     h.run_steps(2);
+    wait_start_jobs(&mut h);
     assert_eq!(wait_finished(&mut h), FinishReason::Completed);
     let (full_losses, full_reference) = library_run(&full_config, &dir.path().join("ref-full"), 2);
     assert_losses(&studio_losses(&h), &full_losses, 1e-5);
@@ -397,6 +406,7 @@ fn out_of_memory_refit_applies_and_resumes_from_the_checkpoint() {
 
     h.get_by_label("Apply the fix and resume").click();
     h.run_steps(2);
+    wait_start_jobs(&mut h);
     assert_eq!(
         h.state().session.config.training,
         expected.config.training,

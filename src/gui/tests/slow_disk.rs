@@ -1,8 +1,10 @@
 //! No I/O on the UI thread (issues #39 and #56): with the project on a slow disk (every look
 //! the studio takes under its folder sleeps, see [`crate::gui::disk::hook`]), the model, the
 //! dataset, the preview and the plan still load, their disk work on jobs, and every frame
-//! stays within a 60 Hz budget; the in-app picker lists a slow folder, and the run config is
-//! saved to and opened from one, on jobs too.
+//! stays within a 60 Hz budget; the in-app picker lists a slow folder, the run config is
+//! saved to and opened from one, Start looks for another run in a slow output folder, a new
+//! project's output folder is found in a slow one, and the out-of-memory refit reads a slow
+//! project, on jobs too.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -13,9 +15,10 @@ use super::app_harness;
 use crate::gui::app::{StartOptions, StudioApp};
 use crate::gui::disk::hook;
 use crate::gui::frame_stats::FrameStats;
+use crate::gui::run_state::RunPhase;
 use crate::gui::session::Panel;
 use eframe::egui;
-use egui_kittest::kittest::Queryable;
+use egui_kittest::kittest::{NodeT, Queryable};
 
 /// One look at the slow folder takes this long: a frame that looked would blow its budget.
 const SLOW_LOOK: Duration = Duration::from_millis(120);
@@ -312,5 +315,181 @@ fn the_run_config_is_saved_and_opened_on_jobs() {
     );
     hook::clear_slow(slow.path());
     println!("slow run config: {}", h.state().chrome.frames.summary());
+    assert_no_look(looks_before, worst_ms, &h);
+}
+
+/// Stops the live run and steps until it has ended, keeping the slowest frame.
+fn stop_run(h: &mut Harness<'static, StudioApp>, worst_ms: &mut f32) {
+    h.get_by_label("Stop").click();
+    let start = Instant::now();
+    while !matches!(h.state().panels.run.live.phase, RunPhase::Finished(_)) {
+        assert!(
+            start.elapsed() < Duration::from_secs(120),
+            "timed out waiting for the run to stop"
+        );
+        step_timed(h, worst_ms);
+    }
+}
+
+/// Start on a slow output folder that holds another run: a job looks (Start shows busy and
+/// cannot be pressed again meanwhile), and the Run panel asks about that run a few frames
+/// later; "Train in a new folder" then finds a fresh folder in the slow parent on a job
+/// (`demo-model-demo-data` is taken: `-2`), checks it on another, and the run starts there.
+#[test]
+fn start_looks_for_another_run_in_a_slow_output_folder_on_a_job() {
+    let slow = tempfile::tempdir().expect("tempdir");
+    let runs = slow.path().join("runs");
+    let out = runs.join("demo");
+    std::fs::create_dir_all(&out).expect("mkdir");
+    std::fs::write(out.join("metrics.jsonl"), "").expect("another run");
+    std::fs::create_dir_all(runs.join("demo-model-demo-data")).expect("a taken name");
+    let mut h = ready_app(Panel::Run, &out);
+    hook::make_slow(slow.path(), SLOW_LOOK);
+    let looks_before = hook::looks_on_this_thread();
+    let mut worst_ms = 0.0f32;
+
+    h.get_by_label("Start").click();
+    step_timed(&mut h, &mut worst_ms);
+    step_timed(&mut h, &mut worst_ms);
+    assert!(
+        h.state().panels.run.pending.checking,
+        "the check is under way, not done inside the frame"
+    );
+    assert!(
+        h.get_by_label("Start").accesskit_node().is_disabled(),
+        "Start is busy while the folder is checked"
+    );
+    step_until(&mut h, &mut worst_ms, "the check", |a| {
+        !a.panels.run.pending.busy()
+    });
+    let live = &h.state().panels.run.live;
+    assert!(
+        live.existing_run
+            .as_deref()
+            .is_some_and(|e| e.contains("metrics.jsonl")),
+        "{:?}",
+        live.existing_run
+    );
+    assert_eq!(live.phase, RunPhase::Idle, "no run started");
+
+    h.get_by_label("Train in a new folder").click();
+    step_timed(&mut h, &mut worst_ms);
+    step_timed(&mut h, &mut worst_ms);
+    assert!(
+        h.state().panels.run.pending.busy(),
+        "the new folder is found and checked on jobs"
+    );
+    step_until(&mut h, &mut worst_ms, "the run in a new folder", |a| {
+        !a.panels.run.pending.busy() && a.panels.run.live.is_active()
+    });
+    let fresh = runs.join("demo-model-demo-data-2");
+    assert_eq!(h.state().session.config.output_dir, fresh);
+    assert_eq!(
+        h.state().panels.run.live.output_dir.as_deref(),
+        Some(fresh.as_path())
+    );
+    stop_run(&mut h, &mut worst_ms);
+    hook::clear_slow(slow.path());
+    println!("slow start: {}", h.state().chrome.frames.summary());
+    assert_no_look(looks_before, worst_ms, &h);
+}
+
+/// A new dataset is a new project: its output folder is found beside the current one, in a
+/// slow folder, on a job (`demo-model-mine` is taken: `-2`), and written into the config a
+/// few frames later.
+#[test]
+fn a_new_projects_output_folder_is_found_on_a_job() {
+    let slow = tempfile::tempdir().expect("tempdir");
+    let data = tempfile::tempdir().expect("tempdir");
+    let runs = slow.path().join("runs");
+    std::fs::create_dir_all(runs.join("demo-model-mine")).expect("a taken name");
+    let mine = data.path().join("mine.json");
+    std::fs::copy(
+        tunestudio::paths::assets_dir().join("demo-data.json"),
+        &mine,
+    )
+    .expect("copy");
+    let mut h = ready_app(Panel::Dataset, &runs.join("demo"));
+    hook::make_slow(slow.path(), SLOW_LOOK);
+    let looks_before = hook::looks_on_this_thread();
+    let mut worst_ms = 0.0f32;
+
+    h.state_mut().panels.dataset.path_input = mine.display().to_string();
+    step_timed(&mut h, &mut worst_ms);
+    h.get_by_label("Open").click();
+    step_timed(&mut h, &mut worst_ms);
+    step_timed(&mut h, &mut worst_ms);
+    assert!(
+        h.state().panels.run.pending.proposing,
+        "the folder is looked for on a job, not inside the frame"
+    );
+    step_until(&mut h, &mut worst_ms, "the new folder", |a| {
+        !a.panels.run.pending.proposing
+    });
+    assert_eq!(
+        h.state().session.config.output_dir,
+        runs.join("demo-model-mine-2")
+    );
+    hook::clear_slow(slow.path());
+    println!("slow new project: {}", h.state().chrome.frames.summary());
+    assert_no_look(looks_before, worst_ms, &h);
+}
+
+/// After an out-of-memory stop (injected at step 2), "Apply the fix and resume" fits the
+/// settings on a job while the project (its model's config) is slow: the button is busy
+/// meanwhile, then the fitted settings are applied and the run resumes.
+#[test]
+fn the_out_of_memory_refit_runs_on_a_job() {
+    let project = tempfile::tempdir().expect("tempdir");
+    let out = tempfile::tempdir().expect("tempdir");
+    let config = demo_project(project.path(), out.path());
+    let opts = StartOptions {
+        fresh: true,
+        panel: Some(Panel::Run),
+        config: Some(config),
+        output_dir: Some(out.path().to_path_buf()),
+        inject_oom: Some("2:backward".into()),
+        ..StartOptions::default()
+    };
+    let mut h = app_harness(opts, 860.0);
+    super::wait_ready(&mut h);
+    h.get_by_label("Start").click();
+    super::wait_for(
+        &mut h,
+        "the out-of-memory stop",
+        Duration::from_secs(120),
+        |a| {
+            a.panels.run.live.phase == RunPhase::Finished(tunestudio::train::FinishReason::Failed)
+                && a.panels.run.live.oom_refit.is_some()
+        },
+    );
+    let micro_batch = h.state().session.config.training.micro_batch;
+    h.state_mut().chrome.frames = FrameStats::default();
+    hook::make_slow(project.path(), SLOW_LOOK);
+    let looks_before = hook::looks_on_this_thread();
+    let mut worst_ms = 0.0f32;
+
+    h.get_by_label("Apply the fix and resume").click();
+    step_timed(&mut h, &mut worst_ms);
+    step_timed(&mut h, &mut worst_ms);
+    assert!(
+        h.state().panels.run.pending.refitting,
+        "the refit is under way, not done inside the frame"
+    );
+    step_until(&mut h, &mut worst_ms, "the refit", |a| {
+        !a.panels.run.pending.refitting
+    });
+    assert!(
+        h.state().panels.run.live.is_active(),
+        "the run resumed: {}",
+        h.state().panels.run.live.status
+    );
+    assert!(
+        h.state().session.config.training.micro_batch < micro_batch,
+        "the fitted settings are applied"
+    );
+    stop_run(&mut h, &mut worst_ms);
+    hook::clear_slow(project.path());
+    println!("slow refit: {}", h.state().chrome.frames.summary());
     assert_no_look(looks_before, worst_ms, &h);
 }

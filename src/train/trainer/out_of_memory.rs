@@ -34,7 +34,7 @@ pub(super) fn report_out_of_memory(
     let checkpoint = run.last_checkpoint().map(|p| p.to_path_buf());
     let (refit, refit_error) = match super::super::oom::refit_after_oom(run.config()) {
         Ok(r) => (r.changes, None),
-        Err(e) => (Vec::new(), Some(e)),
+        Err(e) => (Vec::new(), Some(e.to_string())),
     };
     let planned: Vec<Option<u64>> = super::super::plan_adapter::local_plan_request(run.config())
         .ok()

@@ -26,6 +26,36 @@ pub struct RunPanel {
     pub live: RunState,
     /// Past runs.
     pub history: HistoryState,
+    /// Start's disk work under way on jobs.
+    pub pending: PendingStart,
+}
+
+/// What Start (or "Train in a new folder", or "Apply the fix and resume") waits on: each is a
+/// job (`gui/jobs/start.rs`), the latest request's number kept so a stale answer is dropped.
+/// Start shows busy while any is out, so a second click cannot start a second run.
+#[derive(Default, Debug, Clone)]
+pub struct PendingStart {
+    /// Number of the latest check of the output folder for another run.
+    pub check_seq: u64,
+    /// That check is out.
+    pub checking: bool,
+    /// Number of the latest proposal of a fresh output folder for a new project.
+    pub proposal_seq: u64,
+    /// That proposal is out.
+    pub proposing: bool,
+    /// Start once the proposal is in ("Train in a new folder").
+    pub start_after_proposal: bool,
+    /// Number of the latest out-of-memory refit.
+    pub refit_seq: u64,
+    /// That refit is out.
+    pub refitting: bool,
+}
+
+impl PendingStart {
+    /// Whether Start waits on a job.
+    pub fn busy(&self) -> bool {
+        self.checking || self.proposing || self.refitting
+    }
 }
 
 impl RunPanel {
@@ -215,7 +245,10 @@ fn controls(
     ui.horizontal(|ui| {
         // A planned machine (not this one) shows its `tunestudio train` command instead.
         let planning_only = crate::gui::widgets::planning_only_note(ui, cx, actions);
-        let can_start = !rp.live.is_active() && blocking.is_empty() && !planning_only;
+        let can_start = !rp.live.is_active()
+            && !rp.pending.busy()
+            && blocking.is_empty()
+            && !planning_only;
         let start = ui
             .add_enabled(
                 can_start,
@@ -284,9 +317,19 @@ fn run_notes(ui: &mut Ui, rp: &RunPanel, cx: &PanelContext, actions: &mut Vec<Ac
                 "Out of memory. The run stopped with a checkpoint of its last good step. Settings that fit what the device held (same effective batch): {}",
                 refit.join("; ")
             ));
-            if ui.button("Apply the fix and resume").clicked() {
-                actions.push(Action::ApplyOomRefitAndResume);
-            }
+            let refitting = rp.pending.refitting;
+            ui.horizontal(|ui| {
+                if ui
+                    .add_enabled(!refitting, egui::Button::new("Apply the fix and resume"))
+                    .clicked()
+                {
+                    actions.push(Action::ApplyOomRefitAndResume);
+                }
+                if refitting {
+                    ui.add(egui::Spinner::new().size(12.0));
+                    ui.label("fitting the settings…");
+                }
+            });
         });
     }
     for l in &rp.live.allowed_lints {
@@ -315,6 +358,16 @@ fn run_notes(ui: &mut Ui, rp: &RunPanel, cx: &PanelContext, actions: &mut Vec<Ac
 
 /// Where the run is, in a word (with a spinner while it loads).
 fn phase_label(ui: &mut Ui, rp: &RunPanel) {
+    // Start waits on a job: the output folder's check for another run, or a new folder.
+    if rp.pending.checking || rp.pending.proposing {
+        ui.add(egui::Spinner::new());
+        ui.label(
+            RichText::new("checking the output folder…")
+                .color(theme::ACCENT)
+                .strong(),
+        );
+        return;
+    }
     let phase = rp.live.phase;
     let (color, text) = match phase {
         RunPhase::Idle => (ui.visuals().weak_text_color(), "ready".to_string()),
