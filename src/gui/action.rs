@@ -34,6 +34,13 @@ pub enum Action {
     },
     /// After an out-of-memory stop: apply the fitted settings and resume from the checkpoint.
     ApplyOomRefitAndResume,
+    /// Look for the newest checkpoint in the output folder (a job): `use_it` puts it in the
+    /// Export panel's Checkpoint field (or says there is none); otherwise it fills the field
+    /// only while it is still empty.
+    FindLatestCheckpoint {
+        /// The user asked ("Use the latest").
+        use_it: bool,
+    },
     /// Dismiss the "this folder holds a run" question.
     CancelStart,
     /// Pause the trainer.

@@ -235,6 +235,9 @@ impl StudioApp {
             Action::ScanDataset => self.scan_dataset(),
             Action::Start => self.start_training(false),
             Action::StartResumingLatest => self.start_training(true),
+            Action::FindLatestCheckpoint { use_it } => self
+                .jobs
+                .latest_checkpoint(self.session.output_dir(), use_it),
             Action::StartInNewFolder => {
                 self.panels.run.live.existing_run = None;
                 self.panels.run.pending.start_after_proposal = true;

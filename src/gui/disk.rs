@@ -6,9 +6,9 @@
 //! frame needs from the disk (the model's resolved source, the dataset's resolved paths, the
 //! sizes the plan counts, a folder's listing for the in-app picker, the run config opened or
 //! saved, another run in the output folder, a new project's free folder name, the model's
-//! config for the out-of-memory refit) comes from a job's result. What the UI thread still reads
-//! (start-up, the Export panel's newest checkpoint) is listed in `ARCHITECTURE.md` ("How the
-//! studio talks to the trainer").
+//! config for the out-of-memory refit, the output folder's newest checkpoint) comes from a
+//! job's result. What the UI thread still reads (start-up) is listed in `ARCHITECTURE.md`
+//! ("How the studio talks to the trainer").
 
 use std::path::Path;
 

@@ -4,7 +4,7 @@
 //! message shown). No threads, no I/O: the app runs the actions, so each report's effect is
 //! testable on bare panels, like [`crate::gui::run_state::RunState::apply`].
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use tunestudio::train::RunConfig;
 
@@ -122,6 +122,11 @@ pub fn apply_job(s: &mut Session, p: &mut Panels, out: JobOutput) -> Vec<Action>
             return output_proposed(s, p, &request, proposed);
         }
         JobOutput::Refitted { seq, result } => return refitted(s, p, seq, result),
+        JobOutput::LatestCheckpoint {
+            output_dir,
+            latest,
+            use_it,
+        } => return latest_checkpoint(s, p, &output_dir, latest, use_it),
         JobOutput::Playground(msg) => {
             return playground::on_message(&mut p.playground, msg)
                 .into_iter()
@@ -395,6 +400,32 @@ fn propose_max_length(
     Some(format!(
         "max_length {len}: the 99th-percentile row length of this dataset, rounded up to 64"
     ))
+}
+
+/// The newest checkpoint of an output folder, into the Export panel's Checkpoint field: when
+/// the user asked, whatever the field held (or a toast when there is none); as the empty
+/// field's default, only while it is empty and the folder is still the run's.
+fn latest_checkpoint(
+    s: &Session,
+    p: &mut Panels,
+    output_dir: &Path,
+    latest: Option<PathBuf>,
+    use_it: bool,
+) -> Vec<Action> {
+    let ep = &mut p.export;
+    match latest {
+        Some(ck) if use_it => ep.checkpoint = ck.display().to_string(),
+        None if use_it => {
+            return vec![Action::Toast(
+                "no checkpoint in the output folder yet".into(),
+            )]
+        }
+        Some(ck) if ep.checkpoint.is_empty() && s.output_dir() == output_dir => {
+            ep.checkpoint = ck.display().to_string();
+        }
+        _ => {}
+    }
+    Vec::new()
 }
 
 #[cfg(test)]

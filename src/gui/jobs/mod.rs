@@ -125,6 +125,15 @@ pub enum JobOutput {
         /// The folder, as the config writes it.
         proposed: PathBuf,
     },
+    /// The newest checkpoint in an output folder.
+    LatestCheckpoint {
+        /// The folder looked in.
+        output_dir: PathBuf,
+        /// Its newest `checkpoint-<step>`, if any.
+        latest: Option<PathBuf>,
+        /// The user asked for it ("Use the latest"); otherwise it is the empty field's default.
+        use_it: bool,
+    },
     /// The out-of-memory refit.
     Refitted {
         /// Request number.

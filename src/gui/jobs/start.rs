@@ -1,5 +1,6 @@
 //! The jobs Start waits on: the output folder checked for another run, a fresh output folder
-//! proposed for a new project (another model or dataset), and the out-of-memory refit. Each
+//! proposed for a new project (another model or dataset), and the out-of-memory refit; and the
+//! output folder's newest checkpoint, which the Export panel exports by default. Each
 //! runs on its own thread, so the frame that clicked stays fast on a slow disk
 //! (`gui::tests::slow_disk`); the reducer folds the answer in and starts the run.
 
@@ -56,6 +57,20 @@ impl Jobs {
                 config: Box::new(config),
                 output_dir,
                 existing,
+            })
+        });
+    }
+
+    /// Looks for the newest checkpoint in `output_dir` (the Export panel's default, or its
+    /// "Use the latest" when `use_it`).
+    pub fn latest_checkpoint(&self, output_dir: PathBuf, use_it: bool) {
+        self.spawn("latest-checkpoint", move |_| {
+            disk::will_touch(&output_dir);
+            let latest = train::latest_checkpoint(&output_dir);
+            Some(JobOutput::LatestCheckpoint {
+                output_dir,
+                latest,
+                use_it,
             })
         });
     }

@@ -66,6 +66,9 @@ pub struct ExportPanel {
     pub config_message: Option<Result<String, JobError>>,
     /// A save or open of the run config in flight: what it is doing ("saving …").
     pub config_busy: Option<String>,
+    /// The output folder a job was last asked to look in for its newest checkpoint (the
+    /// empty Checkpoint field's default), so a frame asks once per folder, never the disk.
+    pub latest_asked_for: Option<PathBuf>,
 }
 
 impl Default for ExportPanel {
@@ -83,6 +86,7 @@ impl Default for ExportPanel {
             config_path: String::new(),
             config_message: None,
             config_busy: None,
+            latest_asked_for: None,
         }
     }
 }
@@ -127,7 +131,7 @@ fn weights(
     actions: &mut Vec<Action>,
 ) {
     theme::section(ui, "Weights");
-    fill_defaults(ep, s, cx);
+    fill_defaults(ep, s, cx, actions);
     theme::card(ui, |ui| {
         egui::Grid::new("export-weights").num_columns(2).spacing([12.0, 8.0]).show(ui, |ui| {
             theme::text_row(
@@ -143,10 +147,7 @@ fn weights(
                     actions.push(Action::Pick(PickTarget::Checkpoint));
                 }
                 if ui.button("Use the latest").on_hover_text("The newest checkpoint in the output folder").clicked() {
-                    match tunestudio::train::latest_checkpoint(&s.output_dir()) {
-                        Some(p) => ep.checkpoint = p.display().to_string(),
-                        None => actions.push(Action::Toast("no checkpoint in the output folder yet".into())),
-                    }
+                    actions.push(Action::FindLatestCheckpoint { use_it: true });
                 }
             });
             ui.end_row();
@@ -209,16 +210,16 @@ fn weights(
     });
 }
 
-/// The checkpoint (the run's last, else the newest in the output folder) and the folder to
-/// export to, while still empty.
-fn fill_defaults(ep: &mut ExportPanel, s: &Session, cx: &PanelContext) {
+/// The checkpoint (the run's last, else the newest in the output folder, which a job looks
+/// for once per folder: `JobOutput::LatestCheckpoint`) and the folder to export to, while
+/// still empty.
+fn fill_defaults(ep: &mut ExportPanel, s: &Session, cx: &PanelContext, actions: &mut Vec<Action>) {
     if ep.checkpoint.is_empty() {
-        if let Some(ck) = cx
-            .last_checkpoint
-            .clone()
-            .or_else(|| tunestudio::train::latest_checkpoint(&s.output_dir()))
-        {
+        if let Some(ck) = &cx.last_checkpoint {
             ep.checkpoint = ck.display().to_string();
+        } else if ep.latest_asked_for.as_ref() != Some(&s.output_dir()) {
+            ep.latest_asked_for = Some(s.output_dir());
+            actions.push(Action::FindLatestCheckpoint { use_it: false });
         }
     }
     if ep.destination.is_empty() {

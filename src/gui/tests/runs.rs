@@ -266,8 +266,6 @@ fn exports_of_each_kind_load_back_with_the_trained_logits() {
     let full_trained = probe_logits(full_reference.model());
 
     click_nav(&mut h, Panel::Export);
-    h.get_by_label("Use the latest").click();
-    h.run_steps(2);
     let full_checkpoint = h
         .state()
         .panels
@@ -276,9 +274,13 @@ fn exports_of_each_kind_load_back_with_the_trained_logits() {
         .last_checkpoint
         .clone()
         .expect("saved");
-    assert_eq!(
-        Path::new(&h.state().panels.export.checkpoint),
-        full_checkpoint.as_path()
+    // A job looks for the newest checkpoint of the (new) output folder.
+    h.get_by_label("Use the latest").click();
+    wait_for(
+        &mut h,
+        "the latest checkpoint",
+        Duration::from_secs(30),
+        |a| Path::new(&a.panels.export.checkpoint) == full_checkpoint.as_path(),
     );
     let full = export(&mut h, "full model", &dir.path().join("full"));
     let full_model = CausalLm::load(&full, DType::F32, &Device::Cpu).expect("full loads");

@@ -3,8 +3,8 @@
 //! dataset, the preview and the plan still load, their disk work on jobs, and every frame
 //! stays within a 60 Hz budget; the in-app picker lists a slow folder, the run config is
 //! saved to and opened from one, Start looks for another run in a slow output folder, a new
-//! project's output folder is found in a slow one, and the out-of-memory refit reads a slow
-//! project, on jobs too.
+//! project's output folder is found in a slow one, the out-of-memory refit reads a slow
+//! project, and the Export panel finds a slow folder's newest checkpoint, on jobs too.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -491,5 +491,60 @@ fn the_out_of_memory_refit_runs_on_a_job() {
     stop_run(&mut h, &mut worst_ms);
     hook::clear_slow(project.path());
     println!("slow refit: {}", h.state().chrome.frames.summary());
+    assert_no_look(looks_before, worst_ms, &h);
+}
+
+/// The Export panel's Checkpoint field: its default, the newest checkpoint of the output
+/// folder, and "Use the latest" are both looked for on a job while the folder is slow.
+#[test]
+fn the_export_panel_finds_the_newest_checkpoint_on_a_job() {
+    let slow = tempfile::tempdir().expect("tempdir");
+    let runs = slow.path().join("runs");
+    let checkpoint = |run: &str, step: u64| {
+        let ck = runs.join(run).join(format!("checkpoint-{step}"));
+        std::fs::create_dir_all(&ck).expect("mkdir");
+        std::fs::write(ck.join("trainer_state.json"), "{}").expect("state");
+        ck.display().to_string()
+    };
+    checkpoint("demo", 3);
+    let newest = checkpoint("demo", 7);
+    let other = checkpoint("other", 5);
+    let mut h = ready_app(Panel::Export, &runs.join("demo"));
+    hook::make_slow(slow.path(), SLOW_LOOK);
+    let looks_before = hook::looks_on_this_thread();
+    let mut worst_ms = 0.0f32;
+    step_until(&mut h, &mut worst_ms, "the default checkpoint", |a| {
+        a.panels.export.checkpoint == newest
+    });
+
+    // Another output folder and an empty field: its newest checkpoint is the default.
+    h.state_mut().session.config.output_dir = runs.join("other");
+    h.state_mut().panels.export.checkpoint.clear();
+    step_timed(&mut h, &mut worst_ms);
+    step_timed(&mut h, &mut worst_ms);
+    assert_eq!(
+        h.state().panels.export.checkpoint,
+        "",
+        "looked for on a job, not inside the frame"
+    );
+    step_until(
+        &mut h,
+        &mut worst_ms,
+        "the other folder's checkpoint",
+        |a| a.panels.export.checkpoint == other,
+    );
+
+    // "Use the latest" replaces what the field holds.
+    h.state_mut().panels.export.checkpoint = "somewhere/else".into();
+    step_timed(&mut h, &mut worst_ms);
+    h.get_by_label("Use the latest").click();
+    step_timed(&mut h, &mut worst_ms);
+    step_timed(&mut h, &mut worst_ms);
+    assert_eq!(h.state().panels.export.checkpoint, "somewhere/else");
+    step_until(&mut h, &mut worst_ms, "the latest checkpoint", |a| {
+        a.panels.export.checkpoint == other
+    });
+    hook::clear_slow(slow.path());
+    println!("slow export: {}", h.state().chrome.frames.summary());
     assert_no_look(looks_before, worst_ms, &h);
 }
