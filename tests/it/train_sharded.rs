@@ -126,41 +126,38 @@ fn sharded_over_two_devices_trains_like_one_device() {
 /// bf16-mixed: a sharded rank keeps its range only as the fp32 master, which AdamW updates and
 /// the all-gather rounds into every rank's bf16 weights. Two sharded ranks train exactly as two
 /// data-parallel ranks (each with its whole master, AdamW writing the rounded weights), full
-/// fine-tuning and LoRA on both ops paths: the same rows per rank, the same gradient sums in
-/// rank order, the same rounding. Accumulation 1 and no clipping, as the two strategies sum
+/// fine-tuning on the native ops and LoRA on the generic ones (each path and each kind of
+/// trained tensor once: CI's time): the same rows per rank, the same gradient sums in rank
+/// order, the same rounding. Accumulation 1 and no clipping, as the two strategies sum
 /// otherwise in other orders: over micro-steps then ranks against ranks then micro-steps
 /// (bf16 gradients: 1.1e-5 apart after 8 steps at accumulation 4), and the gradient norm over
-/// the ranges against the whole. (One device differs from both by the ranks' other padding:
-/// printed, not asserted.)
+/// the ranges against the whole. (One device differs from both by the ranks' other padding,
+/// up to 4.9e-5 when measured: not asserted.)
 #[test]
 fn bf16_mixed_sharded_trains_as_data_parallel_bit_for_bit() {
     let tmp = tempfile::tempdir().unwrap();
-    for ops in ["native", "generic"] {
-        for lora in [false, true] {
-            let case = format!("{ops}-{}", if lora { "lora" } else { "full" });
-            let run = |strategy: Strategy, devices: &[&str]| {
-                let out = tmp
-                    .path()
-                    .join(format!("{strategy}-{}-{case}", devices.len()));
-                let mut c = config(&out, 4, devices, lora);
-                c.devices.strategy = strategy;
-                c.training.precision = Precision::Bf16Mixed;
-                c.training.gradient_accumulation = 1;
-                c.training.max_grad_norm = 0.0;
-                train(&c, ops, &[]).unwrap();
-                losses(&c.output_dir)
-            };
-            let dp = run(Strategy::DataParallel, &["cpu:0", "cpu:1"]);
-            assert_eq!(dp.len(), 8, "{dp:?}");
-            let sharded = run(Strategy::Sharded, &["cpu:0", "cpu:1"]);
-            let one = run(Strategy::Single, &["cpu"]);
-            println!(
-                "bf16-mixed {case}: sharded vs data parallel {:.3e}, vs one device {:.3e}",
-                worst_relative(&dp, &sharded),
-                worst_relative(&one, &sharded)
-            );
-            assert_eq!(sharded, dp, "{case}: sharded vs data parallel");
-        }
+    for (ops, lora) in [("native", false), ("generic", true)] {
+        let case = format!("{ops}-{}", if lora { "lora" } else { "full" });
+        let run = |strategy: Strategy, devices: &[&str]| {
+            let out = tmp
+                .path()
+                .join(format!("{strategy}-{}-{case}", devices.len()));
+            let mut c = config(&out, 4, devices, lora);
+            c.devices.strategy = strategy;
+            c.training.precision = Precision::Bf16Mixed;
+            c.training.gradient_accumulation = 1;
+            c.training.max_grad_norm = 0.0;
+            train(&c, ops, &[]).unwrap();
+            losses(&c.output_dir)
+        };
+        let dp = run(Strategy::DataParallel, &["cpu:0", "cpu:1"]);
+        assert_eq!(dp.len(), 8, "{dp:?}");
+        let sharded = run(Strategy::Sharded, &["cpu:0", "cpu:1"]);
+        println!(
+            "bf16-mixed {case}: sharded vs data parallel {:.3e}",
+            worst_relative(&dp, &sharded)
+        );
+        assert_eq!(sharded, dp, "{case}: sharded vs data parallel");
     }
 }
 
