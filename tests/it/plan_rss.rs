@@ -461,8 +461,9 @@ fn the_pre_flight_check_plans_the_trained_rows_the_plan_shows() {
 }
 
 /// Issue #59 item 7: a GRPO step's peak is its policy forward and backward over G completions
-/// per prompt at prompt + `max_completion_length` tokens, with their full logits (the
-/// per-token log-probabilities of every completion), planned as `micro_batch × G` rows. The
+/// per prompt at prompt + `max_completion_length` tokens, the completion positions' head run
+/// through the chunked loss op (each token's log-probability and entropy), planned as
+/// `micro_batch × G` rows. The
 /// demo model's random weights almost never sample its EOS (1 in 49,152 per token), so every
 /// completion runs to `max_completion_length`: the length the plan assumes.
 #[cfg(target_os = "linux")]
