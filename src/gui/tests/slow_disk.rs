@@ -520,13 +520,8 @@ fn the_export_panel_finds_the_newest_checkpoint_on_a_job() {
     // Another output folder and an empty field: its newest checkpoint is the default.
     h.state_mut().session.config.output_dir = runs.join("other");
     h.state_mut().panels.export.checkpoint.clear();
-    step_timed(&mut h, &mut worst_ms);
-    step_timed(&mut h, &mut worst_ms);
-    assert_eq!(
-        h.state().panels.export.checkpoint,
-        "",
-        "looked for on a job, not inside the frame"
-    );
+    // That no frame looked is `assert_no_look`'s count below (what the field holds a frame
+    // or two later depends on the machine's speed).
     step_until(
         &mut h,
         &mut worst_ms,
@@ -538,9 +533,6 @@ fn the_export_panel_finds_the_newest_checkpoint_on_a_job() {
     h.state_mut().panels.export.checkpoint = "somewhere/else".into();
     step_timed(&mut h, &mut worst_ms);
     h.get_by_label("Use the latest").click();
-    step_timed(&mut h, &mut worst_ms);
-    step_timed(&mut h, &mut worst_ms);
-    assert_eq!(h.state().panels.export.checkpoint, "somewhere/else");
     step_until(&mut h, &mut worst_ms, "the latest checkpoint", |a| {
         a.panels.export.checkpoint == other
     });
