@@ -53,37 +53,47 @@ pub(crate) fn generation_bytes(req: &PlanRequest, d: &StepDims, layers: u64, hea
     cache + prefill_copy + prefill.max(decode)
 }
 
+/// DictaLM 2.0 (Mistral, 32 layers, 8 KV heads of 128) trained by GRPO in pure bf16 with
+/// checkpointing: one prompt of 512 tokens × `generations` completions of `completion_tokens`
+/// per micro-step on `devices` (the planner's tests of GRPO).
+#[cfg(test)]
+pub(crate) fn dictalm_grpo_request(
+    generations: usize,
+    completion_tokens: usize,
+    devices: &str,
+) -> PlanRequest {
+    let path = crate::paths::shared_dir()
+        .join("model-configs")
+        .join("dictalm2-7b.json");
+    PlanRequest {
+        model: crate::model::ModelConfig::from_file(&path).expect("model config"),
+        precision: crate::plan::Precision::Bf16,
+        micro_batch: generations,
+        gradient_accumulation: 1,
+        seq_len: 512 + completion_tokens,
+        activation_checkpointing: true,
+        optimizer_offload: false,
+        lora: None,
+        strategy: crate::plan::Strategy::Single,
+        shard: Default::default(),
+        devices: crate::plan::parse_devices(devices).expect("devices"),
+        ops: crate::model::OpsMode::Auto,
+        process: None,
+        trained_tokens: None,
+        head_loss: HeadLoss::Completions {
+            generations,
+            completion_tokens,
+        },
+        reference: Default::default(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::plan::{parse_devices, Precision, Strategy};
 
-    /// DictaLM 2.0 (Mistral, 32 layers, 8 KV heads of 128), bf16, one prompt of 512 tokens.
     fn grpo(generations: usize, completion_tokens: usize) -> PlanRequest {
-        let path = crate::paths::shared_dir()
-            .join("model-configs")
-            .join("dictalm2-7b.json");
-        PlanRequest {
-            model: crate::model::ModelConfig::from_file(&path).expect("model config"),
-            precision: Precision::Bf16,
-            micro_batch: generations,
-            gradient_accumulation: 1,
-            seq_len: 512 + completion_tokens,
-            activation_checkpointing: true,
-            optimizer_offload: false,
-            lora: None,
-            strategy: Strategy::Single,
-            shard: Default::default(),
-            devices: parse_devices("80GiB").expect("devices"),
-            ops: crate::model::OpsMode::Auto,
-            process: None,
-            trained_tokens: None,
-            head_loss: HeadLoss::Completions {
-                generations,
-                completion_tokens,
-            },
-            reference: Default::default(),
-        }
+        dictalm_grpo_request(generations, completion_tokens, "80GiB")
     }
 
     #[test]

@@ -469,22 +469,7 @@ pub(crate) fn linear_cross_entropy(
     chunk: usize,
     w_trainable: bool,
 ) -> Result<Tensor> {
-    if rows.dim(0)? != labels.dim(0)? {
-        bail!(
-            "linear cross-entropy: {} rows but {} labels",
-            rows.dim(0)?,
-            labels.dim(0)?
-        )
-    }
-    let op = LinearCrossEntropy {
-        labels: labels.detach(),
-        chunk,
-        per_row: false,
-        w_grad: w_trainable,
-        lse: Mutex::new(None),
-        entropies: None,
-    };
-    apply2(op, &rows.contiguous()?, w)
+    apply_linear_cross_entropy(rows, w, labels, chunk, w_trainable, false, None)
 }
 
 /// [`linear_cross_entropy`] row by row: `[n]` f32, each row differentiable on its own; with
@@ -497,6 +482,19 @@ pub(crate) fn linear_cross_entropy_rows(
     w_trainable: bool,
     entropies: Option<std::sync::Arc<Mutex<Option<Tensor>>>>,
 ) -> Result<Tensor> {
+    apply_linear_cross_entropy(rows, w, labels, chunk, w_trainable, true, entropies)
+}
+
+/// The op of [`linear_cross_entropy`] (`per_row` false) and [`linear_cross_entropy_rows`].
+fn apply_linear_cross_entropy(
+    rows: &Tensor,
+    w: &Tensor,
+    labels: &Tensor,
+    chunk: usize,
+    w_trainable: bool,
+    per_row: bool,
+    entropies: Option<std::sync::Arc<Mutex<Option<Tensor>>>>,
+) -> Result<Tensor> {
     if rows.dim(0)? != labels.dim(0)? {
         bail!(
             "linear cross-entropy: {} rows but {} labels",
@@ -507,7 +505,7 @@ pub(crate) fn linear_cross_entropy_rows(
     let op = LinearCrossEntropy {
         labels: labels.detach(),
         chunk,
-        per_row: true,
+        per_row,
         w_grad: w_trainable,
         lse: Mutex::new(None),
         entropies,

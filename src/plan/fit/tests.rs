@@ -4,29 +4,9 @@ use super::*;
 
 /// DictaLM 2.0, GRPO with LoRA r 16, one prompt × G 16 of 512 + 2,048 tokens, on 24 GiB.
 fn long_completions() -> PlanRequest {
-    let path = crate::paths::shared_dir()
-        .join("model-configs")
-        .join("dictalm2-7b.json");
     PlanRequest {
-        model: crate::model::ModelConfig::from_file(&path).expect("model config"),
-        precision: Precision::Bf16,
-        micro_batch: 16,
-        gradient_accumulation: 1,
-        seq_len: 512 + 2048,
-        activation_checkpointing: true,
-        optimizer_offload: false,
         lora: Some(LoraSpec::all_linear(16)),
-        strategy: Strategy::Single,
-        shard: Default::default(),
-        devices: crate::plan::parse_devices("24GiB").expect("devices"),
-        ops: crate::model::OpsMode::Auto,
-        process: None,
-        trained_tokens: None,
-        head_loss: HeadLoss::Completions {
-            generations: 16,
-            completion_tokens: 2048,
-        },
-        reference: Default::default(),
+        ..crate::plan::generation::dictalm_grpo_request(16, 2048, "24GiB")
     }
 }
 
