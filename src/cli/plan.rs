@@ -70,6 +70,12 @@ pub struct PlanArgs {
     /// Keep AdamW's state (and fp32 master weights) in host RAM instead of on the GPUs.
     #[arg(long)]
     pub optimizer_offload: bool,
+    /// Any run-config key, as the run config writes it (repeatable): `--set
+    /// grpo.num_generations=8`, `--set training.optimizer_offload=host`. Applied to the run
+    /// config (or its defaults) before the flags above; a key the run config does not have is
+    /// an error. Settings without a flag of their own are planned this way.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
     /// The ops path the run will take: auto, native or generic (the GPU's code, forced on the
     /// CPU). Default: `TUNESTUDIO_OPS`, else auto.
     #[arg(long)]

@@ -1,6 +1,12 @@
 //! The fixes the planner ranks: one [`Change`] of settings, how it is applied to a request and
-//! described, and a ranked [`Fix`].
+//! described, when it is proposed, how much it alters what is learned, and a ranked [`Fix`].
+//!
+//! Everything the planner's fixes know of a setting lives here, so that a new fixable setting
+//! is one variant and its arms in this file: [`Change::candidates`] (the ranked fixes),
+//! [`SEARCH_AXES`] (auto-fit's search) and [`Change::quality_tier`]; `plan/fit.rs` ranks and
+//! searches without naming a setting.
 
+use super::fit::AUTO_LORA_RANK;
 use super::*;
 
 /// One change of settings.
@@ -86,13 +92,80 @@ impl Change {
                 let lora = r
                     .lora
                     .take()
-                    .unwrap_or_else(|| LoraSpec::all_linear(fit::AUTO_LORA_RANK));
+                    .unwrap_or_else(|| LoraSpec::all_linear(AUTO_LORA_RANK));
                 r.lora = Some(lora.quantized(*q));
                 r.reference = r.reference.with_lora();
             }
             Change::Reference(reference) => r.reference = *reference,
         }
         r
+    }
+
+    /// How much the change, made to `req`, alters what training learns (0: only how it
+    /// trains; a fix of a higher tier ranks behind every fix of a lower one that fits).
+    pub(crate) fn quality_tier(&self, req: &PlanRequest) -> u8 {
+        let quantized = req.lora.as_ref().is_some_and(|l| l.quantize.is_on());
+        match self {
+            // Shorter rows or completions: what is trained changes, not only how.
+            Change::SeqLen(t) if *t < req.seq_len => 4,
+            Change::Quantize(q) if q.is_on() && !quantized => 3,
+            Change::Lora(_) if req.lora.is_none() => 2,
+            Change::Precision(Precision::Bf16) if req.precision != Precision::Bf16 => 1,
+            _ => 0,
+        }
+    }
+
+    /// The single changes worth trying on `req`, each a fix the planner ranks.
+    pub(crate) fn candidates(req: &PlanRequest) -> Vec<Change> {
+        let mut out = Vec::new();
+        if req.devices.len() > 1 {
+            for s in [Strategy::LayerSplit, Strategy::DataParallel] {
+                if s != req.strategy {
+                    out.push(Change::Strategy(s));
+                }
+            }
+            for mode in proposed_shard_modes() {
+                if req.strategy != Strategy::Sharded || req.shard != mode {
+                    out.push(Change::Shard(mode));
+                }
+            }
+        }
+        out.extend(precision_axis(req, req).into_iter().flatten());
+        if !req.activation_checkpointing {
+            out.push(Change::ActivationCheckpointing);
+        }
+        out.extend(micro_batch_changes(req));
+        if req.lora.is_none() {
+            out.push(Change::Lora(LoraSpec::all_linear(AUTO_LORA_RANK)));
+        }
+        if req
+            .lora
+            .as_ref()
+            .is_none_or(|l| l.quantize != Quantization::Q4K)
+        {
+            out.push(Change::Quantize(Quantization::Q4K));
+        }
+        let on_gpu = req.used_devices().iter().any(|d| d.kind != DeviceKind::Cpu);
+        if on_gpu && !req.optimizer_offload {
+            out.push(Change::OptimizerOffload);
+        }
+        if req.reference != ReferencePlan::Stored {
+            out.push(Change::Reference(ReferencePlan::Stored));
+        }
+        if req.reference == ReferencePlan::Copy && req.lora.is_some() {
+            out.push(Change::Reference(ReferencePlan::AdapterDisabled));
+        }
+        // GRPO is planned at full-length completions (a long one will come): half as long is
+        // a fix that changes what is learned, ranked after every other (tier 4).
+        if let HeadLoss::Completions {
+            completion_tokens, ..
+        } = req.head_loss
+        {
+            if completion_tokens >= 2 {
+                out.push(Change::SeqLen(req.seq_len - completion_tokens / 2));
+            }
+        }
+        out
     }
 
     /// The change in words ("bf16 mixed precision", "layer split over 2 GPUs"), with the
@@ -165,7 +238,7 @@ impl Change {
                     Some(l) => format!("{bits} (base linears as {q}, LoRA r={} kept)", l.r),
                     None => format!(
                         "{bits} (base linears as {q}, LoRA r={} on every linear)",
-                        fit::AUTO_LORA_RANK
+                        AUTO_LORA_RANK
                     ),
                 }
             }
@@ -200,6 +273,148 @@ fn set_strategy(r: &mut PlanRequest, req: &PlanRequest, s: Strategy) {
     if effective.is_multiple_of(ranks * r.micro_batch) {
         r.gradient_accumulation = effective / (ranks * r.micro_batch);
     }
+}
+
+/// One axis of auto-fit's search: the changes it may make to the request built so far
+/// (`None`: keep it as it is), in order of preference; none at all prunes that branch.
+/// `original` is the request auto-fit was given (its effective batch is kept).
+pub(crate) type SearchAxis = fn(original: &PlanRequest, so_far: &PlanRequest) -> Vec<Option<Change>>;
+
+/// Auto-fit's search, outermost first: strategy × precision × checkpointing × LoRA ×
+/// reference × micro-batch. The micro-batch comes last: it re-splits the effective batch over
+/// the ranks the strategy chose. A new setting that auto-fit may change adds its axis here.
+pub(crate) const SEARCH_AXES: [SearchAxis; 6] = [
+    strategy_axis,
+    precision_axis,
+    checkpointing_axis,
+    lora_axis,
+    reference_axis,
+    micro_batch_axis,
+];
+
+/// The shard modes auto-fit and the fixes may propose: those the trainer runs. A mode it does
+/// not run yet (ZeRO-3) is planned when asked for, never proposed.
+fn proposed_shard_modes() -> impl Iterator<Item = ShardMode> {
+    ShardMode::ALL.into_iter().filter(|m| m.trainer_runs())
+}
+
+/// The request's strategy, then on several devices the layer split, data parallel and sharded
+/// data parallel. A requested shard mode the trainer does not run is replaced by those it runs.
+fn strategy_axis(_: &PlanRequest, req: &PlanRequest) -> Vec<Option<Change>> {
+    let mut options: Vec<Option<Change>> = Vec::new();
+    let mut add = |o: Option<Change>| {
+        if !options.contains(&o) {
+            options.push(o);
+        }
+    };
+    let sharded = |mode| {
+        let same = req.strategy == Strategy::Sharded && req.shard == mode;
+        (!same).then_some(Change::Shard(mode))
+    };
+    if req.strategy == Strategy::Sharded && !req.shard.trainer_runs() {
+        proposed_shard_modes().for_each(|m| add(sharded(m)));
+    } else {
+        add(None);
+    }
+    if req.devices.len() > 1 {
+        for s in [Strategy::LayerSplit, Strategy::DataParallel] {
+            add((s != req.strategy).then_some(Change::Strategy(s)));
+        }
+        proposed_shard_modes().for_each(|m| add(sharded(m)));
+    }
+    options
+}
+
+/// The request's precision, then bf16 mixed (unless fp16 mixed already keeps masters), then
+/// pure bf16 (tier 1: no f32 master weights).
+fn precision_axis(_: &PlanRequest, req: &PlanRequest) -> Vec<Option<Change>> {
+    let mut options = vec![None];
+    for p in [Precision::Bf16Mixed, Precision::Bf16] {
+        let fp16_already_mixed = p == Precision::Bf16Mixed && req.precision == Precision::Fp16Mixed;
+        if p != req.precision && !fp16_already_mixed {
+            options.push(Some(Change::Precision(p)));
+        }
+    }
+    options
+}
+
+fn checkpointing_axis(_: &PlanRequest, req: &PlanRequest) -> Vec<Option<Change>> {
+    if req.activation_checkpointing {
+        vec![None]
+    } else {
+        vec![None, Some(Change::ActivationCheckpointing)]
+    }
+}
+
+/// The request's LoRA, then LoRA r=16 on every linear, then QLoRA 4-bit last: it changes
+/// what is learned the most (tier 3).
+fn lora_axis(_: &PlanRequest, req: &PlanRequest) -> Vec<Option<Change>> {
+    let qlora = Some(Change::Quantize(Quantization::Q4K));
+    match &req.lora {
+        Some(l) if l.quantize.is_on() => vec![None],
+        Some(_) => vec![None, qlora],
+        None => vec![
+            None,
+            Some(Change::Lora(LoraSpec::all_linear(AUTO_LORA_RANK))),
+            qlora,
+        ],
+    }
+}
+
+/// A DPO run's reference as it is (the base with the adapters off once LoRA is on, for a
+/// frozen copy), then precomputed: it learns the same (`train/preference.rs`) and holds
+/// nothing during the step.
+fn reference_axis(_: &PlanRequest, req: &PlanRequest) -> Vec<Option<Change>> {
+    if req.reference == ReferencePlan::Stored {
+        vec![None]
+    } else {
+        vec![None, Some(Change::Reference(ReferencePlan::Stored))]
+    }
+}
+
+/// Every whole number of samples per micro-batch that divides a rank's share of the original
+/// effective batch, smallest first, with the accumulation that keeps the effective batch; no
+/// option at all when the ranks do not divide it.
+fn micro_batch_axis(original: &PlanRequest, req: &PlanRequest) -> Vec<Option<Change>> {
+    let effective = original.effective_batch();
+    let rows = req.head_loss.rows_per_sample();
+    let ranks = req.data_parallel_ranks();
+    if !effective.is_multiple_of(ranks * rows) {
+        return Vec::new();
+    }
+    let per_rank = effective / ranks;
+    let samples = per_rank / rows;
+    (1..=samples)
+        .filter(|n| samples.is_multiple_of(*n))
+        .map(|n| {
+            let change = Change::MicroBatch {
+                micro_batch: n * rows,
+                gradient_accumulation: per_rank / (n * rows),
+            };
+            (change.apply(req) != *req).then_some(change)
+        })
+        .collect()
+}
+
+/// Smaller micro-batches with more accumulation (one sample, and half as many), in whole
+/// samples (a preference pair is two rows).
+fn micro_batch_changes(req: &PlanRequest) -> Vec<Change> {
+    let rows = req.head_loss.rows_per_sample();
+    let samples = req.micro_batch / rows;
+    if samples <= 1 || !req.micro_batch.is_multiple_of(rows) {
+        return Vec::new();
+    }
+    let mut per_batch = vec![1];
+    if samples.is_multiple_of(2) && samples > 2 {
+        per_batch.push(samples / 2);
+    }
+    per_batch
+        .into_iter()
+        .map(|n| Change::MicroBatch {
+            micro_batch: n * rows,
+            gradient_accumulation: req.gradient_accumulation * (samples / n),
+        })
+        .collect()
 }
 
 /// The request's devices as the subject of "compute": "both GPUs", "all 4 GPUs", "both

@@ -842,6 +842,69 @@ fn the_cli_reading_and_the_trainer_make_the_same_request() {
     assert_eq!(peaks(&cli["plan"]), peaks(&planned));
 }
 
+/// A setting without a flag of its own (a new one, say) is planned through `--set`: the plan
+/// of a run config with `--set grpo.num_generations=4` is the plan of the same file with that
+/// key written in it, and a key the run config does not have stops the command by name.
+#[test]
+fn a_setting_without_a_flag_plans_through_set_as_written_in_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = RunConfig::default();
+    config.model.source = model_source(0);
+    config.training.method = TrainingMethod::Grpo;
+    config.devices.devices = vec!["cuda:0=24GiB".into()];
+    config.base_dir = dir.path().to_path_buf();
+    let base = dir.path().join("base.toml");
+    std::fs::write(&base, config.to_toml_string().unwrap()).unwrap();
+    config.grpo.num_generations = 4;
+    let written = dir.path().join("written.toml");
+    std::fs::write(&written, config.to_toml_string().unwrap()).unwrap();
+
+    let plan_json = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_tunestudio"))
+            .args(["plan", "--json"])
+            .args(args)
+            .env_remove("TUNESTUDIO_OPS")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        let value = serde_json::from_slice::<serde_json::Value>(&out.stdout).ok();
+        (out.status.code(), value.map(|v| v["plan"].clone()), stderr)
+    };
+    let path = |p: &std::path::Path| p.display().to_string();
+    let (_, from_file, e) = plan_json(&["--config", &path(&written)]);
+    let from_file = from_file.unwrap_or_else(|| panic!("{e}"));
+    let (_, from_set, e) = plan_json(&[
+        "--config",
+        &path(&base),
+        "--set",
+        "grpo.num_generations=4",
+    ]);
+    let from_set = from_set.unwrap_or_else(|| panic!("{e}"));
+    assert!(
+        from_set == from_file,
+        "--set planned {} where the file plans {}",
+        from_set["settings"],
+        from_file["settings"]
+    );
+    let (_, unset, _) = plan_json(&["--config", &path(&base)]);
+    assert!(
+        unset.unwrap() != from_file,
+        "G 4 must plan otherwise than the default G 8"
+    );
+
+    let (code, _, stderr) = plan_json(&[
+        "--config",
+        &path(&base),
+        "--set",
+        "grpo.num_generation=8",
+    ]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert!(
+        stderr.contains("--set grpo.num_generation=8") && stderr.contains("num_generations"),
+        "the error names the --set and the keys there are: {stderr}"
+    );
+}
+
 /// A request field as JSON, as the CLI writes it.
 fn json<T: serde::Serialize>(value: &T) -> serde_json::Value {
     serde_json::to_value(value).unwrap()

@@ -26,13 +26,20 @@ pub(super) fn request_and_config(
         )?),
         None => None,
     };
-    let file = args.config.as_deref().map(read_config).transpose()?;
+    let file = match &args.config {
+        Some(path) => Some(read_config(path, &args.set)?),
+        None if !args.set.is_empty() => Some(read_sets_alone(&args.set)?),
+        None => None,
+    };
     let mut config = file.clone().unwrap_or_default();
+    let file = file.filter(|_| args.config.is_some());
     let model = match (&args.model_config, &file) {
         (Some(m), _) => {
             ModelConfig::from_file(&tunestudio::model::model_config_path(m, Path::new("."))?)?
         }
         (None, Some(c)) => train::plan_model(c)?,
+        // `--set model.source=…` without a run config.
+        (None, None) if !config.model.source.trim().is_empty() => train::plan_model(&config)?,
         (None, None) => anyhow::bail!(
             "give the model: --model-config path/to/config.json (or a model folder), or --config run.toml"
         ),
@@ -59,21 +66,80 @@ pub(super) fn request_and_config(
     Ok((req, file.map(|_| config)))
 }
 
-/// The run config at `path`, read leniently (`train::read_run_config_leniently`), with a note
-/// for each key it leaves out.
-fn read_config(path: &Path) -> anyhow::Result<RunConfig> {
+/// The run config at `path`, read leniently (`train::read_run_config_leniently`), with the
+/// `--set` keys written into it and a note for each key it leaves out.
+fn read_config(path: &Path, sets: &[String]) -> anyhow::Result<RunConfig> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("cannot read the run config {}", path.display()))?;
     let base = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
-    let (config, ignored) =
-        train::read_run_config_leniently(&text, &path.display().to_string(), base)?;
+    read_with_sets(&text, &path.display().to_string(), base, sets)
+}
+
+/// The run config's defaults with the `--set` keys written into them (no `--config`).
+fn read_sets_alone(sets: &[String]) -> anyhow::Result<RunConfig> {
+    read_with_sets("", "--set", Path::new("."), sets)
+}
+
+/// `text` read leniently after each `--set KEY=VALUE` replaced (or added) its key. A key the
+/// run config does not have, or a value of the wrong kind, is an error that names the `--set`;
+/// what the file itself gets wrong stays a note, as without `--set`.
+fn read_with_sets(
+    text: &str,
+    origin: &str,
+    base: &Path,
+    sets: &[String],
+) -> anyhow::Result<RunConfig> {
+    let mut table: toml::Table = toml::from_str(text)
+        .with_context(|| format!("{origin} is not valid TOML (fix the syntax)"))?;
+    let mut keys = Vec::with_capacity(sets.len());
+    for set in sets {
+        keys.push(set_key(&mut table, set)?);
+    }
+    let text = toml::to_string(&table)?;
+    let (config, ignored) = train::read_run_config_leniently(&text, origin, base)?;
     for p in &ignored {
-        eprintln!("note: {} ignores {p}", path.display());
+        match keys.iter().find(|(key, _)| p.field == *key) {
+            Some((_, set)) => anyhow::bail!(
+                "--set {set}: {p} (the run config's keys: docs/run-config.md)"
+            ),
+            None => eprintln!("note: {origin} ignores {p}"),
+        }
     }
     Ok(config)
+}
+
+/// Writes one `--set section.key=value` into `table`: the value as TOML (`8`, `true`, `0.5`,
+/// `"text"`, `[1, 2]`), or as a string when it is not TOML (`host`). Returns the dotted key and
+/// the `--set` itself.
+fn set_key(table: &mut toml::Table, set: &str) -> anyhow::Result<(String, String)> {
+    let Some((key, value)) = set.split_once('=') else {
+        anyhow::bail!("--set {set}: write it as KEY=VALUE, e.g. --set grpo.num_generations=8");
+    };
+    let key = key.trim();
+    let value = value.trim();
+    let parsed = toml::from_str::<toml::Table>(&format!("v = {value}"))
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(value.to_string()));
+    let path: Vec<&str> = key.split('.').collect();
+    let Some((last, sections)) = path.split_last().filter(|_| !key.is_empty()) else {
+        anyhow::bail!("--set {set}: the key is empty (e.g. --set training.micro_batch=2)");
+    };
+    let mut at = table;
+    for section in sections {
+        let entry = at
+            .entry(section.to_string())
+            .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+        at = match entry {
+            toml::Value::Table(t) => t,
+            _ => anyhow::bail!("--set {set}: `{section}` is a value, not a section"),
+        };
+    }
+    at.insert(last.to_string(), parsed);
+    Ok((key.to_string(), set.to_string()))
 }
 
 /// Writes the settings flags into `config` (each replaces the config's value).

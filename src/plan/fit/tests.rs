@@ -1,6 +1,7 @@
 //! Ranked fixes on requests that do not fit.
 
 use super::*;
+use crate::plan::{HeadLoss, LoraSpec};
 
 /// DictaLM 2.0, GRPO with LoRA r 16, one prompt × G 16 of 512 + 2,048 tokens, on 24 GiB.
 fn long_completions() -> PlanRequest {
