@@ -278,7 +278,8 @@ fn set_strategy(r: &mut PlanRequest, req: &PlanRequest, s: Strategy) {
 /// One axis of auto-fit's search: the changes it may make to the request built so far
 /// (`None`: keep it as it is), in order of preference; none at all prunes that branch.
 /// `original` is the request auto-fit was given (its effective batch is kept).
-pub(crate) type SearchAxis = fn(original: &PlanRequest, so_far: &PlanRequest) -> Vec<Option<Change>>;
+pub(crate) type SearchAxis =
+    fn(original: &PlanRequest, so_far: &PlanRequest) -> Vec<Option<Change>>;
 
 /// Auto-fit's search, outermost first: strategy × precision × checkpointing × LoRA ×
 /// reference × micro-batch. The micro-batch comes last: it re-splits the effective batch over

@@ -6,23 +6,22 @@
 //! current directory.
 
 use crate::data::DataConfig;
-use crate::model::OptimizerOffload;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
 use super::error::{ConfigError, ConfigProblem};
-use super::precision::Precision;
-use super::schedule::ScheduleKind;
 use crate::settings::{Quantization, ShardMode, Strategy};
 
 mod grpo;
 mod method;
 mod probe;
+mod training;
 
 use probe::probe_and_strip;
 
 pub use grpo::{GrpoLossType, GrpoSection, ScaleRewards};
 pub use method::{DpoLoss, PreferenceSection, ReferenceMode, TrainingMethod};
+pub use training::TrainingSection;
 
 /// A complete training run description (`run.toml`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -145,58 +144,6 @@ pub enum InitMode {
     Random,
 }
 
-/// `[training]`.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct TrainingSection {
-    /// Numeric precision mode.
-    pub precision: Precision,
-    /// Rows per forward/backward pass.
-    pub micro_batch: usize,
-    /// Micro-batches accumulated into one optimizer step.
-    pub gradient_accumulation: usize,
-    /// Passes over the training split (ignored when `max_steps` is set).
-    pub epochs: u32,
-    /// Optimizer steps to run; overrides `epochs` when set.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_steps: Option<u64>,
-    /// Peak learning rate.
-    pub learning_rate: f64,
-    /// Learning-rate schedule after warm-up.
-    pub schedule: ScheduleKind,
-    /// Linear warm-up steps (exclusive with `warmup_ratio`).
-    pub warmup_steps: u64,
-    /// Warm-up as a fraction of the total steps (exclusive with `warmup_steps`).
-    pub warmup_ratio: f64,
-    /// Decoupled AdamW weight decay.
-    pub weight_decay: f64,
-    /// Clip the global gradient norm to this value; 0 turns clipping off.
-    pub max_grad_norm: f64,
-    /// Recompute each layer's activations in the backward pass (less memory, ~30 % more time).
-    pub activation_checkpointing: bool,
-    /// Keep AdamW's state in host RAM instead of on the GPU (`"none"` or `"host"`).
-    pub optimizer_offload: OptimizerOffload,
-    /// Seed of everything random: initialisation, data order, dropout.
-    pub seed: u64,
-    /// AdamW β₁.
-    pub adam_beta1: f64,
-    /// AdamW β₂.
-    pub adam_beta2: f64,
-    /// AdamW ε.
-    pub adam_epsilon: f64,
-    /// Apply weight decay to norm weights and biases too (transformers' Trainer does not).
-    pub decay_norms_and_biases: bool,
-    /// fp16-mixed: the loss scale at the start.
-    pub initial_loss_scale: f64,
-    /// fp16-mixed: double the loss scale after this many steps without overflow.
-    pub loss_scale_growth_interval: u64,
-    /// What a loss spike after the warm-up does: `"warn"` or `"stop"` (see `train::divergence`).
-    pub on_divergence: super::divergence::OnDivergence,
-    /// What is learned: `"sft"` (next tokens of the data), `"dpo"` or `"orpo"` (preference
-    /// pairs; see `[preference]`), `"grpo"` (rewards of sampled completions; see `[grpo]`).
-    pub method: TrainingMethod,
-}
-
 impl RunConfig {
     /// Switches `[training] method` to `method`, leaving settings the new method would refuse
     /// at values it accepts: ORPO has its own loss, so DPO's `ipo` loss and label smoothing go
@@ -207,44 +154,6 @@ impl RunConfig {
         if method == TrainingMethod::Orpo && before != TrainingMethod::Orpo {
             self.preference.loss = DpoLoss::Sigmoid;
             self.preference.label_smoothing = 0.0;
-        }
-    }
-}
-
-impl TrainingSection {
-    /// Samples per optimizer step over `ranks` data-parallel ranks, in the method's unit
-    /// ([`TrainingMethod::micro_batch_unit`]): micro-batch × accumulation × ranks. The one
-    /// place this product is written outside the planner (which counts rows).
-    pub fn effective_batch(&self, ranks: usize) -> usize {
-        self.micro_batch * self.gradient_accumulation * ranks
-    }
-}
-
-impl Default for TrainingSection {
-    fn default() -> Self {
-        TrainingSection {
-            precision: Precision::Fp32,
-            micro_batch: 1,
-            gradient_accumulation: 1,
-            epochs: 1,
-            max_steps: None,
-            learning_rate: 1e-4,
-            schedule: ScheduleKind::Cosine,
-            warmup_steps: 0,
-            warmup_ratio: 0.0,
-            weight_decay: 0.0,
-            max_grad_norm: 1.0,
-            activation_checkpointing: false,
-            optimizer_offload: OptimizerOffload::None,
-            seed: 42,
-            adam_beta1: 0.9,
-            adam_beta2: 0.999,
-            adam_epsilon: 1e-8,
-            decay_norms_and_biases: false,
-            initial_loss_scale: 65536.0,
-            loss_scale_growth_interval: 200,
-            on_divergence: super::divergence::OnDivergence::Warn,
-            method: TrainingMethod::Sft,
         }
     }
 }

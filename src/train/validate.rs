@@ -9,7 +9,6 @@ use std::path::{Path, PathBuf};
 
 use super::config::{InitMode, ModelDtype, RunConfig};
 use super::error::{ConfigError, ConfigProblem};
-use super::precision::Precision;
 use crate::settings::{ShardMode, Strategy};
 
 impl RunConfig {
@@ -63,7 +62,7 @@ impl RunConfig {
 pub fn validate(config: &RunConfig) -> Vec<ConfigProblem> {
     let mut p = Vec::new();
     model_problems(config, &mut p);
-    training_problems(config, &mut p);
+    p.extend(config.training.problems());
     lora_problems(config, &mut p);
     data_problems(config, &mut p);
     // [checkpoint] / [eval] have no invalid values (0 = off / keep all) beyond their types.
@@ -136,77 +135,12 @@ fn grpo_problems(config: &RunConfig, p: &mut Vec<ConfigProblem>) {
     if !config.training.method.is_grpo() {
         return;
     }
-    let mut bad = |field: &str, message: String| p.push(ConfigProblem::new(field, message));
-    let g = &config.grpo;
-    if g.num_generations < 2 {
-        bad(
-            "grpo.num_generations",
-            format!("must be ≥ 2 (got {}): advantages compare the completions of one prompt; TRL's default is 8", g.num_generations),
-        );
-    }
-    for (field, v) in [
-        ("grpo.max_prompt_length", g.max_prompt_length),
-        ("grpo.max_completion_length", g.max_completion_length),
-    ] {
-        if v == 0 {
-            bad(field, "must be ≥ 1".into());
-        }
-    }
-    if !(g.temperature > 0.0 && g.temperature.is_finite()) {
-        bad(
-            "grpo.temperature",
-            format!("must be > 0 (got {}): GRPO samples its completions; 1.0 samples the model as it is", g.temperature),
-        );
-    }
-    if !(g.top_p > 0.0 && g.top_p <= 1.0) {
-        bad(
-            "grpo.top_p",
-            format!("must be in (0, 1] (got {}); 1.0 turns it off", g.top_p),
-        );
-    }
-    if !(g.beta >= 0.0 && g.beta.is_finite()) {
-        bad(
-            "grpo.beta",
-            format!(
-                "must be ≥ 0 (got {}); 0 trains without a reference model",
-                g.beta
-            ),
-        );
-    }
-    if !(g.epsilon > 0.0 && g.epsilon < 1.0) {
-        bad(
-            "grpo.epsilon",
-            format!(
-                "must be in (0, 1) (got {}); TRL's default is 0.2",
-                g.epsilon
-            ),
-        );
-    }
-    if g.epsilon_high.is_some_and(|e| !(e > 0.0 && e.is_finite())) {
-        bad(
-            "grpo.epsilon_high",
-            "must be > 0 (DAPO uses 0.28); remove it to use epsilon".into(),
-        );
-    }
-    if g.num_iterations == 0 {
-        bad(
-            "grpo.num_iterations",
-            "0 trains on no sample: set 1 (TRL's default: every optimizer step samples its own completions) or more (each sampled block is trained on that many steps)".to_string(),
-        );
-    }
-    if g.reward.is_empty() {
-        bad(
-            "grpo.reward",
-            "GRPO needs at least one reward function: add a [[grpo.reward]] entry, e.g. kind = \"accuracy\" with column = \"answer\", or kind = \"format\" with a pattern".into(),
-        );
-    } else if let Err(e) = crate::train::grpo_rewards::validate(&g.reward) {
-        bad("grpo.reward", e.to_string());
-    }
+    p.extend(config.grpo.problems());
     if config.data.packing {
-        bad(
+        p.push(ConfigProblem::new(
             "data.packing",
-            "GRPO prompts are not packed; set packing = false".into(),
-        );
+            "GRPO prompts are not packed; set packing = false",
+        ));
     }
 }
 
@@ -267,105 +201,6 @@ fn model_problems(config: &RunConfig, p: &mut Vec<ConfigProblem>) {
                 config.model.quantize
             ),
         );
-    }
-}
-
-/// `[training]`: batch, length, optimizer and loss-scale settings in range.
-fn training_problems(config: &RunConfig, p: &mut Vec<ConfigProblem>) {
-    let mut bad = |field: &str, message: String| p.push(ConfigProblem::new(field, message));
-    let t = &config.training;
-    if t.micro_batch < 1 {
-        bad(
-            "training.micro_batch",
-            format!("must be ≥ 1 (got {})", t.micro_batch),
-        );
-    }
-    if t.gradient_accumulation < 1 {
-        bad(
-            "training.gradient_accumulation",
-            format!("must be ≥ 1 (got {})", t.gradient_accumulation),
-        );
-    }
-    match t.max_steps {
-        Some(0) => bad(
-            "training.max_steps",
-            "must be ≥ 1 (got 0); remove it to train by epochs".into(),
-        ),
-        Some(_) => {}
-        None if t.epochs < 1 => bad(
-            "training.epochs",
-            format!("must be ≥ 1 (got {}), or set training.max_steps", t.epochs),
-        ),
-        None => {}
-    }
-    if !(t.learning_rate.is_finite() && t.learning_rate > 0.0) {
-        bad(
-            "training.learning_rate",
-            format!("must be a positive number (got {})", t.learning_rate),
-        );
-    } else if t.learning_rate > 1.0 {
-        bad(
-            "training.learning_rate",
-            format!(
-                "{} is far too large for AdamW; typical values are 1e-5 … 1e-3",
-                t.learning_rate
-            ),
-        );
-    }
-    if !(0.0..1.0).contains(&t.warmup_ratio) {
-        bad(
-            "training.warmup_ratio",
-            format!("must be in [0, 1) (got {})", t.warmup_ratio),
-        );
-    }
-    if t.warmup_steps > 0 && t.warmup_ratio > 0.0 {
-        bad(
-            "training.warmup_ratio",
-            format!(
-                "set either warmup_steps ({}) or warmup_ratio ({}), not both",
-                t.warmup_steps, t.warmup_ratio
-            ),
-        );
-    }
-    if !(t.weight_decay.is_finite() && t.weight_decay >= 0.0) {
-        bad(
-            "training.weight_decay",
-            format!("must be ≥ 0 (got {})", t.weight_decay),
-        );
-    }
-    if !(t.max_grad_norm.is_finite() && t.max_grad_norm >= 0.0) {
-        bad(
-            "training.max_grad_norm",
-            format!("must be ≥ 0, 0 = no clipping (got {})", t.max_grad_norm),
-        );
-    }
-    for (field, v) in [
-        ("training.adam_beta1", t.adam_beta1),
-        ("training.adam_beta2", t.adam_beta2),
-    ] {
-        if !(0.0..1.0).contains(&v) {
-            bad(field, format!("must be in [0, 1) (got {v})"));
-        }
-    }
-    if !(t.adam_epsilon.is_finite() && t.adam_epsilon > 0.0) {
-        bad(
-            "training.adam_epsilon",
-            format!("must be > 0 (got {})", t.adam_epsilon),
-        );
-    }
-    if t.precision == Precision::Fp16Mixed {
-        if !(t.initial_loss_scale.is_finite() && t.initial_loss_scale >= 1.0) {
-            bad(
-                "training.initial_loss_scale",
-                format!("must be ≥ 1 (got {})", t.initial_loss_scale),
-            );
-        }
-        if t.loss_scale_growth_interval < 1 {
-            bad(
-                "training.loss_scale_growth_interval",
-                "must be ≥ 1 (got 0)".to_string(),
-            );
-        }
     }
 }
 

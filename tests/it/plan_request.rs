@@ -873,12 +873,8 @@ fn a_setting_without_a_flag_plans_through_set_as_written_in_the_file() {
     let path = |p: &std::path::Path| p.display().to_string();
     let (_, from_file, e) = plan_json(&["--config", &path(&written)]);
     let from_file = from_file.unwrap_or_else(|| panic!("{e}"));
-    let (_, from_set, e) = plan_json(&[
-        "--config",
-        &path(&base),
-        "--set",
-        "grpo.num_generations=4",
-    ]);
+    let (_, from_set, e) =
+        plan_json(&["--config", &path(&base), "--set", "grpo.num_generations=4"]);
     let from_set = from_set.unwrap_or_else(|| panic!("{e}"));
     assert!(
         from_set == from_file,
@@ -892,12 +888,8 @@ fn a_setting_without_a_flag_plans_through_set_as_written_in_the_file() {
         "G 4 must plan otherwise than the default G 8"
     );
 
-    let (code, _, stderr) = plan_json(&[
-        "--config",
-        &path(&base),
-        "--set",
-        "grpo.num_generation=8",
-    ]);
+    let (code, _, stderr) =
+        plan_json(&["--config", &path(&base), "--set", "grpo.num_generation=8"]);
     assert_eq!(code, Some(1), "{stderr}");
     assert!(
         stderr.contains("--set grpo.num_generation=8") && stderr.contains("num_generations"),

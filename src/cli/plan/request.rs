@@ -102,9 +102,9 @@ fn read_with_sets(
     let (config, ignored) = train::read_run_config_leniently(&text, origin, base)?;
     for p in &ignored {
         match keys.iter().find(|(key, _)| p.field == *key) {
-            Some((_, set)) => anyhow::bail!(
-                "--set {set}: {p} (the run config's keys: docs/run-config.md)"
-            ),
+            Some((_, set)) => {
+                anyhow::bail!("--set {set}: {p} (the run config's keys: docs/run-config.md)")
+            }
             None => eprintln!("note: {origin} ignores {p}"),
         }
     }

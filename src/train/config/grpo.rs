@@ -4,6 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 pub use crate::model::grpo::{GrpoLossType, ScaleRewards};
+use crate::train::error::ConfigProblem;
 use crate::train::grpo_rewards::RewardSpec;
 
 /// `[grpo]`.
@@ -66,5 +67,80 @@ impl GrpoSection {
     /// The upper clipping ε.
     pub fn epsilon_high(&self) -> f64 {
         self.epsilon_high.unwrap_or(self.epsilon)
+    }
+}
+
+impl GrpoSection {
+    /// Every value of `[grpo]` out of its range, beside the fields: a new setting's range goes
+    /// here (`train/validate.rs` asks only under `method = "grpo"`).
+    pub(crate) fn problems(&self) -> Vec<ConfigProblem> {
+        let mut p = Vec::new();
+        let mut bad = |field: &str, message: String| p.push(ConfigProblem::new(field, message));
+        let g = self;
+        if g.num_generations < 2 {
+            bad(
+            "grpo.num_generations",
+            format!("must be ≥ 2 (got {}): advantages compare the completions of one prompt; TRL's default is 8", g.num_generations),
+        );
+        }
+        for (field, v) in [
+            ("grpo.max_prompt_length", g.max_prompt_length),
+            ("grpo.max_completion_length", g.max_completion_length),
+        ] {
+            if v == 0 {
+                bad(field, "must be ≥ 1".into());
+            }
+        }
+        if !(g.temperature > 0.0 && g.temperature.is_finite()) {
+            bad(
+            "grpo.temperature",
+            format!("must be > 0 (got {}): GRPO samples its completions; 1.0 samples the model as it is", g.temperature),
+        );
+        }
+        if !(g.top_p > 0.0 && g.top_p <= 1.0) {
+            bad(
+                "grpo.top_p",
+                format!("must be in (0, 1] (got {}); 1.0 turns it off", g.top_p),
+            );
+        }
+        if !(g.beta >= 0.0 && g.beta.is_finite()) {
+            bad(
+                "grpo.beta",
+                format!(
+                    "must be ≥ 0 (got {}); 0 trains without a reference model",
+                    g.beta
+                ),
+            );
+        }
+        if !(g.epsilon > 0.0 && g.epsilon < 1.0) {
+            bad(
+                "grpo.epsilon",
+                format!(
+                    "must be in (0, 1) (got {}); TRL's default is 0.2",
+                    g.epsilon
+                ),
+            );
+        }
+        if g.epsilon_high.is_some_and(|e| !(e > 0.0 && e.is_finite())) {
+            bad(
+                "grpo.epsilon_high",
+                "must be > 0 (DAPO uses 0.28); remove it to use epsilon".into(),
+            );
+        }
+        if g.num_iterations == 0 {
+            bad(
+            "grpo.num_iterations",
+            "0 trains on no sample: set 1 (TRL's default: every optimizer step samples its own completions) or more (each sampled block is trained on that many steps)".to_string(),
+        );
+        }
+        if g.reward.is_empty() {
+            bad(
+            "grpo.reward",
+            "GRPO needs at least one reward function: add a [[grpo.reward]] entry, e.g. kind = \"accuracy\" with column = \"answer\", or kind = \"format\" with a pattern".into(),
+        );
+        } else if let Err(e) = crate::train::grpo_rewards::validate(&g.reward) {
+            bad("grpo.reward", e.to_string());
+        }
+        p
     }
 }
