@@ -6,14 +6,17 @@
 //! * [`rendezvous`] — the TCP rendezvous at `MASTER_ADDR:MASTER_PORT` that hands every rank
 //!   the same NCCL id, then stays open so a rank that fails stops the others.
 //! * [`wire`] — its messages on the wire.
+//! * [`commands`] — the `torchrun` line and the Slurm script that start a run.
 //!
 //! docs/multi-node.md says how to start a run and what is tested where.
 
+pub mod commands;
 pub mod env;
 pub mod nodelist;
 pub mod rendezvous;
 pub mod wire;
 
+pub use commands::LaunchShape;
 pub use env::{
     rendezvous_timeout, world_from_env, Launcher, WorldSpec, DEFAULT_MASTER_PORT,
     DEFAULT_RENDEZVOUS_TIMEOUT, LAUNCHER_ENV, RENDEZVOUS_TIMEOUT_ENV,

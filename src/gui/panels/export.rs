@@ -69,6 +69,10 @@ pub struct ExportPanel {
     /// The output folder a job was last asked to look in for its newest checkpoint (the
     /// empty Checkpoint field's default), so a frame asks once per folder, never the disk.
     pub latest_asked_for: Option<PathBuf>,
+    /// Machines of the launch the panel prints (torchrun, Slurm).
+    pub launch_nodes: usize,
+    /// GPUs on each machine of that launch (one rank each).
+    pub launch_gpus_per_node: usize,
 }
 
 impl Default for ExportPanel {
@@ -87,18 +91,18 @@ impl Default for ExportPanel {
             config_message: None,
             config_busy: None,
             latest_asked_for: None,
+            launch_nodes: 2,
+            launch_gpus_per_node: 8,
         }
     }
 }
 
 /// The command that reproduces the run headless.
 pub fn cli_command(config_path: &str) -> String {
-    let p = config_path.trim();
-    if p.contains(' ') || p.contains('\'') {
-        format!("tunestudio train --config '{}'", p.replace('\'', "'\\''"))
-    } else {
-        format!("tunestudio train --config {p}")
-    }
+    format!(
+        "tunestudio train --config {}",
+        tunestudio::devices::launch::commands::shell_quoted(config_path)
+    )
 }
 
 impl ExportPanel {
@@ -347,6 +351,7 @@ fn run_config(ui: &mut Ui, ep: &mut ExportPanel, s: &mut Session, actions: &mut 
                 ));
             }
         });
+        launch_lines(ui, ep);
         // The paths as written: making them absolute looks at the disk, which Save does in
         // its job.
         egui::CollapsingHeader::new("TOML").show(ui, |ui| {
@@ -357,6 +362,49 @@ fn run_config(ui: &mut Ui, ep: &mut ExportPanel, s: &mut Session, actions: &mut 
                 .unwrap_or_else(|e| format!("cannot write the config: {e}"));
             ui.add(egui::Label::new(RichText::new(text).monospace().small()).wrap());
         });
+    });
+}
+
+/// The `torchrun` line and the Slurm script that start this run config over machines × GPUs
+/// (`devices::launch::LaunchShape`), each with a copy button.
+fn launch_lines(ui: &mut Ui, ep: &mut ExportPanel) {
+    egui::CollapsingHeader::new("Launch on several machines (torchrun, Slurm)").show(ui, |ui| {
+        ui.horizontal(|ui| {
+            ui.label("Machines");
+            ui.add(egui::DragValue::new(&mut ep.launch_nodes).range(1..=1024));
+            ui.label("GPUs on each");
+            ui.add(egui::DragValue::new(&mut ep.launch_gpus_per_node).range(1..=16));
+        });
+        let shape = tunestudio::devices::launch::LaunchShape {
+            nodes: ep.launch_nodes,
+            gpus_per_node: ep.launch_gpus_per_node,
+            config_path: ep.config_path.clone(),
+        };
+        theme::note(
+            ui,
+            &format!(
+                "{} ranks, one process per GPU, with a CUDA + NCCL build of tunestudio on every \
+                 machine (scripts/build-cuda.sh) and the run config at the same path; rank 0 \
+                 writes the checkpoints and the metrics. docs/multi-node.md says more.",
+                shape.world_size()
+            ),
+        );
+        for (what, text) in [
+            ("On each machine (torchrun)", shape.torchrun()),
+            ("Or as a Slurm job (sbatch)", shape.sbatch()),
+        ] {
+            ui.horizontal(|ui| {
+                ui.label(RichText::new(what).weak());
+                if ui.small_button(format!("Copy: {what}")).clicked() {
+                    ui.ctx().copy_text(text.clone());
+                }
+            });
+            ui.label(
+                RichText::new(text)
+                    .monospace()
+                    .background_color(ui.visuals().extreme_bg_color),
+            );
+        }
     });
 }
 

@@ -126,3 +126,43 @@ fn the_studio_plans_sharded_data_parallel_per_rank() {
         d.shard
     );
 }
+
+/// Export → "Launch on several machines": the torchrun line and the Slurm script for the
+/// machines × GPUs chosen, training the run config the panel saves.
+#[test]
+fn the_export_panel_prints_the_launch_for_the_machines_chosen() {
+    use crate::gui::session::Panel;
+    let out = tempfile::tempdir().expect("tempdir");
+    let mut h = super::harness(Panel::Export, out.path());
+    h.run_steps(4);
+    h.get_by_label("Launch on several machines (torchrun, Slurm)")
+        .click();
+    h.run_steps(4);
+    let config = h.state().panels.export.config_path.clone();
+    assert!(
+        !config.is_empty(),
+        "the panel proposes where the config goes"
+    );
+    {
+        let e = &mut h.state_mut().panels.export;
+        e.launch_nodes = 3;
+        e.launch_gpus_per_node = 4;
+    }
+    h.run_steps(4);
+    let quoted = tunestudio::devices::launch::commands::shell_quoted(&config);
+    assert!(h
+        .query_by_label_contains("torchrun --nnodes 3 --nproc-per-node 4 --node-rank $NODE_RANK")
+        .is_some());
+    // The headless command, the torchrun line and the Slurm script.
+    assert_eq!(
+        h.query_all_by_label_contains(&format!("train --config {quoted}"))
+            .count(),
+        3
+    );
+    assert!(h
+        .query_by_label_contains("#SBATCH --nodes=3\n#SBATCH --ntasks-per-node=4")
+        .is_some());
+    assert!(h
+        .query_by_label_contains("12 ranks, one process per GPU")
+        .is_some());
+}
