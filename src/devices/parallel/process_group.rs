@@ -22,8 +22,8 @@ use crate::devices::DevicesError;
 use crate::model::Gradients;
 
 mod frames;
-pub use frames::{Element, NamedValues};
 use frames::ReadError;
+pub use frames::{Element, NamedValues};
 
 /// How long a collective waits for a rank by default: PyTorch's default for its process
 /// groups (30 minutes), long enough for the slowest rank's step on a large model.
@@ -68,7 +68,10 @@ impl std::fmt::Debug for ProcessGroup {
             .field("rank", &self.rank)
             .field("local_rank", &self.local_rank)
             .field("world_size", &self.world_size)
-            .field("peers", &self.peers.iter().map(|p| p.rank).collect::<Vec<_>>())
+            .field(
+                "peers",
+                &self.peers.iter().map(|p| p.rank).collect::<Vec<_>>(),
+            )
             .finish_non_exhaustive()
     }
 }
@@ -114,7 +117,10 @@ impl ProcessGroup {
                 .and_then(|()| stream.set_write_timeout(Some(timeout)))
                 .and_then(|()| stream.set_nodelay(true));
             set.map_err(|e| {
-                DevicesError::Collective(format!("cannot set up the connection to rank {}: {e}", peer.rank))
+                DevicesError::Collective(format!(
+                    "cannot set up the connection to rank {}: {e}",
+                    peer.rank
+                ))
             })?;
         }
         Ok(ProcessGroup {
@@ -176,7 +182,10 @@ impl ProcessGroup {
             for peer in &self.peers {
                 let mut stream = peer.stream.lock().map_err(|_| poisoned())?;
                 frames::read_message(&mut *stream, collective, &layouts, |i, at, theirs: &[T]| {
-                    for (sum, v) in tensors[i].values[at..at + theirs.len()].iter_mut().zip(theirs) {
+                    for (sum, v) in tensors[i].values[at..at + theirs.len()]
+                        .iter_mut()
+                        .zip(theirs)
+                    {
                         *sum += *v;
                     }
                 })
@@ -200,9 +209,14 @@ impl ProcessGroup {
     }
 
     fn failed(&self, peer: &GroupPeer, what: &str, error: ReadError) -> DevicesError {
-        let whom = format!("rank {} (of {}) on {}", peer.rank, self.world_size, peer.host);
+        let whom = format!(
+            "rank {} (of {}) on {}",
+            peer.rank, self.world_size, peer.host
+        );
         DevicesError::Collective(match error {
-            ReadError::Mismatch(m) => format!("{whom} does not fit rank {} in the {what}: {m}", self.rank),
+            ReadError::Mismatch(m) => {
+                format!("{whom} does not fit rank {} in the {what}: {m}", self.rank)
+            }
             ReadError::Io(e) => describe_io(&whom, what, &e, self.timeout),
         })
     }

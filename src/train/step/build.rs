@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use candle_core::Device;
 
+use crate::devices::parallel::process_group::ProcessGroup;
 use crate::model::{
     AdamW, AdamWConfig, CausalLm, ModelError, ModelLocation, NamedParam, OpsMode, OptimizerOffload,
     StatePlacement,
 };
-use crate::devices::parallel::process_group::ProcessGroup;
 use crate::settings::Strategy;
 
 use super::super::config::{InitMode, RunConfig};

@@ -130,7 +130,9 @@ impl TrainingRun {
             Some(nccl) => nccl,
             None => world.as_ref(),
         };
-        acc.grads = reducer.all_reduce_sum(vec![grads], &[device]).map_err(fail)?;
+        acc.grads = reducer
+            .all_reduce_sum(vec![grads], &[device])
+            .map_err(fail)?;
         let counts = [acc.loss_sum, acc.tokens as f64, acc.label_tokens as f64];
         let sums = world
             .all_reduce_f64("step's loss sum and token count", &counts)
@@ -145,10 +147,7 @@ impl TrainingRun {
 
     /// `grads` with a zero gradient for every trainable parameter it lacks, sorted by name:
     /// every rank sends the same tensors in the same order.
-    fn every_trainable(
-        &self,
-        grads: Gradients,
-    ) -> Result<Gradients, crate::devices::DevicesError> {
+    fn every_trainable(&self, grads: Gradients) -> Result<Gradients, crate::devices::DevicesError> {
         let mut pairs: Vec<(String, Tensor)> = grads.into_pairs().collect();
         for p in self.model.params().iter().filter(|p| p.trainable) {
             if !pairs.iter().any(|(name, _)| *name == p.name) {

@@ -35,9 +35,14 @@ impl Rendezvous {
         let peers = match &self.data {
             _ if spec.world_size == 1 => Vec::new(),
             DataChannel::Listener(listener) => {
-                let listener = listener.lock().ok().and_then(|mut l| l.take()).ok_or_else(|| {
-                    LaunchError::Rendezvous("the process group was already opened".into())
-                })?;
+                let listener =
+                    listener
+                        .lock()
+                        .ok()
+                        .and_then(|mut l| l.take())
+                        .ok_or_else(|| {
+                            LaunchError::Rendezvous("the process group was already opened".into())
+                        })?;
                 self.accept_group(&listener, deadline)?
             }
             DataChannel::Port(port) => vec![self.connect_group(*port, deadline)?],
@@ -78,7 +83,11 @@ impl Rendezvous {
                     std::thread::sleep(Duration::from_millis(10));
                     continue;
                 }
-                Err(e) => return Err(fail(format!("rank 0 stopped accepting its process group: {e}"))),
+                Err(e) => {
+                    return Err(fail(format!(
+                        "rank 0 stopped accepting its process group: {e}"
+                    )))
+                }
             };
             // A connection that is not one of this run's ranks is dropped, as the rendezvous
             // drops one.

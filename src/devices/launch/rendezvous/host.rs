@@ -9,9 +9,7 @@ use std::time::{Duration, Instant};
 use super::super::env::WorldSpec;
 use super::super::wire::{self, Frame, Hello, ID_BYTES};
 use super::super::LaunchError;
-use super::{
-    remaining, resolve, DataChannel, Peer, Rendezvous, Shared, CONNECT_PAUSE, WRITE_WAIT,
-};
+use super::{remaining, resolve, DataChannel, Peer, Rendezvous, Shared, CONNECT_PAUSE, WRITE_WAIT};
 
 /// How long rank 0 keeps trying to bind a port another process holds: a previous run on the
 /// same port may still be exiting.

@@ -9,9 +9,7 @@ use std::time::{Duration, Instant};
 use super::super::env::WorldSpec;
 use super::super::wire::{self, Frame, Hello};
 use super::super::LaunchError;
-use super::{
-    remaining, resolve, DataChannel, Peer, Rendezvous, Shared, CONNECT_PAUSE, WRITE_WAIT,
-};
+use super::{remaining, resolve, DataChannel, Peer, Rendezvous, Shared, CONNECT_PAUSE, WRITE_WAIT};
 
 /// A rank other than 0: connects to rank 0 (retrying until the timeout), says hello, and
 /// waits for the id.

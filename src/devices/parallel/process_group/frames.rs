@@ -268,10 +268,20 @@ mod tests {
             Err(ReadError::Mismatch(m)) => m,
             other => panic!("{other:?}"),
         };
-        let m = err(read_message::<f32>(&mut wire.as_slice(), 8, &layouts(&mine), |_, _, _| {}));
+        let m = err(read_message::<f32>(
+            &mut wire.as_slice(),
+            8,
+            &layouts(&mine),
+            |_, _, _| {},
+        ));
         assert!(m.contains("collective 7") && m.contains("at 8"), "{m}");
         let other = vec![tensor("a.weight", &[4], vec![0.0; 4]), mine[1].clone()];
-        let m = err(read_message::<f32>(&mut wire.as_slice(), 7, &layouts(&other), |_, _, _| {}));
+        let m = err(read_message::<f32>(
+            &mut wire.as_slice(),
+            7,
+            &layouts(&other),
+            |_, _, _| {},
+        ));
         assert!(m.contains("[2, 2]") && m.contains("[4]"), "{m}");
     }
 }

@@ -31,7 +31,9 @@ fn groups(world: usize, timeout: Duration) -> Vec<ProcessGroup> {
 }
 
 fn values(rank: usize, n: usize) -> Vec<f32> {
-    (0..n).map(|i| 0.1 * (i as f32 + 1.0) / (rank as f32 + 3.0)).collect()
+    (0..n)
+        .map(|i| 0.1 * (i as f32 + 1.0) / (rank as f32 + 3.0))
+        .collect()
 }
 
 /// Three ranks: every rank gets ((r0 + r1) + r2) bit for bit, for a tensor longer than a
@@ -114,6 +116,9 @@ fn a_rank_that_does_not_fit_or_goes_away_is_named() {
         .all_reduce("gradient all-reduce", &mut tensor(vec![2]))
         .unwrap_err()
         .to_string();
-    assert!(err.contains("rank 1 (of 2) on host1 closed its connection"), "{err}");
+    assert!(
+        err.contains("rank 1 (of 2) on host1 closed its connection"),
+        "{err}"
+    );
     assert!(started.elapsed() < Duration::from_secs(2));
 }
