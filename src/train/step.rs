@@ -243,9 +243,10 @@ impl TrainingRun {
         self.config.training.micro_batch * self.total_ranks()
     }
 
-    /// Samples (rows, pairs or prompts) per optimizer step ([`RunConfig::effective_batch`]).
+    /// Samples (rows, pairs or prompts) per optimizer step ([`RunConfig::effective_batch`],
+    /// times the processes of a launched run).
     pub fn effective_batch(&self) -> usize {
-        self.config.effective_batch()
+        self.config.effective_batch() * self.world_size()
     }
 
     /// The model's folder (config, tokenizer).

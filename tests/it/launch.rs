@@ -165,6 +165,17 @@ fn small_demo_config(
     micro_batch: usize,
     steps: u64,
 ) -> std::path::PathBuf {
+    small_config(dir, output, micro_batch, steps, |_| {})
+}
+
+/// [`small_demo_config`] with `edit` applied last.
+fn small_config(
+    dir: &std::path::Path,
+    output: &str,
+    micro_batch: usize,
+    steps: u64,
+    edit: impl Fn(&mut tunestudio::train::RunConfig),
+) -> std::path::PathBuf {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut cfg = tunestudio::train::RunConfig::load(&root.join("assets/demo.toml")).unwrap();
     cfg.output_dir = dir.join(output);
@@ -175,9 +186,51 @@ fn small_demo_config(
     cfg.eval.eval_every = 0;
     cfg.checkpoint.save_every = 0;
     cfg.checkpoint.save_final = true;
+    edit(&mut cfg);
     let path = dir.join(format!("{output}.toml"));
     cfg.with_absolute_paths().save(&path).unwrap();
     path
+}
+
+/// Trains `rank0.toml` and `rank1.toml` (under `dir`) as a world of two, then `single.toml`
+/// in one process; rank 0's step losses and gradient norms, and their worst relative
+/// difference from the one process's.
+fn world_of_two_and_one_process(dir: &std::path::Path) -> (Vec<(f64, f64)>, f64) {
+    let port = free_port();
+    let config = |name: &str| dir.join(format!("{name}.toml")).display().to_string();
+    let (zero_cfg, one_cfg) = (config("rank0"), config("rank1"));
+    let started = Instant::now();
+    let one = spawn(rank(1, 2, port, &["train", "--config", &one_cfg]));
+    let zero = spawn(rank(0, 2, port, &["train", "--config", &zero_cfg]));
+    let (zero, one) = (
+        zero.wait_with_output().unwrap(),
+        one.wait_with_output().unwrap(),
+    );
+    let world_took = started.elapsed();
+    assert!(zero.status.success(), "rank 0:\n{}", text(&zero));
+    assert!(one.status.success(), "rank 1:\n{}", text(&one));
+    let started = Instant::now();
+    let single = Command::new(env!("CARGO_BIN_EXE_tunestudio"))
+        .args(["train", "--config", &config("single")])
+        .env("TUNESTUDIO_LAUNCHER", "none")
+        .output()
+        .unwrap();
+    let single_took = started.elapsed();
+    assert!(single.status.success(), "{}", text(&single));
+    let world = step_losses(&dir.join("rank0"));
+    let alone = step_losses(&dir.join("single"));
+    assert_eq!(world.len(), alone.len(), "{}", text(&zero));
+    let mut worst = 0f64;
+    for ((wl, wg), (al, ag)) in world.iter().zip(&alone) {
+        worst = worst
+            .max(((wl - al) / al).abs())
+            .max(((wg - ag) / ag).abs());
+    }
+    eprintln!(
+        "world of 2 vs one process: losses {world:?} vs {alone:?}, worst relative difference \
+         {worst:.2e}; world {world_took:?}, one process {single_took:?}"
+    );
+    (world, worst)
 }
 
 /// `(loss, grad_norm)` of every step rank 0 (or the single process) wrote.
@@ -204,76 +257,42 @@ fn step_losses(out: &std::path::Path) -> Vec<(f64, f64)> {
 fn two_processes_train_as_one_with_twice_the_rows() {
     let tmp = tempfile::tempdir().unwrap();
     let steps = 3;
-    let zero_cfg = small_demo_config(tmp.path(), "rank0", 1, steps);
-    let one_cfg = small_demo_config(tmp.path(), "rank1", 1, steps);
-    let single_cfg = small_demo_config(tmp.path(), "single", 2, steps);
-    let port = free_port();
-    let args = |cfg: &std::path::Path| {
-        vec![
-            "train".to_string(),
-            "--config".into(),
-            cfg.display().to_string(),
-        ]
-    };
-    let started = Instant::now();
-    let one = rank(
-        1,
-        2,
-        port,
-        &args(&one_cfg)
-            .iter()
-            .map(String::as_str)
-            .collect::<Vec<_>>(),
-    )
-    .spawn()
-    .unwrap();
-    let zero = rank(
-        0,
-        2,
-        port,
-        &args(&zero_cfg)
-            .iter()
-            .map(String::as_str)
-            .collect::<Vec<_>>(),
-    )
-    .spawn()
-    .unwrap();
-    let (zero, one) = (
-        zero.wait_with_output().unwrap(),
-        one.wait_with_output().unwrap(),
-    );
-    let world_took = started.elapsed();
-    assert!(zero.status.success(), "rank 0:\n{}", text(&zero));
-    assert!(one.status.success(), "rank 1:\n{}", text(&one));
-    let started = Instant::now();
-    let single = Command::new(env!("CARGO_BIN_EXE_tunestudio"))
-        .args(["train", "--config", single_cfg.to_str().unwrap()])
-        .env("TUNESTUDIO_LAUNCHER", "none")
-        .output()
-        .unwrap();
-    let single_took = started.elapsed();
-    assert!(single.status.success(), "{}", text(&single));
-
-    let world = step_losses(&tmp.path().join("rank0"));
-    let alone = step_losses(&tmp.path().join("single"));
-    assert_eq!(world.len(), steps as usize, "{}", text(&zero));
-    assert_eq!(alone.len(), steps as usize);
-    let mut worst = 0f64;
-    for ((wl, wg), (al, ag)) in world.iter().zip(&alone) {
-        worst = worst
-            .max(((wl - al) / al).abs())
-            .max(((wg - ag) / ag).abs());
-    }
-    eprintln!(
-        "world of 2 vs one process: losses {world:?} vs {alone:?}, worst relative difference \
-         {worst:.2e}; world {world_took:?}, one process {single_took:?}"
-    );
-    assert!(worst <= 1e-6, "{world:?} vs {alone:?}: {worst:e}");
+    small_demo_config(tmp.path(), "rank0", 1, steps);
+    small_demo_config(tmp.path(), "rank1", 1, steps);
+    small_demo_config(tmp.path(), "single", 2, steps);
+    let (world, worst) = world_of_two_and_one_process(tmp.path());
+    assert_eq!(world.len(), steps as usize);
+    assert!(worst <= 1e-6, "worst relative difference {worst:e}");
     assert!(tmp
         .path()
         .join(format!("rank0/checkpoint-{steps}"))
         .is_dir());
     assert!(!tmp.path().join("rank1").exists(), "rank 1 wrote outputs");
+}
+
+/// Three rows, one per rank per micro-step, no accumulation: step 2's micro-step is one row,
+/// so rank 1 has no row and no gradient. It still takes part in the step's sum (with zeros),
+/// and the run is the one process's.
+#[test]
+fn a_rank_without_rows_still_takes_part_in_the_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let rows: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(root.join("assets/demo-data.json")).unwrap())
+            .unwrap();
+    let data = tmp.path().join("three.json");
+    std::fs::write(&data, serde_json::to_string(&rows[..3]).unwrap()).unwrap();
+    let edit = |cfg: &mut tunestudio::train::RunConfig| {
+        cfg.data.path = data.display().to_string();
+        cfg.data.validation_ratio = 0.0;
+        cfg.training.gradient_accumulation = 1;
+    };
+    small_config(tmp.path(), "rank0", 1, 2, edit);
+    small_config(tmp.path(), "rank1", 1, 2, edit);
+    small_config(tmp.path(), "single", 2, 2, edit);
+    let (world, worst) = world_of_two_and_one_process(tmp.path());
+    assert_eq!(world.len(), 2);
+    assert!(worst <= 1e-6, "worst relative difference {worst:e}");
 }
 
 /// Rank 1 fails in step 2 (an injected out-of-memory): rank 0, waiting in that step's sum,

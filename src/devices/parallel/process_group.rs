@@ -98,7 +98,7 @@ impl ProcessGroup {
         timeout: Duration,
     ) -> Result<Self, DevicesError> {
         let expected = if place.rank == 0 {
-            place.world_size - 1
+            place.world_size.saturating_sub(1)
         } else {
             1
         };

@@ -100,11 +100,16 @@ fn a_rank_that_does_not_fit_or_goes_away_is_named() {
             dims,
         }]
     };
-    let err = std::thread::scope(|s| {
-        s.spawn(|| one.all_reduce("gradient all-reduce", &mut tensor(vec![2, 3])));
-        zero.all_reduce("gradient all-reduce", &mut tensor(vec![3, 2]))
+    let err = std::thread::scope(move |s| {
+        s.spawn(move || one.all_reduce("gradient all-reduce", &mut tensor(vec![2, 3])));
+        let err = zero
+            .all_reduce("gradient all-reduce", &mut tensor(vec![3, 2]))
             .unwrap_err()
-            .to_string()
+            .to_string();
+        // Closing rank 0's side ends rank 1's wait for the sum (a launched run's rank 0
+        // stops its process).
+        drop(zero);
+        err
     });
     assert!(err.contains("rank 1 (of 2) on host1"), "{err}");
     assert!(err.contains("[2, 3]") && err.contains("[3, 2]"), "{err}");
