@@ -295,6 +295,69 @@ fn a_rank_without_rows_still_takes_part_in_the_step() {
     assert!(worst <= 1e-6, "worst relative difference {worst:e}");
 }
 
+/// A world of two resumes from rank 0's checkpoint of step 2 (every rank reads the same
+/// folder) and makes the uninterrupted world's steps 3 and 4.
+#[test]
+fn a_world_resumes_from_rank_0s_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let every_two = |cfg: &mut tunestudio::train::RunConfig| cfg.checkpoint.save_every = 2;
+    for output in ["rank0", "rank1"] {
+        small_config(tmp.path(), output, 1, 4, every_two);
+    }
+    let port = free_port();
+    let config = |name: &str| {
+        tmp.path()
+            .join(format!("{name}.toml"))
+            .display()
+            .to_string()
+    };
+    let run_world = |zero: &str, one: &str, extra: &[&str]| {
+        let args = |cfg: String| {
+            let mut a = vec!["train".to_string(), "--config".into(), cfg];
+            a.extend(extra.iter().map(ToString::to_string));
+            a
+        };
+        let (a0, a1) = (args(config(zero)), args(config(one)));
+        let one = spawn(rank(
+            1,
+            2,
+            port,
+            &a1.iter().map(String::as_str).collect::<Vec<_>>(),
+        ));
+        let zero = spawn(rank(
+            0,
+            2,
+            port,
+            &a0.iter().map(String::as_str).collect::<Vec<_>>(),
+        ));
+        let (zero, one) = (
+            zero.wait_with_output().unwrap(),
+            one.wait_with_output().unwrap(),
+        );
+        assert!(zero.status.success(), "rank 0:\n{}", text(&zero));
+        assert!(one.status.success(), "rank 1:\n{}", text(&one));
+    };
+    run_world("rank0", "rank1", &[]);
+    let uninterrupted = step_losses(&tmp.path().join("rank0"));
+    // Rank 0 resumes into a folder of its own, holding the run up to step 2.
+    let resumed = tmp.path().join("resumed");
+    std::fs::create_dir_all(resumed.join("checkpoint-2")).unwrap();
+    for entry in std::fs::read_dir(tmp.path().join("rank0/checkpoint-2")).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(
+            entry.path(),
+            resumed.join("checkpoint-2").join(entry.file_name()),
+        )
+        .unwrap();
+    }
+    small_config(tmp.path(), "resumed", 1, 4, every_two);
+    let from = resumed.join("checkpoint-2").display().to_string();
+    run_world("resumed", "rank1", &["--resume", &from]);
+    let after = step_losses(&resumed);
+    assert_eq!(after, uninterrupted[2..].to_vec());
+    assert!(!tmp.path().join("rank1").exists(), "rank 1 wrote outputs");
+}
+
 /// Rank 1 fails in step 2 (an injected out-of-memory): rank 0, waiting in that step's sum,
 /// stops within seconds with a message naming rank 1, and exits non-zero.
 #[test]

@@ -199,3 +199,59 @@ impl TrainingRun {
             })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::parallel::process_group::GroupPlace;
+    use crate::train::config::TrainingMethod;
+
+    /// Rank 0 of a world of one whose GPU is `cuda:3` (no connection needed).
+    fn world() -> ProcessGroup {
+        let place = GroupPlace {
+            rank: 0,
+            local_rank: 3,
+            world_size: 1,
+        };
+        ProcessGroup::new(
+            place,
+            [0; 128],
+            Vec::new(),
+            std::time::Duration::from_secs(1),
+        )
+        .unwrap()
+    }
+
+    fn with_devices(devices: &[&str]) -> RunConfig {
+        let mut config = RunConfig::default();
+        config.devices.devices = devices.iter().map(ToString::to_string).collect();
+        config
+    }
+
+    /// A GPU entry becomes the rank's own GPU (its capacity kept), the CPU stays; two devices
+    /// and preference pairs are refused by name.
+    #[test]
+    fn a_rank_trains_on_its_local_gpu_and_refuses_what_is_not_wired() {
+        let w = world();
+        for (given, taken) in [
+            ("cuda", "cuda:3"),
+            ("cuda:0", "cuda:3"),
+            ("cuda:1=40GiB", "cuda:3=40GiB"),
+            ("cpu", "cpu"),
+        ] {
+            let config = rank_config(with_devices(&[given]), &w).unwrap();
+            assert_eq!(config.devices.devices, vec![taken.to_string()], "{given}");
+        }
+        let err = rank_config(with_devices(&["cuda:0", "cuda:1"]), &w)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("one device per process") && err.contains("cuda:0, cuda:1"),
+            "{err}"
+        );
+        let mut dpo = with_devices(&["cpu"]);
+        dpo.training.method = TrainingMethod::Dpo;
+        let err = rank_config(dpo, &w).unwrap_err().to_string();
+        assert!(err.contains("SFT only") && err.contains("\"dpo\""), "{err}");
+    }
+}
