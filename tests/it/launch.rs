@@ -385,6 +385,7 @@ fn a_failing_rank_stops_the_other_naming_it() {
     let zero = zero.wait_with_output().unwrap();
     let lag = one_ended.elapsed();
     let shown = text(&zero);
+    eprintln!("rank 0 stopped {lag:?} after rank 1");
     assert!(!one.status.success(), "rank 1:\n{}", text(&one));
     assert!(!zero.status.success(), "rank 0:\n{shown}");
     assert!(shown.contains("rank 1 (of 2)"), "rank 0:\n{shown}");
