@@ -15,7 +15,8 @@
 #   sharded                ZeRO-2 over 2 streams of the GPU (host reduce-scatter and all-gather) against one device
 #   nccl-one-rank          NCCL communicator of one rank + all-reduce (GPU only)
 #   launcher               `train` as rank 0 of a world of one under torchrun's environment (the rendezvous
-#                          with itself) against the one-device reference
+#                          with itself, the launched trainer's NCCL path over one rank) against the
+#                          one-device reference
 #   resume                 4 steps, checkpoint at 2, resumed: the losses of the uninterrupted run (1e-6)
 #   optimizer-offload      `optimizer_offload = "host"` trains as the state on the device does (1e-5)
 #   out-of-memory          a real out-of-memory (a random-init run the plan puts above the card) ends in a
@@ -463,8 +464,9 @@ step_nccl_one_rank() {
 # step 4, against the uninterrupted steps 3 and 4.
 # `tunestudio train` started as torchrun starts a rank (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
 # MASTER_PORT): a world of one joins the rendezvous with itself and trains as rank 0, writing
-# every output; its losses are the one-device reference's. (A world of more ranks needs the
-# trainer's cross-process NCCL path, not built yet: docs/multi-node.md.)
+# every output, through the launched trainer's path (ncclCommInitRank with the rendezvous's id on
+# cuda:LOCAL_RANK, the step's sums over one rank); its losses are the one-device reference's. A
+# world of two stays out: NCCL refuses two ranks on one GPU (docs/multi-node.md).
 step_launcher() {
   ensure_ref || return
   local dir="$WORK/launcher"

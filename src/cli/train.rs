@@ -11,6 +11,8 @@ use crossbeam_channel::Sender;
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
+use tunestudio::devices::launch;
+use tunestudio::devices::parallel::process_group::ProcessGroup;
 use tunestudio::train::render::{self, EventRenderer};
 use tunestudio::train::{
     self, Command, FinishReason, LintFinding, RunConfig, Trainer, TrainerOptions,
@@ -65,6 +67,8 @@ pub enum OnOom {
 /// How one trainer thread's run ended, as the CLI needs it.
 struct Outcome {
     reason: FinishReason,
+    /// The run's last error, for the other ranks of a launched run.
+    error: Option<String>,
     blocked_by_lints: bool,
     out_of_memory_with_checkpoint: bool,
 }
@@ -73,50 +77,42 @@ struct Outcome {
 /// first meets the other ranks at the rendezvous (docs/multi-node.md).
 pub fn run(args: TrainArgs) -> anyhow::Result<ExitCode> {
     let Some(rendezvous) = super::launch::join_from_env()? else {
-        return train_alone(args);
+        return train_alone(args, None).map(|(code, _)| code);
     };
-    if let Err(message) = trainable_world(rendezvous.spec()) {
-        // Every rank reaches the same verdict, but the abort makes sure none waits on a rank
-        // that already stopped.
-        rendezvous.abort(&message);
-        anyhow::bail!(message);
-    }
     // Another rank's failure, or its disappearance, ends this process: a rank blocked in a
     // collective waits for the missing rank forever otherwise.
     rendezvous.watch(|reason| {
         eprintln!("error: {reason}");
         std::process::exit(1);
     })?;
-    let result = train_alone(args);
+    let group = launch::collective_timeout(|key| std::env::var(key).ok())
+        .and_then(|timeout| rendezvous.process_group(timeout));
+    let group = match group {
+        Ok(group) => Arc::new(group),
+        Err(e) => {
+            rendezvous.abort(&e.to_string());
+            return Err(e.into());
+        }
+    };
+    let result = train_alone(args, Some(group.clone()));
     match &result {
-        Ok(code) if *code == ExitCode::SUCCESS => rendezvous.finish(),
-        Ok(_) => rendezvous.abort("its training run failed (see its log)"),
+        Ok((code, _)) if *code == ExitCode::SUCCESS => rendezvous.finish(),
+        Ok((_, Some(error))) => rendezvous.abort(error),
+        Ok((_, None)) => rendezvous.abort("its training run failed (see its log)"),
         Err(e) => rendezvous.abort(&format!("{e:#}")),
     }
-    result
+    // The process group's connections close only now, after the other ranks were told why.
+    drop(group);
+    result.map(|(code, _)| code)
 }
 
-/// Whether this build trains the launched world. A world of one rank is the ordinary run (it
-/// writes every output, as rank 0). More ranks need NCCL, and the trainer does not drive a
-/// communicator across processes yet (docs/multi-node.md, "What remains").
-fn trainable_world(spec: &tunestudio::devices::launch::WorldSpec) -> Result<(), String> {
-    if spec.world_size == 1 {
-        return Ok(());
-    }
-    if !cfg!(feature = "nccl") {
-        return Err(format!(
-            "a run over {} ranks needs NCCL, and this build has no `nccl` feature: build              tunestudio with `--features cuda,nccl` (scripts/build-cuda.sh) for the GPU machines,              or launch a world of one rank",
-            spec.world_size
-        ));
-    }
-    Err(format!(
-        "a run over {} ranks is not wired into the trainer yet: `tunestudio launch check`          checks the launch, and one process can train on every GPU of one machine          (strategy = \"data-parallel\")",
-        spec.world_size
-    ))
-}
-
-/// Runs `tunestudio train` in this process.
-fn train_alone(args: TrainArgs) -> anyhow::Result<ExitCode> {
+/// Runs `tunestudio train` in this process (as one rank of a launched run when `world` is
+/// given); the exit code, with the run's error when it failed.
+fn train_alone(
+    args: TrainArgs,
+    world: Option<Arc<ProcessGroup>>,
+) -> anyhow::Result<(ExitCode, Option<String>)> {
+    let launched = world.is_some();
     let mut config = RunConfig::load(&args.config)?;
     if let Some(n) = args.max_steps {
         config.training.max_steps = Some(n);
@@ -130,6 +126,7 @@ fn train_alone(args: TrainArgs) -> anyhow::Result<ExitCode> {
         start_immediately: true,
         ignore_memory_plan: args.ignore_memory_plan,
         allow_config_change: args.allow_config_change,
+        world,
         ..TrainerOptions::default()
     };
     match &args.resume {
@@ -160,7 +157,14 @@ fn train_alone(args: TrainArgs) -> anyhow::Result<ExitCode> {
         .context("cannot install the Ctrl-C handler")?;
     }
     let mut outcome = drive(&args, &current, config.clone(), options)?;
-    if outcome.out_of_memory_with_checkpoint && args.on_oom == OnOom::AutoFit {
+    if launched && args.on_oom == OnOom::AutoFit && outcome.out_of_memory_with_checkpoint {
+        // One rank alone cannot resume with other settings while the others wait in the
+        // step's sum: the run stops, and a relaunch resumes it.
+        eprintln!(
+            "out of memory: --on-oom auto-fit does not refit a launched run; resume it with \
+             `--resume latest` after lowering training.micro_batch"
+        );
+    } else if outcome.out_of_memory_with_checkpoint && args.on_oom == OnOom::AutoFit {
         match tunestudio::train::oom::refit_after_oom(&config) {
             Ok(refit) => {
                 eprintln!(
@@ -178,12 +182,13 @@ fn train_alone(args: TrainArgs) -> anyhow::Result<ExitCode> {
             Err(e) => eprintln!("out of memory, and no resumable settings fit: {e}"),
         }
     }
-    Ok(match outcome.reason {
+    let code = match outcome.reason {
         FinishReason::Completed | FinishReason::Stopped => ExitCode::SUCCESS,
         // The data's own findings stopped it, as `tunestudio preview` does: exit 2.
         FinishReason::Failed if outcome.blocked_by_lints => ExitCode::from(2),
         FinishReason::Failed | FinishReason::Diverged => ExitCode::FAILURE,
-    })
+    };
+    Ok((code, outcome.error))
 }
 
 /// Spawns a trainer for `config` and renders its events until it finishes.
@@ -205,6 +210,7 @@ fn drive(
         finished: None,
         blocked_by_lints: false,
         out_of_memory_with_checkpoint: false,
+        error: None,
     };
     for event in handle.events.iter() {
         if args.json {
@@ -220,6 +226,7 @@ fn drive(
     handle.join();
     Ok(Outcome {
         reason: line.finished.unwrap_or(FinishReason::Failed),
+        error: line.error,
         blocked_by_lints: line.blocked_by_lints,
         out_of_memory_with_checkpoint: line.out_of_memory_with_checkpoint,
     })
@@ -244,6 +251,8 @@ struct ProgressLine {
     finished: Option<FinishReason>,
     blocked_by_lints: bool,
     out_of_memory_with_checkpoint: bool,
+    /// The last error event's message.
+    error: Option<String>,
 }
 
 impl ProgressLine {
@@ -316,6 +325,7 @@ impl EventRenderer for ProgressLine {
             b.abandon();
         }
         eprintln!("error: {}\nhint: {}", e.message, e.hint);
+        self.error = Some(e.message.to_string());
     }
 
     fn lints_blocked(&mut self, _: &[LintFinding]) {

@@ -18,8 +18,9 @@ pub mod wire;
 
 pub use commands::LaunchShape;
 pub use env::{
-    rendezvous_timeout, world_from_env, Launcher, WorldSpec, DEFAULT_MASTER_PORT,
-    DEFAULT_RENDEZVOUS_TIMEOUT, LAUNCHER_ENV, RENDEZVOUS_TIMEOUT_ENV,
+    collective_timeout, rendezvous_timeout, world_from_env, Launcher, WorldSpec,
+    COLLECTIVE_TIMEOUT_ENV, DEFAULT_MASTER_PORT, DEFAULT_RENDEZVOUS_TIMEOUT, LAUNCHER_ENV,
+    RENDEZVOUS_TIMEOUT_ENV,
 };
 pub use nodelist::first_host;
 pub use rendezvous::Rendezvous;

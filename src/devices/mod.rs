@@ -83,4 +83,7 @@ pub enum DevicesError {
     /// The memory sampler thread could not be started.
     #[error("cannot start the memory sampler thread: {0}")]
     Sampler(std::io::Error),
+    /// A sum across the processes of a launched run failed; the text names the rank.
+    #[error("{0}")]
+    Collective(String),
 }

@@ -10,7 +10,8 @@
 //! through the first rank's device (any devices, CPU logical devices
 //! included); `nccl::NcclReducer` (feature `nccl`) runs NCCL all-reduce on
 //! the GPUs, within one process or across processes and machines
-//! (docs/multi-node.md).
+//! (docs/multi-node.md); `process_group::ProcessGroup` sums across processes over TCP (a
+//! launched run's ranks on the CPU, as PyTorch's Gloo backend does).
 
 use super::strategy::LogicalDevice;
 use super::DevicesError;
@@ -385,6 +386,7 @@ pub fn data_parallel_step<M: ShardModel + Sync>(
 
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod process_group;
 pub mod shards;
 
 #[cfg(test)]

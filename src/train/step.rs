@@ -35,6 +35,7 @@ mod checkpoint_io;
 mod objective;
 mod run;
 mod sharded;
+mod world;
 
 pub use accumulate_grpo::{last_prompts, last_rollouts};
 pub use build::build_model;
@@ -206,6 +207,9 @@ pub struct TrainingRun {
     /// run (NCCL's setup costs far more than a step) and reused by every step.
     #[cfg(feature = "nccl")]
     nccl: Option<crate::devices::parallel::nccl::NcclReducer>,
+    /// One rank of a launched run (torchrun, Slurm): the process group its sums go through;
+    /// `None` for a run in one process.
+    world: Option<std::sync::Arc<crate::devices::parallel::process_group::ProcessGroup>>,
 }
 
 impl TrainingRun {
@@ -234,14 +238,15 @@ impl TrainingRun {
         &self.placement
     }
 
-    /// Rows of one micro-step over every rank.
+    /// Rows of one micro-step over every rank (of every process of a launched run).
     fn rows_per_micro_batch(&self) -> usize {
-        self.config.training.micro_batch * self.placement.ranks()
+        self.config.training.micro_batch * self.total_ranks()
     }
 
-    /// Samples (rows, pairs or prompts) per optimizer step ([`RunConfig::effective_batch`]).
+    /// Samples (rows, pairs or prompts) per optimizer step ([`RunConfig::effective_batch`],
+    /// times the processes of a launched run).
     pub fn effective_batch(&self) -> usize {
-        self.config.effective_batch()
+        self.config.effective_batch() * self.world_size()
     }
 
     /// The model's folder (config, tokenizer).

@@ -55,6 +55,10 @@ pub struct TrainerOptions {
     /// error, as [`super::oom::INJECT_OOM_ENV`] does for every run of the process (the
     /// studio's tests, whose runs share one process). `None` in normal use.
     pub inject_oom: Option<String>,
+    /// One rank of a launched run (torchrun, Slurm): the process group of its ranks, from the
+    /// rendezvous. Only rank 0 writes metrics.jsonl and checkpoints. `None`: a run in one
+    /// process.
+    pub world: Option<Arc<crate::devices::parallel::process_group::ProcessGroup>>,
 }
 
 /// The front end's side of a trainer thread.
@@ -323,8 +327,10 @@ fn build_run(
             .then(|| super::checkpoint::latest_checkpoint(&config.output_path()))
             .flatten()
     });
-    // `--resume latest` with nothing to resume starts fresh there, as asked.
-    if resume_dir.is_none() && !options.resume_latest {
+    // `--resume latest` with nothing to resume starts fresh there, as asked. The other ranks
+    // of a launched run write nothing, and rank 0 may already have begun writing there.
+    let writes_outputs = options.world.as_ref().is_none_or(|w| w.rank() == 0);
+    if resume_dir.is_none() && !options.resume_latest && writes_outputs {
         if let Some(existing) = super::checkpoint::existing_run(&config.output_path()) {
             em.emit(Event::Error {
                 message: format!("{existing}; a new run does not write into another run's folder"),
@@ -336,8 +342,13 @@ fn build_run(
         }
     }
     let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &resume_dir {
-        Some(dir) => TrainingRun::resume_allowing(config.clone(), dir, options.allow_config_change),
-        None => TrainingRun::new(config.clone()),
+        Some(dir) => TrainingRun::resume_in(
+            config.clone(),
+            dir,
+            options.allow_config_change,
+            options.world.clone(),
+        ),
+        None => TrainingRun::new_in(config.clone(), options.world.clone()),
     }));
     match built {
         Ok(Ok(run)) => Some(run),
@@ -362,11 +373,13 @@ fn build_run(
 /// warnings and the lints the run trains despite.
 fn announce(run: &TrainingRun, em: &mut Emitter) {
     let out = run.config().output_path();
-    match MetricsWriter::open(&out.join(METRICS_FILE)) {
-        Ok(m) => em.metrics = Some(m),
-        Err(e) => em.emit(Event::Warning {
-            message: format!("{e}; training continues without metrics.jsonl"),
-        }),
+    if run.writes_outputs() {
+        match MetricsWriter::open(&out.join(METRICS_FILE)) {
+            Ok(m) => em.metrics = Some(m),
+            Err(e) => em.emit(Event::Warning {
+                message: format!("{e}; training continues without metrics.jsonl"),
+            }),
+        }
     }
     let (num_parameters, trainable_parameters) = run.parameter_counts();
     let (train_rows, eval_rows) = run.split_sizes();
@@ -381,7 +394,7 @@ fn announce(run: &TrainingRun, em: &mut Emitter) {
         output_dir: out,
         effective_batch: run.effective_batch(),
         batch_unit: run.config().training.method.micro_batch_unit().into(),
-        ranks: run.placement().ranks(),
+        ranks: run.total_ranks(),
         placement: run
             .placement()
             .describe(run.model().config().num_hidden_layers),
@@ -468,14 +481,17 @@ fn train_loop(
                 stopped: stop,
             });
             if stop {
-                run.fall_back_before(d.step);
+                if run.writes_outputs() {
+                    run.fall_back_before(d.step);
+                }
                 break FinishReason::Diverged;
             }
         }
         for ev in memory.sample(outcome.step) {
             em.emit(ev);
         }
-        if run.eval_due() {
+        // Evaluation is rank 0's: every rank holds the same weights.
+        if run.eval_due() && run.writes_outputs() {
             match run.evaluate() {
                 Ok(r) => em.emit(Event::Eval {
                     step: r.step,
@@ -525,6 +541,10 @@ fn handle_command(
 }
 
 fn save(run: &mut TrainingRun, em: &mut Emitter) {
+    // Rank 0 writes a launched run's checkpoints: the replicas are identical.
+    if !run.writes_outputs() {
+        return;
+    }
     // Saving twice at one step (periodic save, then Ctrl-C) just reports the one checkpoint.
     if let Some(p) = run.last_checkpoint() {
         if super::checkpoint::read_state(p).is_ok_and(|s| s.step == run.step_index()) {

@@ -22,6 +22,9 @@ pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Seconds to wait at the rendezvous (a positive whole number).
 pub const RENDEZVOUS_TIMEOUT_ENV: &str = "TUNESTUDIO_RENDEZVOUS_TIMEOUT_SECS";
+/// Seconds a rank of a launched run waits in a sum across processes for the other ranks
+/// (default `parallel::process_group::DEFAULT_COLLECTIVE_TIMEOUT`).
+pub const COLLECTIVE_TIMEOUT_ENV: &str = "TUNESTUDIO_COLLECTIVE_TIMEOUT_SECS";
 
 /// `none` ignores the launcher's variables (one process, as without a launcher), for a
 /// command run directly inside an allocation whose Slurm variables describe other tasks.
@@ -93,15 +96,34 @@ pub fn world_from_env(
 pub fn rendezvous_timeout(
     lookup: impl Fn(&str) -> Option<String>,
 ) -> Result<Duration, LaunchError> {
-    let Some(text) = lookup(RENDEZVOUS_TIMEOUT_ENV) else {
-        return Ok(DEFAULT_RENDEZVOUS_TIMEOUT);
+    seconds(&lookup, RENDEZVOUS_TIMEOUT_ENV, DEFAULT_RENDEZVOUS_TIMEOUT)
+}
+
+/// How long a sum across processes waits for a rank: [`COLLECTIVE_TIMEOUT_ENV`], else
+/// `parallel::process_group::DEFAULT_COLLECTIVE_TIMEOUT`.
+pub fn collective_timeout(
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<Duration, LaunchError> {
+    use crate::devices::parallel::process_group::DEFAULT_COLLECTIVE_TIMEOUT;
+    seconds(&lookup, COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT)
+}
+
+/// Whole positive seconds from `var`, else `default`; a bad value named.
+fn seconds(
+    lookup: &dyn Fn(&str) -> Option<String>,
+    var: &str,
+    default: Duration,
+) -> Result<Duration, LaunchError> {
+    let Some(text) = lookup(var) else {
+        return Ok(default);
     };
     match text.trim().parse::<u64>() {
         Ok(secs) if secs > 0 => Ok(Duration::from_secs(secs)),
         _ => Err(LaunchError::Env(format!(
-            "{RENDEZVOUS_TIMEOUT_ENV}={text:?} is not a positive number of seconds; \
-             set it to e.g. 300, or unset it for the default of {} s",
-            DEFAULT_RENDEZVOUS_TIMEOUT.as_secs()
+            "{var}={text:?} is not a positive number of seconds; set it to e.g. {}, or unset \
+             it for the default of {} s",
+            default.as_secs(),
+            default.as_secs()
         ))),
     }
 }

@@ -8,7 +8,7 @@
 //! connection, and [`Rendezvous::watch`] hands either to the front end, which stops its
 //! process. A rank that finishes says so first, so its closing is not taken for a failure.
 
-use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -17,6 +17,7 @@ use super::env::WorldSpec;
 use super::wire::{self, Frame, ID_BYTES};
 use super::LaunchError;
 
+mod data;
 mod host;
 mod join;
 use host::host_rendezvous;
@@ -37,6 +38,17 @@ pub struct Rendezvous {
     hosts: Vec<String>,
     notes: Vec<String>,
     shared: Arc<Shared>,
+    /// How long the ranks wait for each other to join (also the process group's connections).
+    timeout: Duration,
+    /// Where the process group's connections go: rank 0's listener (taken by
+    /// [`Rendezvous::process_group`]), the port every other rank connects to.
+    data: DataChannel,
+}
+
+/// Rank 0's process-group listener, or the port another rank connects to.
+enum DataChannel {
+    Listener(Mutex<Option<TcpListener>>),
+    Port(u16),
 }
 
 struct Shared {

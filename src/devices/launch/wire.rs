@@ -8,7 +8,7 @@ use std::io::{self, Read, Write};
 /// The first bytes of a hello: "tunestudio rendezvous".
 pub const MAGIC: [u8; 4] = *b"TSRV";
 /// Bumped when a message changes; ranks of different builds refuse each other by it.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Bytes of the id every rank receives (NCCL's `ncclUniqueId`).
 pub const ID_BYTES: usize = 128;
 /// The longest host name or message read from a peer: bounds what a broken peer can make
@@ -33,12 +33,15 @@ pub struct Hello {
 /// A frame after the hello.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
-    /// Rank 0 to each rank once all joined: the id and every rank's host, in rank order.
+    /// Rank 0 to each rank once all joined: the id, every rank's host, in rank order, and
+    /// the port of rank 0's process-group listener (version 2).
     Welcome {
         /// The id blob.
         id: [u8; ID_BYTES],
         /// Host of rank 0, 1, ….
         hosts: Vec<String>,
+        /// The port at `MASTER_ADDR` where the ranks open their process-group connections.
+        data_port: u16,
     },
     /// Stop: a rank failed, or the rendezvous did; the text says which and why.
     Abort(String),
@@ -128,9 +131,14 @@ pub fn read_hello(r: &mut impl Read) -> io::Result<Hello> {
 pub fn write_frame(w: &mut impl Write, frame: &Frame) -> io::Result<()> {
     let mut out = Vec::new();
     match frame {
-        Frame::Welcome { id, hosts } => {
+        Frame::Welcome {
+            id,
+            hosts,
+            data_port,
+        } => {
             out.push(TAG_WELCOME);
             out.extend_from_slice(id);
+            out.extend_from_slice(&data_port.to_be_bytes());
             out.extend_from_slice(&(hosts.len() as u32).to_be_bytes());
             for h in hosts {
                 write_text(&mut out, h);
@@ -154,6 +162,9 @@ pub fn read_frame(r: &mut impl Read) -> io::Result<Frame> {
         TAG_WELCOME => {
             let mut id = [0u8; ID_BYTES];
             r.read_exact(&mut id)?;
+            let mut port = [0u8; 2];
+            r.read_exact(&mut port)?;
+            let data_port = u16::from_be_bytes(port);
             let count = read_u32(r)? as usize;
             // A world is at most a few thousand ranks; the bound keeps a broken peer from
             // making this side allocate without limit.
@@ -166,7 +177,11 @@ pub fn read_frame(r: &mut impl Read) -> io::Result<Frame> {
             let hosts = (0..count)
                 .map(|_| read_text(r))
                 .collect::<io::Result<Vec<_>>>()?;
-            Ok(Frame::Welcome { id, hosts })
+            Ok(Frame::Welcome {
+                id,
+                hosts,
+                data_port,
+            })
         }
         TAG_ABORT => Ok(Frame::Abort(read_text(r)?)),
         TAG_DONE => Ok(Frame::Done),
@@ -198,6 +213,7 @@ mod tests {
             Frame::Welcome {
                 id: [7; ID_BYTES],
                 hosts: vec!["a".into(), "b".into()],
+                data_port: 29501,
             },
             Frame::Abort("rank 2 failed".into()),
             Frame::Done,

@@ -51,13 +51,14 @@ impl TrainingRun {
         let step = self.step + 1;
         let settings = self.settings_summary();
         let ranks = self.placement.ranks();
-        let batches = self.collate_shards(micro_batches, step, &settings)?;
-        let step_tokens: usize = batches
+        let batches = self.collate_shards(&self.world_rows(micro_batches), step, &settings)?;
+        let local_tokens: usize = batches
             .iter()
             .flatten()
             .flatten()
             .map(|b| b.trained_tokens)
             .sum();
+        let step_tokens = self.world_tokens(local_tokens, step, &settings)?;
         let backward_factor = backward_factor(loss_scale, step_tokens);
         // Each rank's gradients, summed in place over the micro-batches (one buffer each).
         let mut per_rank: Vec<Gradients> = vec![Gradients::new(); ranks];
@@ -162,7 +163,8 @@ impl TrainingRun {
     }
 
     /// Sums the ranks' gradients of the step into `acc` (all-reduced, one copy per rank),
-    /// unless no micro-batch had a trained token.
+    /// unless no micro-batch had a trained token; a launched rank always takes part in the
+    /// sum across processes (the others wait in it), with its loss sum and counts.
     pub(super) fn reduce_step(
         &self,
         per_rank: Vec<Gradients>,
@@ -170,6 +172,9 @@ impl TrainingRun {
         step: u64,
         settings: &str,
     ) -> Result<(), TrainError> {
+        if let Some(world) = &self.world {
+            return self.reduce_across_processes(world, per_rank, acc, step, settings);
+        }
         if per_rank.iter().all(|g| g.is_empty()) {
             return Ok(());
         }

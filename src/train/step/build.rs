@@ -2,9 +2,11 @@
 //! the data order and schedule that follow from them.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use candle_core::Device;
 
+use crate::devices::parallel::process_group::ProcessGroup;
 use crate::model::{
     AdamW, AdamWConfig, CausalLm, ModelError, ModelLocation, NamedParam, OpsMode, OptimizerOffload,
     StatePlacement,
@@ -347,7 +349,7 @@ impl RunModels {
 }
 
 /// The run's data order: rows grouped by `lengths` when asked; under data parallel a
-/// micro-step draws `micro_batch` rows per rank.
+/// micro-step draws `micro_batch` rows per rank (`ranks` over every process of a launched run).
 fn data_loader(config: &RunConfig, lengths: Vec<usize>, ranks: usize) -> DataLoader {
     DataLoader::new(
         lengths,
@@ -382,6 +384,17 @@ impl TrainingRun {
     /// Prepares a fresh run: validates the config, loads the model and tokenizer,
     /// tokenises the data and builds the optimizer. Nothing is written yet.
     pub fn new(config: RunConfig) -> Result<Self, TrainError> {
+        Self::new_in(config, None)
+    }
+
+    /// [`Self::new`] as one rank of a launched run when `world` is given: this process trains
+    /// on one device (a GPU entry becomes `cuda:LOCAL_RANK`) and takes its global rank's share
+    /// of every micro-step, whose rows are `micro_batch` × the world's ranks.
+    pub fn new_in(config: RunConfig, world: Option<Arc<ProcessGroup>>) -> Result<Self, TrainError> {
+        let config = match &world {
+            Some(w) => super::world::rank_config(config, w)?,
+            None => config,
+        };
         check_config(&config)?;
         // The data first: a run its lints stop never loads the weights.
         let mut data = RunData::read(&config)?;
@@ -400,7 +413,8 @@ impl TrainingRun {
         )?
         .or_else(|| data.grpo.as_ref().map(GrpoRun::lengths))
         .unwrap_or_else(|| data.splits.train.iter().map(|s| s.len()).collect());
-        let loader = data_loader(&config, lengths, placement.ranks());
+        let world_size = world.as_ref().map_or(1, |w| w.world_size());
+        let loader = data_loader(&config, lengths, placement.ranks() * world_size);
         let total_steps = match t.max_steps {
             Some(n) => n,
             // GRPO trains each sampled block `num_iterations` times (TRL repeats the prompts
@@ -449,10 +463,14 @@ impl TrainingRun {
             last_gradient_bytes: None,
             #[cfg(feature = "nccl")]
             nccl: None,
+            world,
         };
         #[cfg(feature = "nccl")]
         {
-            run.nccl = run.open_nccl()?;
+            run.nccl = match run.world.clone() {
+                Some(world) => run.open_world_nccl(&world)?,
+                None => run.open_nccl()?,
+            };
         }
         run.sync_replicas()?;
         run.sharded = build_sharded(&run.config, &run.rank_models())?;

@@ -30,6 +30,17 @@ impl TrainingRun {
         checkpoint_dir: &Path,
         allow_config_change: bool,
     ) -> Result<Self, TrainError> {
+        Self::resume_in(config, checkpoint_dir, allow_config_change, None)
+    }
+
+    /// [`Self::resume_allowing`] as one rank of a launched run when `world` is given (see
+    /// [`TrainingRun::new_in`]): every rank reads the same checkpoint.
+    pub fn resume_in(
+        config: RunConfig,
+        checkpoint_dir: &Path,
+        allow_config_change: bool,
+        world: Option<std::sync::Arc<crate::devices::parallel::process_group::ProcessGroup>>,
+    ) -> Result<Self, TrainError> {
         let state = checkpoint::read_state(checkpoint_dir)?;
         let changes = match RunConfig::load(&checkpoint_dir.join(checkpoint::CONFIG_FILE)) {
             Ok(saved) => super::super::resume_changes::config_changes(&saved, &config),
@@ -50,7 +61,7 @@ impl TrainingRun {
                 ),
             });
         }
-        let mut run = TrainingRun::new(config)?;
+        let mut run = TrainingRun::new_in(config, world)?;
         run.load_checkpoint(checkpoint_dir, &state)?;
         run.splits.warnings.extend(
             changes

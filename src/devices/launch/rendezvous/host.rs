@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use super::super::env::WorldSpec;
 use super::super::wire::{self, Frame, Hello, ID_BYTES};
 use super::super::LaunchError;
-use super::{remaining, resolve, Peer, Rendezvous, Shared, CONNECT_PAUSE, WRITE_WAIT};
+use super::{remaining, resolve, DataChannel, Peer, Rendezvous, Shared, CONNECT_PAUSE, WRITE_WAIT};
 
 /// How long rank 0 keeps trying to bind a port another process holds: a previous run on the
 /// same port may still be exiting.
@@ -29,10 +29,19 @@ pub(super) fn host_rendezvous(
     let deadline = Instant::now() + timeout;
     let mut notes = Vec::new();
     let mut joined: Vec<Option<(Hello, TcpStream)>> = (0..spec.world_size).map(|_| None).collect();
+    let mut data = None;
     if spec.world_size > 1 {
         let listener = listen(spec, &host, deadline, &mut notes)?;
+        data = Some(listen_for_data(&listener, &host)?);
         accept_ranks(spec, timeout, &host, &listener, deadline, &mut joined)?;
     }
+    let data_port = match &data {
+        Some(listener) => listener
+            .local_addr()
+            .map_err(|e| LaunchError::Rendezvous(format!("rank 0 on {host}: {e}")))?
+            .port(),
+        None => 0,
+    };
     let connected: Vec<(Hello, TcpStream)> = joined.into_iter().flatten().collect();
     let id = match make_id() {
         Ok(id) => id,
@@ -62,6 +71,7 @@ pub(super) fn host_rendezvous(
     let welcome = Frame::Welcome {
         id,
         hosts: hosts.clone(),
+        data_port,
     };
     for peer in &shared.peers {
         let sent = peer
@@ -85,7 +95,24 @@ pub(super) fn host_rendezvous(
         hosts,
         notes,
         shared,
+        timeout,
+        data: DataChannel::Listener(Mutex::new(data)),
     })
+}
+
+/// The process group's listener: a port the system chooses, on the rendezvous's address,
+/// sent to every rank in the welcome. A port of the system's choosing never collides with
+/// another job on the machine, as `MASTER_PORT + 1` could (NCCL's bootstrap does the same,
+/// so a cluster that runs NCCL lets such ports through).
+fn listen_for_data(rendezvous: &TcpListener, host: &str) -> Result<TcpListener, LaunchError> {
+    rendezvous
+        .local_addr()
+        .and_then(|at| TcpListener::bind((at.ip(), 0)))
+        .map_err(|e| {
+            LaunchError::Rendezvous(format!(
+                "rank 0 on {host} cannot open a port for the ranks' process group: {e}"
+            ))
+        })
 }
 
 fn tell_all(streams: &[(Hello, TcpStream)], frame: &Frame) {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use super::super::env::WorldSpec;
 use super::super::wire::{self, Frame, Hello};
 use super::super::LaunchError;
-use super::{remaining, resolve, Peer, Rendezvous, Shared, CONNECT_PAUSE, WRITE_WAIT};
+use super::{remaining, resolve, DataChannel, Peer, Rendezvous, Shared, CONNECT_PAUSE, WRITE_WAIT};
 
 /// A rank other than 0: connects to rank 0 (retrying until the timeout), says hello, and
 /// waits for the id.
@@ -43,8 +43,12 @@ pub(super) fn join_rank0(
     stream
         .set_read_timeout(Some(timeout + Duration::from_secs(10)))
         .map_err(|e| io("setting it up", e))?;
-    let (id, hosts) = match wire::read_frame(&mut stream) {
-        Ok(Frame::Welcome { id, hosts }) if hosts.len() == spec.world_size => (id, hosts),
+    let (id, hosts, data_port) = match wire::read_frame(&mut stream) {
+        Ok(Frame::Welcome {
+            id,
+            hosts,
+            data_port,
+        }) if hosts.len() == spec.world_size => (id, hosts, data_port),
         Ok(Frame::Welcome { hosts, .. }) => {
             return Err(LaunchError::Rendezvous(format!(
                 "rank 0 at {at} runs a world of {} ranks, this rank {} one of {}: every process \
@@ -80,6 +84,8 @@ pub(super) fn join_rank0(
             peers: vec![peer],
             settled: AtomicBool::new(false),
         }),
+        timeout,
+        data: DataChannel::Port(data_port),
     })
 }
 

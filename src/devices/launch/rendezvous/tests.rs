@@ -202,3 +202,45 @@ fn a_rank_that_vanishes_is_named_and_one_that_finished_is_not() {
         "{reason}"
     );
 }
+
+/// After the rendezvous, three ranks open the process group at the port rank 0 sent (a
+/// connection that is not a rank of this run is dropped, not taken for one) and sum through
+/// it; a second opening is refused.
+#[test]
+fn the_ranks_open_the_process_group_from_the_rendezvous() {
+    let port = free_port();
+    let group = |r: Rendezvous| r.process_group(Duration::from_secs(10)).map(|g| (r, g));
+    let others: Vec<_> = [2, 1]
+        .into_iter()
+        .map(|rank| std::thread::spawn(move || group(join(rank, 3, port, 20).unwrap())))
+        .collect();
+    let rank0 = join(0, 3, port, 20).unwrap();
+    let DataChannel::Listener(listener) = &rank0.data else {
+        panic!("rank 0 holds no process-group listener");
+    };
+    let data_port = listener
+        .lock()
+        .unwrap()
+        .as_ref()
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut stray = std::net::TcpStream::connect(("127.0.0.1", data_port)).unwrap();
+    std::io::Write::write_all(&mut stray, b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    drop(stray);
+    let (rank0, zero) = group(rank0).unwrap();
+    let sums: Vec<_> = others
+        .into_iter()
+        .map(|h| {
+            let (_rendezvous, g) = h.join().unwrap().unwrap();
+            std::thread::spawn(move || g.all_reduce_f64("count", &[g.rank() as f64]))
+        })
+        .collect();
+    assert_eq!(zero.all_reduce_f64("count", &[0.5]).unwrap(), vec![3.5]);
+    for s in sums {
+        assert_eq!(s.join().unwrap().unwrap(), vec![3.5]);
+    }
+    let again = rank0.process_group(Duration::from_secs(1)).unwrap_err();
+    assert!(again.to_string().contains("already opened"), "{again}");
+}
