@@ -579,6 +579,16 @@ fn keys() -> Vec<Key> {
             change: |c| flip(&mut c.grpo.mask_truncated_completions),
         },
         Key {
+            name: "grpo.generations_per_micro_step",
+            reads: No,
+            change: |c| {
+                c.grpo.generations_per_micro_step = match c.grpo.generations_per_micro_step {
+                    None => Some(1),
+                    Some(_) => None,
+                }
+            },
+        },
+        Key {
             name: "grpo.reward",
             reads: No,
             change: |c| {
