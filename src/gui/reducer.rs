@@ -106,7 +106,7 @@ pub fn apply_job(s: &mut Session, p: &mut Panels, out: JobOutput) -> Vec<Action>
             p.run.history.error = (!errors.is_empty()).then(|| errors.join("\n"));
         }
         JobOutput::ConfigOpened { path, demo, result } => {
-            return config_opened(s, p, path, demo, result);
+            return config_opened(s, p, path, demo, *result);
         }
         JobOutput::ConfigSaved { path, sent, result } => config_saved(s, p, path, &sent, result),
         // The in-app picker is the app's window, not a panel: `StudioApp::handle_job` gives

@@ -11,7 +11,9 @@ mod loss;
 
 pub use advantages::{advantages, completion_mask, Advantages, ScaleRewards, ADVANTAGE_STD_EPS};
 pub use logps::{completion_logps, model_completion_logps, CompletionLogps};
-pub use loss::{grpo_loss, GrpoLoss, GrpoLossMetrics, GrpoLossSettings, GrpoLossType};
+pub use loss::{
+    grpo_loss, GrpoLoss, GrpoLossMetrics, GrpoLossSettings, GrpoLossType, MicroBatchTotals,
+};
 
 #[cfg(test)]
 mod tests;

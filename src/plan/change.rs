@@ -41,6 +41,10 @@ pub enum Change {
     /// Where a DPO run's reference comes from (`[preference] reference`): `Stored` is
     /// `precomputed`, `AdapterDisabled` needs LoRA.
     Reference(ReferencePlan),
+    /// GRPO: this many completions of each group per forward and backward pass (`[grpo]
+    /// generations_per_micro_step`). The same step in more passes: what is learned does not
+    /// change (the trainer divides every pass by the whole step's count).
+    GenerationsPerMicroStep(usize),
 }
 
 impl Change {
@@ -97,6 +101,7 @@ impl Change {
                 r.reference = r.reference.with_lora();
             }
             Change::Reference(reference) => r.reference = *reference,
+            Change::GenerationsPerMicroStep(n) => r.generations_per_micro_step = Some(*n),
         }
         r
     }
@@ -155,6 +160,7 @@ impl Change {
         if req.reference == ReferencePlan::Copy && req.lora.is_some() {
             out.push(Change::Reference(ReferencePlan::AdapterDisabled));
         }
+        out.extend(halved_generations(req).map(Change::GenerationsPerMicroStep));
         // GRPO is planned at full-length completions (a long one will come): half as long is
         // a fix that changes what is learned, ranked after every other (tier 4).
         if let HeadLoss::Completions {
@@ -260,8 +266,36 @@ impl Change {
                 "optimizer state in host RAM (training.optimizer_offload = \"host\")".into()
             }
             Change::Reference(reference) => reference.describe_change(),
+            Change::GenerationsPerMicroStep(n) => {
+                let (generations, was) = generations_per_pass(req).unwrap_or((*n, *n));
+                format!(
+                    "{n} of each prompt's {generations} completions per forward and backward pass (grpo.generations_per_micro_step = {n}, was {was}): the same step in {} passes, gradients summed",
+                    generations / (*n).max(1)
+                )
+            }
         }
     }
+}
+
+/// A GRPO request's group size G and the completions of a group it runs per pass (`None`
+/// for any other method).
+fn generations_per_pass(req: &PlanRequest) -> Option<(usize, usize)> {
+    let HeadLoss::Completions { generations, .. } = req.head_loss else {
+        return None;
+    };
+    let per_pass = req
+        .generations_per_micro_step
+        .filter(|&n| n >= 1 && generations.is_multiple_of(n))
+        .unwrap_or(generations);
+    Some((generations, per_pass))
+}
+
+/// Half as many completions per pass as a GRPO request runs (`None` when that is not a whole
+/// divisor of G, or for another method).
+fn halved_generations(req: &PlanRequest) -> Option<usize> {
+    let (generations, per_pass) = generations_per_pass(req)?;
+    let half = per_pass / 2;
+    (half >= 1 && per_pass.is_multiple_of(2) && generations.is_multiple_of(half)).then_some(half)
 }
 
 /// `r` switched from `req` to strategy `s`, with the accumulation re-split so the effective
@@ -282,14 +316,16 @@ pub(crate) type SearchAxis =
     fn(original: &PlanRequest, so_far: &PlanRequest) -> Vec<Option<Change>>;
 
 /// Auto-fit's search, outermost first: strategy × precision × checkpointing × LoRA ×
-/// reference × micro-batch. The micro-batch comes last: it re-splits the effective batch over
-/// the ranks the strategy chose. A new setting that auto-fit may change adds its axis here.
-pub(crate) const SEARCH_AXES: [SearchAxis; 6] = [
+/// reference × GRPO's generations per pass × micro-batch. The micro-batch comes last: it
+/// re-splits the effective batch over the ranks the strategy chose. A new setting that
+/// auto-fit may change adds its axis here.
+pub(crate) const SEARCH_AXES: [SearchAxis; 7] = [
     strategy_axis,
     precision_axis,
     checkpointing_axis,
     lora_axis,
     reference_axis,
+    generations_axis,
     micro_batch_axis,
 ];
 
@@ -371,6 +407,19 @@ fn reference_axis(_: &PlanRequest, req: &PlanRequest) -> Vec<Option<Change>> {
     } else {
         vec![None, Some(Change::Reference(ReferencePlan::Stored))]
     }
+}
+
+/// A GRPO request's generations per pass as they are, then halved, and halved again, down to
+/// one completion per pass (each a divisor of G): the same step in more, smaller passes.
+fn generations_axis(_: &PlanRequest, req: &PlanRequest) -> Vec<Option<Change>> {
+    let mut options = vec![None];
+    let mut so_far = req.clone();
+    while let Some(half) = halved_generations(&so_far) {
+        let change = Change::GenerationsPerMicroStep(half);
+        so_far = change.apply(&so_far);
+        options.push(Some(change));
+    }
+    options
 }
 
 /// Every whole number of samples per micro-batch that divides a rank's share of the original

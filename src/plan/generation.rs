@@ -85,6 +85,7 @@ pub(crate) fn dictalm_grpo_request(
             completion_tokens,
         },
         reference: Default::default(),
+        generations_per_micro_step: None,
     }
 }
 

@@ -81,6 +81,10 @@ pub struct PlanRequest {
     /// A DPO run's reference: stored (nothing during the step), the base with the adapters
     /// switched off, or a frozen copy of the weights (`plan/reference.rs`).
     pub reference: ReferencePlan,
+    /// GRPO: completions of each group per forward and backward pass (`[grpo]
+    /// generations_per_micro_step`, a divisor of G); `None`, and under any other head, the
+    /// whole micro-batch in one pass. See [`Self::rows_per_pass`].
+    pub generations_per_micro_step: Option<usize>,
 }
 
 /// What the step's loss holds of the head's output, for the `Head` block of the plan
@@ -241,6 +245,23 @@ impl TrainedTokens {
 }
 
 impl PlanRequest {
+    /// Rows of one forward and backward pass, which the step's activations and head scale
+    /// with: the micro-batch, or for GRPO with [`Self::generations_per_micro_step`] its share
+    /// of every group (micro-batch prompts × generations per pass; the trainer sums the
+    /// passes' gradients in place). The generation before the step still samples whole groups
+    /// (`plan/generation.rs`). A value that does not divide G plans the whole group, as
+    /// validation refuses it.
+    pub fn rows_per_pass(&self) -> usize {
+        match (self.head_loss, self.generations_per_micro_step) {
+            (HeadLoss::Completions { generations, .. }, Some(per_pass))
+                if per_pass >= 1 && generations.is_multiple_of(per_pass) =>
+            {
+                (self.micro_batch / generations.max(1) * per_pass).max(1)
+            }
+            _ => self.micro_batch,
+        }
+    }
+
     /// Rows the loss computes logits for per micro-batch: the most trained tokens a
     /// micro-batch of the data holds ([`Self::trained_tokens`]), else every position after the
     /// first of each row; with [`HeadLoss::FullLogits`], every position of every row.
@@ -250,9 +271,9 @@ impl PlanRequest {
             return self.micro_batch * self.planned_seq_len();
         }
         if let HeadLoss::Completions { .. } = self.head_loss {
-            // GRPO: every completion position of every row (full-length completions: the
-            // upper bound a sampled step can reach).
-            return self.micro_batch * self.head_loss.logit_positions(self.planned_seq_len());
+            // GRPO: every completion position of every row of a pass (full-length
+            // completions: the upper bound a sampled step can reach).
+            return self.rows_per_pass() * self.head_loss.logit_positions(self.planned_seq_len());
         }
         let rows = self.micro_batch * self.planned_seq_len().saturating_sub(1);
         self.trained_tokens
@@ -348,6 +369,16 @@ impl PlanRequest {
                 s.push_str(", reference forward with the adapters disabled")
             }
             ReferencePlan::Copy => s.push_str(", frozen reference copy of the weights"),
+        }
+        if let (HeadLoss::Completions { generations, .. }, Some(n)) =
+            (self.head_loss, self.generations_per_micro_step)
+        {
+            if n < generations {
+                s.push_str(&format!(
+                    ", {n} of {generations} completions per pass ({} rows)",
+                    self.rows_per_pass()
+                ));
+            }
         }
         if self.activation_checkpointing {
             s.push_str(", checkpointing");

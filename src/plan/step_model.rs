@@ -94,7 +94,8 @@ impl fmt::Display for BlockKind {
 /// The sizes the step model needs, derived once per request.
 #[derive(Debug, Clone)]
 pub struct StepDims {
-    /// Rows per micro-batch.
+    /// Rows per forward and backward pass: the micro-batch, or a GRPO pass's share of it
+    /// ([`PlanRequest::rows_per_pass`]).
     pub micro_batch: u64,
     /// Tokens per row.
     pub seq_len: u64,
@@ -186,7 +187,10 @@ impl StepDims {
         let act = req.precision.compute_bytes();
         // Dynamic padding: the longest micro-batch of the data, when it is known.
         let seq_len = req.planned_seq_len();
-        let tokens = (req.micro_batch * seq_len) as u64;
+        // A GRPO micro-batch split by `generations_per_micro_step` runs a pass at a time: the
+        // activations and the head are a pass's.
+        let rows = req.rows_per_pass();
+        let tokens = (rows * seq_len) as u64;
         // The CPU's native kernels run only on the CPU, and not when the generic ops
         // (the GPU's code) are forced there; everywhere else the generic ops run.
         let any_gpu = req
@@ -201,7 +205,7 @@ impl StepDims {
         let master = if req.precision.master_weights() { 4 } else { 0 };
         let quantize = req.lora.as_ref().map_or(Quantization::None, |l| l.quantize);
         StepDims {
-            micro_batch: req.micro_batch as u64,
+            micro_batch: rows as u64,
             seq_len: seq_len as u64,
             tokens,
             loss_rows: req.loss_rows() as u64,
@@ -241,7 +245,7 @@ impl StepDims {
                 && crate::model::ops::kernel_path::bf16_products(),
             generic_ops,
             full_logits: req.head_loss.is_full_logits(),
-            logit_positions: (req.micro_batch * req.head_loss.logit_positions(seq_len)) as u64,
+            logit_positions: (rows * req.head_loss.logit_positions(seq_len)) as u64,
             sampled_logits: matches!(req.head_loss, super::HeadLoss::Completions { .. }),
         }
     }

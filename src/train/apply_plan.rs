@@ -24,7 +24,7 @@ use super::plan_adapter::{plan_reference, planned_seq_len, rows_per_sample};
 /// Writes the settings `req` plans into `config`, so that [`super::plan_request`] of the
 /// edited config gives back the same settings (precision, micro-batch and accumulation,
 /// sequence length, checkpointing, optimizer offload, LoRA and its quantized base, strategy and
-/// shard mode, a DPO run's reference). What the request only describes (the model, the devices, the ops
+/// shard mode, a DPO run's reference, a GRPO run's generations per pass). What the request only describes (the model, the devices, the ops
 /// path, the process and the data) is left as it is.
 pub fn apply_plan_request(config: &mut RunConfig, req: &PlanRequest) {
     let PlanRequest {
@@ -47,6 +47,7 @@ pub fn apply_plan_request(config: &mut RunConfig, req: &PlanRequest) {
         strategy,
         shard,
         reference,
+        generations_per_micro_step,
     } = req;
     write_precision(config, *precision);
     config.training.micro_batch = (micro_batch / rows_per_sample(config)).max(1);
@@ -65,6 +66,10 @@ pub fn apply_plan_request(config: &mut RunConfig, req: &PlanRequest) {
         config.devices.shard = *shard;
     }
     write_reference(config, *reference);
+    // The adapter reads it under GRPO only: another method keeps the config's.
+    if config.training.method.is_grpo() {
+        config.grpo.generations_per_micro_step = *generations_per_micro_step;
+    }
 }
 
 /// Applies one fix to `config`: `change` on the request it was ranked for (`planned`, the

@@ -13,7 +13,11 @@
 //!    the step's completion tokens, the others by the micro-steps), so the trainer's count for a
 //!    GRPO step is 1.
 //!
-//! `micro_batch` counts prompts: a micro-step trains `micro_batch × num_generations` rows.
+//! `micro_batch` counts prompts: a micro-step trains `micro_batch × num_generations` rows, in
+//! `num_generations / generations_per_micro_step` passes of `micro_batch ×
+//! generations_per_micro_step` rows when that is set (less memory, the same step: the rollouts
+//! are sampled and scored as whole groups first, and every pass's loss divides by the whole
+//! micro-batch's count).
 
 pub mod batch;
 pub mod prompts;
@@ -245,7 +249,45 @@ impl GrpoRun {
             step_completion_tokens: step_tokens as f64,
             accumulation_steps: micro_steps,
             bias_correction_kl: true,
+            micro_batch: None,
         }
+    }
+
+    /// Forward and backward of one rank's micro-batch, pass after pass (see
+    /// [`batch::GrpoPasses`]), adding `backward_factor ×` each pass's loss's gradient into
+    /// `grads`: the passes' losses divide by the micro-batch's rows and tokens, so their sum,
+    /// gradient and merged metrics are the micro-batch's in one pass.
+    pub fn micro_batch_step(
+        &self,
+        model: &CausalLm,
+        copy: Option<&CausalLm>,
+        passes: &batch::GrpoPasses,
+        settings: &GrpoLossSettings,
+        backward_factor: f64,
+        grads: &mut Gradients,
+    ) -> Result<GrpoMicroStep, (Phase, ModelError)> {
+        let settings = GrpoLossSettings {
+            micro_batch: passes.totals,
+            ..settings.clone()
+        };
+        let mut merged: Option<GrpoMicroStep> = None;
+        for batch in &passes.batches {
+            let out = self.micro_step(model, copy, batch, &settings, backward_factor, grads)?;
+            merged = Some(match merged {
+                Some(m) => GrpoMicroStep {
+                    loss: m.loss + out.loss,
+                    tokens: m.tokens + out.tokens,
+                    metrics: m.metrics.merge(&out.metrics),
+                },
+                None => out,
+            });
+        }
+        merged.ok_or_else(|| {
+            (
+                Phase::Forward,
+                ModelError::Input("a GRPO micro-batch with no rows".into()),
+            )
+        })
     }
 
     /// Forward and backward of one rank's micro-batch, adding `backward_factor ×` its loss's

@@ -165,7 +165,8 @@ fn resumes_into(change: &Change) -> bool {
         | Change::ActivationCheckpointing
         | Change::MicroBatch { .. }
         | Change::OptimizerOffload
-        | Change::Reference(_) => true,
+        | Change::Reference(_)
+        | Change::GenerationsPerMicroStep(_) => true,
         Change::Precision(_) | Change::Lora(_) | Change::Quantize(_) | Change::SeqLen(_) => false,
     }
 }

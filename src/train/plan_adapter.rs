@@ -101,6 +101,13 @@ pub fn plan_request(
         trained_tokens: None,
         head_loss,
         reference: plan_reference(config),
+        // Read under GRPO only (no other method runs groups).
+        generations_per_micro_step: config
+            .training
+            .method
+            .is_grpo()
+            .then_some(config.grpo.generations_per_micro_step)
+            .flatten(),
     }
 }
 

@@ -389,6 +389,7 @@ fn planner_state_terms_are_bytes_per_trainable_parameter() {
         trained_tokens: None,
         head_loss: Default::default(),
         reference: Default::default(),
+        generations_per_micro_step: None,
     };
     let costs = tunestudio::plan::layer_costs(&req);
     assert_eq!(costs.trainable_parameters, costs.parameters);

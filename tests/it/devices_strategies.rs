@@ -197,6 +197,7 @@ fn bytes_placed_per_logical_device_equal_the_planners() {
             trained_tokens: None,
             head_loss: Default::default(),
             reference: Default::default(),
+            generations_per_micro_step: None,
         };
         let the_plan = plan::plan(&req).unwrap();
         let expected = planner_bytes(&the_plan);

@@ -220,6 +220,7 @@ fn settings(c: &Case, mask: &Tensor) -> GrpoLossSettings {
         ),
         accumulation_steps: 1,
         bias_correction_kl: c.bias_correction_kl,
+        micro_batch: None,
     }
 }
 

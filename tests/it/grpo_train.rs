@@ -34,7 +34,7 @@ fn write_prompts(dir: &Path) -> PathBuf {
 
 /// A GRPO + LoRA run of `steps` steps on the demo model; `reward` is the `[[grpo.reward]]`
 /// table's body.
-fn config_text(dir: &Path, steps: u64, reward: &str) -> String {
+pub(crate) fn config_text(dir: &Path, steps: u64, reward: &str) -> String {
     format!(
         r#"output_dir = {out:?}
 [model]
@@ -83,12 +83,12 @@ fn write_config(dir: &Path, steps: u64, reward: &str) -> PathBuf {
     path
 }
 
-fn format_reward() -> String {
+pub(crate) fn format_reward() -> String {
     format!("kind = \"format\"\nname = \"capital\"\npattern = {CAPITAL:?}")
 }
 
 /// Runs `tunestudio ARGS`: its exit status and stdout+stderr.
-fn tunestudio(args: &[&std::ffi::OsStr]) -> (std::process::ExitStatus, String) {
+pub(crate) fn tunestudio(args: &[&std::ffi::OsStr]) -> (std::process::ExitStatus, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_tunestudio"))
         .args(args)
         .output()

@@ -27,6 +27,7 @@ mod devices_strategies;
 mod docs_paths;
 mod export_gguf;
 mod grpo_loss;
+mod grpo_split;
 mod grpo_train;
 mod gui_window;
 mod headless;

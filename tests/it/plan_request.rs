@@ -579,6 +579,16 @@ fn keys() -> Vec<Key> {
             change: |c| flip(&mut c.grpo.mask_truncated_completions),
         },
         Key {
+            name: "grpo.generations_per_micro_step",
+            reads: WhenGrpo,
+            change: |c| {
+                c.grpo.generations_per_micro_step = match c.grpo.generations_per_micro_step {
+                    None => Some(1),
+                    Some(_) => None,
+                }
+            },
+        },
+        Key {
             name: "grpo.reward",
             reads: No,
             change: |c| {
@@ -935,12 +945,22 @@ fn every_change(
             ReferencePlan::Copy
         }));
     }
+    // Generations per pass are a GRPO run's only: one a pass, and half the group.
+    if config.training.method.is_grpo() {
+        out.push(Change::GenerationsPerMicroStep(1));
+        if config.grpo.num_generations.is_multiple_of(2) {
+            out.push(Change::GenerationsPerMicroStep(
+                config.grpo.num_generations / 2,
+            ));
+        }
+    }
     let kinds: BTreeSet<usize> = out.iter().map(kind).collect();
-    let expected = if config.training.method == TrainingMethod::Dpo {
-        10
-    } else {
-        9
-    };
+    let expected =
+        if config.training.method == TrainingMethod::Dpo || config.training.method.is_grpo() {
+            10
+        } else {
+            9
+        };
     assert_eq!(kinds.len(), expected, "every kind of fix is listed");
     out
 }
@@ -958,6 +978,7 @@ fn kind(c: &tunestudio::plan::Change) -> usize {
         Change::Quantize(_) => 7,
         Change::Reference(_) => 8,
         Change::Shard(_) => 9,
+        Change::GenerationsPerMicroStep(_) => 10,
     }
 }
 

@@ -37,6 +37,7 @@ fn founding_case(precision: Precision, strategy: Strategy, devices: &str) -> Pla
         trained_tokens: None,
         head_loss: Default::default(),
         reference: Default::default(),
+        generations_per_micro_step: None,
     }
 }
 

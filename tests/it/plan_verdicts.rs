@@ -39,6 +39,7 @@ fn dictalm_request() -> PlanRequest {
         trained_tokens: None,
         head_loss: Default::default(),
         reference: Default::default(),
+        generations_per_micro_step: None,
     }
 }
 
@@ -577,6 +578,7 @@ fn the_verdict_names_the_largest_moment_of_the_process() {
         trained_tokens: None,
         head_loss: Default::default(),
         reference: Default::default(),
+        generations_per_micro_step: None,
     };
     let p = plan::plan(&req).unwrap();
     let d = &p.per_device[0];

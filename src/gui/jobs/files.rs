@@ -62,7 +62,11 @@ impl Jobs {
     pub fn open_config(&self, path: PathBuf, demo: bool) {
         self.spawn("open-config", move |_| {
             let result = load_config(&path);
-            Some(JobOutput::ConfigOpened { path, demo, result })
+            Some(JobOutput::ConfigOpened {
+                path,
+                demo,
+                result: Box::new(result),
+            })
         });
     }
 

@@ -92,8 +92,9 @@ pub enum JobOutput {
         path: PathBuf,
         /// It is the bundled demo project.
         demo: bool,
-        /// The config and its problems, or why it cannot be read.
-        result: OpenedConfig,
+        /// The config and its problems, or why it cannot be read. Boxed: a `RunConfig` (over
+        /// 800 bytes) would make every job's answer that large (clippy's `large_enum_variant`).
+        result: Box<OpenedConfig>,
     },
     /// The run config was saved.
     ConfigSaved {

@@ -344,6 +344,7 @@ fn grpo_settings(ui: &mut Ui, g: &mut tunestudio::train::GrpoSection) {
             theme::drag_row(ui, "Temperature", "Sampling temperature; every log-probability divides the logits by it too (TRL's default 1.0).", &mut g.temperature, 0.05..=2.0, 0.01, "");
             theme::drag_row(ui, "Beta (KL)", "The KL coefficient against the reference (0: no reference model, TRL's default; with LoRA the reference is the base with the adapter off).", &mut g.beta, 0.0..=1.0, 0.001, "");
             theme::drag_row(ui, "Iterations per sample", "Optimizer steps trained on each sampled block (TRL's num_iterations, default 1: every step samples anew). Above 1 the later steps reuse the completions, with the ratio to the sampling policy clipped by epsilon, and an epoch takes that many times the steps.", &mut g.num_iterations, 1..=16, 0.05, "");
+            generations_per_pass_row(ui, g);
             theme::combo_row(ui, "grpo-loss", "Loss", "How per-token losses are aggregated (TRL's loss_type): dapo divides by the step's completion tokens (TRL's default), grpo averages each completion first, dr_grpo divides by rows × max completion length, bnpo by the micro-batch's tokens.", &mut g.loss_type, &[(GrpoLossType::Dapo, "dapo"), (GrpoLossType::Grpo, "grpo"), (GrpoLossType::DrGrpo, "dr_grpo"), (GrpoLossType::Bnpo, "bnpo")]);
         });
     if g.reward.is_empty() {
@@ -362,6 +363,27 @@ fn grpo_settings(ui: &mut Ui, g: &mut tunestudio::train::GrpoSection) {
             ),
         );
     }
+}
+
+/// `[grpo] generations_per_micro_step`: the whole group, or one of G's divisors.
+fn generations_per_pass_row(ui: &mut Ui, g: &mut tunestudio::train::GrpoSection) {
+    let group = g.num_generations.max(1);
+    let mut names = vec![(None, format!("the whole group ({group})"))];
+    names.extend(
+        (1..group)
+            .rev()
+            .filter(|&n| group.is_multiple_of(n))
+            .map(|n| (Some(n), format!("{n} ({} passes)", group / n))),
+    );
+    let choices: Vec<(Option<usize>, &str)> = names.iter().map(|(v, n)| (*v, n.as_str())).collect();
+    theme::combo_row(
+        ui,
+        "grpo-generations-per-pass",
+        "Generations per micro-step",
+        "Completions of each group run forward and backward together (generations_per_micro_step). Fewer split each micro-step into passes of micro-batch × this many rows, gradients summed: less memory for the step, the same result (the groups are sampled and scored whole, and the loss divides by the whole step's count).",
+        &mut g.generations_per_micro_step,
+        &choices,
+    );
 }
 
 /// Optimizer, learning rate and its schedule, decay, clipping and seed.

@@ -73,6 +73,7 @@ fn kind(c: &Change) -> &'static str {
         Change::OptimizerOffload => "optimizer offload",
         Change::Quantize(_) => "qlora",
         Change::Reference(_) => "reference",
+        Change::GenerationsPerMicroStep(_) => "generations per micro-step",
     }
 }
 

@@ -54,6 +54,20 @@ pub struct GrpoLossSettings {
     /// TRL's `use_bias_correction_kl` (its default, true): the KL term is multiplied by the
     /// importance ratio, which is 1 in value but adds `kl · ∇log π` to the gradient.
     pub bias_correction_kl: bool,
+    /// The whole micro-batch (this rank's share of it) when the forward holds one pass of it
+    /// (`grpo.generations_per_micro_step` below G): `grpo`, `bnpo` and `dr_grpo` divide by its
+    /// rows or tokens, so the passes' losses sum to the micro-batch's. `None`: the forward is
+    /// the micro-batch.
+    pub micro_batch: Option<MicroBatchTotals>,
+}
+
+/// The rows and completion tokens of a micro-batch that runs in several passes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MicroBatchTotals {
+    /// Completions (rows).
+    pub rows: usize,
+    /// Completion tokens trained (the completion masks' sum).
+    pub completion_tokens: f64,
 }
 
 /// The loss of one micro-batch, with the detached per-token numbers its metrics need.
@@ -175,18 +189,28 @@ fn aggregate(
     mask: &Tensor,
     settings: &GrpoLossSettings,
 ) -> Result<Tensor, ModelError> {
-    let rows = masked.dim(0)?;
     let micro_steps = settings.accumulation_steps.max(1) as f64;
+    let rows = match settings.micro_batch {
+        Some(whole) => whole.rows,
+        None => masked.dim(0)?,
+    };
     let loss = match settings.loss_type {
         GrpoLossType::Grpo => masked
             .sum(1)?
             .div(&mask.sum(1)?.maximum(1.0)?)?
-            .mean_all()?
-            .affine(1.0 / micro_steps, 0.0)?,
-        GrpoLossType::Bnpo => masked
             .sum_all()?
-            .div(&mask.sum_all()?.maximum(1.0)?)?
-            .affine(1.0 / micro_steps, 0.0)?,
+            .affine(1.0 / (rows.max(1) as f64 * micro_steps), 0.0)?,
+        GrpoLossType::Bnpo => {
+            let summed = masked.sum_all()?;
+            match settings.micro_batch {
+                Some(whole) => {
+                    summed.affine(1.0 / (whole.completion_tokens.max(1.0) * micro_steps), 0.0)?
+                }
+                None => summed
+                    .div(&mask.sum_all()?.maximum(1.0)?)?
+                    .affine(1.0 / micro_steps, 0.0)?,
+            }
+        }
         GrpoLossType::DrGrpo => {
             let divisor = (rows * settings.max_completion_length.max(1)) as f64 * micro_steps;
             masked.sum_all()?.affine(1.0 / divisor, 0.0)?

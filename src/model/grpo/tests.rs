@@ -70,6 +70,7 @@ fn settings(loss_type: GrpoLossType) -> GrpoLossSettings {
         step_completion_tokens: 5.0,
         accumulation_steps: 1,
         bias_correction_kl: true,
+        micro_batch: None,
     }
 }
 
@@ -120,4 +121,85 @@ fn clipped_tokens_count_and_carry_no_gradient() {
     assert!((m.clip_region_mean - 0.5).abs() < 1e-9);
     assert!((m.clip_high_max - 0.5).abs() < 1e-9);
     assert_eq!(m.clip_low_min, 0.0);
+}
+
+/// `grpo.generations_per_micro_step`: a micro-batch run as two passes (rows 0–1, then 2–3),
+/// each told the whole micro-batch's rows and tokens, gives the whole micro-batch's loss and
+/// gradient under every aggregation, with clipping and the KL term in play.
+#[test]
+fn passes_of_a_micro_batch_sum_to_its_loss_and_gradient() {
+    let logps = t(&[
+        &[-1.0, -2.0, -0.5],
+        &[-0.7, -1.1, -3.0],
+        &[-2.0, -0.2, -0.9],
+        &[-0.4, -1.5, -1.2],
+    ]);
+    let old = t(&[
+        &[-1.2, -1.6, -0.5],
+        &[-0.7, -1.4, -2.5],
+        &[-2.1, -0.2, -1.0],
+        &[-0.9, -1.5, -1.2],
+    ]);
+    let reference = old.affine(1.0, -0.1).unwrap();
+    let mask = t(&[
+        &[1.0, 1.0, 0.0],
+        &[1.0, 1.0, 1.0],
+        &[1.0, 0.0, 0.0],
+        &[1.0, 1.0, 1.0],
+    ]);
+    let adv = Tensor::new(&[1.0f32, -2.0, 0.5, -0.3], &Device::Cpu).unwrap();
+    // Loss and d loss / d logps of `rows`, with `whole` the micro-batch's totals.
+    let run = |rows: std::ops::Range<usize>, s: &GrpoLossSettings| {
+        let n = rows.len();
+        let pick = |x: &Tensor| x.narrow(0, rows.start, n).unwrap();
+        let var = candle_core::Var::from_tensor(&pick(&logps)).unwrap();
+        let l = grpo_loss(
+            var.as_tensor(),
+            Some(&pick(&old)),
+            Some(&pick(&reference)),
+            &pick(&adv),
+            &pick(&mask),
+            s,
+        )
+        .unwrap();
+        let grad = l.loss.backward().unwrap();
+        let grad = grad.get(var.as_tensor()).unwrap().to_vec2::<f32>().unwrap();
+        (l.loss.to_scalar::<f32>().unwrap(), grad)
+    };
+    for k in [
+        GrpoLossType::Dapo,
+        GrpoLossType::Grpo,
+        GrpoLossType::DrGrpo,
+        GrpoLossType::Bnpo,
+    ] {
+        let whole = GrpoLossSettings {
+            beta: 0.04,
+            step_completion_tokens: 9.0,
+            accumulation_steps: 2,
+            ..settings(k)
+        };
+        let pass = GrpoLossSettings {
+            micro_batch: Some(MicroBatchTotals {
+                rows: 4,
+                completion_tokens: 9.0,
+            }),
+            ..whole.clone()
+        };
+        let (loss, grad) = run(0..4, &whole);
+        let (first, first_grad) = run(0..2, &pass);
+        let (second, second_grad) = run(2..4, &pass);
+        assert!(
+            (first + second - loss).abs() <= 1e-6 * loss.abs(),
+            "{}: {first} + {second} vs {loss}",
+            k.name()
+        );
+        let passes: Vec<Vec<f32>> = first_grad.into_iter().chain(second_grad).collect();
+        for (a, b) in passes.iter().flatten().zip(grad.iter().flatten()) {
+            assert!(
+                (a - b).abs() <= 1e-6,
+                "{}: {passes:?} vs {grad:?}",
+                k.name()
+            );
+        }
+    }
 }

@@ -45,7 +45,7 @@ pub fn relative_throughput(req: &PlanRequest) -> f64 {
             } else {
                 2.0
             };
-            let tokens = (req.micro_batch * req.seq_len).max(1) as f64;
+            let tokens = (req.rows_per_pass() * req.seq_len).max(1) as f64;
             let per_weight = if kind == DeviceKind::Cpu { 16.0 } else { 256.0 };
             per_weight * passes * n_params / tokens
         }
@@ -64,7 +64,9 @@ pub fn relative_throughput(req: &PlanRequest) -> f64 {
         (DeviceKind::Cpu, Precision::Fp32) => 1.0,
         (DeviceKind::Cpu, _) => 0.6,
     };
-    let tokens = (req.micro_batch * req.seq_len) as f64;
+    // Per forward and backward pass: a GRPO group split over passes runs smaller products,
+    // as a smaller micro-batch does.
+    let tokens = (req.rows_per_pass() * req.seq_len) as f64;
     let half_efficiency_tokens = match kind {
         DeviceKind::Cuda => 512.0,
         DeviceKind::Cpu => 64.0,

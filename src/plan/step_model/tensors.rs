@@ -87,6 +87,7 @@ mod tests {
             trained_tokens: None,
             head_loss: Default::default(),
             reference: Default::default(),
+            generations_per_micro_step: None,
         }
     }
 

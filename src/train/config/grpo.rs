@@ -38,6 +38,12 @@ pub struct GrpoSection {
     pub num_iterations: usize,
     /// Completions that hit `max_completion_length` without an EOS are not trained on.
     pub mask_truncated_completions: bool,
+    /// Completions of each group run forward and backward together (unset: the whole group,
+    /// G). A divisor of G: a micro-step's rows then go through `G / this` passes of
+    /// `micro_batch × this` rows, their gradients summed, so the policy pass's memory shrinks
+    /// and what is learned does not (the rollouts and the loss's normaliser stay the whole
+    /// step's).
+    pub generations_per_micro_step: Option<usize>,
     /// The reward functions, summed with their weights.
     pub reward: Vec<RewardSpec>,
 }
@@ -58,6 +64,7 @@ impl Default for GrpoSection {
             scale_rewards: ScaleRewards::Group,
             num_iterations: 1,
             mask_truncated_completions: false,
+            generations_per_micro_step: None,
             reward: Vec::new(),
         }
     }
@@ -67,6 +74,25 @@ impl GrpoSection {
     /// The upper clipping ε.
     pub fn epsilon_high(&self) -> f64 {
         self.epsilon_high.unwrap_or(self.epsilon)
+    }
+
+    /// Completions of a group per forward and backward pass (G when
+    /// `generations_per_micro_step` is unset).
+    pub fn generations_per_pass(&self) -> usize {
+        self.generations_per_micro_step
+            .unwrap_or(self.num_generations)
+            .max(1)
+    }
+
+    /// Passes per micro-step: G / `generations_per_micro_step` (1 when unset, or when it does
+    /// not divide G, which validation refuses).
+    pub fn passes_per_micro_step(&self) -> usize {
+        let per_pass = self.generations_per_pass();
+        if self.num_generations.is_multiple_of(per_pass) {
+            (self.num_generations / per_pass).max(1)
+        } else {
+            1
+        }
     }
 }
 
@@ -133,6 +159,9 @@ impl GrpoSection {
             "0 trains on no sample: set 1 (TRL's default: every optimizer step samples its own completions) or more (each sampled block is trained on that many steps)".to_string(),
         );
         }
+        if let Some(message) = g.generations_per_micro_step_problem() {
+            bad("grpo.generations_per_micro_step", message);
+        }
         if g.reward.is_empty() {
             bad(
             "grpo.reward",
@@ -142,5 +171,22 @@ impl GrpoSection {
             bad("grpo.reward", e.to_string());
         }
         p
+    }
+
+    /// `generations_per_micro_step` splits each group into equal passes: it must divide G.
+    fn generations_per_micro_step_problem(&self) -> Option<String> {
+        let per_pass = self.generations_per_micro_step?;
+        let group = self.num_generations;
+        if per_pass >= 1 && group.is_multiple_of(per_pass) {
+            return None;
+        }
+        let divisors: Vec<String> = (1..=group)
+            .filter(|&d| group.is_multiple_of(d))
+            .map(|d| d.to_string())
+            .collect();
+        Some(format!(
+            "must divide grpo.num_generations = {group} (got {per_pass}): each pass runs an equal share of every group; use one of {} (or remove it to run the whole group at once)",
+            divisors.join(", ")
+        ))
     }
 }

@@ -1,10 +1,12 @@
 //! A micro-batch of rollouts as tensors: prompts left-padded (so every completion starts at
-//! the same position, as TRL pads them), completions right-padded, on one device.
+//! the same position, as TRL pads them), completions right-padded, on one device; and a
+//! micro-batch cut into the passes of `grpo.generations_per_micro_step`.
 
 use candle_core::{Device, Tensor};
 
 use super::rollouts::Rollout;
 use super::GrpoRun;
+use crate::model::grpo::MicroBatchTotals;
 
 /// One micro-batch's rows on a device.
 #[derive(Debug)]
@@ -28,7 +30,53 @@ pub struct GrpoBatch {
     pub seq_len: usize,
 }
 
+/// One rank's micro-batch as the passes that run forward and backward one after another.
+#[derive(Debug)]
+pub struct GrpoPasses {
+    /// Each pass's rows, collated (one pass unless `generations_per_micro_step` is below G).
+    pub batches: Vec<GrpoBatch>,
+    /// The micro-batch's rows and completion tokens, which every pass's loss divides by
+    /// (`None` with one pass: its own are the micro-batch's).
+    pub totals: Option<MicroBatchTotals>,
+}
+
 impl GrpoRun {
+    /// `rows` (`groups` whole groups of G rows, in order) cut into the passes of
+    /// `grpo.generations_per_micro_step`: consecutive runs of `groups × per pass` rows, so
+    /// every pass has the same number of rows (and, while the groups are its rank's shard,
+    /// the planner's `micro_batch × generations_per_micro_step`), each collated on `device`.
+    pub fn passes(
+        &self,
+        rows: &[&Rollout],
+        groups: usize,
+        pad_id: u32,
+        device: &Device,
+    ) -> Result<GrpoPasses, candle_core::Error> {
+        let passes = self.settings.passes_per_micro_step();
+        let per_pass = (groups * self.settings.generations_per_pass()).max(1);
+        if passes == 1 || rows.len() <= per_pass {
+            return Ok(GrpoPasses {
+                batches: vec![self.batch(rows, pad_id, device)?],
+                totals: None,
+            });
+        }
+        let batches = rows
+            .chunks(per_pass)
+            .map(|pass| self.batch(pass, pad_id, device))
+            .collect::<Result<Vec<_>, _>>()?;
+        let completion_tokens: f64 = rows
+            .iter()
+            .map(|r| r.mask.iter().map(|&m| f64::from(m)).sum::<f64>())
+            .sum();
+        Ok(GrpoPasses {
+            batches,
+            totals: Some(MicroBatchTotals {
+                rows: rows.len(),
+                completion_tokens,
+            }),
+        })
+    }
+
     /// `rows` as one batch on `device`.
     pub fn batch(
         &self,

@@ -1,10 +1,12 @@
 //! A GRPO step's forward and backward: the step's rollouts first (sampled with rank 0's
 //! weights, which every rank shares), then each micro-batch's rows cut into one shard of whole
-//! groups per rank, the gradients summed in place and over the ranks (see `train::grpo`).
+//! groups per rank, each shard run in the passes of `grpo.generations_per_micro_step`, the
+//! gradients summed in place and over the ranks (see `train::grpo`).
 
 use crate::model::Gradients;
 
 use super::super::error::{step_error, Phase, TrainError};
+use super::super::grpo::batch::GrpoPasses;
 use super::super::grpo::rollouts::Rollout;
 use super::super::grpo::{GrpoBlock, GrpoMicroStep, GrpoRun, GrpoStepMetrics, StepRollouts};
 use super::accumulate::{injected_failure, on_rank, run_rank_jobs, shard_rows};
@@ -14,7 +16,7 @@ use super::{Accumulated, TrainingRun};
 type GrpoJob<'a> = (
     &'a crate::model::CausalLm,
     Option<&'a crate::model::CausalLm>,
-    Option<super::super::grpo::batch::GrpoBatch>,
+    Option<GrpoPasses>,
     Gradients,
 );
 
@@ -55,7 +57,8 @@ impl TrainingRun {
             let shape = (
                 rows.len(),
                 jobs.iter()
-                    .filter_map(|j| j.2.as_ref().map(|b| b.seq_len))
+                    .filter_map(|j| j.2.as_ref())
+                    .flat_map(|p| p.batches.iter().map(|b| b.seq_len))
                     .max()
                     .unwrap_or(0),
             );
@@ -64,14 +67,14 @@ impl TrainingRun {
             let counter = (step << 16) + i as u64;
             let factor = acc.backward_factor;
             let concurrent = ranks > 1 && self.model.device().is_cuda();
-            let results = run_rank_jobs(concurrent, jobs, |(model, copy, batch, mut grads)| {
-                let Some(batch) = batch else {
+            let results = run_rank_jobs(concurrent, jobs, |(model, copy, passes, mut grads)| {
+                let Some(passes) = passes else {
                     return Ok((None, grads));
                 };
                 model
                     .forward_counter
                     .store(counter, std::sync::atomic::Ordering::Relaxed);
-                grpo.micro_step(model, copy, &batch, &loss_settings, factor, &mut grads)
+                grpo.micro_batch_step(model, copy, &passes, &loss_settings, factor, &mut grads)
                     .map(|out| (Some(out), grads))
             });
             for (rank, result) in results.into_iter().enumerate() {
@@ -136,8 +139,8 @@ impl TrainingRun {
     }
 
     /// The sampling policy's per-token log-probabilities of every rollout (TRL's
-    /// `old_per_token_logps`): one forward without a graph or dropout per micro-batch of
-    /// rows, on rank 0, under the sampling temperature.
+    /// `old_per_token_logps`): forwards without a graph or dropout on rank 0, under the
+    /// sampling temperature, one per micro-batch's pass of rows (`generations_per_micro_step`).
     fn fill_old_logps(
         &self,
         grpo: &GrpoRun,
@@ -145,34 +148,49 @@ impl TrainingRun {
         rollouts: &mut StepRollouts,
     ) -> Result<(), crate::model::ModelError> {
         let generations = grpo.settings.num_generations;
+        let per_pass = grpo.settings.generations_per_pass();
         let mut start = 0;
         for prompts in micro_batches {
-            let end = start + prompts.len() * generations;
-            let picked: Vec<&Rollout> = rollouts.rows[start..end].iter().collect();
-            let batch = grpo.batch(&picked, self.pad_id, self.model.device())?;
-            let logps = crate::model::grpo::model_completion_logps(
-                &self.model,
-                &batch.prompt_ids,
-                &batch.prompt_mask,
-                &batch.completion_ids,
-                &batch.completion_mask,
-                grpo.settings.temperature,
-                false,
-            )?
-            .logps
-            .to_dtype(candle_core::DType::F32)?
-            .to_vec2::<f32>()?;
-            for (row, values) in rollouts.rows[start..end].iter_mut().zip(logps) {
-                row.old_logps = values[..row.completion_ids.len()].to_vec();
+            let rows_per_pass = (prompts.len() * per_pass).max(1);
+            let micro_batch_end = start + prompts.len() * generations;
+            while start < micro_batch_end {
+                let end = (start + rows_per_pass).min(micro_batch_end);
+                self.fill_old_logps_of(grpo, &mut rollouts.rows[start..end])?;
+                start = end;
             }
-            start = end;
+        }
+        Ok(())
+    }
+
+    /// [`Self::fill_old_logps`] for one pass of `rows`.
+    fn fill_old_logps_of(
+        &self,
+        grpo: &GrpoRun,
+        rows: &mut [Rollout],
+    ) -> Result<(), crate::model::ModelError> {
+        let picked: Vec<&Rollout> = rows.iter().collect();
+        let batch = grpo.batch(&picked, self.pad_id, self.model.device())?;
+        let logps = crate::model::grpo::model_completion_logps(
+            &self.model,
+            &batch.prompt_ids,
+            &batch.prompt_mask,
+            &batch.completion_ids,
+            &batch.completion_mask,
+            grpo.settings.temperature,
+            false,
+        )?
+        .logps
+        .to_dtype(candle_core::DType::F32)?
+        .to_vec2::<f32>()?;
+        for (row, values) in rows.iter_mut().zip(logps) {
+            row.old_logps = values[..row.completion_ids.len()].to_vec();
         }
         Ok(())
     }
 
     /// One micro-step's rows (`prompts` groups of rollouts) cut into one shard of whole groups
-    /// per rank, each collated on its rank's device, with the rank's model, reference copy and
-    /// gradients.
+    /// per rank, each cut into its passes and collated on its rank's device, with the rank's
+    /// model, reference copy and gradients. Whole groups stay on one rank whatever the passes.
     fn grpo_jobs<'a>(
         &'a self,
         grpo: &GrpoRun,
@@ -197,7 +215,7 @@ impl TrainingRun {
                     .flat_map(|&g| &rows[g * generations..(g + 1) * generations])
                     .collect();
                 let device = &self.placement.devices[rank].candle;
-                Some(grpo.batch(&picked, self.pad_id, device)?)
+                Some(grpo.passes(&picked, shard.len(), self.pad_id, device)?)
             };
             jobs.push((models[rank], self.reference_copies.get(rank), batch, grads));
         }
