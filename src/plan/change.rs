@@ -120,6 +120,27 @@ impl Change {
         }
     }
 
+    /// Whether a checkpoint resumes into the run after the change (the out-of-memory refit,
+    /// `train::oom`, resumes only then): what is trained (precision, LoRA and its quantized
+    /// base, the rows' length) must stay; how a step is laid out may change, and so may a DPO
+    /// run's reference (a precomputed one is recomputed from the starting weights before the
+    /// checkpoint is loaded: the same numbers). Sharded counts as any other layout: its
+    /// checkpoints hold the whole state, as one device writes it.
+    pub fn keeps_checkpoints(&self) -> bool {
+        match self {
+            Change::Strategy(_)
+            | Change::Shard(_)
+            | Change::ActivationCheckpointing
+            | Change::MicroBatch { .. }
+            | Change::OptimizerOffload
+            | Change::Reference(_)
+            | Change::GenerationsPerMicroStep(_) => true,
+            Change::Precision(_) | Change::Lora(_) | Change::Quantize(_) | Change::SeqLen(_) => {
+                false
+            }
+        }
+    }
+
     /// The single changes worth trying on `req`, each a fix the planner ranks.
     pub(crate) fn candidates(req: &PlanRequest) -> Vec<Change> {
         let mut out = Vec::new();

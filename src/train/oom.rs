@@ -12,7 +12,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::config::RunConfig;
 use super::error::{Phase, TrainError};
-use crate::plan::Change;
 
 /// Test switch: `STEP:PHASE` (`forward`, `backward` or `optimizer`) makes that step fail
 /// once per process with an out-of-memory error, before anything of the step is applied.
@@ -134,7 +133,7 @@ pub fn refit_after_oom(config: &RunConfig) -> Result<OomRefit, RefitError> {
     let refused: Vec<String> = fit
         .steps
         .iter()
-        .filter(|c| !resumes_into(c))
+        .filter(|c| !c.keeps_checkpoints())
         .map(|c| c.describe(&req))
         .collect();
     if !refused.is_empty() {
@@ -149,24 +148,4 @@ pub fn refit_after_oom(config: &RunConfig) -> Result<OomRefit, RefitError> {
         config: fitted,
         changes: fit.changes,
     })
-}
-
-/// Whether a checkpoint resumes into the run after `change`: what is trained (precision,
-/// LoRA and its quantized base, the rows' length) must stay; how a step is laid out may
-/// change, and so may a DPO run's reference (a precomputed one is recomputed from the
-/// starting weights before the checkpoint is loaded: the same numbers).
-fn resumes_into(change: &Change) -> bool {
-    match change {
-        // Sharded as any other layout of the step. This assumes the sharded trainer (issue #57)
-        // writes and reads checkpoints of the whole state, as data parallel does; if it cannot
-        // resume another layout's checkpoint, `Change::Shard` belongs below.
-        Change::Strategy(_)
-        | Change::Shard(_)
-        | Change::ActivationCheckpointing
-        | Change::MicroBatch { .. }
-        | Change::OptimizerOffload
-        | Change::Reference(_)
-        | Change::GenerationsPerMicroStep(_) => true,
-        Change::Precision(_) | Change::Lora(_) | Change::Quantize(_) | Change::SeqLen(_) => false,
-    }
 }
