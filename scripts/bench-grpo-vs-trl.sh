@@ -22,7 +22,7 @@
 #
 #   scripts/bench-grpo-vs-trl.sh [ROUNDS=2]
 #
-# Also: STEPS, G, MAX_PROMPT (default 128), MAX_COMPLETION, LORA_R, THREADS, CHECKPOINTING, NICE (a niceness for
+# Also: MODEL_DIR (a real model folder instead of random weights), STEPS, G, MAX_PROMPT (default 128), MAX_COMPLETION, LORA_R, THREADS, CHECKPOINTING, NICE (a niceness for
 # both sides' runs, default 0). PyTorch, transformers, PEFT and TRL come from PyPI into
 # TUNESTUDIO_TORCH_VENV (default target/torch-venv).
 set -uo pipefail
@@ -58,12 +58,19 @@ fi
 "$VENV/bin/python" -c 'import torch, transformers, peft, trl; print(f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}, trl {trl.__version__}")'
 
 # One model folder for both: the SmolLM2-135M config, SmolLM2's tokenizer and chat template
-# (the tiny Llama fixture's), and random weights written once by PyTorch (seed 0).
+# (the tiny Llama fixture's), and random weights written once by PyTorch (seed 0). MODEL_DIR, a
+# real model folder (config.json, tokenizer, *.safetensors: e.g. SmolLM2-135M-Instruct from the
+# hub), replaces all of it, so the accuracy reward can rise (each side prints its rewards by step).
+rm -rf "$WORK/model"
 mkdir -p "$WORK/model"
-cp "$SHARED/model-configs/smollm2-135m.json" "$WORK/model/config.json"
-for f in tokenizer.json tokenizer_config.json chat_template.jinja; do
-  cp -f "$SHARED/fixtures/tiny-llama/$f" "$WORK/model/$f"
-done
+if [ -n "${MODEL_DIR:-}" ]; then
+  cp -rL "$MODEL_DIR"/. "$WORK/model/"
+else
+  cp "$SHARED/model-configs/smollm2-135m.json" "$WORK/model/config.json"
+  for f in tokenizer.json tokenizer_config.json chat_template.jinja; do
+    cp -f "$SHARED/fixtures/tiny-llama/$f" "$WORK/model/$f"
+  done
+fi
 # More prompts than steps, so neither side's sampler runs out (each side shuffles with its seed;
 # every prompt has the same token count, so which prompts a side draws does not change its work).
 picked=$("$VENV/bin/python" scripts/trl_grpo_step.py prepare "$WORK/model" "$((STEPS > 16 ? STEPS : 16))" \
@@ -123,6 +130,7 @@ import json, sys
 steps = [e for e in map(json.loads, open(sys.argv[1])) if e.get("event") == "step"]
 secs = steps[-1]["elapsed_secs"] - steps[0]["elapsed_secs"]
 length = sum(s["metrics"]["completions/mean_length"] for s in steps) / len(steps)
+print("tunestudio reward by step:", [round(s["metrics"].get("reward", float("nan")), 3) for s in steps], file=sys.stderr)
 print((len(steps) - 1) / secs, int(sys.argv[2]) * 1024, length, float(sys.argv[3]) + float(sys.argv[4]))
 EOF
 }
@@ -133,6 +141,7 @@ trl_run() { # → prints "prompts_per_sec peak_rss_bytes mean_completion_length 
     { echo "TRL failed:" >&2; tail -n 20 "$WORK/trl.log" >&2; echo "nan nan nan nan nan"; return; }
   tail -n 1 "$WORK/trl.log" | "$VENV/bin/python" -c 'import json,sys; j=json.load(sys.stdin); u,s=map(float,open(sys.argv[1]).read().split()[-2:])
 l=j["completion_mean_length"]; g=j["generate_secs"]
+print("TRL reward by step:", j.get("reward_by_step"), file=sys.stderr)
 print(j["prompts_per_sec"], j["peak_rss_bytes"], sum(l)/max(len(l),1), "nan" if g is None else g/j["secs"], u+s)' "$WORK/trl.time"
 }
 

@@ -97,10 +97,14 @@ def prepare(model_dir, n, out_json):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    torch.manual_seed(0)
-    config = AutoConfig.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(model_dir, safe_serialization=True)
+    import os
+
+    # A real model folder (MODEL_DIR) keeps its weights; otherwise random ones, seed 0.
+    if not any(f.endswith(".safetensors") for f in os.listdir(model_dir)):
+        torch.manual_seed(0)
+        config = AutoConfig.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.save_pretrained(model_dir, safe_serialization=True)
     tok = AutoTokenizer.from_pretrained(model_dir)
     picked = rows(n)
     lengths = sorted({prompt_tokens(tok, r) for r in picked})
@@ -118,7 +122,7 @@ def train(model_dir, rows_json, steps, g, max_prompt, max_completion, lora_r, th
     torch.set_num_threads(threads)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    stamps, lengths, generating = [], [], []
+    stamps, lengths, generating, rewards = [], [], [], []
 
     class Trainer(GRPOTrainer):
         # The seconds in transformers' `generate` (and TRL's EOS masking after it), per step.
@@ -135,6 +139,8 @@ def train(model_dir, rows_json, steps, g, max_prompt, max_completion, lora_r, th
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "completions/mean_length" in logs:
                 lengths.append(logs["completions/mean_length"])
+            if logs and "reward" in logs:
+                rewards.append(round(logs["reward"], 3))
 
     args = GRPOConfig(
         output_dir="/tmp/trl-grpo-bench",
@@ -187,6 +193,7 @@ def train(model_dir, rows_json, steps, g, max_prompt, max_completion, lora_r, th
         "generate_secs": sum(generating[1:]) if len(generating) == len(stamps) else None,
         "prompts_per_sec": timed / secs,
         "completion_mean_length": lengths,
+        "reward_by_step": rewards,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }))
 
