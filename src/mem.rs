@@ -27,6 +27,7 @@ pub mod alloc_failure;
 mod large_blocks;
 mod meter;
 mod page_policy;
+pub mod ranks;
 
 pub use large_blocks::{free_block_bytes, release_free_blocks, LargeBlockPool, LARGE_BLOCK_BYTES};
 pub use meter::{MeasureMethod, Meter};
@@ -101,6 +102,7 @@ unsafe impl GlobalAlloc for CountingAllocator {
         let ptr = unsafe { System.alloc(layout) };
         if !ptr.is_null() {
             Self::added(layout.size());
+            ranks::allocated(ptr, layout.size());
         }
         ptr
     }
@@ -110,20 +112,30 @@ unsafe impl GlobalAlloc for CountingAllocator {
         let ptr = unsafe { System.alloc_zeroed(layout) };
         if !ptr.is_null() {
             Self::added(layout.size());
+            ranks::allocated(ptr, layout.size());
         }
         ptr
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // Out of the rank table before the block can be handed out again.
+        ranks::released(ptr, layout.size());
         // SAFETY: forwarded verbatim; `ptr` was allocated by `System` through us.
         unsafe { System.dealloc(ptr, layout) };
         Self::removed(layout.size());
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let rank = ranks::released(ptr, layout.size());
         // SAFETY: forwarded verbatim; `ptr` was allocated by `System` through us.
         let new_ptr = unsafe { System.realloc(ptr, layout, new_size) };
-        if !new_ptr.is_null() {
+        if new_ptr.is_null() {
+            // The old block stays; back to the rank it was charged to, if any.
+            if rank.is_some() {
+                ranks::recharged(ptr, layout.size(), rank);
+            }
+        } else {
+            ranks::recharged(new_ptr, new_size, rank);
             // Count the new block before releasing the old one: a moving realloc
             // holds both for a moment, and a grow-in-place is counted the same
             // way so the peak never under-reports.

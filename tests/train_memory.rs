@@ -277,3 +277,150 @@ fn resume_case(strategy: tunestudio::settings::Strategy) {
         );
     }
 }
+
+/// Issue #57: on two logical CPU devices that copy as GPUs do, what each rank holds as the
+/// optimizer step begins (its weights, master weights, gradient accumulator and AdamW state,
+/// measured by the counting allocator's rank accounting) is what the plan says that rank
+/// holds, within ±3 %; and under ZeRO-2 the terms it divides (master weights, gradients,
+/// AdamW) are half of what a data-parallel rank holds, for fp32 and bf16-mixed.
+#[test]
+fn each_sharded_rank_holds_its_planned_share_of_the_training_state() {
+    use tunestudio::settings::Strategy;
+    use tunestudio::train::Precision;
+    let _guard = exclusive();
+    let _distinct = DistinctCpuDevices::on();
+    let tmp = tempfile::tempdir().unwrap();
+    let mb = |b: u64| b as f64 / 1e6;
+    // One step first, unmeasured: the matmul kernels keep a per-thread packing buffer (2 MiB)
+    // from their first call, which would be charged to whichever rank multiplied first.
+    let warm_up = resume_config(&tmp.path().join("warm-up"), Strategy::DataParallel);
+    TrainingRun::new(warm_up).unwrap().step().unwrap();
+    for precision in [Precision::Fp32, Precision::Bf16Mixed] {
+        // Per strategy, per rank: (measured, planned weights, planned total).
+        let mut held = Vec::new();
+        for strategy in [Strategy::DataParallel, Strategy::Sharded] {
+            let dir = tmp.path().join(format!("{precision}-{strategy}"));
+            let mut config = resume_config(&dir, strategy);
+            config.training.precision = precision;
+            config.training.gradient_accumulation = 2;
+            tunestudio::mem::ranks::track_ranks(true);
+            let mut run = TrainingRun::new(config.clone()).unwrap();
+            // The second step: AdamW's moments have been written once.
+            run.step().unwrap();
+            tunestudio::mem::ranks::reset_rank_peaks();
+            run.step().unwrap();
+            let measured = run.measured_state_bytes_by_rank().to_vec();
+            let peaks: Vec<u64> = (0..2)
+                .map(tunestudio::mem::ranks::rank_peak_bytes)
+                .collect();
+            drop(run);
+            tunestudio::mem::ranks::track_ranks(false);
+            assert_eq!(
+                tunestudio::mem::ranks::overflowed_allocations(),
+                0,
+                "the rank table overflowed: the measurement under-counts"
+            );
+            assert_eq!(measured.len(), 2, "{strategy}: two ranks measured");
+
+            let mut request = tunestudio::train::local_plan_request(&config).unwrap();
+            request.process = None;
+            let plan = tunestudio::plan::plan(&request).unwrap();
+            let per_rank: Vec<(u64, u64, u64)> = measured
+                .iter()
+                .zip(&plan.per_device)
+                .map(|(&got, d)| {
+                    let state = d.weights_bytes
+                        + d.master_weights_bytes
+                        + d.gradients_bytes
+                        + d.optimizer_states_bytes;
+                    (got, d.weights_bytes, state)
+                })
+                .collect();
+            for (rank, (got, weights, planned)) in per_rank.iter().enumerate() {
+                // For the record: the whole step's peak (activations and the loss too).
+                println!(
+                    "{precision} {strategy} rank {rank}: step peak {:.2} MB, planned {:.2} MB",
+                    mb(peaks[rank]),
+                    mb(plan.per_device[rank].peak_bytes)
+                );
+                println!(
+                    "{precision} {strategy} rank {rank}: holds {:.2} MB as the update begins; planned {:.2} MB ({:+.2} %), of which weights {:.2} MB",
+                    mb(*got),
+                    mb(*planned),
+                    100.0 * (*got as f64 / *planned as f64 - 1.0),
+                    mb(*weights)
+                );
+            }
+            held.push(per_rank);
+        }
+        // Accumulation 2: the gradient accumulator is a planned term under both strategies.
+        for (strategy, per_rank) in ["data parallel", "ZeRO-2"].iter().zip(&held) {
+            for (rank, &(got, _, planned)) in per_rank.iter().enumerate() {
+                let error = got as f64 / planned as f64 - 1.0;
+                assert!(
+                    error.abs() <= 0.03,
+                    "{precision} {strategy} rank {rank} holds {got} B, the plan says {planned} B ({:+.2} %)",
+                    100.0 * error
+                );
+            }
+        }
+        // What sharding divides: all but the whole weights every rank keeps.
+        let divided = |&(got, weights, _): &(u64, u64, u64)| got.saturating_sub(weights) as f64;
+        for (rank, (sharded, dp)) in held[1].iter().zip(&held[0]).enumerate() {
+            let ratio = divided(sharded) / divided(dp);
+            println!(
+                "{precision} rank {rank}: ZeRO-2 holds {ratio:.3} of data parallel's divided terms"
+            );
+            assert!(
+                (ratio - 0.5).abs() <= 0.03,
+                "{precision} rank {rank}: ZeRO-2's master, gradients and AdamW are {ratio:.3} of data parallel's"
+            );
+        }
+    }
+}
+
+/// The rank accounting charges a block to the rank that allocated it, whichever thread frees
+/// it, and leaves small and unnamed allocations alone.
+#[test]
+fn allocations_are_charged_to_the_rank_that_made_them() {
+    use tunestudio::mem::ranks::{
+        on_rank, rank_live_bytes, rank_peak_bytes, track_ranks, MIN_TRACKED_BYTES,
+    };
+    let _guard = exclusive();
+    track_ranks(true);
+    let big = on_rank(1, || vec![0u8; 1 << 20]);
+    let small = on_rank(1, || vec![0u8; MIN_TRACKED_BYTES / 2]);
+    let unnamed = vec![0u8; 1 << 20];
+    assert_eq!(rank_live_bytes(1), 1 << 20);
+    assert_eq!(rank_live_bytes(0), 0);
+    let grown = on_rank(0, || {
+        let mut v = Vec::<u8>::with_capacity(4096);
+        v.resize(4096, 1);
+        v.reserve_exact(1 << 16);
+        v
+    });
+    assert_eq!(rank_live_bytes(0), grown.capacity() as u64);
+    std::thread::spawn(move || drop(big)).join().unwrap();
+    assert_eq!(rank_live_bytes(1), 0);
+    assert_eq!(rank_peak_bytes(1), 1 << 20);
+    drop((small, unnamed, grown));
+    assert_eq!(rank_live_bytes(0), 0);
+    track_ranks(false);
+}
+
+/// Sets [`tunestudio::model::DISTINCT_CPU_DEVICES_ENV`] for a test's lifetime (the tests of
+/// this binary run one at a time, under [`exclusive`]).
+struct DistinctCpuDevices;
+
+impl DistinctCpuDevices {
+    fn on() -> Self {
+        std::env::set_var(tunestudio::model::DISTINCT_CPU_DEVICES_ENV, "1");
+        DistinctCpuDevices
+    }
+}
+
+impl Drop for DistinctCpuDevices {
+    fn drop(&mut self) {
+        std::env::remove_var(tunestudio::model::DISTINCT_CPU_DEVICES_ENV);
+    }
+}

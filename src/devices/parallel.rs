@@ -166,27 +166,34 @@ impl GradientReducer for HostReducer {
         let mut sums: Vec<(String, Placed)> = Vec::new();
         let mut position: std::collections::HashMap<String, usize> =
             std::collections::HashMap::new();
-        for (rank, grads) in per_rank.into_iter().enumerate() {
-            for (name, g) in grads.into_pairs() {
-                let g = Placed::new(g, rank).to(rank0)?;
-                match position.get(&name) {
-                    Some(&i) => {
-                        let sum: &mut Placed = &mut sums[i].1;
-                        *sum = sum.add(&g, "the data-parallel gradient sum")?;
-                    }
-                    None => {
-                        position.insert(name.clone(), sums.len());
-                        sums.push((name, g));
+        // The sums are rank 0's (they become its output), each copy its receiver's.
+        crate::mem::ranks::on_rank(0, || -> Result<(), DevicesError> {
+            for (rank, grads) in per_rank.into_iter().enumerate() {
+                for (name, g) in grads.into_pairs() {
+                    let g = Placed::new(g, rank).to(rank0)?;
+                    match position.get(&name) {
+                        Some(&i) => {
+                            let sum: &mut Placed = &mut sums[i].1;
+                            *sum = sum.add(&g, "the data-parallel gradient sum")?;
+                        }
+                        None => {
+                            position.insert(name.clone(), sums.len());
+                            sums.push((name, g));
+                        }
                     }
                 }
             }
-        }
+            Ok(())
+        })?;
         let mut out = Vec::with_capacity(homes.len());
         for home in &homes {
-            let mut copy = Gradients::new();
-            for (name, g) in &sums {
-                copy.insert(name, g.to(home)?.into_tensor());
-            }
+            let copy = crate::mem::ranks::on_rank(home.index, || -> Result<_, DevicesError> {
+                let mut copy = Gradients::new();
+                for (name, g) in &sums {
+                    copy.insert(name, g.to(home)?.into_tensor());
+                }
+                Ok(copy)
+            })?;
             out.push(copy);
         }
         Ok(out)

@@ -203,6 +203,10 @@ pub struct TrainingRun {
     model_dir: PathBuf,
     /// Σ bytes of rank 0's gradient store when the last step's backward returned.
     last_gradient_bytes: Option<u64>,
+    /// What each rank held as the last optimizer step began (weights, master weights,
+    /// gradients, AdamW state), measured by the counting allocator's rank accounting
+    /// ([`crate::mem::ranks`]); empty unless a measurement is on.
+    state_bytes_by_rank: Vec<u64>,
     /// The NCCL communicators of a data-parallel run over distinct GPUs: created once per
     /// run (NCCL's setup costs far more than a step) and reused by every step.
     #[cfg(feature = "nccl")]
@@ -213,6 +217,14 @@ pub struct TrainingRun {
 }
 
 impl TrainingRun {
+    /// What each rank held as the last optimizer step began, rank 0 first: its weights,
+    /// master weights, gradients and AdamW state, as the counting allocator's rank accounting
+    /// measured them ([`crate::mem::ranks::track_ranks`]). Empty unless a test or bench
+    /// binary installed the counting allocator and turned the measurement on.
+    pub fn measured_state_bytes_by_rank(&self) -> &[u64] {
+        &self.state_bytes_by_rank
+    }
+
     /// The run config.
     pub fn config(&self) -> &RunConfig {
         &self.config

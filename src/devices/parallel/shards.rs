@@ -141,6 +141,8 @@ pub fn host_reduce_scatter(
             if range.is_empty() {
                 continue;
             }
+            // What rank r receives is rank r's, for the per-rank memory accounting.
+            let _rank = crate::mem::ranks::RankGuard::enter(r);
             let mut sum: Option<Placed> = None;
             for g in whole.iter().flatten() {
                 let range_of_g = Placed::new(

@@ -395,14 +395,19 @@ fn run_ranks<T: Send>(
     work: impl Fn(&CausalLm, Option<&samples::TensorBatch>, Gradients) -> T + Sync,
 ) -> Vec<T> {
     let concurrent = models.len() > 1 && models.iter().all(|m| m.device().is_cuda());
-    let jobs = models.iter().zip(shards).zip(accs);
+    let jobs = models.iter().zip(shards).zip(accs).enumerate();
+    let work = |rank: usize, m: &CausalLm, b: Option<&samples::TensorBatch>, acc| {
+        crate::mem::ranks::on_rank(rank, || work(m, b, acc))
+    };
     if !concurrent {
-        return jobs.map(|((m, b), acc)| work(m, b.as_ref(), acc)).collect();
+        return jobs
+            .map(|(rank, ((m, b), acc))| work(rank, m, b.as_ref(), acc))
+            .collect();
     }
     std::thread::scope(|scope| {
         let work = &work;
         let handles: Vec<_> = jobs
-            .map(|((m, b), acc)| scope.spawn(move || work(m, b.as_ref(), acc)))
+            .map(|(rank, ((m, b), acc))| scope.spawn(move || work(rank, m, b.as_ref(), acc)))
             .collect();
         handles
             .into_iter()
@@ -425,14 +430,20 @@ pub(super) fn run_rank_jobs<J: Send, T: Send>(
     jobs: Vec<J>,
     work: impl Fn(J) -> T + Sync,
 ) -> Vec<T> {
+    let work = |rank: usize, job: J| crate::mem::ranks::on_rank(rank, || work(job));
     if !concurrent {
-        return jobs.into_iter().map(&work).collect();
+        return jobs
+            .into_iter()
+            .enumerate()
+            .map(|(rank, job)| work(rank, job))
+            .collect();
     }
     std::thread::scope(|scope| {
         let work = &work;
         let handles: Vec<_> = jobs
             .into_iter()
-            .map(|job| scope.spawn(move || work(job)))
+            .enumerate()
+            .map(|(rank, job)| scope.spawn(move || work(rank, job)))
             .collect();
         handles
             .into_iter()

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use candle_core::Device;
 
 use crate::devices::parallel::process_group::ProcessGroup;
+use crate::mem::ranks::RankGuard;
 use crate::model::{
     AdamW, AdamWConfig, CausalLm, ModelError, ModelLocation, NamedParam, OpsMode, OptimizerOffload,
     StatePlacement,
@@ -72,7 +73,14 @@ fn build_replicas(
     placement: &RunPlacement,
 ) -> Result<Vec<Replica>, TrainError> {
     let mut replicas = Vec::new();
-    for d in placement.devices.iter().take(placement.ranks()).skip(1) {
+    for (rank, d) in placement
+        .devices
+        .iter()
+        .enumerate()
+        .take(placement.ranks())
+        .skip(1)
+    {
+        let _rank = RankGuard::enter(rank);
         let (model, _) = build_model(config, &d.candle)?;
         let optimizer = build_optimizer(config, &model)?;
         replicas.push(Replica { model, optimizer });
@@ -97,6 +105,7 @@ fn build_reference_copies(
     let context = |what: &str| format!("cannot build the frozen reference copy ({what})");
     let mut copies = Vec::new();
     for (rank, d) in placement.devices.iter().take(placement.ranks()).enumerate() {
+        let _rank = RankGuard::enter(rank);
         let (mut copy, _) = build_model(config, &d.candle)?;
         if rank == 0 {
             if let Some(per_layer) = placement.layer_devices(copy.config().num_hidden_layers) {
@@ -327,6 +336,8 @@ impl RunModels {
         grpo: Option<&GrpoRun>,
     ) -> Result<Self, TrainError> {
         let device = placement.primary().clone();
+        // Rank 0's model (every stage's layers, under a layer split) is charged to rank 0.
+        let rank0 = RankGuard::enter(0);
         let (mut model, model_dir) = build_model(config, &device)?;
         if let Some(per_layer) = placement.layer_devices(model.config().num_hidden_layers) {
             model
@@ -336,6 +347,7 @@ impl RunModels {
                     cause,
                 })?;
         }
+        drop(rank0);
         let replicas = build_replicas(config, placement)?;
         let reference_copies = build_reference_copies(config, placement, pairs, grpo)?;
         Ok(RunModels {
@@ -426,7 +438,7 @@ impl TrainingRun {
             }
         };
         let schedule = lr_schedule(&config, total_steps);
-        let optimizer = build_optimizer(&config, &models.model)?;
+        let optimizer = crate::mem::ranks::on_rank(0, || build_optimizer(&config, &models.model))?;
         let scaler = t
             .precision
             .uses_loss_scaling()
@@ -461,6 +473,7 @@ impl TrainingRun {
             pad_id: data.pad_id,
             model_dir: models.model_dir,
             last_gradient_bytes: None,
+            state_bytes_by_rank: Vec::new(),
             #[cfg(feature = "nccl")]
             nccl: None,
             world,

@@ -223,6 +223,11 @@ impl TrainingRun {
         if let Some(message) = super::super::oom::injected_failure(step, Phase::Optimizer) {
             return Err(step_error(Phase::Optimizer, step, shape, message, settings));
         }
+        if crate::mem::ranks::tracking_ranks() {
+            self.state_bytes_by_rank = (0..self.placement.ranks())
+                .map(crate::mem::ranks::rank_live_bytes)
+                .collect();
+        }
         // Sharded: each rank steps its ranges, then the ranges are all-gathered into every
         // rank's weights.
         if let Some(sharded) = &mut self.sharded {
@@ -236,10 +241,10 @@ impl TrainingRun {
         // Every rank steps its own optimizer on the same all-reduced gradients (as DDP does):
         // no weights travel after the step, and each rank's AdamW state stays with its
         // replica, where the planner counts it.
-        self.optimizer
-            .step(&grads[0], lr, multiplier)
+        crate::mem::ranks::on_rank(0, || self.optimizer.step(&grads[0], lr, multiplier))
             .map_err(|e| step_error(Phase::Optimizer, step, shape, e, settings))?;
-        for (replica, grads) in self.replicas.iter_mut().zip(&grads[1..]) {
+        for (rank, (replica, grads)) in self.replicas.iter_mut().zip(&grads[1..]).enumerate() {
+            let _rank = crate::mem::ranks::RankGuard::enter(rank + 1);
             replica
                 .optimizer
                 .step(grads, lr, multiplier)

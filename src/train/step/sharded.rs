@@ -20,6 +20,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor, Var};
 
 use crate::devices::parallel::shards::{host_all_gather, host_reduce_scatter, ShardLayout};
+use crate::mem::ranks::RankGuard;
 use crate::model::{AdamW, CausalLm, Gradients, Home, ModelError, NamedParam, StateSource};
 
 use super::super::checkpoint;
@@ -112,6 +113,7 @@ impl ShardedOptimizer {
         };
         let mut ranks = Vec::with_capacity(models.len());
         for (rank, model) in models.iter().enumerate() {
+            let _rank = RankGuard::enter(rank);
             let params = trainable_vars(model);
             let mut named = Vec::new();
             let mut ranges = HashMap::new();
@@ -174,7 +176,8 @@ impl ShardedOptimizer {
             *acc = parts;
             return Ok(());
         }
-        for (sum, part) in acc.iter_mut().zip(parts) {
+        for (rank, (sum, part)) in acc.iter_mut().zip(parts).enumerate() {
+            let _rank = RankGuard::enter(rank);
             sum.accumulate(part).map_err(|cause| {
                 model_error("cannot add a micro-step's gradient ranges".into(), cause)
             })?;
@@ -201,7 +204,8 @@ impl ShardedOptimizer {
         grad_multiplier: f64,
         models: &[&CausalLm],
     ) -> Result<(), ModelError> {
-        for (rank, grads) in self.ranks.iter_mut().zip(shards) {
+        for (index, (rank, grads)) in self.ranks.iter_mut().zip(shards).enumerate() {
+            let _rank = RankGuard::enter(index);
             rank.optimizer.step(grads, lr, grad_multiplier)?;
         }
         self.gather_into(models)
@@ -258,6 +262,7 @@ impl ShardedOptimizer {
                 let Some(param) = params.get(t.name.as_str()) else {
                     continue;
                 };
+                let _rank = RankGuard::enter(index);
                 let home = Home {
                     index,
                     device: param.var.device().clone(),
