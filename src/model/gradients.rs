@@ -34,7 +34,11 @@ impl Gradients {
 
     /// Adds (or replaces) the gradient of `name`.
     pub fn insert(&mut self, name: &str, grad: Tensor) {
-        if self.map.insert(name.to_string(), grad).is_none() {
+        // A name taken out by `remove` keeps its place in the order: put back, it is not
+        // listed twice (a norm over the order would count it twice).
+        if self.map.insert(name.to_string(), grad).is_none()
+            && !self.order.iter().any(|n| n == name)
+        {
             self.order.push(name.to_string());
         }
     }
@@ -131,5 +135,23 @@ impl Gradients {
             *g = g.affine(factor, 0.0)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// A gradient taken out and put back (a reduce-scatter adding into a running sum) is
+    /// listed once, and counted once by the norm.
+    #[test]
+    fn a_gradient_put_back_is_counted_once() {
+        let mut g = Gradients::new();
+        g.insert("w", Tensor::new(&[3f32, 4.0], &Device::Cpu).unwrap());
+        let w = g.remove("w").unwrap();
+        g.insert("w", w);
+        assert_eq!(g.iter().count(), 1);
+        assert!((g.global_norm().unwrap() - 5.0).abs() < 1e-9);
     }
 }

@@ -107,26 +107,32 @@ fn homes(devices: &[Device]) -> Vec<Home> {
         .collect()
 }
 
-/// Reduce-scatter (sum) on the host: `per_rank[k]` holds rank k's whole gradients (on its
-/// device); rank r receives, on `outputs[r]`, the flat sum over k of rank k's gradient on
-/// r's range of each tensor. Each rank's whole gradient of a tensor is freed as soon as
-/// every rank has its range, so no rank ever holds another whole gradient. A tensor no rank
-/// computed a gradient for is left out, as an all-reduce leaves it out.
-pub fn host_reduce_scatter(
+/// Reduce-scatter (sum) on the host, into running sums: `per_rank[k]` holds rank k's whole
+/// gradients (on its device); rank r's `sums[r]` (its ranges, flat, on `outputs[r]`; empty
+/// before a step's first micro-step) gains the sum over k of rank k's gradient on r's range of
+/// each tensor. Tensor by tensor: each rank's whole gradient of a tensor is freed as soon as
+/// every rank has its range, and a range is added into the running sum as it arrives, so a
+/// rank holds at most one incoming range besides its sums (what the plan counts). A tensor no
+/// rank computed a gradient for is left out, as an all-reduce leaves it out.
+pub fn host_reduce_scatter_into(
     mut per_rank: Vec<Gradients>,
     layout: &ShardLayout,
     outputs: &[Device],
-) -> Result<Vec<Gradients>, DevicesError> {
-    if per_rank.len() != layout.ranks() || outputs.len() != layout.ranks() {
+    sums: &mut [Gradients],
+) -> Result<(), DevicesError> {
+    if per_rank.len() != layout.ranks()
+        || outputs.len() != layout.ranks()
+        || sums.len() != layout.ranks()
+    {
         return Err(DevicesError::Input(format!(
-            "a reduce-scatter over {} ranks got gradients of {} ranks and {} devices",
+            "a reduce-scatter over {} ranks got gradients of {} ranks, {} devices and {} sums",
             layout.ranks(),
             per_rank.len(),
-            outputs.len()
+            outputs.len(),
+            sums.len()
         )));
     }
     let homes = homes(outputs);
-    let mut out = vec![Gradients::new(); layout.ranks()];
     for t in layout.tensors() {
         let whole: Vec<Option<Placed>> = per_rank
             .iter_mut()
@@ -143,7 +149,7 @@ pub fn host_reduce_scatter(
             }
             // What rank r receives is rank r's, for the per-rank memory accounting.
             let _rank = crate::mem::ranks::RankGuard::enter(r);
-            let mut sum: Option<Placed> = None;
+            let mut sum: Option<Placed> = sums[r].remove(&t.name).map(|s| Placed::new(s, r));
             for g in whole.iter().flatten() {
                 let range_of_g = Placed::new(
                     g.tensor()
@@ -162,11 +168,11 @@ pub fn host_reduce_scatter(
                 });
             }
             if let Some(sum) = sum {
-                out[r].insert(&t.name, sum.into_tensor());
+                sums[r].insert(&t.name, sum.into_tensor());
             }
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// All-gather on the host: the ranks' ranges of one tensor (`parts[k]` flat, owned by rank
@@ -222,8 +228,14 @@ mod tests {
                 g
             })
             .collect();
-        let shards = host_reduce_scatter(per_rank, &layout, &[device.clone(), device.clone()])
-            .expect("reduce-scatter");
+        let mut shards = vec![Gradients::new(); 2];
+        host_reduce_scatter_into(
+            per_rank,
+            &layout,
+            &[device.clone(), device.clone()],
+            &mut shards,
+        )
+        .expect("reduce-scatter");
         assert_eq!(shards[0].get("w").unwrap().dims(), &[8]);
         assert_eq!(shards[1].get("w").unwrap().dims(), &[7]);
         let parts = [shards[0].get("w"), shards[1].get("w")];

@@ -19,7 +19,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, Var};
 
-use crate::devices::parallel::shards::{host_all_gather, host_reduce_scatter, ShardLayout};
+use crate::devices::parallel::shards::{host_all_gather, host_reduce_scatter_into, ShardLayout};
 use crate::mem::ranks::RankGuard;
 use crate::model::{AdamW, CausalLm, Gradients, Home, ModelError, NamedParam, StateSource};
 
@@ -170,19 +170,11 @@ impl ShardedOptimizer {
         acc: &mut Vec<Gradients>,
         devices: &[Device],
     ) -> Result<(), TrainError> {
-        let parts = host_reduce_scatter(per_rank, &self.layout, devices)
-            .map_err(|e| shard_error(format!("reduce-scatter: {e}")))?;
         if acc.is_empty() {
-            *acc = parts;
-            return Ok(());
+            *acc = vec![Gradients::new(); self.layout.ranks()];
         }
-        for (rank, (sum, part)) in acc.iter_mut().zip(parts).enumerate() {
-            let _rank = RankGuard::enter(rank);
-            sum.accumulate(part).map_err(|cause| {
-                model_error("cannot add a micro-step's gradient ranges".into(), cause)
-            })?;
-        }
-        Ok(())
+        host_reduce_scatter_into(per_rank, &self.layout, devices, acc)
+            .map_err(|e| shard_error(format!("reduce-scatter: {e}")))
     }
 
     /// The L2 norm of the whole gradient from its ranges (`shards[r]`, rank r's).
