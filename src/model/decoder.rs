@@ -130,6 +130,9 @@ pub struct CausalLm {
     adapters_disabled: AtomicBool,
     /// What `base_model_name_or_path` says when an adapter is saved.
     pub(crate) source: String,
+    /// ZeRO-3: where the decoder layers' tensors come from, gathered a layer at a time (the
+    /// model holds placeholders for them, see [`super::layer_source`]).
+    pub(crate) layer_source: Option<Arc<dyn super::layer_source::LayerSource>>,
 }
 
 fn is_no_decay(name: &str) -> bool {
@@ -295,7 +298,8 @@ impl CausalLm {
 
     /// How many decoder layers the next training forward pass runs natively.
     pub fn native_layer_count(&self) -> usize {
-        if !self.native_layers || !self.native_kernels() {
+        // Gathered layers (ZeRO-3) run as graphs of ops.
+        if !self.native_layers || !self.native_kernels() || self.layer_source.is_some() {
             return 0;
         }
         self.modules

@@ -4,10 +4,23 @@
 //! Both the graph path (`decoder/layer.rs`) and the native layer op (`native_layer/`) read these
 //! types, so they sit below both: the decoder builds them, the native op only reads them.
 
+use super::error::ModelError;
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+
+/// The seven linear layers of a decoder layer, in [`Layer::linears`]' order, by HF name.
+const LINEAR_NAMES: [&str; 7] = [
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+];
 
 /// The LoRA factors attached to one linear layer.
 #[derive(Clone)]
@@ -40,6 +53,8 @@ pub(crate) struct Linear {
 
 /// One decoder layer's weights.
 pub(crate) struct Layer {
+    /// Its position in the model (`model.layers.<index>.…`).
+    pub index: usize,
     pub q: Linear,
     pub k: Linear,
     pub v: Linear,
@@ -63,6 +78,96 @@ pub(crate) struct Layer {
     /// A zero Var that makes checkpointed layers part of the graph even when their input
     /// carries no gradient (frozen embeddings under LoRA).
     pub anchor: Var,
+}
+
+impl Layer {
+    /// This layer with every tensor taken from `whole` (HF name → the whole tensor, on the
+    /// layer's device): what ZeRO-3 runs after gathering a layer the ranks hold in slices
+    /// (`model::layer_source`). Everything else — shapes of the heads, which tensors train,
+    /// LoRA's scale and dropout, a quantized base — is this layer's; the trained tensors
+    /// become variables of their own, so a backward through the result gives their
+    /// gradients by name ([`Layer::trainable`]).
+    pub(crate) fn with_weights(
+        &self,
+        whole: &HashMap<String, Tensor>,
+    ) -> Result<Layer, ModelError> {
+        let prefix = format!("model.layers.{}", self.index);
+        let trained: HashSet<&str> = self.trainable.iter().map(|(n, _)| n.as_str()).collect();
+        let mut trainable = Vec::new();
+        let mut take = |name: String| -> Result<Tensor, ModelError> {
+            let t = whole.get(&name).ok_or_else(|| ModelError::MissingTensor {
+                name: name.clone(),
+                file: "(a gathered layer)".into(),
+            })?;
+            if trained.contains(name.as_str()) {
+                let var = Var::from_tensor(t)?.as_tensor().clone();
+                trainable.push((name, var.clone()));
+                Ok(var)
+            } else {
+                Ok(t.detach())
+            }
+        };
+        let mut linears = Vec::with_capacity(LINEAR_NAMES.len());
+        for (linear, name) in self.linears().into_iter().zip(LINEAR_NAMES) {
+            let base = format!("{prefix}.{name}");
+            let w = match linear.quant {
+                // A quantized base is not a parameter: every rank keeps it whole.
+                Some(_) => linear.w.clone(),
+                None => take(format!("{base}.weight"))?,
+            };
+            let b = match linear.b {
+                Some(_) => Some(take(format!("{base}.bias"))?),
+                None => None,
+            };
+            let lora = match &linear.lora {
+                Some(f) => Some(LoraFactors {
+                    a: take(format!("{base}.lora_A.weight"))?,
+                    b: take(format!("{base}.lora_B.weight"))?,
+                    ..f.clone()
+                }),
+                None => None,
+            };
+            linears.push(Linear {
+                w,
+                b,
+                lora,
+                ..linear.clone()
+            });
+        }
+        let input_norm = take(format!("{prefix}.input_layernorm.weight"))?;
+        let post_norm = take(format!("{prefix}.post_attention_layernorm.weight"))?;
+        let [q, k, v, o, gate, up, down]: [Linear; 7] = linears
+            .try_into()
+            .map_err(|_| ModelError::Input("a decoder layer has seven linear layers".into()))?;
+        Ok(Layer {
+            index: self.index,
+            q,
+            k,
+            v,
+            o,
+            gate,
+            up,
+            down,
+            input_norm,
+            post_norm,
+            eps: self.eps,
+            sliding: self.sliding,
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            trainable,
+            device: self.device.clone(),
+            owner: self.owner,
+            anchor: self.anchor.clone(),
+        })
+    }
+
+    /// The seven linear layers, in [`LINEAR_NAMES`]' order.
+    fn linears(&self) -> [&Linear; 7] {
+        [
+            &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
+        ]
+    }
 }
 
 /// The dropout mask of `n` elements drawn from `seed`: `1 / (1 - p)` where an element is kept,

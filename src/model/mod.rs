@@ -24,6 +24,7 @@ pub mod gradients;
 pub mod grpo;
 pub mod hub;
 mod kernels;
+pub mod layer_source;
 mod layer_weights;
 pub mod locate;
 pub mod lora;
@@ -47,6 +48,7 @@ pub use decoder::{rope_inv_freq, CausalLm, LossOutput, IGNORE_INDEX, LOSS_CHUNK_
 pub use error::ModelError;
 pub use gradients::{Gradients, NamedParam};
 pub use hub::{model_config_path, resolve_model, resolve_model_in, HubOptions, ModelFiles};
+pub use layer_source::LayerSource;
 pub use locate::{locate_model, ModelLocation};
 pub use lora::LINEAR_MODULES;
 pub use lora::{parse_adapter_config, LoraConfig};

@@ -150,14 +150,15 @@ impl Change {
                     out.push(Change::Strategy(s));
                 }
             }
-            for mode in proposed_shard_modes() {
+            for mode in proposed_shard_modes(req) {
                 if req.strategy != Strategy::Sharded || req.shard != mode {
                     out.push(Change::Shard(mode));
                 }
             }
         }
         out.extend(precision_axis(req, req).into_iter().flatten());
-        if !req.activation_checkpointing {
+        // ZeRO-3 recomputes every layer already.
+        if !req.recomputes_layers() {
             out.push(Change::ActivationCheckpointing);
         }
         out.extend(micro_batch_changes(req));
@@ -350,10 +351,13 @@ pub(crate) const SEARCH_AXES: [SearchAxis; 7] = [
     micro_batch_axis,
 ];
 
-/// The shard modes auto-fit and the fixes may propose: those the trainer runs. A mode it does
-/// not run yet (ZeRO-3) is planned when asked for, never proposed.
-fn proposed_shard_modes() -> impl Iterator<Item = ShardMode> {
-    ShardMode::ALL.into_iter().filter(|m| m.trainer_runs())
+/// The shard modes auto-fit and the fixes may propose: those the trainer runs for this kind of
+/// run ([`PlanRequest::trainer_runs_shard`]: no ZeRO-3 for GRPO or QLoRA). Another is planned
+/// when asked for, never proposed.
+fn proposed_shard_modes(req: &PlanRequest) -> impl Iterator<Item = ShardMode> + '_ {
+    ShardMode::ALL
+        .into_iter()
+        .filter(|&m| req.trainer_runs_shard(m))
 }
 
 /// The request's strategy, then on several devices the layer split, data parallel and sharded
@@ -369,8 +373,8 @@ fn strategy_axis(_: &PlanRequest, req: &PlanRequest) -> Vec<Option<Change>> {
         let same = req.strategy == Strategy::Sharded && req.shard == mode;
         (!same).then_some(Change::Shard(mode))
     };
-    if req.strategy == Strategy::Sharded && !req.shard.trainer_runs() {
-        proposed_shard_modes().for_each(|m| add(sharded(m)));
+    if req.strategy == Strategy::Sharded && !req.trainer_runs_shard(req.shard) {
+        proposed_shard_modes(req).for_each(|m| add(sharded(m)));
     } else {
         add(None);
     }
@@ -378,7 +382,7 @@ fn strategy_axis(_: &PlanRequest, req: &PlanRequest) -> Vec<Option<Change>> {
         for s in [Strategy::LayerSplit, Strategy::DataParallel] {
             add((s != req.strategy).then_some(Change::Strategy(s)));
         }
-        proposed_shard_modes().for_each(|m| add(sharded(m)));
+        proposed_shard_modes(req).for_each(|m| add(sharded(m)));
     }
     options
 }
@@ -397,7 +401,7 @@ fn precision_axis(_: &PlanRequest, req: &PlanRequest) -> Vec<Option<Change>> {
 }
 
 fn checkpointing_axis(_: &PlanRequest, req: &PlanRequest) -> Vec<Option<Change>> {
-    if req.activation_checkpointing {
+    if req.recomputes_layers() {
         vec![None]
     } else {
         vec![None, Some(Change::ActivationCheckpointing)]

@@ -330,6 +330,26 @@ impl PlanRequest {
         req
     }
 
+    /// Whether every decoder layer is recomputed in the backward: activation checkpointing,
+    /// or ZeRO-3, whose trainer gathers a layer's weights for its forward and again for its
+    /// recompute rather than keep them (the graph of a layer holds its weights).
+    pub fn recomputes_layers(&self) -> bool {
+        self.activation_checkpointing
+            || (self.strategy == Strategy::Sharded && self.shard == ShardMode::Everything)
+    }
+
+    /// Whether the trainer runs this request's shard mode for its kind of run: ZeRO-3 gathers
+    /// no whole model for GRPO's rollouts and slices no quantized base (QLoRA).
+    pub fn trainer_runs_shard(&self, mode: ShardMode) -> bool {
+        match mode {
+            ShardMode::GradientsAndOptimizer => true,
+            ShardMode::Everything => {
+                !matches!(self.head_loss, HeadLoss::Completions { .. })
+                    && !self.lora.as_ref().is_some_and(|l| l.quantize.is_on())
+            }
+        }
+    }
+
     /// A one-line description of the settings ("fp32, micro-batch 1 × 4, seq 512, ...").
     pub fn settings_summary(&self) -> String {
         let mut s = format!(
@@ -343,8 +363,8 @@ impl PlanRequest {
         );
         if self.strategy == Strategy::Sharded {
             s.push_str(&format!(" {} ({})", self.shard, self.shard.zero_stage()));
-            if !self.shard.trainer_runs() {
-                s.push_str(", planned only: the trainer does not run it yet");
+            if !self.trainer_runs_shard(self.shard) {
+                s.push_str(", planned only: the trainer does not run it for this run");
             }
         }
         if self.planned_for_the_data() {

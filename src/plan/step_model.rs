@@ -47,7 +47,7 @@
 //! Layout: this file holds the step's dimensions, the blocks' parameters and [`block_terms`];
 //! the terms are in `graph_layer`, `native_layer`, `head` and `transients`.
 
-use super::{PlanRequest, Precision, Quantization};
+use super::{PlanRequest, Precision, Quantization, ShardMode, Strategy};
 use std::fmt;
 
 mod graph_layer;
@@ -229,15 +229,17 @@ impl StepDims {
             optimizer_bytes: if offloaded { 0 } else { 8 },
             host_state_bytes: if offloaded { 8 + master } else { 0 },
             precision: req.precision,
-            checkpointing: req.activation_checkpointing,
+            checkpointing: req.recomputes_layers(),
             lora: req
                 .lora
                 .as_ref()
                 .map(|l| (l.r as u64, l.target_modules.clone())),
             embeddings_trainable: req.lora.is_none(),
             quantize,
-            // Quantized layers run as graphs of ops (`native_layer::layer_qualifies`).
-            native_layers: all_cpu,
+            // Quantized layers run as graphs of ops (`native_layer::layer_qualifies`), and so
+            // do ZeRO-3's gathered layers.
+            native_layers: all_cpu
+                && !(req.strategy == Strategy::Sharded && req.shard == ShardMode::Everything),
             native_embedding: all_cpu && req.lora.is_none(),
             in_place_optimizer: all_cpu,
             bf16_products: all_cpu

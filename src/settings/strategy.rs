@@ -86,17 +86,6 @@ impl ShardMode {
     /// Every shard mode, in the order of [`ShardMode::NAMES`].
     pub const ALL: [ShardMode; 2] = [ShardMode::GradientsAndOptimizer, ShardMode::Everything];
 
-    /// Whether the trainer runs this mode today: the one switch the planner's auto-fit and
-    /// fixes consult before proposing it (a mode it does not run is planned, and shown as
-    /// planned only, but never proposed). ZeRO-3 is refused by the trainer this round
-    /// (issue #57): turning it on is this line.
-    pub fn trainer_runs(self) -> bool {
-        match self {
-            ShardMode::GradientsAndOptimizer => true,
-            ShardMode::Everything => false,
-        }
-    }
-
     /// The run-config spelling.
     pub fn as_str(&self) -> &'static str {
         match self {

@@ -35,6 +35,7 @@ mod checkpoint_io;
 mod objective;
 mod run;
 mod sharded;
+mod sharded_layers;
 mod world;
 
 pub use accumulate_grpo::{last_prompts, last_rollouts};
@@ -177,6 +178,12 @@ pub struct TrainingRun {
     /// `[devices] strategy = "sharded"`: every rank's AdamW over its ranges of the trainable
     /// tensors (ZeRO-2).
     sharded: Option<sharded::ShardedOptimizer>,
+    /// ZeRO-3 (`shard = "everything"`): every rank's ranges of the decoder layers' tensors,
+    /// which the ranks' models gather a layer at a time; made at the first step.
+    layer_shards: Option<std::sync::Arc<sharded_layers::LayerShards>>,
+    /// Parameters and trained parameters, counted as the model was loaded (ZeRO-3's models
+    /// hold placeholders for their layers).
+    parameter_counts: (u64, u64),
     /// Ranks 1.. under data parallel.
     replicas: Vec<Replica>,
     /// The rows SFT trains on, and the data's lints and warnings under every objective (the
@@ -230,7 +237,9 @@ impl TrainingRun {
         &self.config
     }
 
-    /// The model being trained.
+    /// The model being trained (rank 0's). Under ZeRO-3 its decoder layers run from the
+    /// ranks' ranges once a step ran, and hold placeholders: [`Self::gather_weights`] makes it
+    /// whole (a checkpoint does).
     pub fn model(&self) -> &CausalLm {
         &self.model
     }
@@ -382,16 +391,7 @@ impl TrainingRun {
 
     /// Number of parameters and of trainable parameters.
     pub fn parameter_counts(&self) -> (u64, u64) {
-        let mut all = 0u64;
-        let mut trainable = 0u64;
-        for p in self.model.params() {
-            let n = p.var.elem_count() as u64;
-            all += n;
-            if p.trainable {
-                trainable += n;
-            }
-        }
-        (all, trainable)
+        self.parameter_counts
     }
 
     /// Whether an evaluation is due after the step just done.

@@ -270,13 +270,22 @@ fn devices_problems(config: &RunConfig, p: &mut Vec<ConfigProblem>) {
             ),
         );
     }
-    // ZeRO-3 is planned (`tunestudio plan` shows its figures) but the trainer does not gather
-    // weights layer by layer yet: refused by name rather than run as something else.
+    // ZeRO-3 gathers a layer at a time: GRPO's rollouts would need the whole model on every
+    // rank at each token, and a quantized base is not divided. Refused by name rather than
+    // run as something else.
     if d.strategy == Strategy::Sharded && d.shard == ShardMode::Everything {
-        bad(
-            "devices.shard",
-            "`everything` (ZeRO-3: the weights sharded too) is planned but not trained yet; use `gradients-and-optimizer` (ZeRO-2), or `layer-split` when the weights do not fit one device".into(),
-        );
+        if config.training.method.is_grpo() {
+            bad(
+                "devices.shard",
+                "`everything` (ZeRO-3) does not run GRPO: its rollouts generate from the whole model; use `gradients-and-optimizer` (ZeRO-2)".into(),
+            );
+        }
+        if config.model.quantize.is_on() {
+            bad(
+                "devices.shard",
+                "`everything` (ZeRO-3) does not divide a quantized base (`model.quantize`); use `gradients-and-optimizer` (ZeRO-2), whose QLoRA keeps the 4-bit base whole on every rank".into(),
+            );
+        }
     }
 }
 

@@ -7,8 +7,8 @@
 use std::process::Command;
 use tunestudio::model::ModelConfig;
 use tunestudio::plan::{
-    self, auto_fit, parse_devices, shard_elems, Change, Plan, PlanRequest, Precision, ShardMode,
-    Strategy, Verdict,
+    self, auto_fit, parse_devices, shard_elems, Change, HeadLoss, LoraSpec, Plan, PlanRequest,
+    Precision, Quantization, ShardMode, Strategy, Verdict,
 };
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -224,16 +224,19 @@ fn auto_fit_ranks_sharding_above_the_layer_split() {
     assert!(text.contains("sharded data parallel, ZeRO-2"), "{text}");
 }
 
-/// ZeRO-3 is planned (its figures marked planned only) but never proposed: the trainer does
-/// not run it yet.
+/// ZeRO-3 divides the weights too: half of them and two layers whole per rank, the embeddings
+/// and head whole (as FSDP's root unit), every layer recomputed. Auto-fit may propose it, but
+/// never for a run the trainer does not run it for (GRPO's rollouts, a QLoRA base), which the
+/// plan marks planned only.
 #[test]
-fn everything_is_planned_but_never_proposed() {
+fn everything_divides_the_weights_and_is_proposed_only_where_it_trains() {
     let mut req = founding_case(Precision::Bf16Mixed, Strategy::Sharded, "2x80GiB");
     req.shard = ShardMode::Everything;
-    assert!(!ShardMode::Everything.trainer_runs());
+    req.activation_checkpointing = false;
+    assert!(req.recomputes_layers());
     let p = plan::plan(&req).unwrap();
     println!("bf16-mixed ZeRO-3: {}", describe(&p));
-    assert!(p.settings.contains("planned only"), "{}", p.settings);
+    assert!(!p.settings.contains("planned only"), "{}", p.settings);
     let zero2 = plan::plan(&founding_case(
         Precision::Bf16Mixed,
         Strategy::Sharded,
@@ -242,38 +245,40 @@ fn everything_is_planned_but_never_proposed() {
     .unwrap();
     for (z3, z2) in p.per_device.iter().zip(&zero2.per_device) {
         // ZeRO-2 holds the whole bf16 weights (its slices are the fp32 masters); ZeRO-3 half
-        // of them and two blocks whole: 7.6 of 13.5 GiB.
+        // of the layers', the embeddings and head whole, and two layers whole.
         assert!(
             z3.weights_bytes < z2.weights_bytes * 6 / 10,
             "{}",
             describe(&p)
         );
         assert_eq!(z3.optimizer_states_bytes, z2.optimizer_states_bytes);
+        // Checkpointed activations: the same as ZeRO-2 with checkpointing on.
+        assert_eq!(z3.activations_bytes, z2.activations_bytes);
     }
-    // Asked for ZeRO-3, or for anything else on these GPUs, auto-fit proposes none.
-    for start in [
-        req.clone(),
-        founding_case(Precision::Fp32, Strategy::Single, "2x80GiB"),
-        founding_case(Precision::Bf16Mixed, Strategy::DataParallel, "2x80GiB"),
-        founding_case(Precision::Bf16, Strategy::LayerSplit, "4x80GiB"),
-    ] {
+    // GRPO and QLoRA: planned only, and never proposed.
+    let mut grpo = req.clone();
+    grpo.head_loss = HeadLoss::Completions {
+        generations: 8,
+        completion_tokens: 256,
+    };
+    let mut qlora = req.clone();
+    qlora.lora = Some(LoraSpec::all_linear(16).quantized(Quantization::Q4K));
+    for start in [grpo, qlora] {
+        assert!(!start.trainer_runs_shard(ShardMode::Everything));
+        let p = plan::plan(&start).unwrap();
+        assert!(p.settings.contains("planned only"), "{}", p.settings);
         let fit = auto_fit(&start).unwrap();
         assert!(
-            fit.request.strategy != Strategy::Sharded || fit.request.shard.trainer_runs(),
+            fit.request.strategy != Strategy::Sharded || fit.request.shard != ShardMode::Everything,
             "{}",
             fit.request.settings_summary()
         );
         assert!(
-            !fit.steps.contains(&Change::Shard(ShardMode::Everything)),
-            "{:?}",
-            fit.steps
-        );
-        let fixes = plan::plan(&start).unwrap().fixes;
-        assert!(
-            fixes
+            p.fixes
                 .iter()
                 .all(|f| f.change != Change::Shard(ShardMode::Everything)),
-            "{fixes:?}"
+            "{:?}",
+            p.fixes
         );
     }
 }

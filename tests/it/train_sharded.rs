@@ -97,6 +97,9 @@ fn worst_relative(reference: &BTreeMap<u64, f64>, other: &BTreeMap<u64, f64>) ->
 /// LoRA on both ops paths. (Relative: at a loss of 10.8 one f32 step is 9.5e-7, and the ranks
 /// pad their rows to other lengths, so step 1's loss, before any update, already differs by
 /// 5e-8.)
+///
+/// ZeRO-3 (`shard = "everything"`) the same: every rank gathers each layer's weights from the
+/// ranks' ranges for its forward and again for its recompute.
 #[test]
 fn sharded_over_two_devices_trains_like_one_device() {
     let tmp = tempfile::tempdir().unwrap();
@@ -108,17 +111,26 @@ fn sharded_over_two_devices_trains_like_one_device() {
             let reference = losses(&one.output_dir);
             assert_eq!(reference.len(), 8, "{reference:?}");
 
-            let sharded = config(
-                &tmp.path().join(format!("sharded-{case}")),
-                4,
-                &["cpu:0", "cpu:1"],
-                lora,
-            );
-            train(&sharded, ops, &[]).unwrap();
-            let got = losses(&sharded.output_dir);
-            let diff = worst_relative(&reference, &got);
-            println!("{case}: worst relative step-loss difference from one device {diff:.3e}");
-            assert!(diff <= 1e-6, "{case}: {got:?} vs one device {reference:?}");
+            for shard in ShardMode::ALL {
+                let mut sharded = config(
+                    &tmp.path().join(format!("sharded-{shard}-{case}")),
+                    4,
+                    &["cpu:0", "cpu:1"],
+                    lora,
+                );
+                sharded.devices.shard = shard;
+                train(&sharded, ops, &[]).unwrap();
+                let got = losses(&sharded.output_dir);
+                let diff = worst_relative(&reference, &got);
+                println!(
+                    "{case} {}: worst relative step-loss difference from one device {diff:.3e}",
+                    shard.zero_stage()
+                );
+                assert!(
+                    diff <= 1e-6,
+                    "{case} {shard}: {got:?} vs one device {reference:?}"
+                );
+            }
         }
     }
 }
@@ -170,7 +182,19 @@ fn a_sharded_checkpoint_resumes_on_one_and_on_three_devices() {
         (Strategy::Single, &["cpu"][..], 1e-6),
         (Strategy::Sharded, &["cpu:0", "cpu:1", "cpu:2"][..], 1e-6),
     ];
-    resumes_from_two_sharded_ranks(Precision::Fp32, &resumes);
+    resumes_from_two_sharded_ranks(Precision::Fp32, ShardMode::GradientsAndOptimizer, &resumes);
+}
+
+/// The same for ZeRO-3: the checkpoint of two ranks that hold the layers in ranges has every
+/// trained tensor whole (rank 0 gathers them to write it), and resumes on one device and on
+/// three ZeRO-3 ranks.
+#[test]
+fn a_zero3_checkpoint_resumes_on_one_and_on_three_devices() {
+    let resumes = [
+        (Strategy::Single, &["cpu"][..], 1e-6),
+        (Strategy::Sharded, &["cpu:0", "cpu:1", "cpu:2"][..], 1e-6),
+    ];
+    resumes_from_two_sharded_ranks(Precision::Fp32, ShardMode::Everything, &resumes);
 }
 
 /// In bf16-mixed the checkpoint holds each rank's fp32 range as `master.<name>`, whole: two
@@ -186,18 +210,28 @@ fn a_bf16_mixed_sharded_checkpoint_resumes_from_its_masters() {
         (Strategy::Single, &["cpu"][..], 1e-5),
         (Strategy::Sharded, &["cpu:0", "cpu:1", "cpu:2"][..], 1e-5),
     ];
-    resumes_from_two_sharded_ranks(Precision::Bf16Mixed, &resumes);
+    resumes_from_two_sharded_ranks(
+        Precision::Bf16Mixed,
+        ShardMode::GradientsAndOptimizer,
+        &resumes,
+    );
 }
 
-/// Trains 8 steps on two sharded ranks in `precision` with a checkpoint at step 4, checks the
+/// Trains 8 steps on two sharded ranks in `precision` and `shard` mode with a checkpoint at
+/// step 4 (a resume on sharded ranks uses the same mode), checks the
 /// checkpoint holds every trained tensor's state whole (and a master beside its moments in
 /// mixed precision), and resumes it under each `(strategy, devices, relative tolerance)`.
-fn resumes_from_two_sharded_ranks(precision: Precision, resumes: &[(Strategy, &[&str], f64)]) {
+fn resumes_from_two_sharded_ranks(
+    precision: Precision,
+    shard: ShardMode,
+    resumes: &[(Strategy, &[&str], f64)],
+) {
     let tmp = tempfile::tempdir().unwrap();
     let mixed = precision == Precision::Bf16Mixed;
     let setup = |out: &Path, devices: &[&str], strategy: Strategy| {
         let mut c = config(out, 6, devices, false);
         c.devices.strategy = strategy;
+        c.devices.shard = shard;
         c.training.precision = precision;
         if mixed {
             c.training.gradient_accumulation = 1;
@@ -340,16 +374,20 @@ fn planned_state_case(tmp: &Path, precision: Precision, devices: &[&str]) {
     }
 }
 
-/// `shard = "everything"` (ZeRO-3) is planned but not trained yet: `tunestudio train` refuses
-/// it by its setting, with the setting that works, before loading anything.
+/// ZeRO-3 gathers a layer at a time, so it does not run GRPO (whose rollouts generate from the
+/// whole model): `tunestudio train` refuses the pair by the setting, with the mode that works,
+/// before loading anything.
 #[test]
-fn zero3_is_refused_by_its_setting() {
+fn zero3_refuses_grpo_by_its_setting() {
     let tmp = tempfile::tempdir().unwrap();
     let mut c = config(&tmp.path().join("zero3"), 4, &["cpu:0", "cpu:1"], false);
     c.devices.shard = ShardMode::Everything;
+    c.training.method = tunestudio::train::TrainingMethod::Grpo;
     let err = train(&c, "native", &[]).unwrap_err();
     assert!(
-        err.contains("devices.shard") && err.contains("gradients-and-optimizer"),
+        err.contains("devices.shard")
+            && err.contains("GRPO")
+            && err.contains("gradients-and-optimizer"),
         "{err}"
     );
     assert!(!PathBuf::from(&c.output_dir).join("metrics.jsonl").exists());

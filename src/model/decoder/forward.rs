@@ -132,7 +132,12 @@ impl CausalLm {
         x: &Tensor,
         train: bool,
     ) -> Result<Tensor, ModelError> {
-        if self.native_layers && self.native_kernels() && native_layer::applies(layer, ctx.ops, x) {
+        if let Some(source) = &self.layer_source {
+            checkpoint::gathered_layer(layer, source, ctx, x, &self.side_grads)
+        } else if self.native_layers
+            && self.native_kernels()
+            && native_layer::applies(layer, ctx.ops, x)
+        {
             Ok(native_layer::run(
                 layer,
                 &ctx.pass_tables()?,

@@ -98,6 +98,7 @@ impl CausalLm {
             dropout_seed_base: 0x5EED,
             adapters_disabled: AtomicBool::new(false),
             source,
+            layer_source: None,
         };
         model.set_ops_mode(OpsMode::from_env()?);
         model.rebuild()?;
@@ -318,6 +319,7 @@ impl CausalLm {
             let device = self.layer_devices[l].clone();
             let owner = self.layer_owners[l];
             layers.push(Arc::new(Layer {
+                index: l,
                 q,
                 k,
                 v,

@@ -27,6 +27,7 @@
 //! weights are what AdamW updates) and nothing is gathered after the update. The trainer does
 //! not run it yet ([`ShardMode::trainer_runs`]): it is planned, never proposed.
 
+use super::step_model::BlockKind;
 use super::{Block, StepDims};
 use crate::plan::{PlanRequest, ShardMode, Strategy};
 
@@ -88,20 +89,30 @@ impl RankShare {
             }
             ShardMode::Everything => {
                 let params = |b: &Block| b.tensors.iter().map(|t| t.bytes).sum::<u64>();
-                let sliced: u64 = blocks
+                let (layers, root): (Vec<&Block>, Vec<&Block>) =
+                    blocks.iter().partition(|b| is_layer(b));
+                let sliced: u64 = layers
                     .iter()
                     .flat_map(|b| b.tensors.iter())
                     .filter(|t| t.elems > 0)
                     .map(|t| (t.bytes * self.slice(t.elems)).div_ceil(t.elems))
                     .sum();
+                // The embeddings, final norm and head stay whole (FSDP's root unit is gathered
+                // through the step), with ZeRO-2's copy of their trained slices without masters.
+                let root_whole: u64 = root.iter().map(|b| params(b)).sum();
+                let root_copy = if dims.precision.master_weights() {
+                    0
+                } else {
+                    self.trainable_elems(&root) * dims.weight_bytes
+                };
                 let besides: u64 = blocks
                     .iter()
                     .map(|b| b.memory.weights_bytes.saturating_sub(params(b)))
                     .sum();
-                let mut per_block: Vec<u64> = blocks.iter().map(|b| params(b)).collect();
-                per_block.sort_unstable_by(|a, b| b.cmp(a));
-                let gathered: u64 = per_block.iter().take(2).sum();
-                sliced + besides + gathered
+                let mut per_layer: Vec<u64> = layers.iter().map(|b| params(b)).collect();
+                per_layer.sort_unstable_by(|a, b| b.cmp(a));
+                let gathered: u64 = per_layer.iter().take(2).sum();
+                sliced + root_whole + root_copy + besides + gathered
             }
         }
     }
@@ -113,24 +124,34 @@ impl RankShare {
         shard_elems(largest_trainable, 0, self.ranks) * dims.grad_bytes
     }
 
-    /// The all-gather after the update: ZeRO-2 gathers the updated slices into the whole
-    /// weights one tensor at a time (the largest trainable tensor, in the weights' dtype),
-    /// with, under mixed precision, the rank's master slice of it rounded to the weights'
-    /// dtype first (on the device unless the master is offloaded to host RAM); ZeRO-3 gathers
-    /// nothing then (the weights stay sliced).
-    pub fn all_gather_bytes(&self, dims: &StepDims, largest_trainable: u64) -> u64 {
-        match self.mode {
-            ShardMode::GradientsAndOptimizer => {
-                let rounded = if dims.master_bytes > 0 {
-                    self.slice(largest_trainable) * dims.weight_bytes
-                } else {
-                    0
-                };
-                largest_trainable * dims.weight_bytes + rounded
-            }
-            ShardMode::Everything => 0,
-        }
+    /// The all-gather after the update: the updated slices into the whole weights, one tensor
+    /// at a time (the largest trainable tensor gathered, in the weights' dtype), with, under
+    /// mixed precision, the rank's master slice of it rounded to the weights' dtype first (on
+    /// the device unless the master is offloaded to host RAM). ZeRO-2 gathers every trained
+    /// tensor; ZeRO-3 only those outside the decoder layers (`largest_root_trainable`), whose
+    /// layers are gathered as they run instead.
+    pub fn all_gather_bytes(
+        &self,
+        dims: &StepDims,
+        largest_trainable: u64,
+        largest_root_trainable: u64,
+    ) -> u64 {
+        let largest = match self.mode {
+            ShardMode::GradientsAndOptimizer => largest_trainable,
+            ShardMode::Everything => largest_root_trainable,
+        };
+        let rounded = if dims.master_bytes > 0 {
+            self.slice(largest) * dims.weight_bytes
+        } else {
+            0
+        };
+        largest * dims.weight_bytes + rounded
     }
+}
+
+/// Whether `block` is a decoder layer (what ZeRO-3 gathers as it runs).
+pub(crate) fn is_layer(block: &Block) -> bool {
+    matches!(block.kind, BlockKind::Layer(_))
 }
 
 #[cfg(test)]

@@ -58,6 +58,9 @@ struct Held<'a> {
     kept_total: u64,
     /// The largest trainable tensor's elements (per-tensor scratch).
     largest_trainable: u64,
+    /// The largest trainable tensor's elements outside the decoder layers (what ZeRO-3
+    /// all-gathers after the update).
+    largest_root_trainable: u64,
     /// Whether gradients are summed into an existing buffer (accumulation > 1, not sharded).
     accumulating: bool,
     /// The device's rank in a sharded run (`None`: it holds the whole state).
@@ -108,6 +111,12 @@ fn held_blocks<'a>(
         kept_total: blocks.iter().map(|b| b.terms.kept_bytes).sum(),
         largest_trainable: blocks
             .iter()
+            .map(|b| b.largest_trainable_elems)
+            .max()
+            .unwrap_or(0),
+        largest_root_trainable: blocks
+            .iter()
+            .filter(|b| !super::sharded::is_layer(b))
             .map(|b| b.largest_trainable_elems)
             .max()
             .unwrap_or(0),
@@ -285,7 +294,7 @@ fn optimizer_peak(h: &Held<'_>, dims: &StepDims, req: &PlanRequest) -> Parts {
         // its scratch is per slice, and the all-gather of the updated slices follows it.
         opt.temporaries = step_model::optimizer_transient_bytes(dims, s.slice(h.largest_trainable));
         let mut gather = h.base;
-        gather.collective = s.all_gather_bytes(dims, h.largest_trainable);
+        gather.collective = s.all_gather_bytes(dims, h.largest_trainable, h.largest_root_trainable);
         return best_of(opt, gather);
     }
     opt.gradients = h.fresh_total;

@@ -22,11 +22,7 @@ pub fn relative_throughput(req: &PlanRequest) -> f64 {
     } else {
         (2.0 * n_params, 4.0 * n_params)
     };
-    let recompute = if req.activation_checkpointing {
-        fwd
-    } else {
-        0.0
-    };
+    let recompute = if req.recomputes_layers() { fwd } else { 0.0 };
     let kind = req
         .devices
         .first()
@@ -40,11 +36,7 @@ pub fn relative_throughput(req: &PlanRequest) -> f64 {
     // line with QLoRA's reported overhead.
     let dequant = match &req.lora {
         Some(l) if l.quantize.is_on() => {
-            let passes = if req.activation_checkpointing {
-                3.0
-            } else {
-                2.0
-            };
+            let passes = if req.recomputes_layers() { 3.0 } else { 2.0 };
             let tokens = (req.rows_per_pass() * req.seq_len).max(1) as f64;
             let per_weight = if kind == DeviceKind::Cpu { 16.0 } else { 256.0 };
             per_weight * passes * n_params / tokens

@@ -272,6 +272,20 @@ fn build_sharded(
     .map(Some)
 }
 
+/// Parameters and trained parameters of `model`.
+fn parameter_counts(model: &CausalLm) -> (u64, u64) {
+    let mut all = 0u64;
+    let mut trainable = 0u64;
+    for p in model.params() {
+        let n = p.var.elem_count() as u64;
+        all += n;
+        if p.trainable {
+            trainable += n;
+        }
+    }
+    (all, trainable)
+}
+
 /// Refuses a run config with problems (every one of them, by field).
 fn check_config(config: &RunConfig) -> Result<(), TrainError> {
     let problems = config.validate();
@@ -443,6 +457,7 @@ impl TrainingRun {
             .precision
             .uses_loss_scaling()
             .then(|| LossScaler::new(t.initial_loss_scale, t.loss_scale_growth_interval));
+        let counts = parameter_counts(&models.model);
         let mut run = TrainingRun {
             config,
             device: models.device,
@@ -450,6 +465,8 @@ impl TrainingRun {
             model: models.model,
             optimizer,
             sharded: None,
+            layer_shards: None,
+            parameter_counts: counts,
             replicas: models.replicas,
             splits: data.splits,
             objective: match (data.pairs, data.grpo) {

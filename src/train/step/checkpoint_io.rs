@@ -236,6 +236,8 @@ impl TrainingRun {
     /// Writes `<output>/checkpoint-<step>` atomically and prunes old ones to `keep_last`.
     pub fn save_checkpoint(&mut self) -> Result<PathBuf, TrainError> {
         let started = Instant::now();
+        // ZeRO-3: the checkpoint holds the layers whole, whatever device count wrote them.
+        self.gather_weights()?;
         let out = self.config.output_path();
         std::fs::create_dir_all(&out).map_err(|cause| TrainError::Io {
             path: out.clone(),

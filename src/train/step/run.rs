@@ -86,6 +86,7 @@ impl TrainingRun {
     fn step_on(&mut self, micro_batches: &[Vec<usize>]) -> Result<StepOutcome, TrainError> {
         let started = Instant::now();
         let step = self.step + 1;
+        self.shard_layers()?;
         let lr =
             self.schedule.lr_at(self.step) * super::super::divergence::injected_lr_factor(step);
         if micro_batches.is_empty() {
@@ -276,6 +277,7 @@ impl TrainingRun {
     /// The token-normalised gradient of the next step, without applying it or moving the data
     /// position (for tests and diagnostics).
     pub fn preview_gradients(&mut self) -> Result<StepGradients, TrainError> {
+        self.shard_layers()?;
         let (epoch, index) = self.loader.position();
         let micro_batches = self
             .loader
@@ -329,6 +331,7 @@ impl TrainingRun {
     }
 
     fn evaluate_inner(&mut self) -> Result<EvalResult, TrainError> {
+        self.shard_layers()?;
         let started = Instant::now();
         let (loss, perplexity, tokens) = self.objective.evaluate(self)?;
         self.last_eval_loss = Some(loss).filter(|l| l.is_finite());

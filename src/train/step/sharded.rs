@@ -29,6 +29,10 @@ use super::super::error::TrainError;
 /// Every rank's optimizer over its ranges of the trainable tensors.
 pub(super) struct ShardedOptimizer {
     layout: ShardLayout,
+    /// ZeRO-3: the trained tensors the ranks keep in ranges only (the decoder layers', which
+    /// each rank gathers as it runs them, `super::sharded_layers`); the all-gather after the
+    /// update leaves them out.
+    kept_sliced: HashSet<String>,
     ranks: Vec<RankShard>,
     /// The tensors whose ranges are fp32 masters of half-precision weights: the all-gather
     /// rounds them to the weights' dtype and a checkpoint names them `master.<name>`.
@@ -156,6 +160,7 @@ impl ShardedOptimizer {
         }
         Ok(ShardedOptimizer {
             layout,
+            kept_sliced: HashSet::new(),
             ranks,
             masters: master_names,
         })
@@ -226,6 +231,9 @@ impl ShardedOptimizer {
     fn gather_into(&self, models: &[&CausalLm]) -> Result<(), ModelError> {
         let params: Vec<_> = models.iter().map(|m| trainable_vars(m)).collect();
         for t in self.layout.tensors() {
+            if self.kept_sliced.contains(&t.name) {
+                continue;
+            }
             let dtype = params
                 .iter()
                 .find_map(|p| p.get(t.name.as_str()))
@@ -294,6 +302,23 @@ impl ShardedOptimizer {
             }
         }
         Ok(())
+    }
+
+    /// Rank `rank`'s range of the trained tensor `name` (flat; the fp32 master under mixed
+    /// precision), sharing its storage: what the rank's optimizer updates in place.
+    pub(super) fn range(&self, rank: usize, name: &str) -> Option<Tensor> {
+        self.ranks
+            .get(rank)?
+            .ranges
+            .get(name)
+            .map(|v| v.as_tensor().clone())
+    }
+
+    /// ZeRO-3: from now on the all-gather after the update leaves `names` out (the ranks
+    /// keep them in ranges only).
+    pub(super) fn keep_sliced<'a>(&mut self, names: impl IntoIterator<Item = &'a str>) {
+        self.kept_sliced
+            .extend(names.into_iter().map(str::to_string));
     }
 
     /// Optimizer steps taken (every rank steps together).

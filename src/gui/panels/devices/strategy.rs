@@ -15,14 +15,12 @@ const STRATEGIES: [(Strategy, &str); 4] = [
     (Strategy::Sharded, "sharded data parallel (ZeRO)"),
 ];
 
-/// The shard modes with their names in the menu: ZeRO-3 is planned, but the trainer does not
-/// run it yet ([`ShardMode::trainer_runs`]), which its name says.
+/// The shard modes with their names in the menu.
 fn shard_choices() -> [(ShardMode, &'static str); 2] {
     ShardMode::ALL.map(|m| {
-        let name = match (m, m.trainer_runs()) {
-            (ShardMode::GradientsAndOptimizer, _) => "gradients and optimizer state (ZeRO-2)",
-            (ShardMode::Everything, true) => "everything (ZeRO-3)",
-            (ShardMode::Everything, false) => "everything (ZeRO-3, planned only)",
+        let name = match m {
+            ShardMode::GradientsAndOptimizer => "gradients and optimizer state (ZeRO-2)",
+            ShardMode::Everything => "everything (ZeRO-3)",
         };
         (m, name)
     })
