@@ -281,7 +281,7 @@ fn resume_case(strategy: tunestudio::settings::Strategy) {
 /// Issue #57: on two logical CPU devices that copy as GPUs do, what each rank holds as the
 /// optimizer step begins (its weights, master weights, gradient accumulator and AdamW state,
 /// measured by the counting allocator's rank accounting) is what the plan says that rank
-/// holds, within ±3 %; and under ZeRO-2 the terms it divides (master weights, gradients,
+/// holds then (`DevicePlan::update_state_bytes`), within ±3 %; and under ZeRO-2 the terms it divides (master weights, gradients,
 /// AdamW) are half of what a data-parallel rank holds, for fp32 and bf16-mixed.
 #[test]
 fn each_sharded_rank_holds_its_planned_share_of_the_training_state() {
@@ -328,13 +328,7 @@ fn each_sharded_rank_holds_its_planned_share_of_the_training_state() {
             let per_rank: Vec<(u64, u64, u64)> = measured
                 .iter()
                 .zip(&plan.per_device)
-                .map(|(&got, d)| {
-                    let state = d.weights_bytes
-                        + d.master_weights_bytes
-                        + d.gradients_bytes
-                        + d.optimizer_states_bytes;
-                    (got, d.weights_bytes, state)
-                })
+                .map(|(&got, d)| (got, d.weights_bytes, d.update_state_bytes))
                 .collect();
             for (rank, (got, weights, planned)) in per_rank.iter().enumerate() {
                 // For the record: the whole step's peak (activations and the loss too).
@@ -353,7 +347,6 @@ fn each_sharded_rank_holds_its_planned_share_of_the_training_state() {
             }
             held.push(per_rank);
         }
-        // Accumulation 2: the gradient accumulator is a planned term under both strategies.
         for (strategy, per_rank) in ["data parallel", "ZeRO-2"].iter().zip(&held) {
             for (rank, &(got, _, planned)) in per_rank.iter().enumerate() {
                 let error = got as f64 / planned as f64 - 1.0;
@@ -376,6 +369,97 @@ fn each_sharded_rank_holds_its_planned_share_of_the_training_state() {
                 "{precision} rank {rank}: ZeRO-2's master, gradients and AdamW are {ratio:.3} of data parallel's"
             );
         }
+    }
+}
+
+/// ZeRO-3 divides the decoder layers' weights too: on two logical CPU devices each rank holds,
+/// as its optimizer step begins, what the plan says it holds then (weights, gradients, AdamW;
+/// no layer gathered), within ±3 %; and the layers' whole weights fewer than a ZeRO-2 rank,
+/// which keeps them whole besides its slice (fp32: the slice AdamW updates is a copy; the
+/// embeddings and head stay whole under both).
+#[test]
+fn each_zero3_rank_holds_half_of_the_layers_as_planned() {
+    use tunestudio::settings::{ShardMode, Strategy};
+    let _guard = exclusive();
+    let _distinct = DistinctCpuDevices::on();
+    let tmp = tempfile::tempdir().unwrap();
+    let mb = |b: u64| b as f64 / 1e6;
+    // 12 layers of hidden 256 (38 MB in fp32) beside the tied 49,152 × 256 embeddings (50 MB).
+    let model = train_common::random_model_dir(tmp.path(), 12, 256);
+    let config = |shard: ShardMode| {
+        let mut c = resume_config(&tmp.path().join(format!("{shard}")), Strategy::Sharded);
+        c.model.source = model.display().to_string();
+        c.devices.shard = shard;
+        c.training.gradient_accumulation = 2;
+        c
+    };
+    // Unmeasured, for the matmul kernels' per-thread packing buffers (see above).
+    TrainingRun::new(config(ShardMode::Everything))
+        .unwrap()
+        .step()
+        .unwrap();
+    let mut held = Vec::new();
+    let mut layer_bytes = 0;
+    for shard in ShardMode::ALL {
+        let c = config(shard);
+        tunestudio::mem::ranks::track_ranks(true);
+        let mut run = TrainingRun::new(c.clone()).unwrap();
+        layer_bytes = run
+            .model()
+            .params()
+            .iter()
+            .filter(|p| p.name.starts_with("model.layers.0."))
+            .map(|p| (p.var.elem_count() * p.var.dtype().size_in_bytes()) as u64)
+            .sum();
+        run.step().unwrap();
+        tunestudio::mem::ranks::reset_rank_peaks();
+        run.step().unwrap();
+        let measured = run.measured_state_bytes_by_rank().to_vec();
+        let peaks: Vec<u64> = (0..2)
+            .map(tunestudio::mem::ranks::rank_peak_bytes)
+            .collect();
+        drop(run);
+        tunestudio::mem::ranks::track_ranks(false);
+        assert_eq!(tunestudio::mem::ranks::overflowed_allocations(), 0);
+        let mut request = tunestudio::train::local_plan_request(&c).unwrap();
+        request.process = None;
+        let plan = tunestudio::plan::plan(&request).unwrap();
+        for (rank, (got, d)) in measured.iter().zip(&plan.per_device).enumerate() {
+            let planned = d.update_state_bytes;
+            let error = *got as f64 / planned as f64 - 1.0;
+            println!(
+                "DBG w {} m {} g {} o {}",
+                d.weights_bytes,
+                d.master_weights_bytes,
+                d.gradients_bytes,
+                d.optimizer_states_bytes
+            );
+            println!(
+                "{} rank {rank}: holds {:.2} MB as the update begins, planned {:.2} MB ({:+.2} %); \
+                 step peak {:.2} MB, planned {:.2} MB",
+                shard.zero_stage(),
+                mb(*got),
+                mb(planned),
+                100.0 * error,
+                mb(peaks[rank]),
+                mb(d.peak_bytes)
+            );
+            assert!(
+                error.abs() <= 0.03,
+                "{shard} rank {rank} holds {got} B, the plan says {planned} B"
+            );
+        }
+        held.push(measured);
+    }
+    let layers_bytes = 12 * layer_bytes;
+    for rank in 0..2 {
+        let saved = held[0][rank] as f64 - held[1][rank] as f64;
+        let ratio = saved / layers_bytes as f64;
+        println!(
+            "rank {rank}: ZeRO-3 holds {:.2} MB fewer, {ratio:.3} of the layers' weights",
+            mb(saved as u64)
+        );
+        assert!((ratio - 1.0).abs() <= 0.03, "rank {rank}: {ratio:.3}");
     }
 }
 

@@ -446,6 +446,7 @@ pub(crate) fn plan_without_fixes(req: &PlanRequest) -> Result<Plan, PlanError> {
             master_weights_bytes: dp.parts.master,
             gradients_bytes: dp.parts.gradients,
             optimizer_states_bytes: dp.parts.optimizer,
+            update_state_bytes: dp.update_state,
             activations_bytes: dp.parts.activations,
             logits_and_loss_bytes: dp.parts.logits,
             // gemm's per-thread workspace is a temporary that never goes away.

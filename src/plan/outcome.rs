@@ -89,6 +89,11 @@ pub struct DevicePlan {
     pub gradients_bytes: u64,
     /// AdamW first and second moments (f32; sharded, of this rank's slice).
     pub optimizer_states_bytes: u64,
+    /// What the device holds as the optimizer step begins, whatever phase peaks: weights
+    /// (no ZeRO-3 layer gathered), master weights, the accumulated gradients (a sharded
+    /// rank's slice accumulator) and AdamW state. `TrainingRun::measured_state_bytes_by_rank`
+    /// measures the same moment.
+    pub update_state_bytes: u64,
     /// Forward tensors kept by the autograd graph for backward.
     pub activations_bytes: u64,
     /// The f32 logits chunk, its softmax pieces and the per-row logsumexp.

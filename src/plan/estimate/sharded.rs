@@ -109,12 +109,24 @@ impl RankShare {
                     .iter()
                     .map(|b| b.memory.weights_bytes.saturating_sub(params(b)))
                     .sum();
-                let mut per_layer: Vec<u64> = layers.iter().map(|b| params(b)).collect();
-                per_layer.sort_unstable_by(|a, b| b.cmp(a));
-                let gathered: u64 = per_layer.iter().take(2).sum();
-                sliced + root_whole + root_copy + besides + gathered
+                sliced + root_whole + root_copy + besides + self.gathered_bytes(blocks)
             }
         }
+    }
+
+    /// ZeRO-3's layers gathered whole while they run: the two largest decoder layers' weights
+    /// (the layer being computed and the next, prefetched); none under ZeRO-2.
+    pub fn gathered_bytes(&self, blocks: &[&Block]) -> u64 {
+        if self.mode != ShardMode::Everything {
+            return 0;
+        }
+        let mut per_layer: Vec<u64> = blocks
+            .iter()
+            .filter(|b| is_layer(b))
+            .map(|b| b.tensors.iter().map(|t| t.bytes).sum())
+            .collect();
+        per_layer.sort_unstable_by(|a, b| b.cmp(a));
+        per_layer.iter().take(2).sum()
     }
 
     /// The reduce-scatter's staging: one other rank's slice of one tensor at a time, at most

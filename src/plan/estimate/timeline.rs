@@ -43,6 +43,9 @@ pub(super) struct Timeline {
     pub(super) peak: u64,
     pub(super) peak_phase: StepPhase,
     pub(super) parts: Parts,
+    /// Weights, master weights, accumulated gradients and AdamW state as the optimizer step
+    /// begins.
+    pub(super) update_state: u64,
     /// The step's full-size components (the per-component report's predicted side).
     pub(super) components: crate::plan::StepComponents,
 }
@@ -147,6 +150,10 @@ pub(super) fn device_timeline(
     if let Some(generation) = generation_peak(&h, dims, req) {
         moments.insert(0, (StepPhase::Generation, generation));
     }
+    let update_state = moments
+        .iter()
+        .find(|(s, _)| *s == StepPhase::OptimizerStep)
+        .map_or(0, |(_, p)| p.weights + p.master + p.gradients + p.optimizer);
     let phases = moments.iter().map(|(s, p)| (*s, p.total())).collect();
     let (peak_phase, parts) =
         moments
@@ -163,6 +170,7 @@ pub(super) fn device_timeline(
         peak: parts.total(),
         peak_phase,
         parts,
+        update_state,
         components: step_components(&h, dims),
     }
 }
@@ -290,10 +298,13 @@ fn summed_into_buffer(h: &Held<'_>, dims: &StepDims, b: &Block, p: &mut Parts) {
 fn optimizer_peak(h: &Held<'_>, dims: &StepDims, req: &PlanRequest) -> Parts {
     let mut opt = h.base;
     if let Some(s) = h.share {
+        // No layer is gathered then (ZeRO-3).
+        opt.weights = opt.weights.saturating_sub(s.gathered_bytes(&h.blocks));
         // The whole gradient is gone: the update reads the slice accumulators (in the base),
         // its scratch is per slice, and the all-gather of the updated slices follows it.
         opt.temporaries = step_model::optimizer_transient_bytes(dims, s.slice(h.largest_trainable));
-        let mut gather = h.base;
+        let mut gather = opt;
+        gather.temporaries = 0;
         gather.collective = s.all_gather_bytes(dims, h.largest_trainable, h.largest_root_trainable);
         return best_of(opt, gather);
     }
