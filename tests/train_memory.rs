@@ -452,8 +452,8 @@ fn each_zero3_rank_holds_half_of_the_layers_as_planned() {
         held.push(measured);
     }
     let layers_bytes = 12 * layer_bytes;
-    for rank in 0..2 {
-        let saved = held[0][rank] as f64 - held[1][rank] as f64;
+    for (rank, (zero2, zero3)) in held[0].iter().zip(&held[1]).enumerate() {
+        let saved = *zero2 as f64 - *zero3 as f64;
         let ratio = saved / layers_bytes as f64;
         println!(
             "rank {rank}: ZeRO-3 holds {:.2} MB fewer, {ratio:.3} of the layers' weights",

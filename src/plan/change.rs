@@ -16,7 +16,7 @@ pub enum Change {
     Strategy(Strategy),
     /// Sharded data parallel dividing this much over the ranks (`[devices] strategy =
     /// "sharded"` and `shard`): what auto-fit and the fixes propose, for the modes the trainer
-    /// runs ([`ShardMode::trainer_runs`]).
+    /// runs for the request ([`PlanRequest::trainer_runs_shard`]).
     Shard(ShardMode),
     /// Switch the precision.
     Precision(Precision),
@@ -521,9 +521,11 @@ fn sharded_state(mode: ShardMode, req: &PlanRequest) -> &'static str {
         }
         (ShardMode::GradientsAndOptimizer, false) => "accumulated gradients and AdamW state",
         (ShardMode::Everything, true) => {
-            "weights, accumulated gradients, fp32 master weights and AdamW state"
+            "decoder layers' weights (each gathered as it runs, and recomputed in the backward), accumulated gradients, fp32 master weights and AdamW state"
         }
-        (ShardMode::Everything, false) => "weights, accumulated gradients and AdamW state",
+        (ShardMode::Everything, false) => {
+            "decoder layers' weights (each gathered as it runs, and recomputed in the backward), accumulated gradients and AdamW state"
+        }
     }
 }
 

@@ -2,7 +2,7 @@
 //!
 //! Auto-fit keeps the effective batch (micro-batch × accumulation × data-parallel
 //! ranks) and searches strategy (sharded data parallel in the shard modes the trainer runs,
-//! [`ShardMode::trainer_runs`]) × precision × checkpointing × micro-batch × LoRA
+//! [`PlanRequest::trainer_runs_shard`]) × precision × checkpointing × micro-batch × LoRA
 //! for the settings that fit every device with ≥ 5 % headroom and have the
 //! highest estimated throughput. Changes that alter what is learned rank behind
 //! those that do not: pure bf16 (no f32 master weights) only when mixed precision

@@ -21,11 +21,12 @@
 //!   tensor at a time, and after the update the all-gather of the updated slices into the
 //!   whole weights, one tensor at a time.
 //!
-//! Under `everything` (ZeRO-3, FSDP's full shard) the weights are sliced too, every tensor
-//! (a LoRA run's frozen base included, as FSDP does), and the layer being computed and the
-//! next one, prefetched, are gathered whole; no separate copy of the slice exists (the sliced
-//! weights are what AdamW updates) and nothing is gathered after the update. The trainer does
-//! not run it yet ([`ShardMode::trainer_runs`]): it is planned, never proposed.
+//! Under `everything` (ZeRO-3, FSDP's full shard) the decoder layers' weights are sliced too,
+//! every tensor of them (a LoRA run's frozen base included, as FSDP does), and the layer being
+//! computed and the next one are gathered whole; no separate copy of a layer's slice exists
+//! (the sliced weights are what AdamW updates). The embeddings, final norm and head stay whole
+//! (FSDP's root unit, gathered through the step), with ZeRO-2's slice copy and all-gather
+//! after the update. Every layer is recomputed (`PlanRequest::recomputes_layers`).
 
 use super::step_model::BlockKind;
 use super::{Block, StepDims};
