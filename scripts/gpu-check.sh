@@ -12,7 +12,8 @@
 #   layer-split            the founding case scaled down: layers split over 2 streams of the GPU, micro-batch 1 ×
 #                          accumulation 4, against one device (losses within 1e-5)
 #   data-parallel          2 ranks on 2 streams of the GPU (the host reducer) against one device on the whole batch
-#   sharded                ZeRO-2 over 2 streams of the GPU (host reduce-scatter and all-gather) against one device
+#   sharded                ZeRO-2 and ZeRO-3 over 2 streams of the GPU (host reduce-scatter and all-gathers)
+#                          against one device
 #   nccl-one-rank          NCCL communicator of one rank + all-reduce (GPU only)
 #   launcher               `train` as rank 0 of a world of one under torchrun's environment (the rendezvous
 #                          with itself, the launched trainer's NCCL path over one rank) against the
@@ -276,6 +277,7 @@ cfg_reset() {
   C_MODEL="$TINY"; C_INIT=pretrained; C_DATA="$DEMO_DATA"; C_MAXLEN=64; C_PREC=fp32
   C_MB=4; C_ACC=2; C_STEPS=4; C_LR=0.001; C_DEVICES="$ONE"; C_STRATEGY=single
   C_SAVE_EVERY=0; C_SAVE_FINAL=false; C_OFFLOAD=none; C_ACKPT=false; C_LORA_R=0; C_QUANT=none
+  C_SHARD=gradients-and-optimizer
 }
 cfg_write() {
   local dir="$1"
@@ -311,6 +313,7 @@ keep_last = 0
 save_final = $C_SAVE_FINAL
 [devices]
 strategy = "$C_STRATEGY"
+shard = "$C_SHARD"
 devices = [$C_DEVICES]
 TOML
 }
@@ -449,8 +452,14 @@ step_sharded() {
   local dir="$WORK/sharded"
   rm -rf "$dir"; cfg_reset; C_MB=2; C_DEVICES="$TWO"; C_STRATEGY=sharded; cfg_write "$dir"
   train "$dir" || { fail_train "$dir" "the sharded run"; return; }
+  # ZeRO-3: every layer gathered from the two streams' ranges for its forward and recompute.
+  local z3="$WORK/sharded-zero3"
+  rm -rf "$z3"; cfg_reset; C_MB=2; C_DEVICES="$TWO"; C_STRATEGY=sharded; C_SHARD=everything
+  cfg_write "$z3"
+  train "$z3" || { fail_train "$z3" "the ZeRO-3 run"; return; }
   gc_py compare --tol "$DP_TOL" --steps 4 --ranks 2 \
-    "sharded=$dir/out/metrics.jsonl:$WORK/ref/out/metrics.jsonl"
+    "sharded=$dir/out/metrics.jsonl:$WORK/ref/out/metrics.jsonl" \
+    "zero3=$z3/out/metrics.jsonl:$WORK/ref/out/metrics.jsonl"
 }
 
 step_nccl_one_rank() {
