@@ -428,13 +428,6 @@ fn each_zero3_rank_holds_half_of_the_layers_as_planned() {
             let planned = d.update_state_bytes;
             let error = *got as f64 / planned as f64 - 1.0;
             println!(
-                "DBG w {} m {} g {} o {}",
-                d.weights_bytes,
-                d.master_weights_bytes,
-                d.gradients_bytes,
-                d.optimizer_states_bytes
-            );
-            println!(
                 "{} rank {rank}: holds {:.2} MB as the update begins, planned {:.2} MB ({:+.2} %); \
                  step peak {:.2} MB, planned {:.2} MB",
                 shard.zero_stage(),

@@ -279,6 +279,12 @@ impl InferModel {
     /// unmerged. Later changes to the model's weights (training steps) are seen too, since
     /// the storage is shared.
     pub fn from_causal_lm(model: &CausalLm) -> Result<Self, InferError> {
+        if model.layer_weights_released() {
+            return Err(ModelError::Input(
+                "the model's decoder layers are divided over ZeRO-3 ranks: gather them first (`TrainingRun::gather_weights`)".into(),
+            )
+            .into());
+        }
         let config = model.config().clone();
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for l in 0..config.num_hidden_layers {
