@@ -366,6 +366,9 @@ impl PlanRequest {
             if !self.trainer_runs_shard(self.shard) {
                 s.push_str(", planned only: the trainer does not run it for this run");
             }
+            if self.shard == ShardMode::Everything && !self.activation_checkpointing {
+                s.push_str(", every layer recomputed (gathered again for its backward)");
+            }
         }
         if self.planned_for_the_data() {
             s.push_str(&format!(
