@@ -108,7 +108,9 @@ impl Placed {
         let moved = if self.transfer_shares_storage(home) {
             self.tensor.clone()
         } else if self.tensor.device().same_device(&home.device) {
-            self.tensor.copy()?
+            // Only the view's elements: `Tensor::copy` clones a CPU view's whole storage
+            // (a rank's range of a gradient would cost the whole gradient).
+            self.tensor.force_contiguous()?
         } else {
             self.tensor.to_device(&home.device)?
         };

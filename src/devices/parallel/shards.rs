@@ -161,9 +161,10 @@ pub fn host_reduce_scatter_into(
                 let part = range_of_g.to(home)?;
                 sum = Some(match sum {
                     Some(s) => s.add(&part, "the sharded gradient sum")?,
-                    // A view would keep the whole gradient alive: copy it (a transfer has
-                    // already made one).
-                    None if shares => Placed::new(part.tensor().copy()?, r),
+                    // A view would keep the whole gradient alive: copy its elements only
+                    // (`Tensor::copy` would clone the whole storage; a transfer has already
+                    // made a copy).
+                    None if shares => Placed::new(part.tensor().force_contiguous()?, r),
                     None => part,
                 });
             }

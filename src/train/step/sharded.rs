@@ -68,12 +68,14 @@ const STATE_PREFIXES: [&str; 3] = ["exp_avg.", "exp_avg_sq.", MASTER_PREFIX];
 /// The key prefix of a parameter's fp32 master weights.
 const MASTER_PREFIX: &str = "master.";
 
-/// Rank `rank`'s range of `whole`, flat, copied (so it holds no view of the whole tensor).
+/// Rank `rank`'s range of `whole`, flat, copied (so it holds no view of the whole tensor, nor
+/// a graph back to it: `whole` is detached first).
 fn range_of(whole: &Tensor, range: &std::ops::Range<usize>) -> Result<Tensor, ModelError> {
     Ok(whole
+        .detach()
         .flatten_all()?
         .narrow(0, range.start, range.len())?
-        .copy()?)
+        .force_contiguous()?)
 }
 
 /// The trainable parameters of `model` by name.

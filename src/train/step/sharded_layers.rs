@@ -74,12 +74,14 @@ impl LayerShards {
                         let param = model.param(&t.name).ok_or_else(|| {
                             ModelError::Input(format!("rank {rank}'s model has no `{}`", t.name))
                         })?;
+                        // Detached: a copy of a variable's view would keep the whole
+                        // variable alive through its graph.
                         param
                             .var
-                            .as_tensor()
+                            .as_detached_tensor()
                             .flatten_all()?
                             .narrow(0, range.start, range.len())?
-                            .copy()?
+                            .force_contiguous()?
                     }
                 };
                 ranks.push(Some(part));
