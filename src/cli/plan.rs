@@ -63,7 +63,8 @@ pub struct PlanArgs {
     #[arg(long)]
     pub strategy: Option<String>,
     /// What sharded data parallel divides over the ranks: gradients-and-optimizer (ZeRO-2, the
-    /// default) or everything (ZeRO-3: planned only, the trainer does not run it yet).
+    /// default) or everything (ZeRO-3: the layers' weights too, each gathered as it runs and
+    /// recomputed in the backward; not for GRPO or QLoRA).
     /// Implies --strategy sharded.
     #[arg(long)]
     pub shard: Option<String>,

@@ -1,6 +1,6 @@
 //! GPUs & memory → Strategy "sharded data parallel (ZeRO)" and its Shard choice (issue #57):
 //! the plan follows them rank by rank, as `tunestudio plan --strategy sharded --shard …`
-//! plans the same run, and Auto-fit never applies a shard mode the trainer does not run.
+//! plans the same run; ZeRO-3 divides the weights too, and Auto-fit applies its choice.
 
 use std::time::Duration;
 
