@@ -185,20 +185,15 @@ impl super::TrainingRun {
                 shards
             }
         };
-        let devices: Vec<Device> = self
-            .placement
-            .devices
-            .iter()
-            .map(|d| d.candle.clone())
-            .collect();
         let models =
             std::iter::once(&mut self.model).chain(self.replicas.iter_mut().map(|r| &mut r.model));
         for (rank, model) in models.enumerate() {
             if model.layer_weights_released() {
                 continue;
             }
-            let device = devices.get(rank).unwrap_or(&Device::Cpu);
-            let source = Arc::new(RankLayers::new(shards.clone(), rank, device));
+            // Each rank gathers onto its own model's device.
+            let device = model.device().clone();
+            let source = Arc::new(RankLayers::new(shards.clone(), rank, &device));
             model.release_layer_weights(source).map_err(err)?;
         }
         Ok(())
