@@ -408,7 +408,8 @@ fn state_as_planned(label: &str, config: &RunConfig) -> (Vec<u64>, tunestudio::p
     for (rank, (got, d)) in measured.iter().zip(&plan.per_device).enumerate() {
         let planned = d.update_state_bytes;
         let error = *got as f64 / planned as f64 - 1.0;
-        // The step's peak is printed for the record only (docs/memory-planner.md).
+        // The step's peak is held to the plan from above only (docs/memory-planner.md: the
+        // small shapes' plans are 10-20 % high).
         println!(
             "{label} rank {rank}: holds {:.2} MB as the update begins, planned {:.2} MB ({:+.2} %); \
              step peak {:.2} MB, planned {:.2} MB",
@@ -421,6 +422,15 @@ fn state_as_planned(label: &str, config: &RunConfig) -> (Vec<u64>, tunestudio::p
         assert!(
             error.abs() <= 0.03,
             "{label} rank {rank} holds {got} B, the plan says {planned} B"
+        );
+        // A sharded rank reduce-scatters each layer's gradient as its backward ends, so it
+        // never holds the whole gradient: without that the 12-layer ZeRO-2 step peaks 9 %
+        // above its plan, ZeRO-3's 15 %.
+        assert!(
+            peaks[rank] as f64 <= 1.05 * d.peak_bytes as f64,
+            "{label} rank {rank}'s step peaks at {} B, above the plan's {} B by more than 5 %",
+            peaks[rank],
+            d.peak_bytes
         );
     }
     (measured, plan)

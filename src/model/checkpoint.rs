@@ -13,9 +13,8 @@ use super::kernels::cpu_storage_of;
 use super::layer_source::LayerSource;
 use super::layer_weights::Layer;
 use super::ops::lock;
-use super::side_grads::add_side_grad;
+use super::side_grads::SideGrads;
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor, Var};
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 /// The layer a checkpointed node runs: one the model holds, or one gathered from a
@@ -56,7 +55,7 @@ struct CheckpointOp {
     ctx: Arc<Ctx>,
     /// The output computed before the op was applied; `cpu_fwd` hands it over once.
     out: Mutex<Option<Tensor>>,
-    side: Arc<Mutex<HashMap<String, Tensor>>>,
+    side: SideGrads,
 }
 
 /// Runs `layer` on `h` without keeping its graph; the backward pass recomputes it.
@@ -64,7 +63,7 @@ pub(crate) fn checkpointed_layer(
     layer: &Arc<Layer>,
     ctx: &Arc<Ctx>,
     h: &Tensor,
-    side: &Arc<Mutex<HashMap<String, Tensor>>>,
+    side: &SideGrads,
 ) -> Result<Tensor, ModelError> {
     run(LayerRef::Held(layer.clone()), ctx, h, side)
 }
@@ -76,7 +75,7 @@ pub(crate) fn gathered_layer(
     source: &Arc<dyn LayerSource>,
     ctx: &Arc<Ctx>,
     h: &Tensor,
-    side: &Arc<Mutex<HashMap<String, Tensor>>>,
+    side: &SideGrads,
 ) -> Result<Tensor, ModelError> {
     let layer = LayerRef::Gathered {
         template: template.clone(),
@@ -89,7 +88,7 @@ fn run(
     layer: LayerRef,
     ctx: &Arc<Ctx>,
     h: &Tensor,
-    side: &Arc<Mutex<HashMap<String, Tensor>>>,
+    side: &SideGrads,
 ) -> Result<Tensor, ModelError> {
     // The gathered weights are dropped with `weighted` (the output's graph, which holds
     // them, is dropped when `cpu_fwd` hands the output over).
@@ -160,10 +159,9 @@ impl CustomOp2 for CheckpointOp {
         // d/dθ sum(out · g) = gᵀ ∂out/∂θ: the vector-Jacobian product the outer pass needs.
         let seed = (out * grad.detach())?.sum_all()?;
         let grads = seed.backward()?;
-        let mut side = lock(&self.side);
         for (name, t) in &layer.trainable {
             if let Some(g) = grads.get(t) {
-                add_side_grad(&mut side, name, g.clone())?;
+                self.side.add(name, g.clone())?;
             }
         }
         Ok((grads.get(x.as_tensor()).cloned(), None))

@@ -119,7 +119,7 @@ pub struct CausalLm {
     pub(crate) modules: Modules,
     /// Parameter gradients produced outside candle's graph: by native layers and inside
     /// checkpointed layers' backward passes.
-    pub(crate) side_grads: Arc<Mutex<HashMap<String, Tensor>>>,
+    pub(crate) side_grads: super::side_grads::SideGrads,
     /// Parameters whose gradient came (at least partly) through `side_grads` in the last
     /// backward: an accumulated gradient is handed back there rather than to candle's store.
     side_routed: Mutex<std::collections::HashSet<String>>,
@@ -248,6 +248,15 @@ impl CausalLm {
     /// Recompute each decoder layer in backward instead of keeping its activations.
     pub fn set_activation_checkpointing(&mut self, on: bool) {
         self.checkpointing = on;
+    }
+
+    /// Installs (or, with `None`, removes) where the decoder layers' parameter gradients go
+    /// as the backward produces them ([`super::side_grads::GradientSink`]): the gradients of
+    /// checkpointed, gathered (ZeRO-3) and native layers, which leave candle's graph through
+    /// the side table. Names the sink takes are left out of [`CausalLm::backward_into`]'s
+    /// result; every other gradient is returned as before.
+    pub fn set_gradient_sink(&self, sink: Option<Arc<dyn super::side_grads::GradientSink>>) {
+        self.side_grads.set_sink(sink);
     }
 
     /// Whether activation checkpointing is on.

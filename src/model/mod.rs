@@ -56,3 +56,4 @@ pub use ops_mode::{OpsMode, OPS_ENV};
 pub use placed::{Home, Placed, DISTINCT_CPU_DEVICES_ENV};
 pub use quant::QuantSummary;
 pub use save::dtype_name;
+pub use side_grads::GradientSink;

@@ -11,7 +11,7 @@
 //! rounds after each row, the sum with the head's gradient once more), so both paths give
 //! the same bits; in f32 a repeated id is added straight into the head's gradient.
 
-use super::ops::{contiguous_slice, fused_dtype, lock, Elem};
+use super::ops::{contiguous_slice, fused_dtype, Elem};
 use super::side_grads::SideGrads;
 use candle_core::{bail, CpuStorage, CustomOp1, InplaceOp1, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
@@ -93,7 +93,7 @@ impl CustomOp1 for Embedding {
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let (vocab, h) = arg.dims2()?;
         let g = grad.to_dtype(arg.dtype())?.contiguous()?;
-        let mut side = lock(&self.side);
+        let mut side = self.side.grads();
         let scatter = ScatterAddRows {
             ids: &self.ids,
             skip: self.padding_idx,
@@ -214,9 +214,9 @@ impl ScatterAddRows<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::side_grads::SideTable;
     use candle_core::{DType, Device};
     use std::collections::HashMap;
-    use std::sync::{Arc, Mutex};
 
     /// In bf16 the native backward gives the graph's bits: `index_add` of every occurrence into
     /// a zero matrix (rounding after each row), then the sum with the tied head's gradient.
@@ -243,7 +243,7 @@ mod tests {
         let zeros = Tensor::zeros((vocab, h), DType::BF16, &dev).unwrap();
         let graph = (&head + zeros.index_add(&index, &rows, 0).unwrap()).unwrap();
 
-        let side: SideGrads = Arc::new(Mutex::new(HashMap::from([("w".to_string(), head)])));
+        let side: SideGrads = SideTable::with(HashMap::from([("w".to_string(), head)]));
         let op = Embedding {
             ids,
             padding_idx: None,
@@ -253,7 +253,7 @@ mod tests {
         let out = weight.apply_op1_no_bwd(&op).unwrap();
         assert_eq!(out.dtype(), DType::BF16);
         assert!(op.bwd(&weight, &out, &rows).unwrap().is_none());
-        let native = side.lock().unwrap().remove("w").unwrap();
+        let native = side.grads().remove("w").unwrap();
         let bits = |t: &Tensor| -> Vec<u16> {
             t.flatten_all()
                 .unwrap()
@@ -290,10 +290,8 @@ mod tests {
                     .unwrap()
             };
             let weight = t(&vec![0.0; vocab * h], (vocab, h));
-            let side: SideGrads = Arc::new(Mutex::new(HashMap::from([(
-                "w".to_string(),
-                t(&head, (vocab, h)),
-            )])));
+            let side: SideGrads =
+                SideTable::with(HashMap::from([("w".to_string(), t(&head, (vocab, h)))]));
             let op = Embedding {
                 ids: ids.clone(),
                 padding_idx: Some(2),
@@ -305,7 +303,7 @@ mod tests {
                 .bwd(&weight, &out, &t(&rows, (ids.len(), h)))
                 .unwrap()
                 .is_none());
-            let got = side.lock().unwrap().remove("w").unwrap();
+            let got = side.grads().remove("w").unwrap();
             let got = got
                 .to_dtype(DType::F32)
                 .unwrap()

@@ -32,6 +32,7 @@ mod accumulate;
 mod accumulate_grpo;
 mod build;
 mod checkpoint_io;
+mod layer_stream;
 mod objective;
 mod run;
 mod sharded;

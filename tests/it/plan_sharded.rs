@@ -243,7 +243,15 @@ fn everything_divides_the_weights_and_is_proposed_only_where_it_trains() {
         "2x80GiB",
     ))
     .unwrap();
-    for (z3, z2) in p.per_device.iter().zip(&zero2.per_device) {
+    let mut checkpointed = req.clone();
+    checkpointed.activation_checkpointing = true;
+    let checkpointed = plan::plan(&checkpointed).unwrap();
+    for ((z3, z2), z3c) in p
+        .per_device
+        .iter()
+        .zip(&zero2.per_device)
+        .zip(&checkpointed.per_device)
+    {
         // ZeRO-2 holds the whole bf16 weights (its slices are the fp32 masters); ZeRO-3 half
         // of the layers', the embeddings and head whole, and two layers whole.
         assert!(
@@ -252,8 +260,9 @@ fn everything_divides_the_weights_and_is_proposed_only_where_it_trains() {
             describe(&p)
         );
         assert_eq!(z3.optimizer_states_bytes, z2.optimizer_states_bytes);
-        // Checkpointed activations: the same as ZeRO-2 with checkpointing on.
-        assert_eq!(z3.activations_bytes, z2.activations_bytes);
+        // Every layer recomputed: the same plan as with checkpointing on.
+        assert_eq!(z3.activations_bytes, z3c.activations_bytes);
+        assert_eq!(z3.peak_bytes, z3c.peak_bytes);
     }
     // GRPO and QLoRA: planned only, and never proposed.
     let mut grpo = req.clone();

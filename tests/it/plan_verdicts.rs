@@ -83,13 +83,20 @@ fn dictalm_fp32_single_gpu_is_out_of_memory_and_fixes_are_ranked() {
         + d.temporaries_bytes
         + d.overhead_bytes;
     assert_eq!(sum, d.peak_bytes);
-    // Fixes: ranked, the best one fits on its own and is the layer split.
+    // Fixes: ranked, the best one fits on its own and uses the idle GPU: ZeRO-3 (both GPUs
+    // compute; each rank holds half of the weights, gradients and AdamW state and one layer's
+    // gradient at a time), then the layer split (one GPU computes at a time).
     assert!(p.fixes.len() >= 3, "{:?}", p.fixes);
     assert!(p.fixes[0].fits_alone, "{:?}", p.fixes[0]);
     assert!(
-        p.fixes[0].description.contains("split the layers"),
+        p.fixes[0].description.contains("ZeRO-3"),
         "{}",
         p.fixes[0].description
+    );
+    assert!(
+        p.fixes[1].description.contains("split the layers") && p.fixes[1].fits_alone,
+        "{}",
+        p.fixes[1].description
     );
     for w in p.fixes.windows(2) {
         assert!(w[0].fits_alone >= w[1].fits_alone);
@@ -352,7 +359,8 @@ fn cli_prints_the_table_the_oom_and_the_fixes() {
     assert!(text.contains("GPU 0 is out of memory at the"), "{text}");
     assert!(text.contains("OUT OF MEMORY by"), "{text}");
     assert!(text.contains("Fixes (best first):"), "{text}");
-    assert!(text.contains("1. split the layers"), "{text}");
+    assert!(text.contains("1. sharded data parallel, ZeRO-3"), "{text}");
+    assert!(text.contains("2. split the layers"), "{text}");
     assert!(text.contains("GPU 1") && text.contains("idle"), "{text}");
 
     let out = plan_dictalm_fp32_on_one_gpu(&["--auto-fit"]);

@@ -77,6 +77,11 @@ impl ShardLayout {
         &self.tensors
     }
 
+    /// The division of the tensor `name`.
+    pub fn tensor(&self, name: &str) -> Option<&TensorShards> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
     /// `rank`'s range of the tensor `name`.
     pub fn range(&self, name: &str, rank: usize) -> Option<Range<usize>> {
         self.tensors
@@ -151,27 +156,75 @@ pub fn host_reduce_scatter_into(
             let _rank = crate::mem::ranks::RankGuard::enter(r);
             let mut sum: Option<Placed> = sums[r].remove(&t.name).map(|s| Placed::new(s, r));
             for g in whole.iter().flatten() {
-                let range_of_g = Placed::new(
-                    g.tensor()
-                        .flatten_all()?
-                        .narrow(0, range.start, range.len())?,
-                    g.owner(),
-                );
-                let shares = range_of_g.transfer_shares_storage(home);
-                let part = range_of_g.to(home)?;
-                sum = Some(match sum {
-                    Some(s) => s.add(&part, "the sharded gradient sum")?,
-                    // A view would keep the whole gradient alive: copy its elements only
-                    // (`Tensor::copy` would clone the whole storage; a transfer has already
-                    // made a copy).
-                    None if shares => Placed::new(part.tensor().force_contiguous()?, r),
-                    None => part,
-                });
+                sum = Some(add_range(sum, g, range, home)?);
             }
             if let Some(sum) = sum {
                 sums[r].insert(&t.name, sum.into_tensor());
             }
         }
+    }
+    Ok(())
+}
+
+/// `sum` (rank `home`'s running sum of one tensor's range, `None` before the first
+/// contribution) plus `g`'s elements in `range`, moved to `home` first.
+fn add_range(
+    sum: Option<Placed>,
+    g: &Placed,
+    range: &Range<usize>,
+    home: &Home,
+) -> Result<Placed, DevicesError> {
+    let range_of_g = Placed::new(
+        g.tensor()
+            .flatten_all()?
+            .narrow(0, range.start, range.len())?,
+        g.owner(),
+    );
+    let shares = range_of_g.transfer_shares_storage(home);
+    let part = range_of_g.to(home)?;
+    Ok(match sum {
+        Some(s) => s.add(&part, "the sharded gradient sum")?,
+        // A view would keep the whole gradient alive: copy its elements only (`Tensor::copy`
+        // would clone the whole storage; a transfer has already made a copy).
+        None if shares => Placed::new(part.tensor().force_contiguous()?, home.index),
+        None => part,
+    })
+}
+
+/// The reduce-scatter of one contribution, as it is produced: rank `from`'s gradient `g` of
+/// the tensor `t` added, range by range, into every rank's running sum (`sums[r]`, rank r's,
+/// on `outputs[r]`, locked one at a time). Summing a tensor's contributions as they arrive is
+/// [`host_reduce_scatter_into`]'s sum in arrival order: on logical CPU devices, whose ranks run
+/// in turn, that is rank order, the same bits.
+pub fn host_scatter_add(
+    g: Tensor,
+    from: usize,
+    t: &TensorShards,
+    outputs: &[Device],
+    sums: &[std::sync::Mutex<Gradients>],
+) -> Result<(), DevicesError> {
+    if outputs.len() != t.ranges.len() || sums.len() != t.ranges.len() {
+        return Err(DevicesError::Input(format!(
+            "a reduce-scatter of `{}` over {} ranks got {} devices and {} sums",
+            t.name,
+            t.ranges.len(),
+            outputs.len(),
+            sums.len()
+        )));
+    }
+    let g = Placed::new(g, from);
+    for (r, home) in homes(outputs).iter().enumerate() {
+        let range = &t.ranges[r];
+        if range.is_empty() {
+            continue;
+        }
+        let _rank = crate::mem::ranks::RankGuard::enter(r);
+        let mut sums = sums[r]
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let sum = sums.remove(&t.name).map(|s| Placed::new(s, r));
+        let sum = add_range(sum, &g, range, home)?;
+        sums.insert(&t.name, sum.into_tensor());
     }
     Ok(())
 }

@@ -7,7 +7,6 @@ use super::super::native_embedding;
 use super::super::native_layer::{self, PassTables};
 use super::super::ops::{self, lock};
 use super::super::placed::{Home, Placed};
-use super::super::side_grads::add_side_grad;
 use super::super::{checkpoint, kernels};
 use super::layer::{as_u32, build_attention_mask, rope_tables};
 use super::*;
@@ -200,9 +199,7 @@ impl CausalLm {
         }
         let side = self.side_grads.clone();
         let name = name.to_string();
-        Some(Box::new(move |g: Tensor| {
-            add_side_grad(&mut lock(&side), &name, g)
-        }))
+        Some(Box::new(move |g: Tensor| side.add(&name, g)))
     }
 
     /// The head's weight on the head's device, as the parameter is now: the parameter itself,
@@ -298,7 +295,8 @@ impl CausalLm {
         // of two stages would be a cross-device op (candle refuses it on two GPUs).
         let mut taps: std::collections::BTreeMap<usize, Placed> = Default::default();
         {
-            let mut side = lock(&self.side_grads);
+            self.side_grads.begin_backward();
+            let mut side = self.side_grads.grads();
             side.clear();
             for (name, g) in std::mem::take(acc).into_pairs() {
                 let param = self.param(&name).filter(|p| p.trainable);
@@ -332,7 +330,7 @@ impl CausalLm {
         let root = root.into_tensor();
         let mut store = root.backward()?;
         drop(root);
-        let mut side = std::mem::take(&mut *lock(&self.side_grads));
+        let mut side = std::mem::take(&mut *self.side_grads.grads());
         let mut now_routed = std::collections::HashSet::new();
         for p in self.params.iter().filter(|p| p.trainable) {
             let from_side = side.remove(&p.name);
@@ -344,6 +342,9 @@ impl CausalLm {
                 (Some(a), Some(b)) => (a + b)?,
                 (Some(a), None) => a,
                 (None, Some(b)) => b,
+                // Handed to the gradient sink as the backward produced it (sharded data
+                // parallel's reduce-scatter, layer by layer).
+                (None, None) if self.side_grads.streamed(&p.name) => continue,
                 (None, None) => {
                     return Err(ModelError::MissingGradient {
                         name: p.name.clone(),

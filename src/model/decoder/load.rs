@@ -92,7 +92,7 @@ impl CausalLm {
             lora: None,
             quantized: quantized.1,
             quantization: quantized.0,
-            side_grads: Arc::new(Mutex::new(HashMap::new())),
+            side_grads: super::super::side_grads::SideTable::new(),
             side_routed: Mutex::new(Default::default()),
             forward_counter: AtomicU64::new(0),
             dropout_seed_base: 0x5EED,

@@ -4,7 +4,7 @@
 
 use super::super::layer_weights::Layer;
 use super::super::ops::lock;
-use super::super::side_grads::{add_side_grad, SideGrads};
+use super::super::side_grads::SideGrads;
 use super::dims::LayerDims;
 use super::f32_data::{narrow, narrow_tensor, with_f32};
 use super::layer_pass::{self, SavedActivations, TensorGrad};
@@ -91,7 +91,6 @@ impl NativeLayerOp {
     /// dropped.
     fn send_to_side_table(&self, grads: Vec<TensorGrad>) -> Result<()> {
         let layer = &self.layer;
-        let mut side = lock(&self.side);
         for TensorGrad { tensor, grad } in grads {
             let Some(t) = tensor.of(layer) else {
                 bail!("{OP_NAME}: gradient for a tensor the layer does not have (internal error)")
@@ -100,7 +99,7 @@ impl NativeLayerOp {
                 continue;
             };
             let g = narrow_tensor(grad, t.dtype(), t.shape())?;
-            add_side_grad(&mut side, name, g)?;
+            self.side.add(name, g)?;
         }
         Ok(())
     }

@@ -13,10 +13,12 @@
 //!   dtype exists (the all-gather rounds the master); else it is in the parameter dtype,
 //!   counted with the weights (a copy of weights, in their dtype);
 //! - AdamW's m and v of its slice;
-//! - a persistent gradient accumulator of its slice: candle's backward still produces the
-//!   whole gradient of a micro-step at once, which is reduce-scattered into the accumulators
-//!   right after each backward and dropped, so the backward's moments hold the whole gradient
-//!   *and* the accumulator, and the optimizer step the accumulator only;
+//! - a persistent gradient accumulator of its slice. A decoder layer whose gradients leave
+//!   candle's graph as its backward ends (checkpointed, gathered or native layers,
+//!   [`RankShare::streams_layer_gradients`]) has them reduce-scattered into the accumulators
+//!   then, so the backward holds one layer's whole gradient at a time; the rest of the
+//!   gradient (embeddings, head, plain graph layers) is whole until the backward ends and is
+//!   reduce-scattered then. The optimizer step holds the accumulator only;
 //! - the host collective's buffers: during the reduce-scatter one other rank's slice of one
 //!   tensor at a time, and after the update the all-gather of the updated slices into the
 //!   whole weights, one tensor at a time.
@@ -128,6 +130,16 @@ impl RankShare {
             .collect();
         per_layer.sort_unstable_by(|a, b| b.cmp(a));
         per_layer.iter().take(2).sum()
+    }
+
+    /// Whether each decoder layer's gradients are reduce-scattered as its backward ends
+    /// (`train::step::layer_stream`) rather than after the whole backward: the trainer
+    /// streams every gradient that leaves candle's graph through the side table, which
+    /// checkpointed and gathered (ZeRO-3) layers' do on any device, and native CPU layers' do.
+    pub fn streams_layer_gradients(&self, dims: &StepDims) -> bool {
+        self.ranks > 1
+            && (dims.checkpointing
+                || (dims.native_layers && dims.quantize == crate::settings::Quantization::None))
     }
 
     /// The reduce-scatter's staging: one other rank's slice of one tensor at a time, at most

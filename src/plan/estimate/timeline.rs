@@ -253,7 +253,17 @@ fn backward_peak(h: &Held<'_>, dims: &StepDims) -> Parts {
             summed_into_buffer(h, dims, b, &mut p);
         }
         best = best_of(best, p);
-        if !h.accumulating {
+        let streamed = h
+            .share
+            .filter(|s| s.streams_layer_gradients(dims) && super::sharded::is_layer(b));
+        if let Some(s) = streamed {
+            // The layer's whole gradient exists only while each rank's range of it is added
+            // into that rank's accumulator, one range at a time.
+            let mut scatter = end;
+            scatter.temporaries = residue + b.terms.backward_grad_bytes;
+            scatter.collective = s.reduce_scatter_bytes(dims, b.largest_trainable_elems);
+            best = best_of(best, scatter);
+        } else if !h.accumulating {
             end.gradients += b.terms.backward_grad_bytes;
         }
         residue += b.terms.residue_bytes;

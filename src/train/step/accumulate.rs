@@ -9,6 +9,7 @@ use super::super::error::{step_error, Phase, TrainError};
 use super::super::loader::derive_seed;
 use super::super::preference::{PairRun, PairStep};
 use super::super::samples::{self, Sample};
+use super::layer_stream::with_layer_stream;
 use super::objective::SftRows;
 use super::{Accumulated, TrainingRun, DROPOUT_STREAM};
 
@@ -77,8 +78,10 @@ impl TrainingRun {
             let counter = (step << 16) + i as u64;
             injected_failure(step, Phase::Forward, shape, &settings)?;
             let accs = std::mem::take(&mut per_rank);
-            let results = run_ranks(&models, shards, accs, |model, batch, acc| {
-                micro_step(model, batch, seed_base, counter, backward_factor, acc)
+            let results = self.streamed(&models, &mut acc.grads, || {
+                run_ranks(&models, shards, accs, |model, batch, acc| {
+                    micro_step(model, batch, seed_base, counter, backward_factor, acc)
+                })
             });
             for (rank, result) in results.into_iter().enumerate() {
                 let (loss, tokens, grads) = result.map_err(|(phase, e)| {
@@ -140,8 +143,9 @@ impl TrainingRun {
     /// per rank), so no rank holds a whole gradient beyond its own micro-step's. Any other
     /// strategy keeps summing whole gradients per rank until [`Self::reduce_step`].
     ///
-    /// Candle's backward returns a micro-step's gradients all at once, so the scatter follows
-    /// the backward rather than overlapping it layer by layer as DeepSpeed's buckets do.
+    /// What reaches here is what candle's backward returned at its end: the gradients of the
+    /// embeddings, final norm and head, and of any layer that did not stream its own
+    /// ([`Self::streamed`]).
     pub(super) fn fold_micro_step(
         &self,
         per_rank: &mut Vec<Gradients>,
@@ -160,6 +164,23 @@ impl TrainingRun {
             .collect();
         let whole = std::mem::replace(per_rank, vec![Gradients::new(); ranks]);
         sharded.reduce_scatter_into(whole, &mut acc.grads, &devices)
+    }
+
+    /// Runs one micro-step of every rank (`micro_step`); under sharded data parallel each
+    /// decoder layer's gradients are reduce-scattered into the step's ranges (`sums`) as the
+    /// backward produces them (`layer_stream`), the rest by [`Self::fold_micro_step`] after.
+    pub(super) fn streamed<T>(
+        &self,
+        models: &[&CausalLm],
+        sums: &mut Vec<Gradients>,
+        micro_step: impl FnOnce() -> T,
+    ) -> T {
+        match &self.sharded {
+            Some(sharded) if self.world.is_none() => {
+                with_layer_stream(sharded.layout(), models, sums, micro_step)
+            }
+            _ => micro_step(),
+        }
     }
 
     /// Sums the ranks' gradients of the step into `acc` (all-reduced, one copy per rank),
@@ -221,7 +242,10 @@ impl TrainingRun {
             // LoRA dropout masks derive from (seed, step, micro-batch), as for SFT.
             let counter = (step << 16) + i as u64;
             let grads = std::mem::take(&mut per_rank);
-            let results = self.pair_micro_step(pairs, shards, grads, counter, acc.backward_factor);
+            let factor = acc.backward_factor;
+            let results = self.streamed(&self.rank_models(), &mut acc.grads, || {
+                self.pair_micro_step(pairs, shards, grads, counter, factor)
+            });
             for (rank, result) in results.into_iter().enumerate() {
                 let (out, grads) = result.map_err(|(phase, e)| {
                     on_rank(step_error(phase, step, shape, e, &settings), rank, ranks)

@@ -67,15 +67,18 @@ impl TrainingRun {
             let counter = (step << 16) + i as u64;
             let factor = acc.backward_factor;
             let concurrent = ranks > 1 && self.model.device().is_cuda();
-            let results = run_rank_jobs(concurrent, jobs, |(model, copy, passes, mut grads)| {
-                let Some(passes) = passes else {
-                    return Ok((None, grads));
-                };
-                model
-                    .forward_counter
-                    .store(counter, std::sync::atomic::Ordering::Relaxed);
-                grpo.micro_batch_step(model, copy, &passes, &loss_settings, factor, &mut grads)
-                    .map(|out| (Some(out), grads))
+            let models = self.rank_models();
+            let results = self.streamed(&models, &mut acc.grads, || {
+                run_rank_jobs(concurrent, jobs, |(model, copy, passes, mut grads)| {
+                    let Some(passes) = passes else {
+                        return Ok((None, grads));
+                    };
+                    model
+                        .forward_counter
+                        .store(counter, std::sync::atomic::Ordering::Relaxed);
+                    grpo.micro_batch_step(model, copy, &passes, &loss_settings, factor, &mut grads)
+                        .map(|out| (Some(out), grads))
+                })
             });
             for (rank, result) in results.into_iter().enumerate() {
                 let (out, grads): (Option<GrpoMicroStep>, Gradients) =

@@ -316,6 +316,11 @@ impl ShardedOptimizer {
             .map(|v| v.as_tensor().clone())
     }
 
+    /// How the trained tensors are divided over the ranks.
+    pub(super) fn layout(&self) -> &ShardLayout {
+        &self.layout
+    }
+
     /// ZeRO-3: from now on the all-gather after the update leaves `names` out (the ranks
     /// keep them in ranges only).
     pub(super) fn keep_sliced<'a>(&mut self, names: impl IntoIterator<Item = &'a str>) {
