@@ -135,6 +135,44 @@ pub trait GradientReducer {
         outputs: &[Device],
     ) -> Result<Vec<Gradients>, DevicesError>;
 
+    /// Sharded data parallel's reduce-scatter: `per_rank[k]` holds rank k's gradients (whole,
+    /// on its device); rank r's running sums `sums[r]` (its ranges, flat, on `outputs[r]`) gain
+    /// the sum over the ranks of each tensor's range r. The host's: tensor by tensor, through
+    /// each receiving rank's device ([`shards::host_reduce_scatter_into`]).
+    fn reduce_scatter_into(
+        &self,
+        per_rank: Vec<Gradients>,
+        layout: &shards::ShardLayout,
+        outputs: &[Device],
+        sums: &mut [Gradients],
+    ) -> Result<(), DevicesError> {
+        shards::host_reduce_scatter_into(per_rank, layout, outputs, sums)
+    }
+
+    /// Sharded data parallel's all-gather of one tensor: `parts[k]` is rank k's range of `t`
+    /// (flat, on its device; `None` when empty); returns the whole tensor on each of `homes`.
+    fn all_gather(
+        &self,
+        t: &shards::TensorShards,
+        parts: &[Option<&Tensor>],
+        homes: &[Home],
+    ) -> Result<Vec<Tensor>, DevicesError> {
+        homes
+            .iter()
+            .map(|home| {
+                // What a rank receives is its own, for the per-rank memory accounting.
+                let _rank = crate::mem::ranks::RankGuard::enter(home.index);
+                shards::host_all_gather(parts, &t.dims, home)
+            })
+            .collect()
+    }
+
+    /// Whether one rank's gradient can be reduce-scattered alone, as the backward produces it
+    /// (the host's adds can; a collective such as NCCL's needs every rank's at once).
+    fn scatters_each_contribution(&self) -> bool {
+        true
+    }
+
     /// A short name for reports ("host", "nccl").
     fn name(&self) -> &'static str;
 }

@@ -218,7 +218,7 @@ pub struct TrainingRun {
     /// The NCCL communicators of a data-parallel run over distinct GPUs: created once per
     /// run (NCCL's setup costs far more than a step) and reused by every step.
     #[cfg(feature = "nccl")]
-    nccl: Option<crate::devices::parallel::nccl::NcclReducer>,
+    nccl: Option<std::sync::Arc<crate::devices::parallel::nccl::NcclReducer>>,
     /// One rank of a launched run (torchrun, Slurm): the process group its sums go through;
     /// `None` for a run in one process.
     world: Option<std::sync::Arc<crate::devices::parallel::process_group::ProcessGroup>>,

@@ -246,6 +246,61 @@ pub fn host_all_gather(
     Ok(whole.reshape(dims)?)
 }
 
+/// NCCL's reduce-scatter and all-gather move equal slots, one per rank: this many elements
+/// of the tensor `t` (its fullest range, rank 0's). A rank's range sits at the start of its
+/// slot, the rest of the slot is zeros.
+pub fn slot_elems(t: &TensorShards) -> usize {
+    t.ranges.iter().map(|r| r.len()).max().unwrap_or(0)
+}
+
+/// `part` (a range of `t`, flat; `None` for an empty one) zero-padded to one slot of `t`.
+pub fn pad_to_slot(
+    part: Option<&Tensor>,
+    t: &TensorShards,
+    dtype: candle_core::DType,
+    device: &Device,
+) -> Result<Tensor, DevicesError> {
+    let slot = slot_elems(t);
+    let len = part.map_or(0, |p| p.elem_count());
+    let zeros = |n: usize| Tensor::zeros(n, dtype, device);
+    Ok(match part {
+        Some(p) if len == slot => p.flatten_all()?.contiguous()?,
+        Some(p) => Tensor::cat(&[&p.flatten_all()?, &zeros(slot - len)?], 0)?,
+        None => zeros(slot)?,
+    })
+}
+
+/// A whole gradient of `t` laid out as a reduce-scatter's send buffer: every rank's range
+/// in its own slot, in rank order (`slot_elems × ranks` elements).
+pub fn pack_slots(whole: &Tensor, t: &TensorShards) -> Result<Tensor, DevicesError> {
+    let flat = whole.flatten_all()?;
+    let slots = t
+        .ranges
+        .iter()
+        .map(|range| {
+            let part = (!range.is_empty())
+                .then(|| flat.narrow(0, range.start, range.len()))
+                .transpose()?;
+            pad_to_slot(part.as_ref(), t, whole.dtype(), whole.device())
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Tensor::cat(&slots, 0)?)
+}
+
+/// What an all-gather of `t`'s slots gives (`slot_elems × ranks` elements, rank order) as the
+/// whole tensor: each slot's range joined, in `t`'s shape.
+pub fn unpack_slots(gathered: &Tensor, t: &TensorShards) -> Result<Tensor, DevicesError> {
+    let slot = slot_elems(t);
+    let parts = t
+        .ranges
+        .iter()
+        .enumerate()
+        .filter(|(_, range)| !range.is_empty())
+        .map(|(r, range)| gathered.narrow(0, r * slot, range.len()))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Tensor::cat(&parts, 0)?.reshape(t.dims.as_slice())?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -266,6 +321,78 @@ mod tests {
         }
         assert_eq!(shard_range(7, 3, 0), 0..3);
         assert_eq!(shard_range(7, 3, 2), 5..7);
+    }
+
+    /// NCCL's collectives move equal slots: packing each rank's whole gradient into slots,
+    /// summing slot r over the ranks (what `ncclReduceScatter` hands rank r) and keeping its
+    /// range's length is the host reduce-scatter; padding each range to a slot, joining the
+    /// slots (`ncclAllGather`) and unpacking is the host all-gather. Uneven ranges (7 elements
+    /// over 3 ranks: 3, 2, 2) and a rank with an empty range (2 elements over 3) included.
+    #[test]
+    fn slots_carry_the_uneven_ranges_as_the_host_collectives_do() {
+        let device = Device::Cpu;
+        for (dims, ranks) in [
+            (vec![7usize], 3usize),
+            (vec![2, 3], 4),
+            (vec![2], 3),
+            (vec![4, 2], 2),
+        ] {
+            let n: usize = dims.iter().product();
+            let layout = ShardLayout::new([("w", &dims[..])], ranks);
+            let t = layout.tensor("w").unwrap();
+            let grads: Vec<Tensor> = (0..ranks)
+                .map(|k| {
+                    let v: Vec<f32> = (0..n).map(|i| (i * 10 + k) as f32).collect();
+                    Tensor::from_vec(v, dims.as_slice(), &device).unwrap()
+                })
+                .collect();
+            let mut host = vec![Gradients::new(); ranks];
+            let per_rank = grads
+                .iter()
+                .map(|g| {
+                    let mut s = Gradients::new();
+                    s.insert("w", g.clone());
+                    s
+                })
+                .collect();
+            host_reduce_scatter_into(per_rank, &layout, &vec![device.clone(); ranks], &mut host)
+                .unwrap();
+            let slot = slot_elems(t);
+            let packed: Vec<Tensor> = grads.iter().map(|g| pack_slots(g, t).unwrap()).collect();
+            let mut sliced = Vec::new();
+            for (r, range) in t.ranges.iter().enumerate() {
+                let mut sum = packed[0].narrow(0, r * slot, slot).unwrap();
+                for p in &packed[1..] {
+                    sum = (sum + p.narrow(0, r * slot, slot).unwrap()).unwrap();
+                }
+                let mine = sum.narrow(0, 0, range.len()).unwrap();
+                let want: Vec<f32> = match host[r].get("w") {
+                    Some(h) => h.to_vec1().unwrap(),
+                    None => Vec::new(),
+                };
+                assert_eq!(mine.to_vec1::<f32>().unwrap(), want, "rank {r} of {ranks}");
+                sliced.push(mine);
+            }
+            let padded: Vec<Tensor> = sliced
+                .iter()
+                .map(|m| {
+                    let part = (m.elem_count() > 0).then_some(m);
+                    pad_to_slot(part, t, candle_core::DType::F32, &device).unwrap()
+                })
+                .collect();
+            let gathered = Tensor::cat(&padded, 0).unwrap();
+            let parts: Vec<Option<&Tensor>> = sliced
+                .iter()
+                .map(|m| (m.elem_count() > 0).then_some(m))
+                .collect();
+            let whole = unpack_slots(&gathered, t).unwrap();
+            let host_whole = host_all_gather(&parts, &dims, &Home::single(&device)).unwrap();
+            assert_eq!(whole.dims(), dims.as_slice());
+            assert_eq!(
+                whole.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                host_whole.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            );
+        }
     }
 
     /// Reduce-scatter then all-gather is the all-reduce: the sum of every rank's gradient.

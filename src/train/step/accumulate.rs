@@ -1,9 +1,12 @@
 //! Forward and backward over a step's micro-batches: each rank's shard collated on its device,
 //! the gradients summed in place over the micro-batches, then over the ranks.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device};
 
-use crate::model::{CausalLm, Gradients};
+use crate::devices::GradientReducer;
+use crate::model::{CausalLm, Gradients, ModelError};
 
 use super::super::error::{step_error, Phase, TrainError};
 use super::super::loader::derive_seed;
@@ -163,7 +166,12 @@ impl TrainingRun {
             .map(|d| d.candle.clone())
             .collect();
         let whole = std::mem::replace(per_rank, vec![Gradients::new(); ranks]);
-        sharded.reduce_scatter_into(whole, &mut acc.grads, &devices)
+        sharded.reduce_scatter_into(
+            whole,
+            &mut acc.grads,
+            &devices,
+            self.shard_reducer().as_ref(),
+        )
     }
 
     /// Runs one micro-step of every rank (`micro_step`); under sharded data parallel each
@@ -173,12 +181,22 @@ impl TrainingRun {
         &self,
         models: &[&CausalLm],
         sums: &mut Vec<Gradients>,
-        micro_step: impl FnOnce() -> T,
-    ) -> T {
+        micro_step: impl FnOnce() -> Vec<Result<T, RankError>>,
+    ) -> Vec<Result<T, RankError>> {
         match &self.sharded {
-            Some(sharded) if self.world.is_none() => {
-                with_layer_stream(sharded.layout(), models, sums, micro_step)
-            }
+            Some(sharded) if self.world.is_none() => with_layer_stream(
+                sharded.layout(),
+                self.shard_reducer(),
+                models,
+                sums,
+                micro_step,
+                |e| {
+                    (
+                        Phase::Backward,
+                        ModelError::Input(format!("reduce-scatter: {e}")),
+                    )
+                },
+            ),
             _ => micro_step(),
         }
     }
@@ -339,6 +357,17 @@ impl TrainingRun {
         crate::devices::HostReducer.all_reduce_sum(per_rank, &outputs)
     }
 
+    /// The collectives of a sharded run in this process: NCCL's when the run opened
+    /// communicators (its ranks distinct GPUs, a build with the `nccl` feature), else the
+    /// host's.
+    pub(super) fn shard_reducer(&self) -> Arc<dyn GradientReducer + Send + Sync> {
+        #[cfg(feature = "nccl")]
+        if let Some(nccl) = &self.nccl {
+            return nccl.clone();
+        }
+        Arc::new(crate::devices::HostReducer)
+    }
+
     /// The run's NCCL communicators, when its ranks are distinct GPUs
     /// ([`crate::devices::parallel::choose_reducer`]); `None` runs the host reducer.
     #[cfg(feature = "nccl")]
@@ -363,6 +392,9 @@ impl TrainingRun {
         }
     }
 }
+
+/// Why a rank's micro-step failed: the phase, and the model's error.
+pub(super) type RankError = (Phase, ModelError);
 
 /// What one rank's micro-step gives: loss sum, trained tokens, and its accumulated gradients.
 type MicroStep = (f64, usize, Gradients);

@@ -500,7 +500,8 @@ impl TrainingRun {
             run.nccl = match run.world.clone() {
                 Some(world) => run.open_world_nccl(&world)?,
                 None => run.open_nccl()?,
-            };
+            }
+            .map(std::sync::Arc::new);
         }
         run.sync_replicas()?;
         run.sharded = build_sharded(&run.config, &run.rank_models())?;

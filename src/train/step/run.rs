@@ -231,12 +231,13 @@ impl TrainingRun {
         }
         // Sharded: each rank steps its ranges, then the ranges are all-gathered into every
         // rank's weights.
+        let reducer = self.shard_reducer();
         if let Some(sharded) = &mut self.sharded {
             let models: Vec<&CausalLm> = std::iter::once(&self.model)
                 .chain(self.replicas.iter().map(|r| &r.model))
                 .collect();
             return sharded
-                .step(grads, lr, multiplier, &models)
+                .step(grads, lr, multiplier, &models, reducer.as_ref())
                 .map_err(|e| step_error(Phase::Optimizer, step, shape, e, settings));
         }
         // Every rank steps its own optimizer on the same all-reduced gradients (as DDP does):

@@ -19,7 +19,8 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, Var};
 
-use crate::devices::parallel::shards::{host_all_gather, host_reduce_scatter_into, ShardLayout};
+use crate::devices::parallel::shards::{host_all_gather, ShardLayout};
+use crate::devices::GradientReducer;
 use crate::mem::ranks::RankGuard;
 use crate::model::{AdamW, CausalLm, Gradients, Home, ModelError, NamedParam, StateSource};
 
@@ -176,12 +177,14 @@ impl ShardedOptimizer {
         per_rank: Vec<Gradients>,
         acc: &mut Vec<Gradients>,
         devices: &[Device],
+        reducer: &dyn GradientReducer,
     ) -> Result<(), TrainError> {
         if acc.is_empty() {
             *acc = vec![Gradients::new(); self.layout.ranks()];
         }
-        host_reduce_scatter_into(per_rank, &self.layout, devices, acc)
-            .map_err(|e| shard_error(format!("reduce-scatter: {e}")))
+        reducer
+            .reduce_scatter_into(per_rank, &self.layout, devices, acc)
+            .map_err(|e| shard_error(format!("{} reduce-scatter: {e}", reducer.name())))
     }
 
     /// The L2 norm of the whole gradient from its ranges (`shards[r]`, rank r's).
@@ -202,12 +205,13 @@ impl ShardedOptimizer {
         lr: f64,
         grad_multiplier: f64,
         models: &[&CausalLm],
+        reducer: &dyn GradientReducer,
     ) -> Result<(), ModelError> {
         for (index, (rank, grads)) in self.ranks.iter_mut().zip(shards).enumerate() {
             let _rank = RankGuard::enter(index);
             rank.optimizer.step(grads, lr, grad_multiplier)?;
         }
-        self.gather_into(models)
+        self.gather_into(models, reducer)
     }
 
     /// The whole gradient, on the host, from its ranges (`shards[r]`, rank r's): for tests
@@ -230,21 +234,33 @@ impl ShardedOptimizer {
     /// Every rank's whole trainable weights from the ranks' ranges (the all-gather). A master
     /// range is rounded to the weights' dtype first, where it lives (candle's cast rounds to
     /// nearest even, as AdamW's master→weight write does), once for every home.
-    fn gather_into(&self, models: &[&CausalLm]) -> Result<(), ModelError> {
+    fn gather_into(
+        &self,
+        models: &[&CausalLm],
+        reducer: &dyn GradientReducer,
+    ) -> Result<(), ModelError> {
         let params: Vec<_> = models.iter().map(|m| trainable_vars(m)).collect();
         for t in self.layout.tensors() {
             if self.kept_sliced.contains(&t.name) {
                 continue;
             }
-            let dtype = params
+            let targets = params
                 .iter()
-                .find_map(|p| p.get(t.name.as_str()))
-                .map(|p| p.var.dtype());
+                .enumerate()
+                .map(|(rank, p)| {
+                    p.get(t.name.as_str()).copied().ok_or_else(|| {
+                        ModelError::Optimizer(format!("rank {rank}'s model has no `{}`", t.name))
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let Some(dtype) = targets.first().map(|p| p.var.dtype()) else {
+                continue;
+            };
             let rounded: Vec<Option<Tensor>> = self
                 .ranks
                 .iter()
-                .map(|r| match (r.ranges.get(&t.name), dtype) {
-                    (Some(range), Some(dtype)) if range.dtype() != dtype => {
+                .map(|r| match r.ranges.get(&t.name) {
+                    Some(range) if range.dtype() != dtype => {
                         range.as_tensor().to_dtype(dtype).map(Some)
                     }
                     _ => Ok(None),
@@ -260,18 +276,23 @@ impl ShardedOptimizer {
                         .or_else(|| r.ranges.get(&t.name).map(Var::as_tensor))
                 })
                 .collect();
-            for (index, params) in params.iter().enumerate() {
-                let Some(param) = params.get(t.name.as_str()) else {
-                    continue;
-                };
-                let _rank = RankGuard::enter(index);
-                let home = Home {
+            let homes: Vec<Home> = targets
+                .iter()
+                .enumerate()
+                .map(|(index, p)| Home {
                     index,
-                    device: param.var.device().clone(),
-                };
-                let whole = host_all_gather(&parts, &t.dims, &home).map_err(|e| {
-                    ModelError::Optimizer(format!("all-gather of `{}`: {e}", t.name))
-                })?;
+                    device: p.var.device().clone(),
+                })
+                .collect();
+            let wholes = reducer.all_gather(t, &parts, &homes).map_err(|e| {
+                ModelError::Optimizer(format!(
+                    "{} all-gather of `{}`: {e}",
+                    reducer.name(),
+                    t.name
+                ))
+            })?;
+            for (index, (param, whole)) in targets.iter().zip(wholes).enumerate() {
+                let _rank = RankGuard::enter(index);
                 param.var.set(&whole)?;
             }
         }

@@ -169,7 +169,7 @@ impl TrainingRun {
     fn world_nccl(&self) -> Option<&dyn GradientReducer> {
         self.nccl
             .as_ref()
-            .map(|n| n as &dyn GradientReducer)
+            .map(|n| n.as_ref() as &dyn GradientReducer)
             .filter(|_| self.world.is_some())
     }
 
