@@ -16,8 +16,8 @@
 #                          against one device
 #   nccl-one-rank          NCCL communicator of one rank + all-reduce (GPU only)
 #   launcher               `train` as rank 0 of a world of one under torchrun's environment (the rendezvous
-#                          with itself, the launched trainer's NCCL path over one rank) against the
-#                          one-device reference
+#                          with itself, the launched trainer's NCCL path over one rank), data parallel
+#                          and ZeRO-2 (ncclReduceScatter / ncclAllGather), against the one-device reference
 #   resume                 4 steps, checkpoint at 2, resumed: the losses of the uninterrupted run (1e-6)
 #   optimizer-offload      `optimizer_offload = "host"` trains as the state on the device does (1e-5)
 #   out-of-memory          a real out-of-memory (a random-init run the plan puts above the card) ends in a
@@ -482,8 +482,16 @@ step_launcher() {
   rm -rf "$dir"; cfg_reset; C_SAVE_EVERY=2; cfg_write "$dir"
   RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29533 train "$dir" ||
     { fail_train "$dir" "the run as rank 0 of a world of one"; return; }
+  # ZeRO-2 across processes, a world of one: on a GPU its reduce-scatter and all-gather are
+  # ncclReduceScatter and ncclAllGather over the one rank (slots of one), and its checkpoint
+  # gathers the optimizer state through the same all-gather.
+  local z2="$WORK/launcher-sharded"
+  rm -rf "$z2"; cfg_reset; C_SAVE_EVERY=2; C_STRATEGY=sharded; cfg_write "$z2"
+  RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29534 train "$z2" ||
+    { fail_train "$z2" "the sharded run as rank 0 of a world of one"; return; }
   gc_py compare --tol 1e-6 --steps 4 \
-    "launcher=$dir/out/metrics.jsonl:$WORK/ref/out/metrics.jsonl"
+    "launcher=$dir/out/metrics.jsonl:$WORK/ref/out/metrics.jsonl" \
+    "launcher-sharded=$z2/out/metrics.jsonl:$WORK/ref/out/metrics.jsonl"
 }
 
 step_resume() {

@@ -135,6 +135,13 @@ pub trait GradientReducer {
         outputs: &[Device],
     ) -> Result<Vec<Gradients>, DevicesError>;
 
+    /// The global ranks this process drives, of `world` (a sharded layout's ranks): every one
+    /// for the host, which runs them all; one rank for a launched process. The sharded
+    /// collectives' per-rank arguments are these ranks', in order.
+    fn local_ranks(&self, world: usize) -> std::ops::Range<usize> {
+        0..world
+    }
+
     /// Sharded data parallel's reduce-scatter: `per_rank[k]` holds rank k's gradients (whole,
     /// on its device); rank r's running sums `sums[r]` (its ranges, flat, on `outputs[r]`) gain
     /// the sum over the ranks of each tensor's range r. The host's: tensor by tensor, through
@@ -149,14 +156,17 @@ pub trait GradientReducer {
         shards::host_reduce_scatter_into(per_rank, layout, outputs, sums)
     }
 
-    /// Sharded data parallel's all-gather of one tensor: `parts[k]` is rank k's range of `t`
-    /// (flat, on its device; `None` when empty); returns the whole tensor on each of `homes`.
+    /// Sharded data parallel's all-gather of one tensor: `parts[i]` is the i-th local rank's
+    /// range of `t` (flat, on its device; `None` when empty); returns the whole tensor, in
+    /// `dtype`, on each local rank's home (`homes[i]`).
     fn all_gather(
         &self,
         t: &shards::TensorShards,
         parts: &[Option<&Tensor>],
+        dtype: candle_core::DType,
         homes: &[Home],
     ) -> Result<Vec<Tensor>, DevicesError> {
+        let _ = dtype;
         homes
             .iter()
             .map(|home| {

@@ -35,6 +35,7 @@ mod checkpoint_io;
 mod layer_stream;
 mod objective;
 mod run;
+mod shard_reduce;
 mod sharded;
 mod sharded_layers;
 mod world;
@@ -219,6 +220,9 @@ pub struct TrainingRun {
     /// run (NCCL's setup costs far more than a step) and reused by every step.
     #[cfg(feature = "nccl")]
     nccl: Option<std::sync::Arc<crate::devices::parallel::nccl::NcclReducer>>,
+    /// The step a launched sharded rank that writes no checkpoint last gave its share of one
+    /// (`share_checkpoint_state`).
+    shared_checkpoint_step: Option<u64>,
     /// One rank of a launched run (torchrun, Slurm): the process group its sums go through;
     /// `None` for a run in one process.
     world: Option<std::sync::Arc<crate::devices::parallel::process_group::ProcessGroup>>,

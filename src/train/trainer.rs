@@ -541,8 +541,21 @@ fn handle_command(
 }
 
 fn save(run: &mut TrainingRun, em: &mut Emitter) {
-    // Rank 0 writes a launched run's checkpoints: the replicas are identical.
+    // Rank 0 writes a launched run's checkpoints: the replicas are identical. A sharded run's
+    // other ranks hand it their share of the optimizer state.
     if !run.writes_outputs() {
+        if run.checkpoint_needs_every_rank()
+            && run.shared_checkpoint_step() != Some(run.step_index())
+        {
+            if let Err(e) = run.share_checkpoint_state() {
+                em.emit(Event::Warning {
+                    message: format!(
+                        "could not hand this rank's optimizer state to rank 0's checkpoint: \
+                         {e}; training continues"
+                    ),
+                });
+            }
+        }
         return;
     }
     // Saving twice at one step (periodic save, then Ctrl-C) just reports the one checkpoint.

@@ -69,6 +69,8 @@ pub struct NcclReducer {
     /// data parallel's layer-by-layer reduce-scatter launches from whichever rank's thread
     /// finishes a layer last (`train::step::layer_stream`).
     comms: std::sync::Mutex<Vec<Comm>>,
+    /// The global rank of the first communicator (0 in one process; a launched rank's own).
+    first_rank: usize,
 }
 
 // SAFETY: a `Comm` is a handle NCCL lets any thread use, one call at a time; every use of
@@ -103,6 +105,7 @@ impl NcclReducer {
         })?;
         Ok(NcclReducer {
             comms: std::sync::Mutex::new(comms),
+            first_rank: 0,
         })
     }
 
@@ -123,6 +126,7 @@ impl NcclReducer {
             })?;
         Ok(NcclReducer {
             comms: std::sync::Mutex::new(vec![comm]),
+            first_rank: rank,
         })
     }
 }
@@ -284,7 +288,7 @@ impl NcclReducer {
             .collect()
     }
 
-    fn local_ranks(&self) -> usize {
+    fn comm_count(&self) -> usize {
         self.comms
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -298,7 +302,7 @@ impl GradientReducer for NcclReducer {
         per_rank: Vec<Gradients>,
         outputs: &[Device],
     ) -> Result<Vec<Gradients>, DevicesError> {
-        let ranks = self.local_ranks();
+        let ranks = self.comm_count();
         if per_rank.len() != ranks || outputs.len() != ranks {
             return Err(DevicesError::Input(format!(
                 "NCCL reducer has {ranks} local ranks but got {} gradient sets for {} outputs",
@@ -344,11 +348,12 @@ impl GradientReducer for NcclReducer {
         outputs: &[Device],
         sums: &mut [Gradients],
     ) -> Result<(), DevicesError> {
-        let ranks = self.local_ranks();
+        let ranks = self.comm_count();
+        let world = layout.ranks();
         if per_rank.len() != ranks || outputs.len() != ranks || sums.len() != ranks {
             return Err(DevicesError::Input(format!(
-                "an NCCL reduce-scatter over {ranks} ranks got gradients of {} ranks, {} devices \
-                 and {} sums",
+                "an NCCL reduce-scatter over {ranks} local ranks got gradients of {} ranks, {} \
+                 devices and {} sums",
                 per_rank.len(),
                 outputs.len(),
                 sums.len()
@@ -369,14 +374,14 @@ impl GradientReducer for NcclReducer {
                 .zip(outputs)
                 .map(|(g, device)| match g {
                     Some(g) => pack_slots(g, t),
-                    None => Ok(Tensor::zeros(slot * ranks, dtype, device)?),
+                    None => Ok(Tensor::zeros(slot * world, dtype, device)?),
                 })
                 .collect::<Result<Vec<_>, _>>()?;
             drop(whole);
             let received = self.grouped(Collective::ReduceScatter, &send)?;
             drop(send);
             for (r, got) in received.into_iter().enumerate() {
-                let len = t.ranges[r].len();
+                let len = t.ranges[self.first_rank + r].len();
                 if len == 0 {
                     continue;
                 }
@@ -403,9 +408,10 @@ impl GradientReducer for NcclReducer {
         &self,
         t: &TensorShards,
         parts: &[Option<&Tensor>],
+        dtype: DType,
         homes: &[Home],
     ) -> Result<Vec<Tensor>, DevicesError> {
-        let ranks = self.local_ranks();
+        let ranks = self.comm_count();
         if parts.len() != ranks || homes.len() != ranks {
             return Err(DevicesError::Input(format!(
                 "an NCCL all-gather of `{}` over {ranks} ranks got {} parts for {} ranks",
@@ -414,17 +420,13 @@ impl GradientReducer for NcclReducer {
                 homes.len()
             )));
         }
-        let Some(dtype) = parts.iter().flatten().map(|p| p.dtype()).next() else {
-            return Err(DevicesError::Input(format!(
-                "an all-gather of `{}` got no range from any rank",
-                t.name
-            )));
-        };
         let send = parts
             .iter()
             .zip(homes)
             .map(|(part, home)| {
-                let moved = part.map(|p| p.to_device(&home.device)).transpose()?;
+                let moved = part
+                    .map(|p| p.to_device(&home.device)?.to_dtype(dtype))
+                    .transpose()?;
                 pad_to_slot(moved.as_ref(), t, dtype, &home.device)
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -436,6 +438,10 @@ impl GradientReducer for NcclReducer {
     /// NCCL's collectives need every rank's tensor at once.
     fn scatters_each_contribution(&self) -> bool {
         false
+    }
+
+    fn local_ranks(&self, _world: usize) -> std::ops::Range<usize> {
+        self.first_rank..self.first_rank + self.comm_count()
     }
 
     fn name(&self) -> &'static str {

@@ -17,9 +17,10 @@ use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
 
+use super::shards::{ShardLayout, TensorShards};
 use super::GradientReducer;
 use crate::devices::DevicesError;
-use crate::model::Gradients;
+use crate::model::{Gradients, Home};
 
 mod frames;
 use frames::ReadError;
@@ -259,9 +260,118 @@ impl GradientReducer for ProcessGroup {
         Ok(vec![sum])
     }
 
+    fn local_ranks(&self, _world: usize) -> std::ops::Range<usize> {
+        self.rank..self.rank + 1
+    }
+
+    /// Sharded data parallel across processes, tensor by tensor in model order: the whole
+    /// gradient summed over the processes (rank 0 gathers and sums in rank order, as the
+    /// all-reduce does), of which this rank keeps its range. The TCP group has no cheaper
+    /// reduce-scatter: each process holds one summed tensor at a time, never the whole
+    /// gradient's sum. Every rank must give every tensor (zeros where it computed none).
+    fn reduce_scatter_into(
+        &self,
+        mut per_rank: Vec<Gradients>,
+        layout: &ShardLayout,
+        outputs: &[Device],
+        sums: &mut [Gradients],
+    ) -> Result<(), DevicesError> {
+        let (Some(grads), Some(device), [sums]) = (per_rank.first_mut(), outputs.first(), sums)
+        else {
+            return Err(one_device());
+        };
+        if layout.ranks() != self.world_size {
+            return Err(DevicesError::Input(format!(
+                "a reduce-scatter over {} ranks in a world of {}",
+                layout.ranks(),
+                self.world_size
+            )));
+        }
+        for t in layout.tensors() {
+            let g = grads.remove(&t.name).ok_or_else(|| {
+                DevicesError::Input(format!(
+                    "rank {} has no gradient of `{}` to reduce-scatter (internal error)",
+                    self.rank, t.name
+                ))
+            })?;
+            let dtype = g.dtype();
+            let values = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            drop(g);
+            let mut tensors = [NamedValues {
+                name: t.name.clone(),
+                dims: t.dims.clone(),
+                values,
+            }];
+            self.all_reduce("gradient reduce-scatter", &mut tensors)?;
+            let range = &t.ranges[self.rank];
+            if range.is_empty() {
+                continue;
+            }
+            let [summed] = tensors;
+            let mine = Tensor::from_slice(&summed.values[range.clone()], range.len(), device)?
+                .to_dtype(dtype)?;
+            let sum = match sums.remove(&t.name) {
+                Some(prev) => (prev + mine)?,
+                None => mine,
+            };
+            sums.insert(&t.name, sum);
+        }
+        Ok(())
+    }
+
+    /// The whole tensor from every process's range: each gives its range in place and zeros
+    /// elsewhere, and the sum over the processes (exact: every element is one rank's value
+    /// plus zeros) is the whole.
+    fn all_gather(
+        &self,
+        t: &TensorShards,
+        parts: &[Option<&Tensor>],
+        dtype: DType,
+        homes: &[Home],
+    ) -> Result<Vec<Tensor>, DevicesError> {
+        let ([part], [home]) = (parts, homes) else {
+            return Err(one_device());
+        };
+        let elems: usize = t.dims.iter().product();
+        let mut values = vec![0f32; elems];
+        if let Some(part) = part {
+            let range = &t.ranges[self.rank];
+            let mine = part.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            if mine.len() != range.len() {
+                return Err(DevicesError::Input(format!(
+                    "rank {} gives {} elements of `{}`, its range holds {}",
+                    self.rank,
+                    mine.len(),
+                    t.name,
+                    range.len()
+                )));
+            }
+            values[range.clone()].copy_from_slice(&mine);
+        }
+        let mut tensors = [NamedValues {
+            name: t.name.clone(),
+            dims: t.dims.clone(),
+            values,
+        }];
+        self.all_reduce("all-gather", &mut tensors)?;
+        let [whole] = tensors;
+        Ok(vec![Tensor::from_vec(
+            whole.values,
+            t.dims.as_slice(),
+            &home.device,
+        )?
+        .to_dtype(dtype)?])
+    }
+
     fn name(&self) -> &'static str {
         "tcp"
     }
+}
+
+fn one_device() -> DevicesError {
+    DevicesError::Input(
+        "a rank of a launched run trains on one device: list one device in `[devices]`".into(),
+    )
 }
 
 fn poisoned() -> DevicesError {

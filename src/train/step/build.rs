@@ -251,6 +251,7 @@ fn optimizer_over(
 fn build_sharded(
     config: &RunConfig,
     models: &[&CausalLm],
+    world: Option<(usize, usize)>,
 ) -> Result<Option<super::sharded::ShardedOptimizer>, TrainError> {
     if config.devices.strategy != Strategy::Sharded {
         return Ok(None);
@@ -266,7 +267,7 @@ fn build_sharded(
         (true, OptimizerOffload::None) => MasterRanges::OnRank,
         (true, OptimizerOffload::Host) => MasterRanges::InHostRam,
     };
-    ShardedOptimizer::new(models, masters, |params| {
+    ShardedOptimizer::new(models, masters, world, |params| {
         optimizer_over(config, params, ops_mode)
     })
     .map(Some)
@@ -493,6 +494,7 @@ impl TrainingRun {
             state_bytes_by_rank: Vec::new(),
             #[cfg(feature = "nccl")]
             nccl: None,
+            shared_checkpoint_step: None,
             world,
         };
         #[cfg(feature = "nccl")]
@@ -504,7 +506,8 @@ impl TrainingRun {
             .map(std::sync::Arc::new);
         }
         run.sync_replicas()?;
-        run.sharded = build_sharded(&run.config, &run.rank_models())?;
+        let world = run.world.as_ref().map(|w| (w.rank(), w.world_size()));
+        run.sharded = build_sharded(&run.config, &run.rank_models(), world)?;
         Ok(run)
     }
 

@@ -254,6 +254,28 @@ impl TrainingRun {
         Ok(path)
     }
 
+    /// Whether every rank of a launched run takes part in a checkpoint: a sharded run's
+    /// optimizer state is spread over the processes, and rank 0 writes it whole.
+    pub fn checkpoint_needs_every_rank(&self) -> bool {
+        self.sharded.is_some() && self.world_size() > 1
+    }
+
+    /// A launched sharded run's rank that writes no checkpoint: its share of the optimizer
+    /// state, joined into rank 0's file by the same collective rank 0's
+    /// [`Self::save_checkpoint`] runs. Every rank calls one of them at the same step.
+    pub fn share_checkpoint_state(&mut self) -> Result<(), TrainError> {
+        if let Some(sharded) = &self.sharded {
+            sharded.save_state(None, self.shard_reducer().as_ref())?;
+        }
+        self.shared_checkpoint_step = Some(self.step);
+        Ok(())
+    }
+
+    /// The step of the last [`Self::share_checkpoint_state`].
+    pub fn shared_checkpoint_step(&self) -> Option<u64> {
+        self.shared_checkpoint_step
+    }
+
     /// The files of checkpoint folder `dir`: the trainable tensors, the optimizer state, the
     /// adapter (LoRA), the run config, and last the state file, whose presence marks the
     /// checkpoint complete.
@@ -273,7 +295,10 @@ impl TrainingRun {
             .collect();
         checkpoint::save_tensors(&dir.join(checkpoint::TRAINABLE_FILE), &trainable)?;
         match &self.sharded {
-            Some(sharded) => sharded.save_state(&dir.join(checkpoint::OPTIMIZER_FILE))?,
+            Some(sharded) => sharded.save_state(
+                Some(&dir.join(checkpoint::OPTIMIZER_FILE)),
+                self.shard_reducer().as_ref(),
+            )?,
             None => self
                 .optimizer
                 .save_state(&dir.join(checkpoint::OPTIMIZER_FILE))

@@ -149,11 +149,18 @@ impl TrainingRun {
         let shape = acc.last_shape();
         let settings = self.settings_summary();
         // Sharded: each rank holds its ranges of the gradient; the norm is over all of them.
-        let raw_norm = match &self.sharded {
+        let mut raw_norm = match &self.sharded {
             Some(_) => super::sharded::ShardedOptimizer::global_norm(&acc.grads),
             None => grads.global_norm(),
         }
         .map_err(|e| step_error(Phase::Optimizer, step, shape, e, &settings))?;
+        // A launched sharded run: the other processes hold the other ranges.
+        if let (Some(world), Some(_)) = (&self.world, &self.sharded) {
+            let squares = world
+                .all_reduce_f64("gradient norm", &[raw_norm * raw_norm])
+                .map_err(|e| step_error(Phase::Optimizer, step, shape, e, &settings))?;
+            raw_norm = squares.first().copied().unwrap_or(0.0).sqrt();
+        }
         // grads = backward_factor × ∇(summed loss); the mean-loss gradient is ∇sum / tokens.
         let denominator = acc.tokens as f64 * acc.backward_factor;
         let grad_norm = raw_norm / denominator;

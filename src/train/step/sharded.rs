@@ -29,7 +29,14 @@ use super::super::error::TrainError;
 
 /// Every rank's optimizer over its ranges of the trainable tensors.
 pub(super) struct ShardedOptimizer {
+    /// Every trained tensor's division over the run's ranks: this process's, or, for a launched
+    /// run, every process's (one rank each).
     layout: ShardLayout,
+    /// The layout's rank of this process's first rank (`ranks[i]` is rank `first_rank + i`):
+    /// 0 in one process, a launched rank's own.
+    first_rank: usize,
+    /// Each of this process's ranks' device.
+    devices: Vec<Device>,
     /// ZeRO-3: the trained tensors the ranks keep in ranges only (the decoder layers', which
     /// each rank gathers as it runs them, `super::sharded_layers`); the all-gather after the
     /// update leaves them out.
@@ -94,9 +101,12 @@ impl ShardedOptimizer {
     /// ranks, keeping half-precision ranges as fp32 masters where `masters` says;
     /// `optimizer` builds a rank's AdamW over its ranges (the run's settings and state
     /// placement).
+    /// `world`: this process's rank and the ranks of a launched run (whose process trains one
+    /// rank); `None` for a run in one process, whose `models` are every rank.
     pub(super) fn new(
         models: &[&CausalLm],
         masters: MasterRanges,
+        world: Option<(usize, usize)>,
         optimizer: impl Fn(&[NamedParam]) -> Result<AdamW, TrainError>,
     ) -> Result<Self, TrainError> {
         let Some(first) = models.first() else {
@@ -106,9 +116,10 @@ impl ShardedOptimizer {
             });
         };
         let trainable = || first.params().iter().filter(|p| p.trainable);
+        let (first_rank, total_ranks) = world.unwrap_or((0, models.len()));
         let layout = ShardLayout::new(
             trainable().map(|p| (p.name.as_str(), p.var.dims())),
-            models.len(),
+            total_ranks,
         );
         // As AdamW: an fp32 parameter needs no master.
         let master_names: HashSet<String> = match masters {
@@ -125,7 +136,7 @@ impl ShardedOptimizer {
             let mut named = Vec::new();
             let mut ranges = HashMap::new();
             for t in layout.tensors() {
-                let range = &t.ranges[rank];
+                let range = &t.ranges[first_rank + rank];
                 let param = params.get(t.name.as_str()).ok_or_else(|| {
                     shard_error(format!("rank {rank}'s model has no trainable `{}`", t.name))
                 })?;
@@ -163,6 +174,8 @@ impl ShardedOptimizer {
         }
         Ok(ShardedOptimizer {
             layout,
+            first_rank,
+            devices: models.iter().map(|m| m.device().clone()).collect(),
             kept_sliced: HashSet::new(),
             ranks,
             masters: master_names,
@@ -180,7 +193,7 @@ impl ShardedOptimizer {
         reducer: &dyn GradientReducer,
     ) -> Result<(), TrainError> {
         if acc.is_empty() {
-            *acc = vec![Gradients::new(); self.layout.ranks()];
+            *acc = vec![Gradients::new(); self.ranks.len()];
         }
         reducer
             .reduce_scatter_into(per_rank, &self.layout, devices, acc)
@@ -284,7 +297,7 @@ impl ShardedOptimizer {
                     device: p.var.device().clone(),
                 })
                 .collect();
-            let wholes = reducer.all_gather(t, &parts, &homes).map_err(|e| {
+            let wholes = reducer.all_gather(t, &parts, dtype, &homes).map_err(|e| {
                 ModelError::Optimizer(format!(
                     "{} all-gather of `{}`: {e}",
                     reducer.name(),
@@ -311,7 +324,7 @@ impl ShardedOptimizer {
                 else {
                     continue;
                 };
-                range_of(param.var.as_tensor(), &t.ranges[rank])
+                range_of(param.var.as_tensor(), &t.ranges[self.first_rank + rank])
                     .and_then(|part| {
                         let part = part.to_dtype(var.dtype())?.to_device(var.device())?;
                         Ok(var.set(&part)?)
@@ -369,8 +382,14 @@ impl ShardedOptimizer {
 
     /// Writes the optimizer state whole, under one device's names and shapes (the ranks'
     /// ranges joined), so any number of devices can resume from it. Costs a host copy of the
-    /// state while the file is written.
-    pub(super) fn save_state(&self, path: &Path) -> Result<(), TrainError> {
+    /// state while the file is written. A launched run's ranges are spread over its
+    /// processes: every process calls this at the same step (the join is a collective through
+    /// `reducer`), and the one that writes passes `path`, the others `None`.
+    pub(super) fn save_state(
+        &self,
+        path: Option<&Path>,
+        reducer: &dyn GradientReducer,
+    ) -> Result<(), TrainError> {
         let per_rank = self
             .ranks
             .iter()
@@ -380,29 +399,60 @@ impl ShardedOptimizer {
                 model_error("cannot read the sharded optimizer state".into(), cause)
             })?;
         let host = Home::single(&Device::Cpu);
+        let across_processes = self.ranks.len() < self.layout.ranks();
+        let homes: Vec<Home> = self
+            .devices
+            .iter()
+            .enumerate()
+            .map(|(index, device)| Home {
+                index,
+                device: device.clone(),
+            })
+            .collect();
         let mut whole = HashMap::new();
         for t in self.layout.tensors() {
             for prefix in STATE_PREFIXES {
                 let key = format!("{prefix}{}", t.name);
                 // A master range is the rank's range itself (AdamW holds no master of it).
-                let parts: Vec<Option<&Tensor>> =
-                    if prefix == MASTER_PREFIX && self.masters.contains(&t.name) {
-                        self.ranks
-                            .iter()
-                            .map(|r| r.ranges.get(&t.name).map(Var::as_tensor))
-                            .collect()
-                    } else {
-                        per_rank.iter().map(|s| s.get(&key)).collect()
-                    };
-                if parts.iter().all(Option::is_none) {
-                    continue;
-                }
-                let joined = host_all_gather(&parts, &t.dims, &host)
-                    .map_err(|e| shard_error(format!("cannot join `{key}`: {e}")))?;
+                let master = prefix == MASTER_PREFIX && self.masters.contains(&t.name);
+                let parts: Vec<Option<&Tensor>> = if master {
+                    self.ranks
+                        .iter()
+                        .map(|r| r.ranges.get(&t.name).map(Var::as_tensor))
+                        .collect()
+                } else {
+                    per_rank.iter().map(|s| s.get(&key)).collect()
+                };
+                let joined = if across_processes {
+                    // Every process takes part for every key the optimizer keeps (a rank with
+                    // an empty range too), in the same order.
+                    if !master && (prefix == MASTER_PREFIX || self.steps_taken() == 0) {
+                        continue;
+                    }
+                    let dtype = parts.iter().flatten().map(|p| p.dtype()).next();
+                    let gathered = reducer
+                        .all_gather(t, &parts, dtype.unwrap_or(DType::F32), &homes)
+                        .map_err(|e| shard_error(format!("cannot join `{key}`: {e}")))?;
+                    match gathered.into_iter().next() {
+                        Some(g) => g.to_device(&Device::Cpu).map_err(|cause| {
+                            model_error(format!("cannot copy `{key}` to the host"), cause.into())
+                        })?,
+                        None => continue,
+                    }
+                } else {
+                    if parts.iter().all(Option::is_none) {
+                        continue;
+                    }
+                    host_all_gather(&parts, &t.dims, &host)
+                        .map_err(|e| shard_error(format!("cannot join `{key}`: {e}")))?
+                };
                 whole.insert(key, joined);
             }
         }
-        checkpoint::save_tensors(path, &whole)
+        match path {
+            Some(path) => checkpoint::save_tensors(path, &whole),
+            None => Ok(()),
+        }
     }
 
     /// Reads a whole optimizer state (any device count wrote it) into every rank's ranges:
@@ -430,7 +480,7 @@ impl ShardedOptimizer {
             let ranged = RankSource {
                 source,
                 layout: &self.layout,
-                rank,
+                rank: self.first_rank + rank,
             };
             shard.optimizer.load_state_from(&ranged, steps_taken)?;
             for (name, range) in &shard.ranges {

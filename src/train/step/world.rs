@@ -13,6 +13,7 @@ use candle_core::{Device, Tensor};
 use crate::devices::parallel::process_group::ProcessGroup;
 use crate::devices::GradientReducer;
 use crate::model::Gradients;
+use crate::settings::{ShardMode, Strategy};
 
 use super::super::config::RunConfig;
 use super::super::error::{step_error, Phase, TrainError};
@@ -27,6 +28,14 @@ pub(super) fn rank_config(
 ) -> Result<RunConfig, TrainError> {
     let refuse = |message: String| Err(TrainError::Placement { message });
     let w = world.world_size();
+    if config.devices.strategy == Strategy::Sharded && config.devices.shard == ShardMode::Everything
+    {
+        return refuse(format!(
+            "a launched run of {w} processes shards gradients and optimizer state (ZeRO-2) but \
+             not the weights yet: set `[devices] shard = \"gradients-and-optimizer\"`, or train \
+             ZeRO-3 over the devices of one process"
+        ));
+    }
     if config.training.method.is_preference() || config.training.method.is_grpo() {
         return refuse(format!(
             "a launched run of {w} processes trains SFT only for now: preference pairs and GRPO \
@@ -123,16 +132,20 @@ impl TrainingRun {
     ) -> Result<(), TrainError> {
         let shape = acc.last_shape();
         let fail = |e| step_error(Phase::Backward, step, shape, e, settings);
-        let grads = per_rank.into_iter().next().unwrap_or_default();
-        let grads = self.every_trainable(grads).map_err(fail)?;
-        let device: Device = self.placement.devices[0].candle.clone();
-        let reducer: &dyn GradientReducer = match self.world_nccl() {
-            Some(nccl) => nccl,
-            None => world.as_ref(),
-        };
-        acc.grads = reducer
-            .all_reduce_sum(vec![grads], &[device])
-            .map_err(fail)?;
+        // Sharded: each micro-step's gradients were reduce-scattered over the processes as
+        // they were folded (`fold_micro_step`); `acc.grads` holds this rank's ranges.
+        if self.sharded.is_none() {
+            let grads = per_rank.into_iter().next().unwrap_or_default();
+            let grads = self.every_trainable(grads).map_err(fail)?;
+            let device: Device = self.placement.devices[0].candle.clone();
+            let reducer: &dyn GradientReducer = match self.world_nccl() {
+                Some(nccl) => nccl,
+                None => world.as_ref(),
+            };
+            acc.grads = reducer
+                .all_reduce_sum(vec![grads], &[device])
+                .map_err(fail)?;
+        }
         let counts = [acc.loss_sum, acc.tokens as f64, acc.label_tokens as f64];
         let sums = world
             .all_reduce_f64("step's loss sum and token count", &counts)
@@ -147,7 +160,10 @@ impl TrainingRun {
 
     /// `grads` with a zero gradient for every trainable parameter it lacks, sorted by name:
     /// every rank sends the same tensors in the same order.
-    fn every_trainable(&self, grads: Gradients) -> Result<Gradients, crate::devices::DevicesError> {
+    pub(super) fn every_trainable(
+        &self,
+        grads: Gradients,
+    ) -> Result<Gradients, crate::devices::DevicesError> {
         let mut pairs: Vec<(String, Tensor)> = grads.into_pairs().collect();
         for p in self.model.params().iter().filter(|p| p.trainable) {
             if !pairs.iter().any(|(name, _)| *name == p.name) {
@@ -228,8 +244,8 @@ mod tests {
         config
     }
 
-    /// A GPU entry becomes the rank's own GPU (its capacity kept), the CPU stays; two devices
-    /// and preference pairs are refused by name.
+    /// A GPU entry becomes the rank's own GPU (its capacity kept), the CPU stays; two devices,
+    /// ZeRO-3 and preference pairs are refused by name (ZeRO-2 trains).
     #[test]
     fn a_rank_trains_on_its_local_gpu_and_refuses_what_is_not_wired() {
         let w = world();
@@ -249,6 +265,17 @@ mod tests {
             err.contains("one device per process") && err.contains("cuda:0, cuda:1"),
             "{err}"
         );
+        let mut zero3 = with_devices(&["cpu"]);
+        zero3.devices.strategy = Strategy::Sharded;
+        zero3.devices.shard = ShardMode::Everything;
+        let err = rank_config(zero3, &w).unwrap_err().to_string();
+        assert!(
+            err.contains("ZeRO-2") && err.contains("gradients-and-optimizer"),
+            "{err}"
+        );
+        let mut zero2 = with_devices(&["cuda"]);
+        zero2.devices.strategy = Strategy::Sharded;
+        assert_eq!(rank_config(zero2, &w).unwrap().devices.devices, ["cuda:3"]);
         let mut dpo = with_devices(&["cpu"]);
         dpo.training.method = TrainingMethod::Dpo;
         let err = rank_config(dpo, &w).unwrap_err().to_string();
