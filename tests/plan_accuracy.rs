@@ -98,6 +98,7 @@ fn dry_run_measures_one_step_and_refuses_a_predicted_oom() {
         head_loss: Default::default(),
         reference: Default::default(),
         generations_per_micro_step: None,
+        world: Default::default(),
     };
     let model = CausalLm::random_init(&cfg, 1, DType::F32, &Device::Cpu).unwrap();
     let mut opt = AdamW::new(model.params(), AdamWConfig::default(), false).unwrap();

@@ -86,6 +86,7 @@ pub(crate) fn dictalm_grpo_request(
         },
         reference: Default::default(),
         generations_per_micro_step: None,
+        world: Default::default(),
     }
 }
 

@@ -52,7 +52,7 @@ pub use gpu_catalog::{find_gpu_model, gpu_model_by_size_text, GpuModel, GPU_CATA
 pub use outcome::{DevicePlan, LayerMemory, PeakMoment, PhaseBytes, Plan, StepPhase, Verdict};
 pub use process::{ProcessFootprint, ProcessInputs, ProcessTerm};
 pub use reference::ReferencePlan;
-pub use request::{HeadLoss, LoraSpec, PlanRequest, TrainedTokens};
+pub use request::{HeadLoss, LoraSpec, PlanRequest, TrainedTokens, WorldPlace};
 
 use crate::model::{ModelConfig, OpsMode};
 use std::fmt;

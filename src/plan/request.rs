@@ -85,6 +85,26 @@ pub struct PlanRequest {
     /// generations_per_micro_step`, a divisor of G); `None`, and under any other head, the
     /// whole micro-batch in one pass. See [`Self::rows_per_pass`].
     pub generations_per_micro_step: Option<usize>,
+    /// A launched run's place (torchrun, Slurm): this process's rank and the world's processes,
+    /// each planning its own `devices`. Sharded data parallel divides its state over every
+    /// process's devices; the default is a run in one process.
+    pub world: WorldPlace,
+}
+
+/// Where a launched process stands in its world (`PlanRequest::world`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorldPlace {
+    /// This process's rank.
+    pub rank: usize,
+    /// Processes in the world.
+    pub size: usize,
+}
+
+impl Default for WorldPlace {
+    /// A run in one process.
+    fn default() -> Self {
+        WorldPlace { rank: 0, size: 1 }
+    }
 }
 
 /// What the step's loss holds of the head's output, for the `Head` block of the plan

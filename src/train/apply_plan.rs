@@ -33,6 +33,8 @@ pub fn apply_plan_request(config: &mut RunConfig, req: &PlanRequest) {
         devices: _,
         ops: _,
         process: _,
+        // The launcher's, not a setting.
+        world: _,
         trained_tokens: _,
         // Follows `[training] method`, which no fix changes, and for GRPO the completion
         // length, which `set_seq_len` writes with the sequence length.

@@ -231,13 +231,17 @@ pub enum PlanCheck {
 }
 
 /// Asks [`crate::plan`] whether the run fits its devices ([`check_request`] on this machine's
-/// request, the data tokenized only when the first plan does not fit with headroom).
-pub fn check_plan(config: &RunConfig) -> PlanCheck {
+/// request, the data tokenized only when the first plan does not fit with headroom); a
+/// launched process plans its place in the `world`.
+pub fn check_plan(config: &RunConfig, world: crate::plan::WorldPlace) -> PlanCheck {
     match super::plan_adapter::local_plan_request(config) {
-        Ok(req) => check_request(req, || {
-            // The trainer reports the data's error itself when it loads it.
-            super::samples::trained_tokens(config).ok().flatten()
-        }),
+        Ok(mut req) => {
+            req.world = world;
+            check_request(req, || {
+                // The trainer reports the data's error itself when it loads it.
+                super::samples::trained_tokens(config).ok().flatten()
+            })
+        }
         Err(e) => PlanCheck::Unavailable {
             reason: e.to_string(),
         },

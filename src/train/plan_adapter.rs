@@ -108,6 +108,7 @@ pub fn plan_request(
             .is_grpo()
             .then_some(config.grpo.generations_per_micro_step)
             .flatten(),
+        world: Default::default(),
     }
 }
 

@@ -276,7 +276,14 @@ fn check_memory_plan(config: &RunConfig, options: &TrainerOptions, em: &mut Emit
     em.emit(Event::Status {
         message: "checking the memory plan".into(),
     });
-    match super::memory::check_plan(config) {
+    let world = options
+        .world
+        .as_ref()
+        .map_or_else(Default::default, |w| crate::plan::WorldPlace {
+            rank: w.rank(),
+            size: w.world_size(),
+        });
+    match super::memory::check_plan(config, world) {
         super::memory::PlanCheck::OutOfMemory {
             summary,
             fixes,

@@ -390,6 +390,7 @@ fn planner_state_terms_are_bytes_per_trainable_parameter() {
         head_loss: Default::default(),
         reference: Default::default(),
         generations_per_micro_step: None,
+        world: Default::default(),
     };
     let costs = tunestudio::plan::layer_costs(&req);
     assert_eq!(costs.trainable_parameters, costs.parameters);

@@ -198,6 +198,7 @@ fn bytes_placed_per_logical_device_equal_the_planners() {
             head_loss: Default::default(),
             reference: Default::default(),
             generations_per_micro_step: None,
+            world: Default::default(),
         };
         let the_plan = plan::plan(&req).unwrap();
         let expected = planner_bytes(&the_plan);

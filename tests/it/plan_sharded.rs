@@ -38,6 +38,7 @@ fn founding_case(precision: Precision, strategy: Strategy, devices: &str) -> Pla
         head_loss: Default::default(),
         reference: Default::default(),
         generations_per_micro_step: None,
+        world: Default::default(),
     }
 }
 
@@ -289,5 +290,56 @@ fn everything_divides_the_weights_and_is_proposed_only_where_it_trains() {
             "{:?}",
             p.fixes
         );
+    }
+}
+
+/// A launched run (torchrun over two machines, one 80 GiB GPU each) plans each process's GPU as
+/// its rank of the world: the same divided state as two GPUs in one process (ZeRO-2 in
+/// bf16-mixed: half of the masters, AdamW moments and accumulated gradients), but each
+/// micro-step's whole gradient held until the backward ends (across processes the trainer
+/// reduce-scatters after the backward, not layer by layer). Alone, the one GPU would keep it all.
+#[test]
+fn a_launched_rank_plans_its_share_of_the_world() {
+    let in_process = plan::plan(&founding_case(
+        Precision::Bf16Mixed,
+        Strategy::Sharded,
+        "2x80GiB",
+    ))
+    .unwrap();
+    let alone = plan::plan(&founding_case(
+        Precision::Bf16Mixed,
+        Strategy::Sharded,
+        "80GiB",
+    ))
+    .unwrap();
+    for rank in 0..2 {
+        let mut req = founding_case(Precision::Bf16Mixed, Strategy::Sharded, "80GiB");
+        req.world = tunestudio::plan::WorldPlace { rank, size: 2 };
+        let launched = plan::plan(&req).unwrap();
+        let (mine, same) = (&launched.per_device[0], &in_process.per_device[rank]);
+        println!(
+            "rank {rank}: launched {:.1} GiB at the {:?}, in one process {:.1} GiB at the {:?}, \
+             alone {:.1} GiB",
+            mine.peak_bytes as f64 / GIB,
+            mine.peak_phase,
+            same.peak_bytes as f64 / GIB,
+            same.peak_phase,
+            alone.per_device[0].peak_bytes as f64 / GIB
+        );
+        assert_eq!(
+            mine.update_state_bytes, same.update_state_bytes,
+            "rank {rank}"
+        );
+        assert_eq!(mine.optimizer_states_bytes, same.optimizer_states_bytes);
+        assert_eq!(
+            2 * mine.optimizer_states_bytes,
+            alone.per_device[0].optimizer_states_bytes
+        );
+        // The whole gradient of a micro-step, not one layer's, during the backward.
+        assert!(
+            mine.peak_bytes > same.peak_bytes + (10.0 * GIB) as u64,
+            "rank {rank}"
+        );
+        assert!(mine.fits, "rank {rank}");
     }
 }

@@ -40,6 +40,7 @@ fn dictalm_request() -> PlanRequest {
         head_loss: Default::default(),
         reference: Default::default(),
         generations_per_micro_step: None,
+        world: Default::default(),
     }
 }
 
@@ -587,6 +588,7 @@ fn the_verdict_names_the_largest_moment_of_the_process() {
         head_loss: Default::default(),
         reference: Default::default(),
         generations_per_micro_step: None,
+        world: Default::default(),
     };
     let p = plan::plan(&req).unwrap();
     let d = &p.per_device[0];

@@ -150,6 +150,7 @@ pub fn request(cfg: &ModelConfig, c: &Case) -> PlanRequest {
         head_loss: Default::default(),
         reference: Default::default(),
         generations_per_micro_step: None,
+        world: Default::default(),
     }
 }
 

@@ -51,15 +51,21 @@ pub(crate) struct RankShare {
     pub ranks: u64,
     /// What is divided.
     pub mode: ShardMode,
+    /// The ranks are in several processes (a launched run): their gradients are
+    /// reduce-scattered after the backward, not layer by layer.
+    pub across_processes: bool,
 }
 
 impl RankShare {
     /// Device `d`'s share under `req` (`None` unless the strategy is sharded).
     pub fn of(req: &PlanRequest, d: usize) -> Option<RankShare> {
+        // A launched run's processes each hold `devices`, in rank order.
+        let local = req.devices.len().max(1);
         (req.strategy == Strategy::Sharded).then(|| RankShare {
-            rank: d as u64,
-            ranks: req.devices.len().max(1) as u64,
+            rank: (req.world.rank * local + d) as u64,
+            ranks: (local * req.world.size.max(1)) as u64,
             mode: req.shard,
+            across_processes: req.world.size > 1,
         })
     }
 
@@ -137,7 +143,10 @@ impl RankShare {
     /// streams every gradient that leaves candle's graph through the side table, which
     /// checkpointed and gathered (ZeRO-3) layers' do on any device, and native CPU layers' do.
     pub fn streams_layer_gradients(&self, dims: &StepDims) -> bool {
+        // Across processes every rank would have to reach each layer's collective in the same
+        // order, which a rank without rows does not: the trainer folds after the backward.
         self.ranks > 1
+            && !self.across_processes
             && (dims.checkpointing
                 || (dims.native_layers && dims.quantize == crate::settings::Quantization::None))
     }

@@ -63,6 +63,7 @@ fn fewer_generations_per_pass_plan_a_smaller_peak() {
     let whole = long_completions();
     let per_pass = |n| PlanRequest {
         generations_per_micro_step: Some(n),
+        world: Default::default(),
         ..whole.clone()
     };
     let (g16, g8, g4) = (

@@ -88,6 +88,7 @@ mod tests {
             head_loss: Default::default(),
             reference: Default::default(),
             generations_per_micro_step: None,
+            world: Default::default(),
         }
     }
 
