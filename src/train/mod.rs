@@ -66,5 +66,7 @@ pub use plan_adapter::{
 pub use precision::{LossScaler, Precision, UnknownPrecision};
 pub use render::{dispatch, EventRenderer};
 pub use schedule::{LrSchedule, ScheduleKind};
-pub use step::{last_rollouts, EvalResult, StepGradients, StepOutcome, TrainingRun};
+pub use step::{
+    last_rollouts, launched_training, EvalResult, StepGradients, StepOutcome, TrainingRun,
+};
 pub use trainer::{Trainer, TrainerHandle, TrainerOptions, Waker};

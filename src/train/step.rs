@@ -43,6 +43,7 @@ mod world;
 pub use accumulate_grpo::{last_prompts, last_rollouts};
 pub use build::build_model;
 pub(crate) use run::panic_message;
+pub use world::launched_training;
 
 /// Stream id of LoRA initialisation.
 const LORA_STREAM: u64 = 2;

@@ -351,7 +351,7 @@ fn run_config(ui: &mut Ui, ep: &mut ExportPanel, s: &mut Session, actions: &mut 
                 ));
             }
         });
-        launch_lines(ui, ep);
+        launch_lines(ui, ep, &s.config);
         // The paths as written: making them absolute looks at the disk, which Save does in
         // its job.
         egui::CollapsingHeader::new("TOML").show(ui, |ui| {
@@ -367,7 +367,7 @@ fn run_config(ui: &mut Ui, ep: &mut ExportPanel, s: &mut Session, actions: &mut 
 
 /// The `torchrun` line and the Slurm script that start this run config over machines × GPUs
 /// (`devices::launch::LaunchShape`), each with a copy button.
-fn launch_lines(ui: &mut Ui, ep: &mut ExportPanel) {
+fn launch_lines(ui: &mut Ui, ep: &mut ExportPanel, config: &tunestudio::train::RunConfig) {
     egui::CollapsingHeader::new("Launch on several machines (torchrun, Slurm)").show(ui, |ui| {
         ui.horizontal(|ui| {
             ui.label("Machines");
@@ -389,6 +389,17 @@ fn launch_lines(ui: &mut Ui, ep: &mut ExportPanel) {
                 shape.world_size()
             ),
         );
+        // What the launched ranks will do with this config, or why they would refuse it: the
+        // check each rank makes before it trains.
+        match tunestudio::train::launched_training(config, shape.world_size()) {
+            Ok(how) => theme::note(ui, &format!("The ranks train {how}.")),
+            Err(e) => {
+                ui.colored_label(
+                    ui.visuals().warn_fg_color,
+                    format!("Launched like this, every rank stops before training: {e}"),
+                );
+            }
+        }
         for (what, text) in [
             ("On each machine (torchrun)", shape.torchrun()),
             ("Or as a Slurm job (sbatch)", shape.sbatch()),

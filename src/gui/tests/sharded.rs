@@ -118,7 +118,8 @@ fn the_studio_plans_sharded_data_parallel_per_rank() {
 }
 
 /// Export → "Launch on several machines": the torchrun line and the Slurm script for the
-/// machines × GPUs chosen, training the run config the panel saves.
+/// machines × GPUs chosen, training the run config the panel saves, and what the launched ranks
+/// will do with it (data parallel, ZeRO-2, or the refusal each rank would stop with).
 #[test]
 fn the_export_panel_prints_the_launch_for_the_machines_chosen() {
     use crate::gui::session::Panel;
@@ -154,5 +155,27 @@ fn the_export_panel_prints_the_launch_for_the_machines_chosen() {
         .is_some());
     assert!(h
         .query_by_label_contains("12 ranks, one process per GPU")
+        .is_some());
+    // What the ranks will do with the session's config: the demo's single device trains data
+    // parallel; sharded, ZeRO-2 over the 12 ranks; ZeRO-3 is refused by name, as every rank
+    // would refuse it.
+    assert!(h
+        .query_by_label_contains("The ranks train data parallel over 12 ranks")
+        .is_some());
+    {
+        let config = &mut h.state_mut().session.config;
+        config.devices.strategy = tunestudio::settings::Strategy::Sharded;
+    }
+    h.run_steps(4);
+    assert!(h
+        .query_by_label_contains("The ranks train sharded data parallel (ZeRO-2) over 12 ranks")
+        .is_some());
+    h.state_mut().session.config.devices.shard = tunestudio::settings::ShardMode::Everything;
+    h.run_steps(4);
+    assert!(h
+        .query_by_label_contains("every rank stops before training")
+        .is_some());
+    assert!(h
+        .query_by_label_contains("(ZeRO-2) but not the weights yet")
         .is_some());
 }

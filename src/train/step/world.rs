@@ -19,17 +19,15 @@ use super::super::config::RunConfig;
 use super::super::error::{step_error, Phase, TrainError};
 use super::{Accumulated, TrainingRun};
 
-/// The run config one rank of a launched world trains with, or why that run cannot be
-/// trained across processes yet. A `[devices]` GPU entry becomes the rank's own GPU,
-/// `cuda:LOCAL_RANK`, as torchrun's convention is; the CPU stays the CPU.
-pub(super) fn rank_config(
-    mut config: RunConfig,
-    world: &ProcessGroup,
-) -> Result<RunConfig, TrainError> {
+/// How a launched world of `world_size` processes trains `config` (data parallel, or ZeRO-2
+/// across the processes), or why it cannot be trained across processes yet (the error's
+/// message names the setting and the fix). What `tunestudio train` under torchrun or Slurm
+/// checks first, and what the studio's Export panel shows beside the launch lines.
+pub fn launched_training(config: &RunConfig, world_size: usize) -> Result<String, TrainError> {
     let refuse = |message: String| Err(TrainError::Placement { message });
-    let w = world.world_size();
-    if config.devices.strategy == Strategy::Sharded && config.devices.shard == ShardMode::Everything
-    {
+    let w = world_size;
+    let sharded = config.devices.strategy == Strategy::Sharded;
+    if sharded && config.devices.shard == ShardMode::Everything {
         return refuse(format!(
             "a launched run of {w} processes shards gradients and optimizer state (ZeRO-2) but \
              not the weights yet: set `[devices] shard = \"gradients-and-optimizer\"`, or train \
@@ -55,6 +53,31 @@ pub(super) fn rank_config(
             config.devices.strategy
         ));
     }
+    Ok(if sharded {
+        format!(
+            "sharded data parallel (ZeRO-2) over {w} ranks: each process keeps 1/{w} of every \
+             trained tensor's gradients and AdamW state, and rank 0's checkpoints gather them"
+        )
+    } else {
+        format!(
+            "data parallel over {w} ranks: every process keeps the whole model and AdamW state{}",
+            if config.devices.strategy == Strategy::DataParallel {
+                ""
+            } else {
+                " (strategy = \"sharded\" would divide the state)"
+            }
+        )
+    })
+}
+
+/// The run config one rank of a launched world trains with, or why that run cannot be
+/// trained across processes yet ([`launched_training`]). A `[devices]` GPU entry becomes the
+/// rank's own GPU, `cuda:LOCAL_RANK`, as torchrun's convention is; the CPU stays the CPU.
+pub(super) fn rank_config(
+    mut config: RunConfig,
+    world: &ProcessGroup,
+) -> Result<RunConfig, TrainError> {
+    launched_training(&config, world.world_size())?;
     if let Some(first) = config.devices.devices.first_mut() {
         let name = first.split('=').next().unwrap_or(first).trim();
         if name == "cuda" || name.starts_with("cuda:") {
