@@ -610,9 +610,9 @@ run_step parity-bf16 25 step_parity_bf16
 run_step memory-plan 90 step_memory_plan
 run_step layer-split 35 step_layer_split
 run_step data-parallel 30 step_data_parallel
-run_step sharded 20 step_sharded
+run_step sharded 30 step_sharded
 run_step nccl-one-rank 15 step_nccl_one_rank
-run_step launcher 15 step_launcher
+run_step launcher 25 step_launcher
 run_step resume 20 step_resume
 run_step optimizer-offload 25 step_optimizer_offload
 run_step out-of-memory 60 step_out_of_memory
