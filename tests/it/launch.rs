@@ -272,7 +272,7 @@ fn two_processes_train_as_one_with_twice_the_rows() {
 
 /// Three rows, one per rank per micro-step, no accumulation: step 2's micro-step is one row,
 /// so rank 1 has no row and no gradient. It still takes part in the step's sum (with zeros),
-/// and the run is the one process's.
+/// and the run is the one process's, data parallel and sharded.
 #[test]
 fn a_rank_without_rows_still_takes_part_in_the_step() {
     let tmp = tempfile::tempdir().unwrap();
@@ -293,6 +293,24 @@ fn a_rank_without_rows_still_takes_part_in_the_step() {
     let (world, worst) = world_of_two_and_one_process(tmp.path());
     assert_eq!(world.len(), 2);
     assert!(worst <= 1e-6, "worst relative difference {worst:e}");
+
+    // Sharded (ZeRO-2): the rank without rows still gives every tensor to the reduce-scatter
+    // (zeros) and steps its ranges with the others' sums.
+    let sharded = |cfg: &mut tunestudio::train::RunConfig| {
+        edit(cfg);
+        cfg.devices.strategy = tunestudio::settings::Strategy::Sharded;
+    };
+    let dir = tmp.path().join("sharded");
+    std::fs::create_dir_all(&dir).unwrap();
+    small_config(&dir, "rank0", 1, 2, sharded);
+    small_config(&dir, "rank1", 1, 2, sharded);
+    small_config(&dir, "single", 2, 2, edit);
+    let (world, worst) = world_of_two_and_one_process(&dir);
+    assert_eq!(world.len(), 2);
+    assert!(
+        worst <= 1e-6,
+        "sharded: worst relative difference {worst:e}"
+    );
 }
 
 /// A world of two resumes from rank 0's checkpoint of step 2 (every rank reads the same
