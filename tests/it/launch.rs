@@ -466,3 +466,67 @@ fn two_sharded_processes_train_as_one_and_one_process_resumes_them() {
         );
     }
 }
+
+/// DPO across two `tunestudio train` processes (full fine-tuning, each with its frozen
+/// reference copy; data parallel, then ZeRO-2): each takes its global rank's pairs of every
+/// micro-step, the pairs and the rewards are summed over the processes, and the run is one
+/// process's with twice the pairs, losses and gradient norms within 1e-6.
+#[test]
+fn two_processes_train_dpo_as_one() {
+    use tunestudio::settings::Strategy;
+    let tmp = tempfile::tempdir().unwrap();
+    for strategy in [Strategy::DataParallel, Strategy::Sharded] {
+        let dir = tmp.path().join(strategy.to_string());
+        let write = |name: &str, micro_batch: usize, strategy: Strategy| {
+            let mut c = super::preference_train::multi_device_config(
+                &dir.join(format!("{name}-data")),
+                false,
+                micro_batch,
+                &["cpu"],
+                strategy,
+            );
+            c.training.max_steps = Some(3);
+            c.output_dir = dir.join(name);
+            c.with_absolute_paths()
+                .save(&dir.join(format!("{name}.toml")))
+                .unwrap();
+        };
+        write("rank0", 1, strategy);
+        write("rank1", 1, strategy);
+        write("single", 2, Strategy::Single);
+        let (world, worst) = world_of_two_and_one_process(&dir);
+        assert_eq!(world.len(), 3);
+        assert!(
+            worst <= 1e-6,
+            "{strategy}: worst relative difference {worst:e}"
+        );
+        // Rank 0's logged TRL metrics are every process's pairs', as the one process logs them.
+        let metrics = |out: &std::path::Path| -> Vec<std::collections::BTreeMap<String, f64>> {
+            tunestudio::train::read_metrics(out)
+                .unwrap()
+                .into_iter()
+                .filter_map(|e| match e {
+                    tunestudio::train::Event::Step { metrics, .. } => Some(metrics),
+                    _ => None,
+                })
+                .collect()
+        };
+        let (got, want) = (metrics(&dir.join("rank0")), metrics(&dir.join("single")));
+        assert_eq!(got.len(), want.len());
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(
+                g.keys().collect::<Vec<_>>(),
+                w.keys().collect::<Vec<_>>(),
+                "{strategy}"
+            );
+            assert!(w.contains_key("rewards/accuracies"), "{w:?}");
+            for (key, wv) in w {
+                let gv = g[key];
+                assert!(
+                    (gv - wv).abs() <= 1e-5 * wv.abs().max(1.0),
+                    "{strategy} {key}: {gv} against one process's {wv}"
+                );
+            }
+        }
+    }
+}

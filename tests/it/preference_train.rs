@@ -535,7 +535,7 @@ fn the_copy_reference_is_the_frozen_start_under_full_fine_tuning() {
 /// DPO on 12 pairs of `dpo_en_demo.json` (tiny-llama, short cuts), accumulation 2, 4 steps, on
 /// `devices` under `strategy`: LoRA with the adapters-disabled reference, or full fine-tuning
 /// with the frozen copy.
-fn multi_device_config(
+pub(super) fn multi_device_config(
     dir: &Path,
     lora: bool,
     micro_batch: usize,

@@ -169,6 +169,7 @@ impl TrainingRun {
     /// reference (its adapters switched off, or its frozen copy); the per-rank gradients of the
     /// loss sums are all-reduced once per step, as for SFT, so dividing by the step's pairs
     /// gives the one-device gradient. A layer split runs through the model's stages as SFT.
+    /// A launched run's processes each take their global rank's pairs, as for SFT rows.
     pub(super) fn accumulate_pairs(
         &mut self,
         pairs: &PairRun,
@@ -178,11 +179,13 @@ impl TrainingRun {
         let step = self.step + 1;
         let settings = self.settings_summary();
         let ranks = self.placement.ranks();
+        // The step's pairs over every process (what the loss is divided by); a launched
+        // process trains its global rank's share of each micro-step.
         let step_pairs: usize = micro_batches.iter().map(Vec::len).sum();
         let mut acc = Accumulated::new(backward_factor(loss_scale, step_pairs));
         self.set_dropout_seed();
         let mut per_rank: Vec<Gradients> = vec![Gradients::new(); ranks];
-        for (i, rows) in micro_batches.iter().enumerate() {
+        for (i, rows) in self.world_rows(micro_batches).iter().enumerate() {
             let shards = self
                 .pair_shards(pairs, rows)
                 .map_err(|e| step_error(Phase::Forward, step, (2 * rows.len(), 0), e, &settings))?;

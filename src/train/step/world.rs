@@ -12,6 +12,7 @@ use candle_core::{Device, Tensor};
 
 use crate::devices::parallel::process_group::ProcessGroup;
 use crate::devices::GradientReducer;
+use crate::model::preference::PreferenceMetrics;
 use crate::model::Gradients;
 use crate::settings::{ShardMode, Strategy};
 
@@ -34,10 +35,10 @@ pub fn launched_training(config: &RunConfig, world_size: usize) -> Result<String
              ZeRO-3 over the devices of one process"
         ));
     }
-    if config.training.method.is_preference() || config.training.method.is_grpo() {
+    if config.training.method.is_grpo() {
         return refuse(format!(
-            "a launched run of {w} processes trains SFT only for now: preference pairs and GRPO \
-             shard by their own items, which the ranks do not split yet; train \
+            "a launched run of {w} processes trains SFT and preference pairs, not GRPO yet: its \
+             rollouts are sampled once per block and shared by the ranks of one process; train \
              `method = \"{}\"` in one process (strategy = \"data-parallel\" over its devices)",
             config.training.method.name()
         ));
@@ -178,6 +179,10 @@ impl TrainingRun {
             acc.tokens = tokens as u64;
             acc.label_tokens = label_tokens as u64;
         }
+        if self.config.training.method.is_preference() {
+            // Every process's pairs in the logged rewards and accuracies, as one process's.
+            acc.preference = merge_across_processes(world, acc.preference).map_err(fail)?;
+        }
         Ok(())
     }
 
@@ -239,6 +244,54 @@ impl TrainingRun {
     }
 }
 
+/// A preference step's metrics over every process: each field's pair-weighted sum, divided by
+/// the pairs of all processes (a process without pairs gives zeros); `None` when no process
+/// had a pair.
+fn merge_across_processes(
+    world: &ProcessGroup,
+    mine: Option<PreferenceMetrics>,
+) -> Result<Option<PreferenceMetrics>, crate::devices::DevicesError> {
+    let m = mine.unwrap_or_default();
+    let w = m.pairs as f64;
+    let optional = |x: Option<f64>| [w * x.unwrap_or(0.0), if x.is_some() { w } else { 0.0 }];
+    let mut values = vec![
+        w,
+        w * m.loss,
+        w * m.rewards_chosen,
+        w * m.rewards_rejected,
+        w * m.rewards_accuracies,
+        w * m.rewards_margins,
+        w * m.logps_chosen,
+        w * m.logps_rejected,
+    ];
+    for x in [m.log_odds_ratio, m.log_odds_chosen, m.nll_loss] {
+        values.extend(optional(x));
+    }
+    let sums = world.all_reduce_f64("step's preference metrics", &values)?;
+    let pairs = sums.first().copied().unwrap_or(0.0);
+    if pairs <= 0.0 {
+        return Ok(None);
+    }
+    let mean = |i: usize| sums.get(i).copied().unwrap_or(0.0) / pairs;
+    let optional = |i: usize| {
+        let weight = sums.get(i + 1).copied().unwrap_or(0.0);
+        (weight > 0.0).then(|| sums.get(i).copied().unwrap_or(0.0) / weight)
+    };
+    Ok(Some(PreferenceMetrics {
+        pairs: pairs.round() as usize,
+        loss: mean(1),
+        rewards_chosen: mean(2),
+        rewards_rejected: mean(3),
+        rewards_accuracies: mean(4),
+        rewards_margins: mean(5),
+        logps_chosen: mean(6),
+        logps_rejected: mean(7),
+        log_odds_ratio: optional(8),
+        log_odds_chosen: optional(10),
+        nll_loss: optional(12),
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -268,7 +321,7 @@ mod tests {
     }
 
     /// A GPU entry becomes the rank's own GPU (its capacity kept), the CPU stays; two devices,
-    /// ZeRO-3 and preference pairs are refused by name (ZeRO-2 trains).
+    /// ZeRO-3 and GRPO are refused by name (ZeRO-2 and DPO train).
     #[test]
     fn a_rank_trains_on_its_local_gpu_and_refuses_what_is_not_wired() {
         let w = world();
@@ -301,7 +354,13 @@ mod tests {
         assert_eq!(rank_config(zero2, &w).unwrap().devices.devices, ["cuda:3"]);
         let mut dpo = with_devices(&["cpu"]);
         dpo.training.method = TrainingMethod::Dpo;
-        let err = rank_config(dpo, &w).unwrap_err().to_string();
-        assert!(err.contains("SFT only") && err.contains("\"dpo\""), "{err}");
+        assert!(rank_config(dpo, &w).is_ok());
+        let mut grpo = with_devices(&["cpu"]);
+        grpo.training.method = TrainingMethod::Grpo;
+        let err = rank_config(grpo, &w).unwrap_err().to_string();
+        assert!(
+            err.contains("not GRPO") && err.contains("\"grpo\""),
+            "{err}"
+        );
     }
 }
