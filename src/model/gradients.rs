@@ -53,6 +53,17 @@ impl Gradients {
         self.map.get(name)
     }
 
+    /// Adds `grad` into the gradient of `name` (a running sum: a collective's incoming range);
+    /// inserts it when there is none yet.
+    pub fn add(&mut self, name: &str, grad: Tensor) -> candle_core::Result<()> {
+        let sum = match self.remove(name) {
+            Some(prev) => (prev + grad)?,
+            None => grad,
+        };
+        self.insert(name, sum);
+        Ok(())
+    }
+
     /// Adds `other` into `self` name by name (gradient accumulation over micro-batches);
     /// names new to `self` are inserted.
     pub fn accumulate(&mut self, other: Gradients) -> Result<(), ModelError> {

@@ -391,11 +391,7 @@ impl GradientReducer for NcclReducer {
                 } else {
                     got
                 };
-                let sum = match sums[r].remove(&t.name) {
-                    Some(prev) => (prev + mine)?,
-                    None => mine,
-                };
-                sums[r].insert(&t.name, sum);
+                sums[r].add(&t.name, mine)?;
             }
         }
         Ok(())

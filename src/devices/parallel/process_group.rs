@@ -310,11 +310,7 @@ impl GradientReducer for ProcessGroup {
             let [summed] = tensors;
             let mine = Tensor::from_slice(&summed.values[range.clone()], range.len(), device)?
                 .to_dtype(dtype)?;
-            let sum = match sums.remove(&t.name) {
-                Some(prev) => (prev + mine)?,
-                None => mine,
-            };
-            sums.insert(&t.name, sum);
+            sums.add(&t.name, mine)?;
         }
         Ok(())
     }

@@ -101,7 +101,7 @@ impl ShardLayout {
 }
 
 /// The homes of `devices`, by rank.
-fn homes(devices: &[Device]) -> Vec<Home> {
+pub fn homes(devices: &[Device]) -> Vec<Home> {
     devices
         .iter()
         .enumerate()

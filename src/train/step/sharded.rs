@@ -400,15 +400,7 @@ impl ShardedOptimizer {
             })?;
         let host = Home::single(&Device::Cpu);
         let across_processes = self.ranks.len() < self.layout.ranks();
-        let homes: Vec<Home> = self
-            .devices
-            .iter()
-            .enumerate()
-            .map(|(index, device)| Home {
-                index,
-                device: device.clone(),
-            })
-            .collect();
+        let homes = crate::devices::parallel::shards::homes(&self.devices);
         let mut whole = HashMap::new();
         for t in self.layout.tensors() {
             for prefix in STATE_PREFIXES {
