@@ -135,17 +135,12 @@ pub trait GradientReducer {
         outputs: &[Device],
     ) -> Result<Vec<Gradients>, DevicesError>;
 
-    /// The global ranks this process drives, of `world` (a sharded layout's ranks): every one
-    /// for the host, which runs them all; one rank for a launched process. The sharded
-    /// collectives' per-rank arguments are these ranks', in order.
-    fn local_ranks(&self, world: usize) -> std::ops::Range<usize> {
-        0..world
-    }
-
     /// Sharded data parallel's reduce-scatter: `per_rank[k]` holds rank k's gradients (whole,
     /// on its device); rank r's running sums `sums[r]` (its ranges, flat, on `outputs[r]`) gain
     /// the sum over the ranks of each tensor's range r. The host's: tensor by tensor, through
-    /// each receiving rank's device ([`shards::host_reduce_scatter_into`]).
+    /// each receiving rank's device ([`shards::host_reduce_scatter_into`]). A reducer that
+    /// drives only some of the layout's ranks (a launched process: its own; NCCL: its
+    /// communicators') takes and fills theirs, in rank order.
     fn reduce_scatter_into(
         &self,
         per_rank: Vec<Gradients>,

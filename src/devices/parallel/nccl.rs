@@ -436,10 +436,6 @@ impl GradientReducer for NcclReducer {
         false
     }
 
-    fn local_ranks(&self, _world: usize) -> std::ops::Range<usize> {
-        self.first_rank..self.first_rank + self.comm_count()
-    }
-
     fn name(&self) -> &'static str {
         "nccl"
     }

@@ -260,10 +260,6 @@ impl GradientReducer for ProcessGroup {
         Ok(vec![sum])
     }
 
-    fn local_ranks(&self, _world: usize) -> std::ops::Range<usize> {
-        self.rank..self.rank + 1
-    }
-
     /// Sharded data parallel across processes, tensor by tensor in model order: the whole
     /// gradient summed over the processes (rank 0 gathers and sums in rank order, as the
     /// all-reduce does), of which this rank keeps its range. The TCP group has no cheaper
